@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Installs tomerge and its dependencies into the current Python environment.
+# A torch that is already installed (a CUDA build, say) is kept: the project is installed
+# under a constraint pinning that exact version, so no dependency can swap it.
+# With no torch, the CPU-machine pair torch==2.14.1 / torchvision==0.29.1 is installed first.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+if ! "$PY" -c "import torch, torchvision" >/dev/null 2>&1; then
+    "$PY" -m pip install -q "torch==2.14.1" "torchvision==0.29.1"
+fi
+constraints=$(mktemp)
+trap 'rm -f "$constraints"' EXIT
+"$PY" - >"$constraints" <<'PYEOF'
+import importlib.metadata as m
+for name in ("torch", "torchvision"):
+    print(f"{name}=={m.version(name)}")
+PYEOF
+# Skip the install when this exact checkout is already installed with its test extras.
+stamp=".tomerge-installed"
+want="$(cat setup.cfg pyproject.toml "$constraints" | sha1sum | cut -d' ' -f1) $(pwd)"
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ] || ! "$PY" -c "import tomerge, tomesd" >/dev/null 2>&1; then
+    "$PY" -m pip install -q -c "$constraints" -e ".[test]"
+    echo "$want" >"$stamp"
+fi

@@ -1,0 +1,318 @@
+"""`MergePlan`: the one object every strategy returns.
+
+A plan says how the ``N`` image tokens of a block map onto ``M <= N`` slots, and runs the merge
+(``[B, N, C] -> [B, M, C]``) and the unmerge (``[B, M, C'] -> [B, N, C']``). It has two forms:
+
+* **hard**: ``assign [B, N]`` gives the slot of every token; a slot holds the plain mean of its
+  tokens and unmerging copies the slot back to all of them. It runs as index operations
+  (gather / scatter-add) or as batched matmuls with the equivalent dense matrices; both give the
+  same result to rounding.
+* **soft**: a merge matrix ``W`` (rows sum to 1) and an unmerge matrix ``U``, applied with matmuls.
+  They may be *tiled* (block diagonal): tokens are split into ``T`` groups of ``s`` and slots into
+  ``T`` groups of ``d``, so ``W`` is ``[B, T, d, s]`` and costs ``B*M*s*C`` instead of ``B*M*N*C``.
+
+Every plan also knows ``dst [B, M]``, the token position that represents each slot (a merged token
+takes its destination's positional encoding), ``sizes [B, M]`` and ``num_removed``.
+
+Example:
+    >>> import torch
+    >>> assign = torch.tensor([[0, 0, 1, 2]])          # tokens 0 and 1 share slot 0
+    >>> plan = MergePlan.hard(assign, dst=torch.tensor([[0, 2, 3]]))
+    >>> x = torch.arange(8.0).view(1, 4, 2)
+    >>> plan.merge(x).tolist()
+    [[[1.0, 2.0], [4.0, 5.0], [6.0, 7.0]]]
+    >>> plan.unmerge(plan.merge(x)).shape
+    torch.Size([1, 4, 2])
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+Backend = Literal["index", "dense", "auto"]
+BACKENDS = ("index", "dense", "auto")
+
+
+@dataclass(frozen=True, eq=False)
+class MergePlan:
+    """A merge of ``num_tokens`` tokens onto ``num_slots`` slots (see the module docstring).
+
+    Build one with :meth:`hard`, :meth:`soft`, :meth:`from_matching` or :meth:`identity` rather than
+    with the constructor.
+    """
+
+    num_tokens: int
+    num_slots: int
+    dst: Tensor  # [B, M] long: token position representing each slot
+    assign: Tensor | None = None  # [B, N] long (hard plans)
+    merge_weights: Tensor | None = None  # [B, T, d, s] (soft plans)
+    unmerge_weights: Tensor | None = None  # [B, T, s, d] (soft plans)
+    tile_tokens: Tensor | None = None  # [T, s] long token positions per tile, N marks padding
+    backend: Backend = "auto"
+
+    # ------------------------------------------------------------------ constructors
+    @classmethod
+    def identity(cls, batch: int, num_tokens: int, device: torch.device | str = "cpu") -> MergePlan:
+        """The plan that merges nothing: ``merge`` and ``unmerge`` return their input object."""
+        positions = torch.arange(num_tokens, device=device).expand(batch, num_tokens)  # [B, N]
+        return cls(num_tokens, num_tokens, dst=positions)
+
+    @classmethod
+    def hard(cls, assign: Tensor, dst: Tensor, backend: Backend = "auto") -> MergePlan:
+        """A hard plan from ``assign [B, N]`` (slot per token) and ``dst [B, M]`` (token per slot).
+
+        Every slot must be used; ``assign[b, dst[b, m]] == m`` is expected (the representative
+        token belongs to its own slot).
+        """
+        if assign.dim() != 2 or dst.dim() != 2 or assign.shape[0] != dst.shape[0]:
+            raise ValueError(
+                f"hard plan wants assign [B, N] and dst [B, M]; got {tuple(assign.shape)} and {tuple(dst.shape)}"
+            )
+        _check_backend(backend)
+        return cls(assign.shape[1], dst.shape[1], dst=dst, assign=assign, backend=backend)
+
+    @classmethod
+    def soft(
+        cls,
+        merge_weights: Tensor,
+        unmerge_weights: Tensor,
+        dst: Tensor,
+        num_tokens: int,
+        tile_tokens: Tensor | None = None,
+    ) -> MergePlan:
+        """A soft plan from dense matrices.
+
+        Args:
+            merge_weights: ``W``, ``[B, M, N]`` (global) or ``[B, T, d, s]`` (tiled); rows sum to 1.
+            unmerge_weights: ``U``, ``[B, N, M]`` or ``[B, T, s, d]``.
+            dst: ``[B, M]`` token positions of the destinations, slot ``m = t * d + j`` when tiled.
+            num_tokens: ``N``.
+            tile_tokens: ``[T, s]`` token position of every tile member (``N`` marks padding);
+                required for tiled matrices.
+        """
+        if merge_weights.dim() == 3:  # global: one tile holding every token in raster order
+            merge_weights = merge_weights.unsqueeze(1)  # [B, 1, M, N]
+            unmerge_weights = unmerge_weights.unsqueeze(1)  # [B, 1, N, M]
+            if tile_tokens is not None:
+                raise ValueError("tile_tokens is only for tiled [B, T, d, s] matrices")
+        elif tile_tokens is None:
+            raise ValueError("tiled merge weights [B, T, d, s] need tile_tokens [T, s]")
+        B, T, d, s = merge_weights.shape
+        if unmerge_weights.shape != (B, T, s, d):
+            raise ValueError(
+                f"unmerge weights must be {(B, T, s, d)} to match merge weights {tuple(merge_weights.shape)}, "
+                f"got {tuple(unmerge_weights.shape)}"
+            )
+        if dst.shape != (B, T * d):
+            raise ValueError(f"dst must be {(B, T * d)}, got {tuple(dst.shape)}")
+        return cls(num_tokens, T * d, dst=dst, merge_weights=merge_weights,
+                   unmerge_weights=unmerge_weights, tile_tokens=tile_tokens, backend="dense")
+
+    @classmethod
+    def from_matching(
+        cls, dst: Tensor, unmerged: Tensor, merged: Tensor, merged_into: Tensor, num_tokens: int,
+        backend: Backend = "auto",
+    ) -> MergePlan:
+        """A hard plan from a bipartite matching.
+
+        Slots are ordered ``[destinations..., unmerged sources...]``.
+
+        Args:
+            dst: ``[B, D]`` positions of the destination tokens.
+            unmerged: ``[B, U]`` positions of sources that keep their own slot.
+            merged: ``[B, r]`` positions of sources merged away.
+            merged_into: ``[B, r]`` index into ``dst`` (``0..D-1``) of each merged source's target.
+            num_tokens: ``N = D + U + r``.
+        """
+        B, D = dst.shape
+        if D + unmerged.shape[1] + merged.shape[1] != num_tokens:
+            raise ValueError(
+                f"matching covers {D}+{unmerged.shape[1]}+{merged.shape[1]} tokens, expected {num_tokens}"
+            )
+        slots = torch.cat([dst, unmerged], dim=1)  # [B, M]
+        slot_ids = torch.arange(slots.shape[1], device=dst.device).expand(B, -1)
+        assign = torch.empty(B, num_tokens, dtype=torch.long, device=dst.device)
+        assign.scatter_(1, slots, slot_ids)
+        assign.scatter_(1, merged, merged_into)
+        return cls.hard(assign, slots, backend=backend)
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def is_identity(self) -> bool:
+        return self.assign is None and self.merge_weights is None
+
+    @property
+    def is_soft(self) -> bool:
+        return self.merge_weights is not None
+
+    @property
+    def num_removed(self) -> int:
+        """``r = N - M``: how many tokens the merge removes."""
+        return self.num_tokens - self.num_slots
+
+    @property
+    def batch_size(self) -> int:
+        return self.dst.shape[0]
+
+    @property
+    def slot_of_token(self) -> Tensor:
+        """``[B, N]`` slot of every token (for soft plans: the slot with the largest unmerge weight)."""
+        if self.is_identity:
+            return self.dst
+        if self.assign is not None:
+            return self.assign
+        B, T, s, d = self.unmerge_weights.shape
+        local = self.unmerge_weights.argmax(-1)  # [B, T, s], slot inside the tile
+        slots = local + torch.arange(T, device=local.device).view(1, T, 1) * d  # [B, T, s]
+        return self._untile(slots.unsqueeze(-1)).squeeze(-1)  # [B, N]
+
+    @property
+    def sizes(self) -> Tensor:
+        """``[B, M]`` tokens per slot (for soft plans: the summed unmerge weight of each slot)."""
+        if not self.is_soft:
+            assign = self.slot_of_token
+            counts = torch.zeros(self.batch_size, self.num_slots, device=self.dst.device)
+            return counts.scatter_add_(1, assign, torch.ones_like(assign, dtype=counts.dtype))
+        B, T, s, d = self.unmerge_weights.shape
+        return self.unmerge_weights.float().sum(2).reshape(B, T * d)
+
+    # ------------------------------------------------------------------ execution
+    def merge(self, x: Tensor) -> Tensor:
+        """``[B, N, C] -> [B, M, C]``: each slot becomes the (weighted) mean of its tokens."""
+        x = self._check_input(x, self.num_tokens, "merge")
+        if self.is_identity:
+            return x
+        if self.is_soft:
+            xt = self._tile(x)  # [B, T, s, C]
+            y = self.merge_weights.to(x.dtype) @ xt  # [B, T, d, C]
+            return y.flatten(1, 2)  # [B, M, C]
+        if self._use_dense(x):
+            W, _ = self._hard_dense(x.dtype)
+            return W @ x
+        B, N, C = x.shape
+        index = self._batched(self.assign, B).unsqueeze(-1).expand(B, N, C)  # [B, N, C]
+        summed = x.new_zeros(B, self.num_slots, C).scatter_add_(1, index, x)  # [B, M, C]
+        return summed * self._inverse_sizes(B, x.dtype)
+
+    def unmerge(self, y: Tensor) -> Tensor:
+        """``[B, M, C'] -> [B, N, C']``: every token receives its slot's value."""
+        y = self._check_input(y, self.num_slots, "unmerge")
+        if self.is_identity:
+            return y
+        if self.is_soft:
+            B, T, s, d = self.unmerge_weights.shape
+            yt = y.view(y.shape[0], T, d, y.shape[-1])  # [B, T, d, C]
+            return self._untile(self.unmerge_weights.to(y.dtype) @ yt)  # [B, N, C]
+        if self._use_dense(y):
+            _, U = self._hard_dense(y.dtype)
+            return U @ y
+        B, _, C = y.shape
+        index = self._batched(self.assign, B).unsqueeze(-1).expand(B, self.num_tokens, C)  # [B, N, C]
+        return torch.gather(y, 1, index)
+
+    def dense(self) -> tuple[Tensor, Tensor]:
+        """The merge and unmerge matrices ``W [B, M, N]`` and ``U [B, N, M]`` (fp32)."""
+        if not self.is_soft:
+            return self._hard_dense(torch.float32)
+        B, T, d, s = self.merge_weights.shape
+        M = self.num_slots
+        eye_slots = torch.eye(M, device=self.dst.device).view(M, T, d).permute(1, 0, 2)  # [T, M, d]
+        # W_global[b, m, n]: expand the tiles into the global token order (padding columns dropped).
+        W_tiles = torch.einsum("tmd,btds->btms", eye_slots, self.merge_weights.float())  # [B, T, M, s]
+        W = self._untile(W_tiles.transpose(2, 3)).transpose(1, 2)  # [B, M, N]
+        U_tiles = torch.einsum("btsd,tmd->btsm", self.unmerge_weights.float(), eye_slots)  # [B, T, s, M]
+        return W, self._untile(U_tiles)  # U: [B, N, M]
+
+    def to(self, *args, **kwargs) -> MergePlan:
+        """Moves the plan (``device`` and/or floating ``dtype``); index tensors keep their dtype."""
+        def move(t: Tensor | None) -> Tensor | None:
+            if t is None:
+                return None
+            if t.is_floating_point():
+                return t.to(*args, **kwargs)
+            device = _device_of(args, kwargs)
+            return t if device is None else t.to(device)
+
+        return replace(self, dst=move(self.dst), assign=move(self.assign),
+                       merge_weights=move(self.merge_weights), unmerge_weights=move(self.unmerge_weights),
+                       tile_tokens=move(self.tile_tokens))
+
+    def with_backend(self, backend: Backend) -> MergePlan:
+        """The same hard plan executed with another backend (soft plans are always dense)."""
+        _check_backend(backend)
+        return self if self.is_soft else replace(self, backend=backend)
+
+    # ------------------------------------------------------------------ internals
+    def _check_input(self, x: Tensor, length: int, what: str) -> Tensor:
+        batch_ok = x.dim() == 3 and (x.shape[0] == self.batch_size or self.batch_size == 1)
+        if not batch_ok or x.shape[1] != length:
+            raise ValueError(
+                f"{what} expects [B={self.batch_size}, {length}, C]; got {tuple(x.shape)}. "
+                "A plan is made for one batch and one token count: build a new plan for other inputs."
+            )
+        return x
+
+    @staticmethod
+    def _batched(t: Tensor, batch: int) -> Tensor:
+        return t.expand(batch, *t.shape[1:]) if t.shape[0] != batch else t
+
+    def _use_dense(self, x: Tensor) -> bool:
+        if self.backend == "auto":
+            return x.device.type == "cuda"
+        return self.backend == "dense"
+
+    def _inverse_sizes(self, batch: int, dtype: torch.dtype) -> Tensor:
+        cached = self.__dict__.get("_inv_sizes")
+        if cached is None:
+            cached = self.sizes.reciprocal().unsqueeze(-1)  # [B, M, 1]
+            object.__setattr__(self, "_inv_sizes", cached)
+        return self._batched(cached, batch).to(dtype)
+
+    def _hard_dense(self, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        cache = self.__dict__.setdefault("_dense_cache", {})
+        if dtype not in cache:
+            U = torch.nn.functional.one_hot(self.slot_of_token, self.num_slots).to(dtype)  # [B, N, M]
+            W = (U / U.sum(1, keepdim=True)).transpose(1, 2)  # [B, M, N], rows sum to 1
+            cache[dtype] = (W.contiguous(), U)
+        return cache[dtype]
+
+    def _tile(self, x: Tensor) -> Tensor:
+        """``[B, N, C] -> [B, T, s, C]`` by ``tile_tokens`` (zero rows for padding)."""
+        B, T, d, s = self.merge_weights.shape
+        if self.tile_tokens is None:
+            return x.unsqueeze(1)  # [B, 1, N, C]
+        padded = torch.cat([x, x.new_zeros(x.shape[0], 1, x.shape[2])], dim=1)  # [B, N + 1, C]
+        return padded[:, self.tile_tokens.flatten()].view(x.shape[0], T, s, x.shape[2])
+
+    def _untile(self, xt: Tensor) -> Tensor:
+        """``[B, T, s, C] -> [B, N, C]``, the inverse of :meth:`_tile` (padding rows dropped)."""
+        B, T, s, C = xt.shape
+        flat = xt.reshape(B, T * s, C)  # [B, T*s, C]
+        if self.tile_tokens is None:
+            return flat
+        inverse = self.__dict__.get("_inverse_tiles")
+        if inverse is None:
+            positions = self.tile_tokens.flatten()
+            inverse = torch.empty(self.num_tokens + 1, dtype=torch.long, device=positions.device)
+            inverse[positions] = torch.arange(positions.numel(), device=positions.device)
+            inverse = inverse[: self.num_tokens]  # [N] position of each token in the tile layout
+            object.__setattr__(self, "_inverse_tiles", inverse)
+        return flat[:, inverse]
+
+
+def _check_backend(backend: str) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+
+
+def _device_of(args: tuple, kwargs: dict) -> torch.device | None:
+    if "device" in kwargs:
+        return torch.device(kwargs["device"])
+    for a in args:
+        if isinstance(a, (str, torch.device)):
+            return torch.device(a)
+    return None
