@@ -50,6 +50,7 @@ class MergeStrategy(abc.ABC):
             or ``"block_input"`` (plan from the block's input hidden states, as ToMeSD does).
         needs: per-token statistics the adapter must record: ``{"received_attention"}``.
         uses_generator: whether :attr:`MergeContext.generator` must be provided.
+        uses_streak: whether the adapter should keep merge streaks (``ctx.streak``) for it.
 
     Field:
         ratio: the default ratio when the strategy is applied without one; planning always uses
@@ -61,6 +62,7 @@ class MergeStrategy(abc.ABC):
     metric: ClassVar[str] = "sublayer"
     needs: ClassVar[frozenset[str]] = frozenset()
     uses_generator: ClassVar[bool] = False
+    uses_streak: ClassVar[bool] = False
 
     ratio: float | None = None
 
