@@ -1,0 +1,109 @@
+"""`tomesd`: ToMeSD bipartite soft matching (Bolya & Hoffman, "Token Merging for Fast Stable
+Diffusion", CVPRW 2023), with output parity to the ``tomesd`` 0.1.3 package.
+
+Algorithm, on the block's input hidden states ``x [B, N, C]`` on an ``H x W`` grid:
+
+1. Split the grid into ``sy x sx`` cells; one position per full cell is a destination: drawn
+   uniformly (one draw shared by the batch) or, with ``use_rand=False`` (or an odd batch, as in
+   tomesd), the top-left one. Leftover rows/columns are sources.
+2. ``r = int(N * ratio)``, capped at the number of sources (with a warning).
+3. Every source finds its most cosine-similar destination; the ``r`` sources with the highest
+   similarity merge into it, the rest keep their own slot.
+4. A destination slot holds the plain mean of itself and its merged sources; unmerging copies it back.
+
+Differences from the package that do not change outputs: slots are ordered
+``[destinations, unmerged sources]`` instead of ``[unmerged, destinations]`` (attention and MLP are
+permutation-equivariant without in-block positions), ties in similarity are broken by a stable sort in
+raster order, and normalisation has an epsilon so all-zero tokens give no NaN.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from tomerge import MergeContext, MergePlan, MergeStrategy
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ToMeSD(MergeStrategy):
+    """ToMeSD bipartite soft matching (see the module docstring).
+
+    Args:
+        sx, sy: destination stride in x and y (one destination per ``sy x sx`` cell).
+        use_rand: draw each cell's destination at random (else its top-left token).
+        rng: ``"fork_global"`` (as tomesd: a generator forked from the global RNG at first use,
+            advanced by every draw) or ``"per_step_layer"`` (a fresh generator per step and layer,
+            so split and batched guidance see the same layout).
+
+    Example:
+        >>> import torch
+        >>> ctx = MergeContext(grid=(4, 4), ratio=0.5)
+        >>> ToMeSD(use_rand=False).plan(torch.randn(1, 16, 8), ctx).num_removed
+        8
+    """
+
+    name: ClassVar[str] = "tomesd"
+    default_sublayers: ClassVar[frozenset[str]] = frozenset({"attn"})
+    metric: ClassVar[str] = "block_input"
+
+    sx: int = 2
+    sy: int = 2
+    use_rand: bool = True
+    rng: str = "fork_global"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.sx < 1 or self.sy < 1 or self.sx * self.sy < 2:
+            raise ValueError(f"sx and sy must be >= 1 with sx * sy >= 2, got sx={self.sx}, sy={self.sy}")
+        if self.rng not in ("fork_global", "per_step_layer"):
+            raise ValueError(f"rng must be 'fork_global' or 'per_step_layer', got {self.rng!r}")
+
+    @property
+    def uses_generator(self) -> bool:  # type: ignore[override]
+        return self.use_rand
+
+    def select_destinations(self, x: Tensor, ctx: MergeContext) -> Tensor:
+        B = x.shape[0]
+        H, W = ctx.grid
+        rows, cols = H // self.sy, W // self.sx
+        if rows == 0 or cols == 0:
+            raise ValueError(f"grid {ctx.grid} is smaller than one {self.sy}x{self.sx} cell")
+        if self.use_rand and B % 2 == 0:  # tomesd: an odd batch cannot hold cond/uncond pairs
+            gen = ctx.generator
+            offset = torch.randint(self.sy * self.sx, size=(rows, cols, 1), device=gen.device, generator=gen)
+            offset = offset.to(x.device).squeeze(-1)  # [rows, cols] index inside each cell
+        else:
+            offset = torch.zeros(rows, cols, dtype=torch.long, device=x.device)
+        cell_y = torch.arange(rows, device=x.device).view(rows, 1) * self.sy
+        cell_x = torch.arange(cols, device=x.device).view(1, cols) * self.sx
+        y = cell_y + offset // self.sx  # [rows, cols]
+        xx = cell_x + offset % self.sx  # [rows, cols]
+        return (y * W + xx).flatten().expand(B, rows * cols)  # [B, D], raster order
+
+    def merge_matrix(self, x: Tensor, dst: Tensor, ctx: MergeContext) -> MergePlan:
+        B, N, _ = x.shape
+        is_dst = torch.zeros(N, dtype=torch.bool, device=x.device)
+        is_dst[dst[0]] = True  # one layout for the whole batch
+        src = torch.nonzero(~is_dst).squeeze(1)  # [S], raster order
+        r = ctx.tokens_to_remove(N)
+        if r > src.numel():
+            warnings.warn(
+                f"tomesd: ratio {ctx.ratio} asks to remove {r} of {N} tokens, but only {src.numel()} are "
+                f"sources with sx={self.sx}, sy={self.sy}; removing {src.numel()}", stacklevel=3)
+            r = src.numel()
+
+        metric = F.normalize(x.float(), dim=-1, eps=1e-6)  # [B, N, C]
+        scores = metric[:, src] @ metric[:, dst[0]].transpose(1, 2)  # [B, S, D] cosine similarity
+        best, best_dst = scores.max(dim=-1)  # [B, S]
+        order = best.argsort(dim=-1, descending=True, stable=True)  # [B, S] most similar first
+        merged_rank, unmerged_rank = order[:, :r], order[:, r:]
+        merged = src[merged_rank]  # [B, r] token positions
+        unmerged = src[unmerged_rank]  # [B, S - r]
+        merged_into = best_dst.gather(1, merged_rank)  # [B, r] index into dst
+        return MergePlan.from_matching(dst.contiguous(), unmerged, merged, merged_into, N)

@@ -1,0 +1,122 @@
+"""Backbone adapters: where, in one model family, merging happens.
+
+An adapter lists the model's blocks (:class:`BlockSpec`) and, in each, the merge points
+(:class:`MergePoint`): submodules whose image-token input is merged by a forward pre-hook and whose
+output is unmerged by a forward hook, before the block's gated residual. The hook logic itself lives
+in :mod:`tomerge.attach`; an adapter only answers questions about its model.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from typing import Any, ClassVar
+
+from torch import Tensor, nn
+
+from .state import MergeState
+
+
+def class_names(module: nn.Module) -> set[str]:
+    """Names of the module's class and its bases (matching by name needs no import of the library)."""
+    return {cls.__name__ for cls in type(module).__mro__}
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class MergePoint:
+    """A submodule whose image-token input is merged and whose output is unmerged.
+
+    Args:
+        kind: ``"attn"``, ``"crossattn"`` or ``"mlp"`` (the sublayer a :class:`Decision` names).
+        module: the submodule.
+        arg: keyword of the image tokens in the submodule's call (also found as first positional).
+        output: index of the image tokens in a tuple output, or ``None`` for a tensor output.
+    """
+
+    kind: str
+    module: nn.Module
+    arg: str = "hidden_states"
+    output: int | None = None
+
+    def get_input(self, args: tuple, kwargs: dict) -> Tensor:
+        return kwargs[self.arg] if self.arg in kwargs else args[0]
+
+    def set_input(self, args: tuple, kwargs: dict, x: Tensor) -> tuple[tuple, dict]:
+        if self.arg in kwargs:
+            return args, {**kwargs, self.arg: x}
+        return (x, *args[1:]), kwargs
+
+    def get_output(self, out: Any) -> Tensor:
+        return out if self.output is None else out[self.output]
+
+    def set_output(self, out: Any, y: Tensor) -> Any:
+        if self.output is None:
+            return y
+        items = list(out)
+        items[self.output] = y
+        return type(out)(items)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class BlockSpec:
+    """One block: its module, position, kind and merge points."""
+
+    module: nn.Module
+    layer: int
+    kind: str
+    points: tuple[MergePoint, ...]
+    arg: str = "hidden_states"  # keyword of the block's image-token input (else first positional)
+
+    def block_input(self, args: tuple, kwargs: dict) -> Tensor:
+        return kwargs[self.arg] if self.arg in kwargs else args[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class NoOptions:
+    """Adapters without options use this."""
+
+
+class BackboneAdapter(abc.ABC):
+    """Teaches tomerge one model family (see the module docstring).
+
+    Class attributes:
+        name: registry name.
+        block_names: class names of the blocks it looks for (named in the error when none match).
+        Options: frozen dataclass of the adapter's options (accepted by :func:`tomerge.apply`).
+        t_max: largest timestep value the model is called with (for progress without a step count).
+    """
+
+    name: ClassVar[str] = ""
+    block_names: ClassVar[tuple[str, ...]] = ()
+    Options: ClassVar[type] = NoOptions
+    t_max: ClassVar[float] = 1000.0
+
+    def __init__(self, model: nn.Module, options: Any) -> None:
+        self.model = model
+        self.options = options
+
+    @classmethod
+    @abc.abstractmethod
+    def find_model(cls, obj: Any) -> nn.Module | None:
+        """The module this adapter patches inside ``obj`` (a model or a pipeline), or ``None``."""
+
+    @abc.abstractmethod
+    def blocks(self) -> list[BlockSpec]:
+        """The blocks to hook, in execution order."""
+
+    @abc.abstractmethod
+    def on_model_call(self, args: tuple, kwargs: dict) -> Tensor | float | None:
+        """Called before every model forward: record sizes; return the call's timestep."""
+
+    @abc.abstractmethod
+    def grid(self, block: BlockSpec, num_tokens: int) -> tuple[int, int] | None:
+        """The ``(H, W)`` token grid of ``block`` for ``num_tokens`` tokens; ``None``: do not merge it."""
+
+    def probe(self, block: BlockSpec, point: MergePoint, state: MergeState) -> list[Any]:
+        """Installs hooks recording the attention each image token receives in ``point`` (an
+        ``"attn"`` point) into ``state.store_attention``; returns the hook handles. Adapters whose
+        attention cannot be probed raise."""
+        raise NotImplementedError(f"backbone {self.name!r} cannot record received attention")
+
+    def check(self) -> None:
+        """Raises when the model is in a configuration the adapter cannot merge correctly."""

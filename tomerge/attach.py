@@ -1,0 +1,278 @@
+"""`apply`, `remove`, `merging`: attaching a strategy or schedule to a model with forward hooks.
+
+Every hook handle is kept by the :class:`MergeHandle`; ``remove()`` deletes them all, so the model
+is exactly as before (bit-identical outputs). The hooks are generic; the backbone adapter tells them
+where the blocks, merge points and token grids are.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+from torch import nn
+
+from .adapter import BackboneAdapter, BlockSpec, MergePoint
+from .context import check_ratio
+from .registry import backbone_class, build, list_backbones, strategy_class
+from .schedule import Constant, Schedule
+from .state import MergeState, TrajectoryClock
+from .strategy import MergeStrategy
+
+_HANDLE_ATTR = "_tomerge_handle"
+_SUBLAYER_FLAGS = ("merge_attn", "merge_crossattn", "merge_mlp")
+_STATE_OPTIONS = ("seed", "num_steps")
+
+
+class MergeHandle:
+    """One application of tomerge to a model: its adapter, schedule, state and hooks.
+
+    Attributes:
+        model: the patched module (the transformer/UNet, also when a pipeline was given).
+        schedule: the schedule deciding every block call.
+        state: the :class:`~tomerge.state.MergeState` (``state.records`` has every decision).
+    """
+
+    def __init__(self, model: nn.Module, adapter: BackboneAdapter, schedule: Schedule, state: MergeState) -> None:
+        self.model, self.adapter, self.schedule, self.state = model, adapter, schedule, state
+        self._hooks: list[Any] = []
+        self._blocks_merged_this_call = 0
+        self._warned_nothing = False
+
+    # ------------------------------------------------------------------ public
+    @property
+    def stats(self) -> dict[str, Any]:
+        """Counts over the recorded block calls: calls, merged calls, tokens in and removed."""
+        records = self.state.records
+        merged = [r for r in records if r.num_removed > 0]
+        return {
+            "block_calls": len(records),
+            "merged_calls": len(merged),
+            "tokens": sum(r.num_tokens for r in merged),
+            "tokens_removed": sum(r.num_removed for r in merged),
+            "step": self.state.clock.step,
+            "num_steps": self.state.clock.num_steps,
+        }
+
+    def remove(self) -> None:
+        """Removes every hook; the model computes exactly what it did before :func:`apply`."""
+        try:
+            for hook in self._hooks:
+                hook.remove()
+        finally:
+            self._hooks.clear()
+            if self.model.__dict__.get(_HANDLE_ATTR) is self:
+                del self.model.__dict__[_HANDLE_ATTR]
+
+    # ------------------------------------------------------------------ hooks
+    def _attach(self, blocks: list[BlockSpec]) -> None:
+        add = self._hooks.append
+        add(self.model.register_forward_pre_hook(self._model_pre, with_kwargs=True))
+        add(self.model.register_forward_hook(self._model_post))
+        for block in blocks:
+            add(block.module.register_forward_pre_hook(self._block_pre(block), with_kwargs=True))
+            add(block.module.register_forward_hook(self._block_post))
+            for point in block.points:
+                add(point.module.register_forward_pre_hook(self._point_pre(point), with_kwargs=True))
+                add(point.module.register_forward_hook(self._point_post(point)))
+            if "received_attention" in self.state.needs:
+                for point in block.points:
+                    if point.kind == "attn":
+                        self._hooks.extend(self.adapter.probe(block, point, self.state))
+
+    def _model_pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        self.state.begin_model_call(self.adapter.on_model_call(args, kwargs))
+        self._blocks_merged_this_call = 0
+
+    def _model_post(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if self._blocks_merged_this_call == 0 and not self._warned_nothing and self.state.records:
+            last = self.state.records[-1]
+            if last.trajectory == self.state.clock.trajectory and last.step == self.state.clock.step:
+                self._warned_nothing = True
+                warnings.warn(
+                    f"tomerge: no block of this {type(self.model).__name__} call was merged with the "
+                    f"{self.adapter.name!r} adapter's options {self.adapter.options}; check the options "
+                    "(e.g. max_downsample) and the ratio", stacklevel=2)
+
+    def _block_pre(self, block: BlockSpec):
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            x = block.block_input(args, kwargs)
+            grid = self.adapter.grid(block, x.shape[1])
+            call = self.state.begin_block(block.layer, block.kind, grid, x)
+            if call.decision.merges:
+                self._blocks_merged_this_call += 1
+        return hook
+
+    def _block_post(self, module: nn.Module, args: tuple, output: Any) -> None:
+        self.state.end_block()
+
+    def _point_pre(self, point: MergePoint):
+        def hook(module: nn.Module, args: tuple, kwargs: dict):
+            call = self.state.call
+            if call is None or point.kind not in call.decision.sublayers or call.decision.strategy is None:
+                return None
+            x = point.get_input(args, kwargs)
+            metric = call.block_input if call.decision.strategy.metric == "block_input" else x
+            plan = self.state.plan_for(call, metric)
+            if plan.is_identity:
+                return None
+            call.active[id(point)] = plan
+            return point.set_input(args, kwargs, plan.merge(x))
+        return hook
+
+    def _point_post(self, point: MergePoint):
+        def hook(module: nn.Module, args: tuple, output: Any):
+            call = self.state.call
+            plan = call.active.pop(id(point), None) if call is not None else None
+            if plan is None:
+                return None
+            return point.set_output(output, plan.unmerge(point.get_output(output)))
+        return hook
+
+
+# ---------------------------------------------------------------------- public functions
+def apply(target: Any, strategy: str | MergeStrategy | Schedule = "tomesd", *, ratio: float | None = None,
+          backbone: str | None = None, **options: Any) -> MergeHandle:
+    """Attaches token merging to a diffusers pipeline, a diffusers model or a native DiT.
+
+    Args:
+        target: the pipeline or model.
+        strategy: a registered strategy or schedule name, a :class:`MergeStrategy` or a :class:`Schedule`.
+        ratio: fraction of tokens removed (for a strategy: required unless the instance has one).
+        backbone: adapter name; found from the model's classes when ``None``.
+        **options: strategy options, the adapter's options, ``merge_attn`` / ``merge_crossattn`` /
+            ``merge_mlp``, ``seed`` (per-(step, layer) generators) and ``num_steps``. Unknown names raise.
+
+    Returns:
+        A :class:`MergeHandle`; ``handle.remove()`` or :func:`remove` undoes everything.
+
+    Example:
+        >>> handle = tomerge.apply(pipe, "tomesd", ratio=0.5)      # doctest: +SKIP
+        >>> image = pipe("a photo of a cat").images[0]            # doctest: +SKIP
+        >>> tomerge.remove(pipe)                                   # doctest: +SKIP
+    """
+    adapter_cls, model = _find_backbone(target, backbone)
+    if _HANDLE_ATTR in model.__dict__:
+        raise RuntimeError(
+            f"tomerge is already applied to this {type(model).__name__}; call tomerge.remove() first")
+
+    adapter_fields = {f.name for f in dataclasses.fields(adapter_cls.Options)}
+    adapter_opts = {k: options.pop(k) for k in list(options) if k in adapter_fields}
+    state_opts = {k: options.pop(k) for k in list(options) if k in _STATE_OPTIONS}
+    schedule = _make_schedule(strategy, ratio, options, adapter_fields)
+
+    adapter = adapter_cls(model, build(adapter_cls.Options, adapter_opts, what=f"backbone {adapter_cls.name!r}"))
+    adapter.check()
+    blocks = adapter.blocks()
+    if not blocks:
+        raise ValueError(
+            f"no block of {type(model).__name__} matched the {adapter_cls.name!r} adapter, which looks for "
+            f"{', '.join(adapter_cls.block_names)}; pass backbone=... for another model family "
+            f"(registered: {', '.join(list_backbones())})")
+
+    scheduler = getattr(target, "scheduler", None) if target is not model else None
+    clock = TrajectoryClock(
+        num_steps=state_opts.get("num_steps"),
+        timesteps=(lambda: getattr(scheduler, "timesteps", None)) if scheduler is not None else None,
+        t_max=adapter.t_max,
+    )
+    state = MergeState(schedule, num_layers=len(blocks), seed=state_opts.get("seed", 0), clock=clock)
+    handle = MergeHandle(model, adapter, schedule, state)
+    try:
+        handle._attach(blocks)
+    except BaseException:
+        handle.remove()
+        raise
+    model.__dict__[_HANDLE_ATTR] = handle
+    return handle
+
+
+def remove(target: Any) -> None:
+    """Undoes :func:`apply` on a model or pipeline; raises if nothing was applied."""
+    for module in _candidate_modules(target):
+        handle = module.__dict__.get(_HANDLE_ATTR)
+        if handle is not None:
+            handle.remove()
+            return
+    raise ValueError(f"tomerge is not applied to this {type(target).__name__}")
+
+
+@contextlib.contextmanager
+def merging(target: Any, strategy: str | MergeStrategy | Schedule = "tomesd", **kwargs: Any) -> Iterator[MergeHandle]:
+    """Context manager form of :func:`apply`; removes on exit, also after an exception.
+
+    Example:
+        >>> with tomerge.merging(pipe, "tomesd", ratio=0.5, use_rand=False):   # doctest: +SKIP
+        ...     image = pipe("a cat").images[0]
+    """
+    handle = apply(target, strategy, **kwargs)
+    try:
+        yield handle
+    finally:
+        handle.remove()
+
+
+# ---------------------------------------------------------------------- helpers
+def _make_schedule(strategy: str | MergeStrategy | Schedule, ratio: float | None, options: dict[str, Any],
+                   adapter_fields: set[str]) -> Schedule:
+    if isinstance(strategy, str):
+        cls = strategy_class(strategy)
+        if issubclass(cls, Schedule):
+            if ratio is not None:
+                options["ratio"] = ratio
+            return build(cls, options, what=f"schedule {strategy!r}")
+        flags = {k: options.pop(k) for k in _SUBLAYER_FLAGS if k in options}
+        instance = _build_strategy(cls, options, adapter_fields, strategy)
+        return _constant(instance, ratio, flags)
+    if isinstance(strategy, Schedule):
+        if options or ratio is not None:
+            raise TypeError(f"options {sorted(options) + (['ratio'] if ratio is not None else [])} go into the "
+                            "Schedule when you build it, not into apply()")
+        return strategy
+    if isinstance(strategy, MergeStrategy):
+        flags = {k: options.pop(k) for k in _SUBLAYER_FLAGS if k in options}
+        if options:
+            raise TypeError(f"options {sorted(options)} go into the strategy when you build it, not into apply(); "
+                            f"apply() takes ratio, {', '.join(_SUBLAYER_FLAGS + _STATE_OPTIONS)} and adapter options")
+        return _constant(strategy, ratio, flags)
+    raise TypeError(f"strategy must be a name, a MergeStrategy or a Schedule, got {type(strategy).__name__}")
+
+
+def _build_strategy(cls: type, options: dict[str, Any], adapter_fields: set[str], name: str) -> MergeStrategy:
+    valid = {f.name for f in dataclasses.fields(cls)} | set(_SUBLAYER_FLAGS) | set(_STATE_OPTIONS) | adapter_fields
+    unknown = sorted(set(options) - {f.name for f in dataclasses.fields(cls)})
+    if unknown:
+        raise TypeError(f"unknown option(s) {unknown} for strategy {name!r}; valid options: {sorted(valid)}")
+    return cls(**options)
+
+
+def _constant(strategy: MergeStrategy, ratio: float | None, flags: dict[str, bool]) -> Constant:
+    ratio = strategy.ratio if ratio is None else ratio
+    if ratio is None:
+        raise TypeError(f"apply() needs ratio=... for strategy {strategy.name!r}")
+    return Constant(strategy=strategy, ratio=check_ratio(ratio), **flags)
+
+
+def _candidate_modules(target: Any) -> list[nn.Module]:
+    found = [target] if isinstance(target, nn.Module) else []
+    for attr in ("transformer", "unet", "model"):
+        sub = getattr(target, attr, None)
+        if isinstance(sub, nn.Module):
+            found.append(sub)
+    return found
+
+
+def _find_backbone(target: Any, backbone: str | None) -> tuple[type[BackboneAdapter], nn.Module]:
+    names = [backbone] if backbone is not None else list_backbones()
+    for name in names:
+        cls = backbone_class(name)
+        model = cls.find_model(target)
+        if model is not None:
+            return cls, model
+    if backbone is not None:
+        raise ValueError(f"backbone {backbone!r} found no model in {type(target).__name__}")
+    raise ValueError(
+        f"no registered backbone ({', '.join(names)}) recognises {type(target).__name__}; pass backbone=...")

@@ -1,0 +1,129 @@
+"""Schedules: which strategy, what ratio, which sublayers, for every block call.
+
+A :class:`Schedule` maps the position of a block call (:class:`Where`) to a :class:`Decision`.
+Applying a single strategy uses :class:`Constant`; composite schedules (``sdtm``, ``toma``) live in
+``strategies/`` and register like strategies.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from collections.abc import Hashable
+from typing import Any, ClassVar
+
+from .context import check_ratio
+from .strategy import SUBLAYERS, MergeStrategy
+
+
+@dataclasses.dataclass(frozen=True)
+class Where:
+    """The position of one block call in the trajectory and in the model."""
+
+    step: int
+    num_steps: int | None
+    progress: float
+    layer: int
+    num_layers: int
+    block_kind: str = "block"
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """What to do in one block call.
+
+    Args:
+        strategy: the strategy to plan with, or ``None`` to run the block unmerged.
+        ratio: the ratio to ask the strategy for.
+        sublayers: where the plan is applied: a subset of ``{"attn", "crossattn", "mlp"}``.
+        cache_key: plans are cached under this key and reused by later calls with the same key
+            (``None``: plan once per block call, shared by its sublayers).
+        label: a short name for records and figures (e.g. the phase).
+    """
+
+    strategy: MergeStrategy | None
+    ratio: float = 0.0
+    sublayers: frozenset[str] = frozenset()
+    cache_key: Hashable | None = None
+    label: str = ""
+
+    @property
+    def merges(self) -> bool:
+        return self.strategy is not None and bool(self.sublayers)
+
+
+SKIP = Decision(strategy=None, label="skip")
+
+
+class Schedule(abc.ABC):
+    """Maps (progress, step, layer, block kind) to a :class:`Decision`.
+
+    Subclasses are frozen dataclasses whose fields are their options; ``to_dict()`` is the config
+    that experiments log.
+    """
+
+    name: ClassVar[str] = ""
+
+    @abc.abstractmethod
+    def decide(self, where: Where) -> Decision:
+        """The decision for one block call."""
+
+    @abc.abstractmethod
+    def strategies(self) -> tuple[MergeStrategy, ...]:
+        """Every strategy the schedule may pick (adapters record what they need)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"schedule": self.name}
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            value = getattr(self, f.name)
+            out[f.name] = value.to_dict() if hasattr(value, "to_dict") else value
+        return out
+
+
+def resolve_sublayers(strategy: MergeStrategy, merge_attn: bool | None, merge_crossattn: bool | None,
+                      merge_mlp: bool | None) -> frozenset[str]:
+    """The strategy's default sublayers with the ``merge_*`` flags that were given applied on top."""
+    chosen = set(strategy.default_sublayers)
+    for kind, flag in zip(SUBLAYERS, (merge_attn, merge_crossattn, merge_mlp)):
+        if flag is not None:
+            chosen.discard(kind) if not flag else chosen.add(kind)
+    return frozenset(chosen)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Constant(Schedule):
+    """One strategy at one ratio on every block call.
+
+    Args:
+        strategy: the strategy.
+        ratio: fraction of tokens removed, in ``[0, 1)``.
+        merge_attn, merge_crossattn, merge_mlp: override the strategy's default sublayers.
+
+    Example:
+        >>> import tomerge
+        >>> s = Constant(strategy=tomerge.get_strategy("tomesd"), ratio=0.5)
+        >>> sorted(s.sublayers)
+        ['attn']
+    """
+
+    name: ClassVar[str] = "constant"
+    strategy: MergeStrategy
+    ratio: float
+    merge_attn: bool | None = None
+    merge_crossattn: bool | None = None
+    merge_mlp: bool | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.strategy, MergeStrategy):
+            raise TypeError(f"strategy must be a MergeStrategy, got {type(self.strategy).__name__}")
+        check_ratio(self.ratio)
+
+    @property
+    def sublayers(self) -> frozenset[str]:
+        return resolve_sublayers(self.strategy, self.merge_attn, self.merge_crossattn, self.merge_mlp)
+
+    def decide(self, where: Where) -> Decision:
+        return Decision(self.strategy, self.ratio, self.sublayers, label=self.strategy.name)
+
+    def strategies(self) -> tuple[MergeStrategy, ...]:
+        return (self.strategy,)

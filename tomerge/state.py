@@ -1,0 +1,230 @@
+"""`MergeState`: everything one application of tomerge remembers between calls.
+
+One object per :func:`tomerge.apply`, never module attributes: the trajectory clock (step index from
+distinct timestep values), the block call in progress, cached plans, merge streaks, received
+attention, random generators, and a record of every decision.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .context import MergeContext
+from .plan import MergePlan
+from .schedule import SKIP, Decision, Schedule, Where
+
+
+class TrajectoryClock:
+    """Derives the denoising step from the timestep values the model is called with.
+
+    Several calls with the same timestep (batched or split classifier-free guidance, skip-layer
+    guidance) share a step; a new value advances it; a value noisier than the current one starts a
+    new trajectory. When the pipeline's scheduler is known (``timesteps``), the step is the
+    position of the timestep in its schedule and the step count is exact.
+
+    Args:
+        num_steps: the number of denoising steps, when known in advance.
+        timesteps: a callable returning the scheduler's timestep tensor (or ``None``).
+        t_max: the largest timestep value (progress ``1 - t / t_max`` when the step count is unknown).
+    """
+
+    def __init__(self, num_steps: int | None = None, timesteps: Callable[[], Tensor | None] | None = None,
+                 t_max: float = 1000.0) -> None:
+        self.num_steps_given = num_steps
+        self.timesteps = timesteps
+        self.t_max = t_max
+        self.step = 0
+        self.num_steps = num_steps
+        self.current: float | None = None
+        self.trajectory = 0
+
+    def observe(self, timestep: Tensor | float | None) -> bool:
+        """Updates the step from a call's timestep; returns True when a new trajectory starts."""
+        if timestep is None:
+            return False
+        t = float(timestep.flatten()[0]) if isinstance(timestep, Tensor) else float(timestep)
+        if t == self.current:
+            return False
+        new_trajectory = self.current is None or t > self.current
+        schedule = self.timesteps() if self.timesteps is not None else None
+        if schedule is not None and len(schedule) > 0:
+            self.step = int((schedule.float().cpu() - t).abs().argmin())
+            self.num_steps = len(schedule)
+        else:
+            self.step = 0 if new_trajectory else self.step + 1
+        self.current = t
+        if new_trajectory:
+            self.trajectory += 1
+        return new_trajectory
+
+    @property
+    def progress(self) -> float:
+        """0 at the first (noisiest) step, 1 at the last."""
+        if self.num_steps is not None and self.num_steps > 1:
+            return min(1.0, self.step / (self.num_steps - 1))
+        if self.current is None:
+            return 0.0
+        return min(1.0, max(0.0, 1.0 - self.current / self.t_max))
+
+
+@dataclasses.dataclass
+class BlockCall:
+    """Scratch space for one block forward."""
+
+    where: Where
+    decision: Decision
+    grid: tuple[int, int] | None
+    block_input: Tensor | None
+    plan: MergePlan | None = None
+    active: dict[int, MergePlan] = dataclasses.field(default_factory=dict)  # merge point id -> plan
+
+
+@dataclasses.dataclass(frozen=True)
+class Record:
+    """One block call's decision, as recorded for tests, logs and figures."""
+
+    trajectory: int
+    step: int
+    layer: int
+    block_kind: str
+    label: str
+    ratio: float
+    sublayers: tuple[str, ...]
+    num_tokens: int
+    num_removed: int
+
+
+class MergeState:
+    """The state of one application (see the module docstring).
+
+    Args:
+        schedule: the schedule deciding every block call.
+        num_layers: how many blocks the adapter hooked.
+        seed: base seed of the per-(step, layer) generators.
+        clock: the trajectory clock.
+        record: keep a :class:`Record` per block call (``records``), up to ``max_records``.
+    """
+
+    def __init__(self, schedule: Schedule, num_layers: int, *, seed: int = 0,
+                 clock: TrajectoryClock | None = None, record: bool = True, max_records: int = 100_000) -> None:
+        self.schedule = schedule
+        self.num_layers = num_layers
+        self.seed = seed
+        self.clock = clock or TrajectoryClock()
+        self.record = record
+        self.max_records = max_records
+        self.records: list[Record] = []
+        self.call: BlockCall | None = None
+        self.plans: dict[Hashable, MergePlan] = {}
+        self.streaks: dict[int, Tensor] = {}  # N -> [B, N] consecutive merges of each token
+        self.attention: dict[int, Tensor] = {}  # layer -> [B, N] received attention, latest full-length call
+        self._forked: dict[torch.device, torch.Generator] = {}
+        strategies = schedule.strategies()
+        self.needs: frozenset[str] = frozenset().union(*(s.needs for s in strategies))
+        self.keep_streaks = any(s.uses_streak for s in strategies)
+
+    # ------------------------------------------------------------------ model calls
+    def begin_model_call(self, timestep: Tensor | float | None) -> None:
+        if self.clock.observe(timestep):
+            self.plans.clear()
+            self.streaks.clear()
+            self.attention.clear()
+
+    # ------------------------------------------------------------------ block calls
+    def begin_block(self, layer: int, block_kind: str, grid: tuple[int, int] | None,
+                    block_input: Tensor | None) -> BlockCall:
+        where = Where(step=self.clock.step, num_steps=self.clock.num_steps, progress=self.clock.progress,
+                      layer=layer, num_layers=self.num_layers, block_kind=block_kind)
+        decision = self.schedule.decide(where) if grid is not None else SKIP
+        self.call = BlockCall(where, decision, grid, block_input)
+        return self.call
+
+    def end_block(self) -> None:
+        call, self.call = self.call, None
+        if call is not None and self.record and len(self.records) < self.max_records:
+            plan = call.plan
+            self.records.append(Record(
+                trajectory=self.clock.trajectory, step=call.where.step, layer=call.where.layer,
+                block_kind=call.where.block_kind, label=call.decision.label, ratio=call.decision.ratio,
+                sublayers=tuple(sorted(call.decision.sublayers)) if plan is not None else (),
+                num_tokens=plan.num_tokens if plan is not None else 0,
+                num_removed=plan.num_removed if plan is not None else 0,
+            ))
+
+    def plan_for(self, call: BlockCall, metric: Tensor) -> MergePlan:
+        """The plan of this block call: cached under the decision's key, else computed once."""
+        if call.plan is not None:
+            return call.plan
+        key = call.decision.cache_key
+        plan = self.plans.get(key) if key is not None else None
+        if plan is None or plan.num_tokens != metric.shape[1] or plan.batch_size not in (1, metric.shape[0]):
+            plan = self._compute(call, metric)
+            if key is not None:
+                self.plans[key] = plan
+        call.plan = plan
+        return plan
+
+    def _compute(self, call: BlockCall, metric: Tensor) -> MergePlan:
+        strategy = call.decision.strategy
+        assert strategy is not None and call.grid is not None  # guaranteed by begin_block/decide
+        B, N = metric.shape[:2]
+        ctx = MergeContext(
+            grid=call.grid, ratio=call.decision.ratio, progress=call.where.progress, step=call.where.step,
+            num_steps=call.where.num_steps, layer=call.where.layer, num_layers=call.where.num_layers,
+            block_kind=call.where.block_kind,
+            generator=self._generator(strategy, call.where, metric.device) if strategy.uses_generator else None,
+            received_attention=self._latest_attention(call.where.layer, B, N),
+            streak=self._streak(B, N, metric.device) if strategy.uses_streak else None,
+            cache=self.plans,
+        )
+        plan = strategy.plan(metric, ctx)
+        if self.keep_streaks:
+            self._update_streaks(plan, B, N, metric.device)
+        return plan
+
+    # ------------------------------------------------------------------ per-token statistics
+    def store_attention(self, layer: int, received: Tensor) -> None:
+        self.attention[layer] = received.detach()
+
+    def _latest_attention(self, layer: int, batch: int, num_tokens: int) -> Tensor | None:
+        a = self.attention.get(layer)
+        if a is None or a.shape[1] != num_tokens or a.shape[0] != batch:
+            return None
+        return a
+
+    def _streak(self, batch: int, num_tokens: int, device: torch.device) -> Tensor:
+        s = self.streaks.get(num_tokens)
+        if s is None or s.shape[0] != batch:
+            s = torch.zeros(batch, num_tokens, device=device)
+            self.streaks[num_tokens] = s
+        return s
+
+    def _update_streaks(self, plan: MergePlan, batch: int, num_tokens: int, device: torch.device) -> None:
+        if plan.is_identity:
+            merged = torch.zeros(batch, num_tokens, dtype=torch.bool, device=device)
+        else:
+            owner = plan.dst.gather(1, plan.slot_of_token)  # [B, N] representative of each token's slot
+            merged = (owner != torch.arange(num_tokens, device=device)).expand(batch, num_tokens)
+        s = self._streak(batch, num_tokens, device)
+        self.streaks[num_tokens] = (s + 1) * merged
+
+    # ------------------------------------------------------------------ randomness
+    def _generator(self, strategy: Any, where: Where, device: torch.device) -> torch.Generator:
+        """``rng="fork_global"`` (ToMeSD's): one generator forked from the global RNG at first use,
+        advanced by each draw. Otherwise one generator per (step, layer), so split and batched
+        guidance see the same layout."""
+        if getattr(strategy, "rng", "per_step_layer") == "fork_global":
+            gen = self._forked.get(device)
+            if gen is None:
+                gen = torch.Generator(device=device)
+                gen.set_state(torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state())
+                self._forked[device] = gen
+            return gen
+        gen = torch.Generator(device=device)
+        gen.manual_seed((self.seed * 1_000_003 + where.step * 10_007 + where.layer) % (2**63))
+        return gen
