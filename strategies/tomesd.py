@@ -68,6 +68,10 @@ class ToMeSD(MergeStrategy):
     def uses_generator(self) -> bool:  # type: ignore[override]
         return self.use_rand
 
+    @property
+    def batch_independent(self) -> bool:  # type: ignore[override]
+        return not self.use_rand  # one random layout is drawn for the whole batch
+
     def select_destinations(self, x: Tensor, ctx: MergeContext) -> Tensor:
         B = x.shape[0]
         H, W = ctx.grid

@@ -51,6 +51,8 @@ class MergeStrategy(abc.ABC):
         needs: per-token statistics the adapter must record: ``{"received_attention"}``.
         uses_generator: whether :attr:`MergeContext.generator` must be provided.
         uses_streak: whether the adapter should keep merge streaks (``ctx.streak``) for it.
+        batch_independent: whether each sample's plan depends on that sample alone (the contract
+            test then checks that a batch plans like its samples one by one).
 
     Field:
         ratio: the default ratio when the strategy is applied without one; planning always uses
@@ -63,6 +65,7 @@ class MergeStrategy(abc.ABC):
     needs: ClassVar[frozenset[str]] = frozenset()
     uses_generator: ClassVar[bool] = False
     uses_streak: ClassVar[bool] = False
+    batch_independent: ClassVar[bool] = True
 
     ratio: float | None = None
 

@@ -1,0 +1,48 @@
+"""Section 7 invariants over every registered strategy (a new registration is tested automatically)."""
+
+import dataclasses
+
+import pytest
+import torch
+
+import tomerge
+from tomerge.contract import CHECKS, check_strategy
+from tomerge.strategy import MergeStrategy
+
+STRATEGIES = [n for n in tomerge.list_strategies()
+              if issubclass(tomerge.registry.strategy_class(n), MergeStrategy)]
+
+
+def test_every_builtin_strategy_is_registered():
+    assert {"tomesd", "ssm", "idm", "facility_location"} <= set(STRATEGIES)
+
+
+@pytest.mark.parametrize("check", CHECKS)
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_contract(name, check):
+    strategy = tomerge.get_strategy(name)
+    if check == "per_sample" and not strategy.batch_independent:
+        pytest.skip(f"{name} shares one layout across the batch by design")
+    check_strategy(name, checks=(check,))
+
+
+def test_contract_catches_a_broken_strategy():
+    """The checks can fail: a strategy whose merge is not a mean breaks idempotence."""
+
+    @dataclasses.dataclass(frozen=True, kw_only=True)
+    class Broken(MergeStrategy):
+        name = "broken"
+
+        def select_destinations(self, x, ctx):
+            return torch.arange(0, x.shape[1], 2).expand(x.shape[0], -1)
+
+        def merge_matrix(self, x, dst, ctx):
+            B, N, _ = x.shape
+            W = torch.zeros(B, N // 2, N)
+            W[:, torch.arange(N // 2), torch.arange(0, N, 2)] = 1.0  # drops odd tokens, keeps evens
+            U = torch.zeros(B, N, N // 2)
+            U[:, torch.arange(N), torch.arange(N) // 2] = 2.0  # wrong scale: no longer an inverse
+            return tomerge.MergePlan.soft(W, U, dst, N)
+
+    with pytest.raises(AssertionError, match="unmerge\\(merge"):
+        check_strategy(Broken, checks=("idempotent",))

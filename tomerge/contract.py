@@ -1,0 +1,115 @@
+"""The invariants every strategy must pass (strategies.md section 7), as reusable checks.
+
+The project's contract test runs :func:`check_strategy` over every registered strategy, so a newly
+registered one is tested automatically; a researcher can call it in their own tests too:
+
+    >>> from tomerge.contract import check_strategy
+    >>> check_strategy("ssm")          # raises AssertionError naming the broken invariant
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from .context import MergeContext
+from .registry import get_strategy
+from .strategy import MergeStrategy
+
+CHECKS: tuple[str, ...] = ("ratio_zero", "shapes", "idempotent", "backends", "deterministic", "per_sample",
+                           "robust")
+
+
+def make_context(x: Tensor, grid: tuple[int, int], ratio: float, seed: int = 0) -> MergeContext:
+    """A context with every statistic a strategy may need (random received attention and streaks)."""
+    B, N, _ = x.shape
+    g = torch.Generator().manual_seed(seed + 1)
+    attention = torch.rand(B, N, generator=g).softmax(-1).to(x.device)
+    streak = torch.randint(0, 4, (B, N), generator=g).float().to(x.device)
+    return MergeContext(grid=grid, ratio=ratio, received_attention=attention, streak=streak,
+                        generator=torch.Generator(device=x.device).manual_seed(seed))
+
+
+def _tokens(batch: int, grid: tuple[int, int], channels: int = 16, seed: int = 0,
+            dtype: torch.dtype = torch.float32) -> Tensor:
+    g = torch.Generator().manual_seed(seed)
+    # Smooth-ish features: a low-frequency field plus noise, so neighbours are alike as in real models.
+    H, W = grid
+    base = torch.randn(batch, channels, (H + 1) // 2, (W + 1) // 2, generator=g)
+    field = torch.nn.functional.interpolate(base, size=(H, W), mode="bilinear", align_corners=False)
+    x = field.flatten(2).transpose(1, 2) + 0.3 * torch.randn(batch, H * W, channels, generator=g)  # [B, N, C]
+    return x.to(dtype)
+
+
+def _close(a: Tensor, b: Tensor, tol: float = 1e-4) -> bool:
+    return torch.allclose(a.float(), b.float(), atol=tol, rtol=tol)
+
+
+def check_strategy(strategy: str | Callable[[], MergeStrategy], checks: tuple[str, ...] = CHECKS) -> None:
+    """Runs the contract invariants; raises ``AssertionError`` naming the first one broken.
+
+    Args:
+        strategy: a registered name, or a zero-argument factory returning a fresh instance.
+        checks: which invariants to run (default all of :data:`CHECKS`).
+    """
+    make = (lambda: get_strategy(strategy)) if isinstance(strategy, str) else strategy
+    s = make()
+    label = getattr(s, "name", "") or type(s).__name__
+    grid, ratio = (16, 16), 0.5
+    x = _tokens(2, grid)
+
+    if "ratio_zero" in checks:
+        plan = s.plan(x, make_context(x, grid, 0.0))
+        assert plan.is_identity and plan.merge(x) is x, f"{label}: ratio 0 must give the identity plan"
+
+    plan = s.plan(x, make_context(x, grid, ratio))
+    if "shapes" in checks:
+        y = plan.merge(x)
+        assert plan.num_removed > 0, f"{label}: ratio {ratio} on {grid} removed no token"
+        assert y.shape == (2, 256 - plan.num_removed, 16), f"{label}: merge gave {tuple(y.shape)}"
+        assert plan.unmerge(y).shape == x.shape, f"{label}: unmerge must restore [B, N, C]"
+        assert plan.sizes.shape == (2, plan.num_slots), f"{label}: sizes must be [B, M]"
+
+    if "idempotent" in checks:  # tokens identical within each merge group survive merge + unmerge
+        grouped = plan.unmerge(plan.merge(x))
+        error = (plan.unmerge(plan.merge(grouped)) - grouped).abs().amax(-1)  # [B, N]
+        # A soft plan splits near-tied tokens between destinations; at most 5% may be exempt.
+        exact = (error <= 1e-3).float().mean().item()
+        assert exact == 1.0 or (plan.is_soft and exact >= 0.95), \
+            f"{label}: unmerge(merge(x)) != x for tokens identical within their groups ({exact:.1%} exact)"
+
+    if "backends" in checks:
+        index, dense = plan.with_backend("index"), plan.with_backend("dense")
+        assert _close(index.merge(x), dense.merge(x)), f"{label}: index and dense merge disagree"
+        y = index.merge(x)
+        assert _close(index.unmerge(y), dense.unmerge(y)), f"{label}: index and dense unmerge disagree"
+        W, U = plan.dense()
+        assert _close(W @ x, plan.merge(x)), f"{label}: dense() W does not reproduce merge"
+        assert _close(U @ y, plan.unmerge(y)), f"{label}: dense() U does not reproduce unmerge"
+
+    if "deterministic" in checks:
+        again = make().plan(x, make_context(x, grid, ratio))
+        assert torch.equal(again.slot_of_token, plan.slot_of_token), f"{label}: not deterministic"
+
+    if "per_sample" in checks and getattr(s, "batch_independent", True):
+        ctx = make_context(x, grid, ratio)
+        batched = plan.merge(x)
+        for b in range(x.shape[0]):
+            one = MergeContext(grid=grid, ratio=ratio, received_attention=ctx.received_attention[b:b + 1],
+                               streak=ctx.streak[b:b + 1], generator=torch.Generator().manual_seed(0))
+            alone = make().plan(x[b:b + 1], one)
+            assert _close(alone.merge(x[b:b + 1]), batched[b:b + 1]), \
+                f"{label}: sample {b} merged alone differs from the batch"
+
+    if "robust" in checks:
+        odd = (13, 15)
+        for dtype in (torch.float32, torch.float16, torch.bfloat16):
+            xo = _tokens(2, odd, dtype=dtype)
+            xo[:, :5] = 0  # all-zero tokens must not produce NaN
+            p = make().plan(xo, make_context(xo, odd, ratio))
+            y = p.merge(xo)
+            assert y.dtype == dtype, f"{label}: merge changed dtype {dtype} to {y.dtype}"
+            assert torch.isfinite(y).all() and torch.isfinite(p.unmerge(y)).all(), \
+                f"{label}: NaN/inf with zero tokens, {dtype}, grid {odd}"
