@@ -1,0 +1,247 @@
+"""``ssm``: similarity-prioritized structure merging, the early (structure) phase of SDTM.
+
+Reference: H. Fang, S. Tang, J. Cao, E. Zhang, F. Tang, T.-Y. Lee, "Attend to Not Attended:
+Structure-then-Detail Token Merging for Post-training DiT Acceleration", CVPR 2025
+(arXiv:2505.11707, code: https://github.com/ICTMCG/SDTM).
+
+Early in denoising a diffusion transformer lays out low-frequency structure, so neighbourhoods whose
+tokens are already alike can share one computation. The algorithm, per batch element:
+
+1. Partition the ``H x W`` token grid into non-overlapping ``k x k`` windows (``K = k * k`` tokens).
+   Only full windows are candidates; rows/columns left over when ``H`` or ``W`` is not divisible by
+   ``k`` keep one slot per token.
+2. Score every window by the mean pairwise cosine similarity of its ``K`` features (fp32, features
+   normalised with an epsilon so an all-zero token gives similarity 0, never NaN).
+   *Off-diagonal vs diagonal-included mean*: the paper averages the ``K * (K - 1)`` off-diagonal
+   pairs, the authors' code all ``K * K`` pairs including the diagonal. For nonzero tokens the two are
+   an increasing affine map of each other (``P_code = 1/K + (1 - 1/K) * P_paper``) and rank windows
+   identically; we use the off-diagonal mean. (With the persistence prior the scale of the score
+   matters slightly: the prior weight ``alpha_s`` is relative to the off-diagonal score.)
+3. Persistence prior (``alpha_s``, default 0.05): with ``ctx.streak [B, N]`` (consecutive merge
+   decisions in which each token was merged), add ``alpha_s * mean_window(streak / mean(streak))``.
+   Without a streak the prior is 0.
+4. Select the ``n_win = floor(r / (K - 1))`` best windows (``r = int(N * ratio)``), capped at the
+   number of full windows (with a warning). Like the authors' code, ``n_win`` is rounded down to a
+   multiple of ``round_windows`` (default 16) for kernel efficiency; ``round_windows=1`` disables it.
+   If the rounding would leave no window although ``n_win > 0`` (small grids, small ratios), ``n_win``
+   is kept unrounded: silently turning merging off is worse than an odd window count.
+   Every batch element selects the same number of windows (static shapes), its own windows.
+5. Merge: a selected window becomes one slot holding the mean of its ``K`` tokens (its ``dst`` is the
+   window's top-left token); every other token is its own slot. Unmerge copies the slot back to all
+   ``K`` positions. Slots are ordered ``[selected windows in raster order..., single tokens in raster
+   order...]``.
+
+Everything is vectorised (sort/gather/scatter, no loop over tokens or windows, no host sync), so the
+plan can be built inside a CUDA graph region.
+
+Example:
+    >>> import torch
+    >>> from tomerge import MergeContext
+    >>> x = torch.randn(2, 64, 8)
+    >>> plan = SSM(round_windows=1).plan(x, MergeContext(grid=(8, 8), ratio=0.5))
+    >>> plan.num_removed                  # floor(32 / 3) = 10 windows of 4 tokens -> 30 removed
+    30
+    >>> plan.unmerge(plan.merge(x)).shape
+    torch.Size([2, 64, 8])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from tomerge.context import MergeContext
+from tomerge.plan import MergePlan
+from tomerge.strategy import MergeStrategy
+
+EPS = 1e-6  # feature-norm epsilon: an all-zero token normalises to 0, not NaN
+STAT_EPS = 1e-12  # floor for the mean of a per-token statistic (all-zero rows stay 0)
+
+
+def window_tokens(grid: tuple[int, int], window: int, device: torch.device | str = "cpu") -> Tensor:
+    """Token positions of every full ``window x window`` window of a raster-order grid.
+
+    Args:
+        grid: ``(H, W)`` token grid.
+        window: window side ``k``.
+        device: device of the result.
+
+    Returns:
+        ``[nW, K]`` long, ``nW = (H // k) * (W // k)`` windows in raster order, each listing its
+        ``K = k * k`` token positions in raster order (so column 0 is the top-left token).
+        ``nW`` is 0 when the grid is smaller than one window.
+
+    Example:
+        >>> window_tokens((2, 4), 2).tolist()
+        [[0, 1, 4, 5], [2, 3, 6, 7]]
+    """
+    H, W = grid
+    k = window
+    Hw, Ww = H // k, W // k
+    pos = torch.arange(H * W, device=device).view(H, W)[: Hw * k, : Ww * k]  # [Hw*k, Ww*k]
+    pos = pos.reshape(Hw, k, Ww, k).permute(0, 2, 1, 3)  # [Hw, Ww, k, k]
+    return pos.reshape(Hw * Ww, k * k)  # [nW, K]
+
+
+def normalized_stat(stat: Tensor, batch: int) -> Tensor:
+    """``stat / mean(stat)`` per sample, in fp32, eps-safe (an all-zero row stays 0).
+
+    Args:
+        stat: ``[B, N]`` or ``[1, N]`` non-negative per-token statistic (streak, received attention).
+        batch: ``B``; a ``[1, N]`` statistic is expanded to it.
+
+    Returns:
+        ``[B, N]`` float32.
+    """
+    stat = stat.float().expand(batch, -1)  # [B, N]
+    return stat / stat.mean(dim=1, keepdim=True).clamp_min(STAT_EPS)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SSM(MergeStrategy):
+    """Similarity-prioritized structure merging (SDTM, CVPR 2025); see the module docstring.
+
+    Args:
+        window: window side ``k`` (``k x k`` windows, ``K = k * k`` tokens each); at least 2.
+        alpha_s: weight of the persistence prior (uses ``ctx.streak`` when given); ``>= 0``.
+        round_windows: round the number of merged windows down to a multiple of this (authors'
+            code: 16); 1 disables. Never rounds a positive count down to 0.
+        ratio: default ratio when applied alone (planning uses ``ctx.ratio``).
+    """
+
+    name: ClassVar[str] = "ssm"
+    default_sublayers: ClassVar[frozenset[str]] = frozenset({"attn", "mlp"})
+    uses_streak: ClassVar[bool] = True
+
+    window: int = 2
+    alpha_s: float = 0.05
+    round_windows: int = 16
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 2:
+            raise ValueError(f"ssm: window must be an int >= 2 (k x k windows), got {self.window!r}")
+        if (isinstance(self.alpha_s, bool) or not isinstance(self.alpha_s, (int, float))
+                or not math.isfinite(self.alpha_s) or self.alpha_s < 0):
+            raise ValueError(f"ssm: alpha_s must be a finite number >= 0 (0 disables the prior), got {self.alpha_s!r}")
+        if isinstance(self.round_windows, bool) or not isinstance(self.round_windows, int) or self.round_windows < 1:
+            raise ValueError(
+                f"ssm: round_windows must be an int >= 1 (1 disables rounding), got {self.round_windows!r}"
+            )
+
+    @property
+    def window_size(self) -> int:
+        """``K = k * k``, tokens per window."""
+        return self.window * self.window
+
+    # ------------------------------------------------------------------ pure helpers
+    def num_windows(self, num_tokens: int, num_full_windows: int, ctx: MergeContext) -> int:
+        """How many windows to merge: ``floor(r / (K - 1))``, capped, then rounded.
+
+        Args:
+            num_tokens: ``N``.
+            num_full_windows: ``nW``, the candidates.
+            ctx: gives the ratio.
+
+        Returns:
+            ``n_win`` with ``0 <= n_win <= nW``. Warns when the cap ``nW`` applies.
+        """
+        r = ctx.tokens_to_remove(num_tokens)
+        n_win = r // (self.window_size - 1)
+        if n_win > num_full_windows:
+            warnings.warn(
+                f"ssm: ratio {ctx.ratio} asks to remove {r} of {num_tokens} tokens ({n_win} windows), but the "
+                f"grid {ctx.grid} has only {num_full_windows} full {self.window}x{self.window} windows; capping "
+                f"at {num_full_windows} windows ({num_full_windows * (self.window_size - 1)} tokens removed)",
+                stacklevel=4,  # the caller of MergeStrategy.plan
+            )
+            n_win = num_full_windows
+        rounded = n_win - n_win % self.round_windows
+        return rounded if rounded > 0 else n_win
+
+    def window_scores(self, x: Tensor, ctx: MergeContext) -> Tensor:
+        """Score of every full window: off-diagonal mean cosine similarity + persistence prior.
+
+        Args:
+            x: ``[B, N, C]`` token features (any float dtype; computed in fp32).
+            ctx: gives the grid and, optionally, ``streak [B, N]``.
+
+        Returns:
+            ``[B, nW]`` float32 scores, windows in raster order.
+        """
+        B = x.shape[0]
+        K = self.window_size
+        windows = window_tokens(ctx.grid, self.window, x.device)  # [nW, K]
+        xn = F.normalize(x.float(), dim=-1, eps=EPS)  # [B, N, C]
+        xw = xn[:, windows]  # [B, nW, K, C]
+        gram = xw @ xw.transpose(-1, -2)  # [B, nW, K, K]
+        off_diagonal = ~torch.eye(K, dtype=torch.bool, device=x.device)  # [K, K]
+        score = (gram * off_diagonal).sum(dim=(-1, -2)) / (K * (K - 1))  # [B, nW]
+        if ctx.streak is not None and self.alpha_s > 0:
+            prior = normalized_stat(ctx.streak, B)[:, windows].mean(dim=-1)  # [B, nW]
+            score = score + self.alpha_s * prior
+        return score
+
+    # ------------------------------------------------------------------ the strategy
+    def select_destinations(self, x: Tensor, ctx: MergeContext) -> Tensor:
+        """Selects the windows to merge.
+
+        Args:
+            x: ``[B, N, C]`` token features.
+            ctx: the merge context.
+
+        Returns:
+            ``[B, M]`` long slot representatives: the top-left tokens of the ``n_win`` selected windows
+            (raster order), then every token outside them (raster order). ``M = N - n_win * (K - 1)``.
+        """
+        B, N, _ = x.shape
+        K = self.window_size
+        windows = window_tokens(ctx.grid, self.window, x.device)  # [nW, K]
+        n_win = self.num_windows(N, windows.shape[0], ctx)
+        if n_win == 0:
+            return torch.arange(N, device=x.device).expand(B, N)  # [B, N]
+        score = self.window_scores(x, ctx)  # [B, nW]
+        # Stable descending sort: ties go to the first window in raster order (deterministic).
+        chosen = torch.sort(score, dim=1, descending=True, stable=True).indices[:, :n_win]  # [B, n_win]
+        chosen = chosen.sort(dim=1).values  # [B, n_win], raster order of windows
+        members = windows[chosen]  # [B, n_win, K]
+        in_window = torch.zeros(B, N, dtype=torch.int8, device=x.device)
+        in_window.scatter_(1, members.flatten(1), 1)  # [B, N], 1 inside a selected window
+        # Stable sort puts the tokens outside selected windows first, in raster order.
+        singles = torch.sort(in_window, dim=1, stable=True).indices[:, : N - n_win * K]  # [B, N - n_win*K]
+        return torch.cat([members[..., 0], singles], dim=1)  # [B, M]
+
+    def merge_matrix(self, x: Tensor, dst: Tensor, ctx: MergeContext) -> MergePlan:
+        """Builds the hard plan from :meth:`select_destinations`' output.
+
+        Args:
+            x: ``[B, N, C]`` token features (only the shape is used).
+            dst: ``[B, M]`` as returned by :meth:`select_destinations`.
+            ctx: the merge context.
+
+        Returns:
+            A hard :class:`MergePlan` with ``M`` slots (the identity plan when no window is merged).
+        """
+        B, N, _ = x.shape
+        K = self.window_size
+        M = dst.shape[1]
+        n_win = (N - M) // (K - 1)
+        if n_win == 0:
+            return MergePlan.identity(B, N, device=x.device)
+        H, W = ctx.grid
+        dy, dx = torch.meshgrid(torch.arange(self.window, device=x.device),
+                                torch.arange(self.window, device=x.device), indexing="ij")
+        offsets = (dy * W + dx).flatten()  # [K], raster offsets from a window's top-left token
+        members = dst[:, :n_win, None] + offsets  # [B, n_win, K]
+        window_slots = torch.arange(n_win, device=x.device).view(1, n_win, 1).expand(B, n_win, K)  # [B, n_win, K]
+        single_slots = torch.arange(n_win, M, device=x.device).expand(B, M - n_win)  # [B, M - n_win]
+        assign = torch.empty(B, N, dtype=torch.long, device=x.device)
+        assign.scatter_(1, members.flatten(1), window_slots.flatten(1))  # [B, N]
+        assign.scatter_(1, dst[:, n_win:], single_slots)  # [B, N]
+        return MergePlan.hard(assign, dst)
