@@ -124,6 +124,8 @@ class MergeState:
         self.streaks: dict[int, Tensor] = {}  # N -> [B, N] consecutive merges of each token
         self.attention: dict[int, Tensor] = {}  # layer -> [B, N] received attention, latest full-length call
         self._forked: dict[torch.device, torch.Generator] = {}
+        # Called with (block call, new plan) whenever a plan is computed: merge maps, probes, logging.
+        self.observers: list[Callable[[BlockCall, MergePlan], None]] = []
         strategies = schedule.strategies()
         self.needs: frozenset[str] = frozenset().union(*(s.needs for s in strategies))
         self.keep_streaks = any(s.uses_streak for s in strategies)
@@ -185,6 +187,8 @@ class MergeState:
         plan = strategy.plan(metric, ctx)
         if self.keep_streaks:
             self._update_streaks(plan, B, N, metric.device)
+        for observe in self.observers:
+            observe(call, plan)
         return plan
 
     # ------------------------------------------------------------------ per-token statistics
