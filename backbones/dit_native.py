@@ -1,0 +1,96 @@
+"""`native_dit`: the native timm-based DiT of `backbones/native_dit.py` (the reference model's
+architecture, original DiT layout).
+
+Merge points per `DiTBlock`: the input of ``attn`` (timm ``Attention``, ``"attn"``) and of ``mlp``
+(timm ``Mlp``, ``"mlp"``), after the adaptive norm and before the gated residual. Positions are
+absolute (added at the patch embedding), so merging needs no positional work. The grid is the input
+size divided by the patch size; the timestep is the flow time in ``[0, 1]``. Received attention for
+IDM comes from the ``qkv`` projection (or the q/k norms when ``qk_norm`` is on).
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from torch import Tensor, nn
+
+from tomerge.adapter import BackboneAdapter, BlockSpec, MergePoint, class_names
+from tomerge.probe import received_attention, split_heads, strided_queries
+from tomerge.state import MergeState
+
+
+class NativeDiTAdapter(BackboneAdapter):
+    """Adapter for :class:`tomerge.backbones.native_dit.DiT` and any timm-style DiT with the original
+    layout (``blocks[i].attn``, ``blocks[i].mlp``, ``x_embedder.patch_size``)."""
+
+    name: ClassVar[str] = "native_dit"
+    block_names: ClassVar[tuple[str, ...]] = ("DiTBlock",)
+    t_max: ClassVar[float] = 1.0
+
+    def __init__(self, model: nn.Module, options: Any) -> None:
+        super().__init__(model, options)
+        self.token_grid: tuple[int, int] | None = None
+
+    @classmethod
+    def find_model(cls, obj: Any) -> nn.Module | None:
+        if isinstance(obj, nn.Module) and hasattr(obj, "x_embedder") and hasattr(obj, "blocks") \
+                and "DiTTransformer2DModel" not in class_names(obj):
+            return obj
+        return None
+
+    def blocks(self) -> list[BlockSpec]:
+        return [BlockSpec(block, layer=i, kind="dit", arg="x",
+                          points=(MergePoint("attn", block.attn, arg="x"), MergePoint("mlp", block.mlp, arg="x")))
+                for i, block in enumerate(self.model.blocks) if "DiTBlock" in class_names(block)]
+
+    def on_model_call(self, args: tuple, kwargs: dict) -> Tensor | float | None:
+        x = kwargs["x"] if "x" in kwargs else args[0]  # [B, C, H, W]
+        p = self.model.x_embedder.patch_size
+        p = p if isinstance(p, int) else p[0]
+        self.token_grid = (x.shape[-2] // p, x.shape[-1] // p)
+        return kwargs["t"] if "t" in kwargs else (args[1] if len(args) > 1 else None)
+
+    def grid(self, block: BlockSpec, num_tokens: int) -> tuple[int, int] | None:
+        if self.token_grid is None or self.token_grid[0] * self.token_grid[1] != num_tokens:
+            return None
+        return self.token_grid
+
+    def probe(self, block: BlockSpec, point: MergePoint, state: MergeState,
+              max_queries: int = 64) -> list[Any]:
+        """Captures q/k from timm ``Attention`` (``qkv`` output, or ``q_norm``/``k_norm`` outputs)."""
+        attn = point.module
+        heads = attn.num_heads
+        captured: dict[str, Tensor] = {}
+
+        def wanted() -> bool:
+            call = state.call
+            return call is not None and call.where.layer == block.layer and call.decision.merges
+
+        def keep_qkv(module: nn.Module, args: tuple, out: Tensor) -> None:
+            if wanted():
+                B, N, _ = out.shape
+                q, k, _ = out.view(B, N, 3, heads, -1).permute(2, 0, 3, 1, 4)  # 3 x [B, H, N, d]
+                captured.setdefault("q", q)
+                captured.setdefault("k", k)
+
+        def keep(name: str):
+            def hook(module: nn.Module, args: tuple, out: Tensor) -> None:
+                if wanted():
+                    captured[name] = out  # [B, H, N, d], after the norm: overrides the raw projection
+            return hook
+
+        def compute(module: nn.Module, args: tuple, out: Any) -> None:
+            q, k = captured.pop("q", None), captured.pop("k", None)
+            if q is None or k is None or not wanted():
+                return
+            H, W = state.call.grid
+            if k.shape[2] != H * W:  # attention ran on merged slots
+                return
+            q = strided_queries(split_heads(q, heads), max_queries)  # [B, H, Q, d]
+            state.store_attention(block.layer, received_attention(q, split_heads(k, heads), attn.scale))
+
+        hooks = [attn.qkv.register_forward_hook(keep_qkv)]
+        if not isinstance(attn.q_norm, nn.Identity):
+            hooks += [attn.q_norm.register_forward_hook(keep("q")), attn.k_norm.register_forward_hook(keep("k"))]
+        hooks.append(attn.register_forward_hook(compute))
+        return hooks
