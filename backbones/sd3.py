@@ -1,0 +1,141 @@
+"""`sd3`: Stable Diffusion 3 / 3.5 (diffusers `SD3Transformer2DModel`, MMDiT `JointTransformerBlock`).
+
+Each `JointTransformerBlock` runs ``attn(hidden_states=norm1(x), encoder_hidden_states=norm1_context(c))``.
+The joint attention processor projects image and text separately, concatenates them after the
+projection and splits the result at the image length, so a shorter (merged) image sequence passes
+through unchanged; it returns ``(image, text)``. Merge points:
+
+* ``attn``: the image ``hidden_states`` argument; the image element (index 0) of its tuple output is
+  unmerged. The text stream is never merged, also in the last block (``context_pre_only``, whose
+  attention still returns a tuple).
+* ``attn2`` (SD3.5 dual attention, ``use_dual_attention``: a second image self-attention on
+  ``norm_hidden_states2``): merged like ``attn`` when ``merge_attn2=True`` (default), else it runs at
+  full length. It always runs: the adapter never changes ``use_dual_attention``.
+* ``ff``: the image feed-forward input (``ff_context``, the text feed-forward, is left alone).
+
+Positions are absolute (added at the patch embedding): no positional work. The grid is
+``(H0 // p, W0 // p)`` of the latent the model is called with. The timestep comes from each call,
+so the CFG batch, split CFG and SD3.5 skip-layer guidance (a third call at the same timestep) share a
+step.
+
+Received attention for ``idm``: the text-to-image part of the joint attention. Forward hooks on the
+projection submodules (``to_k`` then ``norm_k``, ``add_q_proj`` then ``norm_added_q``, ``add_k_proj``
+then ``norm_added_k``; ``to_qkv`` / ``to_added_qkv`` when the projections are fused) capture the keys
+and text queries the processor computes anyway, so the attention keeps its fused kernel. The text
+queries' softmax over all keys (image and text, as in the model) is averaged over heads and text
+queries, restricted to the image keys and renormalised to sum to 1 per sample.
+
+Feed-forward chunking is not supported (apply raises; disable it first).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor, nn
+
+from tomerge.adapter import BlockSpec, MergePoint
+from tomerge.probe import received_attention, split_heads
+from tomerge.state import MergeState
+
+from .dit import PatchifiedAdapter
+
+_EPS = 1e-12
+
+
+@dataclasses.dataclass(frozen=True)
+class SD3Options:
+    """Options of the ``sd3`` adapter.
+
+    Args:
+        merge_attn2: merge SD3.5's second image self-attention (``attn2``) with the block's plan like
+            ``attn`` (True), or run it at full length (False). It is never disabled.
+    """
+
+    merge_attn2: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.merge_attn2, bool):
+            raise ValueError(f"merge_attn2 must be True or False, got {self.merge_attn2!r}")
+
+
+class SD3Adapter(PatchifiedAdapter):
+    """Adapter for diffusers `SD3Transformer2DModel` (see the module docstring).
+
+    Example (``pipe``: a `StableDiffusion3Pipeline`, or the transformer itself):
+        >>> import tomerge
+        >>> handle = tomerge.apply(pipe, "sdtm", ratio=0.3, merge_attn2=True)  # doctest: +SKIP
+    """
+
+    name: ClassVar[str] = "sd3"
+    block_names: ClassVar[tuple[str, ...]] = ("JointTransformerBlock",)
+    Options: ClassVar[type] = SD3Options
+    model_class: ClassVar[str] = "SD3Transformer2DModel"
+    block_kind: ClassVar[str] = "joint"
+    timestep_index: ClassVar[int] = 3  # forward(hidden_states, encoder_hidden_states, pooled_projections, timestep)
+
+    def merge_points(self, block: nn.Module) -> tuple[MergePoint, ...]:
+        points = [MergePoint("attn", block.attn, output=0)]  # output: (image, text)
+        if getattr(block, "attn2", None) is not None and self.options.merge_attn2:
+            points.append(MergePoint("attn", block.attn2))  # image self-attention: a tensor output
+        points.append(MergePoint("mlp", block.ff))
+        return tuple(points)
+
+    def probe(self, block: BlockSpec, point: MergePoint, state: MergeState) -> list[Any]:
+        if point.module is not block.module.attn:
+            return []  # attn2 (dual attention): the joint attention's text-to-image probe is the record
+        return probe_joint_attention(block, point.module, state)
+
+
+def probe_joint_attention(block: BlockSpec, attn: nn.Module, state: MergeState) -> list[Any]:
+    """Records the text-to-image attention of a diffusers joint (MMDiT) ``Attention``.
+
+    Args:
+        block: the block whose layer the record is stored under.
+        attn: the joint attention module (with ``add_q_proj``/``add_k_proj`` text projections).
+        state: receives ``store_attention(layer, a [B, N])``.
+
+    Returns:
+        The hook handles (projection/norm output hooks and one forward hook on ``attn``).
+
+    Calls where the attention itself was merged are not recorded (its keys are slots, not tokens).
+    """
+    # Each captured name is written by the projection and then overwritten by its norm, which runs
+    # after it (last writer wins); the fused projections give slices of their output.
+    sources: list[tuple[str, nn.Module | None, int | None]] = [
+        ("k_img", attn.to_k, None), ("k_img", getattr(attn, "norm_k", None), None),
+        ("q_txt", getattr(attn, "add_q_proj", None), None), ("q_txt", getattr(attn, "norm_added_q", None), None),
+        ("k_txt", getattr(attn, "add_k_proj", None), None), ("k_txt", getattr(attn, "norm_added_k", None), None),
+        ("k_img", getattr(attn, "to_qkv", None), 1),
+        ("q_txt", getattr(attn, "to_added_qkv", None), 0), ("k_txt", getattr(attn, "to_added_qkv", None), 1),
+    ]
+    captured: dict[str, Tensor] = {}
+
+    def wanted() -> bool:
+        call = state.call
+        return call is not None and call.where.layer == block.layer and call.decision.merges
+
+    def keep(name: str, part: int | None):
+        def hook(module: nn.Module, args: tuple, output: Tensor) -> None:
+            if wanted():
+                captured[name] = output if part is None else output.chunk(3, dim=-1)[part]  # [B, L, H*d]
+        return hook
+
+    def compute(module: nn.Module, args: tuple, output: Any) -> None:
+        k_img, q_txt, k_txt = (captured.pop(n, None) for n in ("k_img", "q_txt", "k_txt"))
+        if k_img is None or q_txt is None or k_txt is None or not wanted():
+            return
+        H, W = state.call.grid
+        k_img = split_heads(k_img, attn.heads)  # [B, h, N, d]
+        if k_img.shape[2] != H * W:  # the attention ran on merged slots
+            return
+        q = split_heads(q_txt, attn.heads)  # [B, h, T, d]
+        k = torch.cat([k_img, split_heads(k_txt, attn.heads).to(k_img.dtype)], dim=2)  # [B, h, N + T, d]
+        a = received_attention(q, k, attn.scale)[:, : H * W]  # [B, N]: text -> image share of the softmax
+        state.store_attention(block.layer, a / a.sum(-1, keepdim=True).clamp_min(_EPS))
+
+    handles = [module.register_forward_hook(keep(name, part)) for name, module, part in sources if module is not None]
+    handles.append(attn.register_forward_hook(compute))
+    return handles
