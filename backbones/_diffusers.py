@@ -1,20 +1,20 @@
-"""Helpers shared by the adapters of diffusers models (their `Attention` module, pipelines)."""
+"""Helpers shared by the adapters of diffusers models: finding the model in a pipeline, call
+arguments, patch grids, feed-forward chunking, the base adapter of patchified transformers, and the
+received-attention probe of their `Attention` module."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from torch import Tensor, nn
 
-from tomerge.adapter import BlockSpec, MergePoint
+from tomerge.adapter import BackboneAdapter, BlockSpec, MergePoint, class_names
 from tomerge.probe import received_attention, split_heads, strided_queries
 from tomerge.state import MergeState
 
 
 def submodel(obj: Any, attr: str, class_name: str) -> nn.Module | None:
     """``obj`` itself if one of its classes is named ``class_name``, else ``obj.<attr>`` if that is."""
-    from tomerge.adapter import class_names
-
     if isinstance(obj, nn.Module) and class_name in class_names(obj):
         return obj
     sub = getattr(obj, attr, None)
@@ -27,14 +27,13 @@ def probe_self_attention(block: BlockSpec, point: MergePoint, state: MergeState,
                          max_queries: int = 64) -> list[Any]:
     """Records the attention each image token receives in a diffusers self-attention ``Attention``.
 
-    Hooks the query/key projections (or the q/k norms, which run after them) to capture what the
-    processor computes anyway; after the attention runs at full length, stores
+    Hooks the query/key projections (``to_q``/``to_k``, or ``to_qkv`` after
+    ``fuse_qkv_projections()``) and the q/k norms, which run after them and so overwrite the capture,
+    to keep what the processor computes anyway; after the attention runs at full length, stores
     ``received_attention`` for the block's layer. Calls where the attention itself was merged are
     not recorded (the keys are slots, not tokens).
     """
     attn = point.module
-    q_module = attn.norm_q if getattr(attn, "norm_q", None) is not None else attn.to_q
-    k_module = attn.norm_k if getattr(attn, "norm_k", None) is not None else attn.to_k
     captured: dict[str, Tensor] = {}
 
     def wanted() -> bool:
@@ -47,6 +46,10 @@ def probe_self_attention(block: BlockSpec, point: MergePoint, state: MergeState,
                 captured[name] = output
         return hook
 
+    def keep_fused(module: nn.Module, args: tuple, output: Tensor) -> None:
+        if wanted():
+            captured["q"], captured["k"], _ = output.chunk(3, dim=-1)  # 3 x [B, N, H*d]
+
     def compute(module: nn.Module, args: tuple, output: Any) -> None:
         q, k = captured.pop("q", None), captured.pop("k", None)
         if q is None or k is None or not wanted():
@@ -58,5 +61,106 @@ def probe_self_attention(block: BlockSpec, point: MergePoint, state: MergeState,
             return
         state.store_attention(block.layer, received_attention(q, k, attn.scale))
 
-    return [q_module.register_forward_hook(keep("q")), k_module.register_forward_hook(keep("k")),
-            attn.register_forward_hook(compute)]
+    hooks = [attn.to_q.register_forward_hook(keep("q")), attn.to_k.register_forward_hook(keep("k"))]
+    if getattr(attn, "to_qkv", None) is not None:
+        hooks.append(attn.to_qkv.register_forward_hook(keep_fused))
+    for name, norm in (("q", getattr(attn, "norm_q", None)), ("k", getattr(attn, "norm_k", None))):
+        if norm is not None:
+            hooks.append(norm.register_forward_hook(keep(name)))
+    hooks.append(attn.register_forward_hook(compute))
+    return hooks
+
+
+def call_arg(args: tuple, kwargs: dict, name: str, index: int) -> Any:
+    """The argument ``name`` of a call, given by keyword or as positional ``index`` (``None`` if absent)."""
+    if name in kwargs:
+        return kwargs[name]
+    return args[index] if len(args) > index else None
+
+
+def patch_grid(latent_size: tuple[int, int] | None, patch_size: int, num_tokens: int) -> tuple[int, int] | None:
+    """The token grid of a patchified latent, or ``None`` when it does not account for ``num_tokens``.
+
+    Args:
+        latent_size: ``(H0, W0)`` of the latent the model was called with (``None``: not seen yet).
+        patch_size: the patch side ``p`` (patches are ``p x p``, stride ``p``: ``floor`` division).
+        num_tokens: ``N``, the image tokens entering the block.
+
+    Returns:
+        ``(H0 // p, W0 // p)`` if its product is ``N``, else ``None`` (then the block is not merged).
+
+    Example:
+        >>> patch_grid((12, 20), 2, 60)
+        (6, 10)
+    """
+    if latent_size is None:
+        return None
+    H, W = latent_size[0] // patch_size, latent_size[1] // patch_size
+    return (H, W) if H * W == num_tokens else None
+
+
+def check_ff_chunking(blocks: list[nn.Module]) -> None:
+    """Raises if any block has feed-forward chunking enabled (``ff`` would get chunks, not the merged sequence).
+
+    Args:
+        blocks: the block modules (diffusers blocks keep the setting in ``_chunk_size``).
+    """
+    for block in blocks:
+        if getattr(block, "_chunk_size", None) is not None:
+            raise ValueError(
+                f"feed-forward chunking is enabled on a {type(block).__name__} (chunk size {block._chunk_size}, "
+                f"dim {getattr(block, '_chunk_dim', 0)}): the feed-forward then runs once per chunk and cannot "
+                "take the merged sequence. Call model.disable_forward_chunking() (or "
+                "block.set_chunk_feed_forward(None)) before tomerge.apply; merging already saves the memory "
+                "chunking would")
+
+
+class PatchifiedAdapter(BackboneAdapter):
+    """Base of the adapters of patchified diffusers transformers with ``transformer_blocks`` of one class.
+
+    Subclasses set ``model_class`` (class name of the transformer), ``block_names`` (the block class),
+    ``block_kind``, ``timestep_index`` (position of ``timestep`` in the model's forward), and implement
+    :meth:`merge_points`.
+    """
+
+    model_class: ClassVar[str] = ""
+    block_kind: ClassVar[str] = "basic"
+    timestep_index: ClassVar[int] = 1
+
+    def __init__(self, model: nn.Module, options: Any) -> None:
+        super().__init__(model, options)
+        self.latent_size: tuple[int, int] | None = None
+        self.patch_size = int(model.config.patch_size)
+
+    @classmethod
+    def find_model(cls, obj: Any) -> nn.Module | None:
+        """The transformer: ``obj`` itself or a pipeline's ``obj.transformer``."""
+        return submodel(obj, "transformer", cls.model_class)
+
+    def _block_modules(self) -> list[nn.Module]:
+        blocks = getattr(self.model, "transformer_blocks", None)
+        if blocks is None:
+            return []
+        return [m for m in blocks if any(name in class_names(m) for name in self.block_names)]
+
+    def merge_points(self, block: nn.Module) -> tuple[MergePoint, ...]:
+        """The merge points of one block module."""
+        raise NotImplementedError
+
+    def blocks(self) -> list[BlockSpec]:
+        return [BlockSpec(module, layer=i, kind=self.block_kind, points=self.merge_points(module))
+                for i, module in enumerate(self._block_modules())]
+
+    def check(self) -> None:
+        check_ff_chunking(self._block_modules())
+
+    def on_model_call(self, args: tuple, kwargs: dict) -> Tensor | float | None:
+        sample = call_arg(args, kwargs, "hidden_states", 0)  # [B, C, H0, W0]
+        if sample.dim() != 4:
+            raise ValueError(f"{type(self.model).__name__} expects a latent [B, C, H, W], got {tuple(sample.shape)}")
+        self.latent_size = (int(sample.shape[-2]), int(sample.shape[-1]))
+        return call_arg(args, kwargs, "timestep", self.timestep_index)
+
+    def grid(self, block: BlockSpec, num_tokens: int) -> tuple[int, int] | None:
+        check_ff_chunking([block.module])  # enabled after apply(): say so instead of failing inside ff
+        return patch_grid(self.latent_size, self.patch_size, num_tokens)

@@ -30,8 +30,7 @@ from torch import Tensor, nn
 from tomerge.adapter import BlockSpec, MergePoint
 from tomerge.state import MergeState
 
-from ._diffusers import probe_self_attention
-from .dit import PatchifiedAdapter, call_arg
+from ._diffusers import PatchifiedAdapter, call_arg, probe_self_attention
 
 
 class PixArtAdapter(PatchifiedAdapter):

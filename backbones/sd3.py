@@ -40,7 +40,7 @@ from tomerge.adapter import BlockSpec, MergePoint
 from tomerge.probe import received_attention, split_heads
 from tomerge.state import MergeState
 
-from .dit import PatchifiedAdapter
+from ._diffusers import PatchifiedAdapter
 
 _EPS = 1e-12
 

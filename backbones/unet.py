@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from tomerge.adapter import BackboneAdapter, BlockSpec, MergePoint, class_names
 from tomerge.state import MergeState
 
-from ._diffusers import probe_self_attention, submodel
+from ._diffusers import check_ff_chunking, probe_self_attention, submodel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,17 +54,11 @@ class UNetAdapter(BackboneAdapter):
         return submodel(obj, "unet", "UNet2DConditionModel")
 
     def check(self) -> None:
-        for module in self.model.modules():
-            if "BasicTransformerBlock" in class_names(module) and getattr(module, "_chunk_size", None):
-                if getattr(module, "_chunk_dim", 0) == 1:
-                    raise ValueError(
-                        "feed-forward chunking over tokens is enabled on this UNet; call "
-                        "unet.disable_forward_chunking() before tomerge.apply (a merged MLP input cannot "
-                        "be split into the configured chunks)")
+        check_ff_chunking([spec.module for spec in self.blocks()])
 
     def blocks(self) -> list[BlockSpec]:
         specs = []
-        for module in self.model.modules():
+        for module in self._modules_in_execution_order():
             if "BasicTransformerBlock" not in class_names(module):
                 continue
             points = [MergePoint("attn", module.attn1)]
@@ -73,6 +67,14 @@ class UNetAdapter(BackboneAdapter):
             points.append(MergePoint("mlp", module.ff))
             specs.append(BlockSpec(module, layer=len(specs), kind="basic", points=tuple(points)))
         return specs
+
+    def _modules_in_execution_order(self) -> list[nn.Module]:
+        """Down blocks, mid block, up blocks (``modules()`` registers the up blocks before the mid block)."""
+        stages = [*getattr(self.model, "down_blocks", []), getattr(self.model, "mid_block", None),
+                  *getattr(self.model, "up_blocks", [])]
+        ordered = [m for stage in stages if stage is not None for m in stage.modules()]
+        seen = {id(m) for m in ordered}
+        return ordered + [m for m in self.model.modules() if id(m) not in seen]
 
     def on_model_call(self, args: tuple, kwargs: dict) -> Tensor | float | None:
         sample = kwargs["sample"] if "sample" in kwargs else args[0]

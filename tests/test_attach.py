@@ -190,3 +190,10 @@ def test_warns_when_no_block_is_merged_as_on_sdxl_with_max_downsample_1():
     with tomerge.merging(sdxl_like, "tomesd", ratio=0.5, max_downsample=2) as handle:
         forward(sdxl_like, inputs)
         assert handle.stats["tokens_removed"] > 0
+
+
+def test_unet_blocks_are_numbered_in_execution_order(unet):
+    with tomerge.merging(unet, "tomesd", ratio=0.5, max_downsample=2) as handle:
+        forward(unet, unet_inputs())
+        layers = [r.layer for r in handle.state.records]
+    assert layers == list(range(handle.state.num_layers))  # down, mid, up: the order they run in

@@ -23,9 +23,6 @@ from tomerge.backbones.dit import DiTAdapter
 from tomerge.backbones.pixart import PixArtAdapter
 from tomerge.backbones.sd3 import SD3Adapter
 
-for _name, _cls in (("sd3", SD3Adapter), ("pixart", PixArtAdapter), ("dit", DiTAdapter)):
-    if _name not in tomerge.list_backbones():  # until setup.cfg declares the entry points
-        tomerge.register_backbone(_name)(_cls)
 
 STRATEGIES = ["tomesd", "ssm", "idm", "facility_location"]
 BACKBONES = ["sd3", "pixart", "dit"]
@@ -93,15 +90,6 @@ def to_dtype(inputs: dict, dtype: torch.dtype) -> dict:
 
 BUILDERS: dict[str, Callable[[], nn.Module]] = {"sd3": tiny_sd3, "pixart": tiny_pixart, "dit": tiny_dit}
 ADAPTERS = {"sd3": SD3Adapter, "pixart": PixArtAdapter, "dit": DiTAdapter}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models gain nothing from threads, and on a shared CPU they lose 10x to contention."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 
 from torch import Tensor, nn
 
+from .plan import MergePlan
 from .state import MergeState
 
 
@@ -48,6 +49,15 @@ class MergePoint:
 
     def get_output(self, out: Any) -> Tensor:
         return out if self.output is None else out[self.output]
+
+    def merge_input(self, args: tuple, kwargs: dict, x: Tensor, plan: MergePlan) -> tuple[tuple, dict]:
+        """The call's arguments with the image tokens ``x`` replaced by ``plan.merge(x)``; override to
+        adjust other arguments that follow the tokens (e.g. gather rotary tables with ``plan.dst``)."""
+        return self.set_input(args, kwargs, plan.merge(x))
+
+    def unmerge_output(self, out: Any, plan: MergePlan) -> Any:
+        """The output with its image tokens unmerged."""
+        return self.set_output(out, plan.unmerge(self.get_output(out)))
 
     def set_output(self, out: Any, y: Tensor) -> Any:
         if self.output is None:

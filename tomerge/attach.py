@@ -39,7 +39,7 @@ class MergeHandle:
     def __init__(self, model: nn.Module, adapter: BackboneAdapter, schedule: Schedule, state: MergeState) -> None:
         self.model, self.adapter, self.schedule, self.state = model, adapter, schedule, state
         self._hooks: list[Any] = []
-        self._blocks_merged_this_call = 0
+        self._blocks_with_grid = 0  # blocks of the current model call the adapter could merge
         self._warned_nothing = False
 
     # ------------------------------------------------------------------ public
@@ -72,8 +72,11 @@ class MergeHandle:
         add = self._hooks.append
         add(self.model.register_forward_pre_hook(self._model_pre, with_kwargs=True))
         add(self.model.register_forward_hook(self._model_post))
+        kind_counts: dict[str, int] = {}
         for block in blocks:
-            add(block.module.register_forward_pre_hook(self._block_pre(block), with_kwargs=True))
+            kind_index = kind_counts.get(block.kind, 0)
+            kind_counts[block.kind] = kind_index + 1
+            add(block.module.register_forward_pre_hook(self._block_pre(block, kind_index), with_kwargs=True))
             add(block.module.register_forward_hook(self._block_post))
             for point in block.points:
                 add(point.module.register_forward_pre_hook(self._point_pre(point), with_kwargs=True))
@@ -85,25 +88,22 @@ class MergeHandle:
 
     def _model_pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         self.state.begin_model_call(self.adapter.on_model_call(args, kwargs))
-        self._blocks_merged_this_call = 0
+        self._blocks_with_grid = 0
 
     def _model_post(self, module: nn.Module, args: tuple, output: Any) -> None:
-        if self._blocks_merged_this_call == 0 and not self._warned_nothing and self.state.records:
-            last = self.state.records[-1]
-            if last.trajectory == self.state.clock.trajectory and last.step == self.state.clock.step:
-                self._warned_nothing = True
-                warnings.warn(
-                    f"tomerge: no block of this {type(self.model).__name__} call was merged with the "
-                    f"{self.adapter.name!r} adapter's options {self.adapter.options}; check the options "
-                    "(e.g. max_downsample) and the ratio", stacklevel=2)
+        if self._blocks_with_grid == 0 and not self._warned_nothing:
+            self._warned_nothing = True
+            warnings.warn(
+                f"tomerge: no block of this {type(self.model).__name__} call was merged: none is mergeable with "
+                f"the {self.adapter.name!r} adapter's options {self.adapter.options} at this input size "
+                "(e.g. max_downsample too small)", stacklevel=2)
 
-    def _block_pre(self, block: BlockSpec):
+    def _block_pre(self, block: BlockSpec, kind_index: int):
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
             x = block.block_input(args, kwargs)
             grid = self.adapter.grid(block, x.shape[1])
-            call = self.state.begin_block(block.layer, block.kind, grid, x)
-            if call.decision.merges:
-                self._blocks_merged_this_call += 1
+            self.state.begin_block(block.layer, block.kind, grid, x, kind_index=kind_index)
+            self._blocks_with_grid += grid is not None
         return hook
 
     def _block_post(self, module: nn.Module, args: tuple, output: Any) -> None:
@@ -120,7 +120,7 @@ class MergeHandle:
             if plan.is_identity:
                 return None
             call.active[id(point)] = plan
-            return point.set_input(args, kwargs, plan.merge(x))
+            return point.merge_input(args, kwargs, x, plan)
         return hook
 
     def _point_post(self, point: MergePoint):
@@ -129,7 +129,7 @@ class MergeHandle:
             plan = call.active.pop(id(point), None) if call is not None else None
             if plan is None:
                 return None
-            return point.set_output(output, plan.unmerge(point.get_output(output)))
+            return point.unmerge_output(output, plan)
         return hook
 
 

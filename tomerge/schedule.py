@@ -18,7 +18,11 @@ from .strategy import SUBLAYERS, MergeStrategy
 
 @dataclasses.dataclass(frozen=True)
 class Where:
-    """The position of one block call in the trajectory and in the model."""
+    """The position of one block call in the trajectory and in the model.
+
+    ``layer`` counts every hooked block in execution order; ``kind_index`` counts only the blocks of
+    this ``block_kind`` (Flux: the 3rd single-stream block has ``kind_index`` 2).
+    """
 
     step: int
     num_steps: int | None
@@ -26,6 +30,7 @@ class Where:
     layer: int
     num_layers: int
     block_kind: str = "block"
+    kind_index: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -139,9 +139,9 @@ class MergeState:
 
     # ------------------------------------------------------------------ block calls
     def begin_block(self, layer: int, block_kind: str, grid: tuple[int, int] | None,
-                    block_input: Tensor | None) -> BlockCall:
+                    block_input: Tensor | None, kind_index: int | None = None) -> BlockCall:
         where = Where(step=self.clock.step, num_steps=self.clock.num_steps, progress=self.clock.progress,
-                      layer=layer, num_layers=self.num_layers, block_kind=block_kind)
+                      layer=layer, num_layers=self.num_layers, block_kind=block_kind, kind_index=kind_index)
         decision = self.schedule.decide(where) if grid is not None else SKIP
         self.call = BlockCall(where, decision, grid, block_input)
         return self.call

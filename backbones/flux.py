@@ -1,0 +1,427 @@
+"""`flux`: FLUX.1 (diffusers `FluxTransformer2DModel`), double- and single-stream blocks.
+
+Facts from the installed diffusers (0.42.1, ``models/transformers/transformer_flux.py``):
+
+* ``FluxTransformerBlock`` (kind ``"double"``) runs ``attn(hidden_states=norm1(x), encoder_hidden_states=
+  norm1_context(c), image_rotary_emb=...)``; the processor projects image and text separately, puts
+  text first, applies RoPE to the joint ``[B, T + N, heads, d]`` q/k and returns ``(image, text)``
+  (``(image, text, ip)`` with the IP-adapter processor). Merge points: the image ``hidden_states`` of
+  ``attn`` (``"attn"``; its image outputs are unmerged) and the input of ``ff`` (``"mlp"``).
+* ``FluxSingleTransformerBlock`` (kind ``"single"``) concatenates ``[text, image]`` before its norm;
+  ``proj_mlp`` and ``attn`` both read the normalised joint sequence (in BFL's original code they are
+  one fused ``linear1``), and ``proj_out`` reads ``cat([attn_out, mlp_out], -1)``. Merge points, all on
+  the image part (text length ``T`` from the block call's ``encoder_hidden_states``, never a constant):
+  ``proj_mlp`` and ``attn`` (``"attn"``: the parallel branch that reads the normalised tokens) and
+  ``proj_out`` (``"mlp"``). With both kinds enabled this computes attention, MLP and ``proj_out`` on the
+  merged sequence; between the branch and ``proj_out`` the image part is unmerged and merged again (for
+  hard plans that round trip is the identity up to float rounding), because a core merge point merges
+  and unmerges around one submodule. ``"mlp"`` alone (``idm``) leaves the attention at full length,
+  which is where the received attention is recorded.
+* RoPE: ``image_rotary_emb = (cos, sin)``, each ``[T + N, d]``, text rows first. When image tokens are
+  merged, the image rows are gathered with the plan's destinations (a slot takes the position of the
+  token that represents it, ``plan.dst [B, M]``). With per-sample destinations the table becomes
+  ``[B, T + M, d]``; diffusers' ``apply_rotary_emb`` indexes the table as ``cos[None, :, None, :]``, so the
+  batched table is passed as a :class:`BatchedRotaryTable` that turns that leading new axis into the
+  batch axis (any other use raises). The processor and the attention backend are untouched.
+* Grid: the packed latent has ``H x W`` tokens (``H = height / 16`` of the image); ``img_ids [N, 3]`` hold
+  ``(0, row, col)`` of every image token in raster order. The adapter reads ``(H, W)`` from them on every
+  model call; ids that are not one raster grid (e.g. FLUX Kontext's extra reference-image tokens) are
+  not merged, with a warning. The timestep comes from each call, in ``[0, 1]`` (``t_max = 1``).
+
+Received attention (``idm``): the text-to-image part of the joint attention, from the q/k the processor
+computes (hooks on ``norm_q``/``norm_k``/``norm_added_q``/``norm_added_k``, RoPE applied as the model
+does), all text queries against all keys, restricted to the image keys and renormalised per sample.
+
+Example:
+    >>> import tomerge                                               # doctest: +SKIP
+    >>> handle = tomerge.apply(pipe, "tomesd", ratio=0.5)  # a FluxPipeline or its transformer  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor, nn
+
+from tomerge.adapter import BackboneAdapter, BlockSpec, MergePoint, class_names
+from tomerge.plan import MergePlan
+from tomerge.state import MergeState
+
+from ._diffusers import submodel
+
+_EPS = 1e-12
+_PROBE_CHUNK = 64  # text queries per probe matmul (bounds the [B, heads, chunk, T + N] logits)
+
+
+# ---------------------------------------------------------------------- call arguments
+def _arg(args: tuple, kwargs: dict, name: str, index: int) -> Any:
+    """The argument ``name`` of a call, given by keyword or as positional ``index`` (``None`` if absent)."""
+    if name in kwargs:
+        return kwargs[name]
+    return args[index] if len(args) > index else None
+
+
+def _with_arg(args: tuple, kwargs: dict, name: str, index: int, value: Any) -> tuple[tuple, dict]:
+    """``(args, kwargs)`` with the argument ``name`` (keyword or positional ``index``) set to ``value``."""
+    if name not in kwargs and len(args) > index:
+        return (*args[:index], value, *args[index + 1:]), kwargs
+    return args, {**kwargs, name: value}
+
+
+# ---------------------------------------------------------------------- rotary tables
+class BatchedRotaryTable:
+    """A per-sample RoPE ``cos`` or ``sin`` table ``[B, S, d]`` that diffusers' ``apply_rotary_emb`` accepts.
+
+    ``apply_rotary_emb`` (diffusers 0.42) indexes an ``[S, d]`` table as ``t[None, :, None, :]`` (or
+    ``t[None, None, :, :]``); here that leading new axis becomes the batch: ``[B, S, 1, d]``. Any other
+    use raises, so a processor that uses the table differently fails loudly instead of mixing positions.
+
+    Args:
+        table: ``[B, S, d]``.
+
+    Example:
+        >>> t = BatchedRotaryTable(torch.zeros(2, 5, 4))
+        >>> t[None, :, None, :].shape
+        torch.Size([2, 5, 1, 4])
+    """
+
+    def __init__(self, table: Tensor) -> None:
+        if table.dim() != 3:
+            raise ValueError(f"a batched rotary table is [B, S, d], got {tuple(table.shape)}")
+        self.table = table
+
+    def __getitem__(self, key: Any) -> Tensor:
+        if not (isinstance(key, tuple) and key and key[0] is None):
+            raise TypeError(
+                f"tomerge flux: the per-sample rotary table was indexed with {key!r}; only the leading-new-axis "
+                "indexing of diffusers' apply_rotary_emb (t[None, :, None, :]) is supported. A custom attention "
+                "processor must apply RoPE with diffusers.models.embeddings.apply_rotary_emb to be merged")
+        return self.table[(slice(None), *key[1:])]  # the new leading axis becomes the batch axis
+
+    def __getattr__(self, name: str) -> Any:
+        raise AttributeError(
+            f"tomerge flux: the per-sample rotary table [B, S, d] has no {name!r}; an attention processor that "
+            "uses image_rotary_emb other than through diffusers' apply_rotary_emb cannot run merged")
+
+
+def gather_rotary(freqs: tuple[Tensor, Tensor], dst: Tensor, text_len: int) -> tuple[Any, Any]:
+    """The rotary table of a merged joint sequence: text rows kept, image rows gathered per slot.
+
+    Args:
+        freqs: ``(cos, sin)``, each ``[T + N, d]``, text rows first (as ``FluxPosEmbed`` returns them).
+        dst: ``[B, M]`` (or ``[1, M]``) token position representing each slot (``plan.dst``).
+        text_len: ``T``.
+
+    Returns:
+        ``(cos, sin)``: plain ``[T + M, d]`` tensors when ``dst`` has one row (shared by the batch), else
+        :class:`BatchedRotaryTable` of ``[B, T + M, d]``.
+
+    Example:
+        >>> cos = torch.arange(5.0)[:, None].expand(5, 2)                 # T = 2 text rows, N = 3
+        >>> c, s = gather_rotary((cos, cos), torch.tensor([[2, 0]]), 2)
+        >>> c[:, 0].tolist()
+        [0.0, 1.0, 4.0, 2.0]
+    """
+    out = []
+    for t in freqs:
+        if not isinstance(t, Tensor) or t.dim() != 2:
+            raise ValueError(
+                f"tomerge flux: image_rotary_emb must be (cos, sin) tables [T + N, d], got "
+                f"{type(t).__name__}{tuple(t.shape) if isinstance(t, Tensor) else ''}")
+        text, image = t[:text_len], t[text_len:]  # [T, d], [N, d]
+        index = dst.to(t.device)
+        if index.shape[0] == 1:
+            out.append(torch.cat([text, image[index[0]]], dim=0))  # [T + M, d]
+        else:
+            B = index.shape[0]
+            gathered = image[index]  # [B, M, d]
+            out.append(BatchedRotaryTable(torch.cat([text.expand(B, -1, -1), gathered], dim=1)))  # [B, T + M, d]
+    return out[0], out[1]
+
+
+# ---------------------------------------------------------------------- blocks and merge points
+@dataclasses.dataclass
+class CallLengths:
+    """Text and image lengths of the block call in progress (set by :meth:`FluxBlockSpec.block_input`)."""
+
+    text: int | None = None
+    image: int | None = None
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class FluxBlockSpec(BlockSpec):
+    """A Flux block; reading its input also records the call's text and image lengths for its points."""
+
+    lengths: CallLengths = dataclasses.field(default_factory=CallLengths, kw_only=True)
+
+    def block_input(self, args: tuple, kwargs: dict) -> Tensor:
+        x = _arg(args, kwargs, "hidden_states", 0)  # [B, N, C] image tokens
+        text = _arg(args, kwargs, "encoder_hidden_states", 1)  # [B, T, C]
+        self.lengths.text = int(text.shape[1]) if text is not None else 0
+        self.lengths.image = int(x.shape[1])
+        return x
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class DoubleAttentionPoint(MergePoint):
+    """``attn`` of a double-stream block: merges the image ``hidden_states`` and gathers their RoPE rows.
+
+    Its output is ``(image, text)`` or ``(image, text, ip)``; both image parts are unmerged.
+    """
+
+    def merge_input(self, args: tuple, kwargs: dict, x: Tensor, plan: MergePlan) -> tuple[tuple, dict]:
+        _check_no_mask(args, kwargs)
+        text = _arg(args, kwargs, "encoder_hidden_states", 1)  # [B, T, C]
+        args, kwargs = super().merge_input(args, kwargs, x, plan)
+        return _merge_rotary(args, kwargs, plan, 0 if text is None else int(text.shape[1]))
+
+    def get_output(self, out: Any) -> Tensor:
+        if len(out) == 3:  # IP-adapter: (image, text, ip image output), both image outputs unmerged together
+            return torch.cat([out[0], out[2]], dim=-1)  # [B, M, 2C]
+        return out[0]
+
+    def set_output(self, out: Any, y: Tensor) -> Any:
+        if len(out) == 3:
+            image, ip = y.split([out[0].shape[-1], out[2].shape[-1]], dim=-1)  # [B, N, C] each
+            return (image, out[1], ip)
+        return (y, *out[1:])
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class SingleStreamPoint(MergePoint):
+    """A submodule of a single-stream block that reads and writes the joint ``[text, image]`` sequence:
+    the image part (after the call's ``T`` text tokens) is merged on the way in and unmerged on the way out."""
+
+    lengths: CallLengths = dataclasses.field(kw_only=True)
+
+    def _split(self, joint: Tensor) -> int:
+        T, N = self.lengths.text, self.lengths.image
+        if T is None or N is None or joint.shape[1] != T + N:
+            raise RuntimeError(
+                f"tomerge flux: {type(self.module).__name__} got {tuple(joint.shape)}, expected [B, T + N, C] with "
+                f"T={T} text and N={N} image tokens of this block call")
+        return T
+
+    def get_input(self, args: tuple, kwargs: dict) -> Tensor:
+        joint = super().get_input(args, kwargs)  # [B, T + N, C]
+        return joint[:, self._split(joint):]  # [B, N, C]
+
+    def set_input(self, args: tuple, kwargs: dict, x: Tensor) -> tuple[tuple, dict]:
+        joint = super().get_input(args, kwargs)  # [B, T + N, C]
+        merged = torch.cat([joint[:, : self.lengths.text], x], dim=1)  # [B, T + M, C]
+        return super().set_input(args, kwargs, merged)
+
+    def get_output(self, out: Tensor) -> Tensor:
+        return out[:, self.lengths.text:]  # [B, M, C']
+
+    def set_output(self, out: Tensor, y: Tensor) -> Tensor:
+        return torch.cat([out[:, : self.lengths.text], y], dim=1)  # [B, T + N, C']
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class SingleAttentionPoint(SingleStreamPoint):
+    """``attn`` of a single-stream block: the joint sequence's image part is merged, its RoPE rows gathered."""
+
+    def merge_input(self, args: tuple, kwargs: dict, x: Tensor, plan: MergePlan) -> tuple[tuple, dict]:
+        _check_no_mask(args, kwargs)
+        args, kwargs = super().merge_input(args, kwargs, x, plan)
+        return _merge_rotary(args, kwargs, plan, self.lengths.text)
+
+
+def _check_no_mask(args: tuple, kwargs: dict) -> None:
+    if _arg(args, kwargs, "attention_mask", 2) is not None:
+        raise ValueError("tomerge flux: an attention_mask over the full sequence cannot be used with merged image "
+                         "tokens; drop it from joint_attention_kwargs or run without merging")
+
+
+def _merge_rotary(args: tuple, kwargs: dict, plan: MergePlan, text_len: int) -> tuple[tuple, dict]:
+    """Replaces the attention call's ``image_rotary_emb`` by the table of the merged sequence."""
+    freqs = _arg(args, kwargs, "image_rotary_emb", 3)
+    if freqs is None:
+        return args, kwargs
+    if freqs[0].shape[0] != text_len + plan.num_tokens:
+        raise ValueError(
+            f"tomerge flux: image_rotary_emb has {freqs[0].shape[0]} rows, expected {text_len} text + "
+            f"{plan.num_tokens} image positions")
+    return _with_arg(args, kwargs, "image_rotary_emb", 3, gather_rotary(freqs, plan.dst, text_len))
+
+
+# ---------------------------------------------------------------------- the adapter
+def grid_from_ids(img_ids: Tensor) -> tuple[int, int] | None:
+    """The ``(H, W)`` grid of packed-latent ids ``[N, 3]`` (``(0, row, col)``), or ``None``.
+
+    ``None`` unless the ids enumerate one ``H x W`` grid of integer positions in raster order (any
+    offset), which is how Flux pipelines build them.
+
+    Example:
+        >>> rows, cols = torch.meshgrid(torch.arange(2), torch.arange(3), indexing="ij")
+        >>> grid_from_ids(torch.stack([torch.zeros(6), rows.flatten(), cols.flatten()], 1))
+        (2, 3)
+    """
+    ids = img_ids[0] if img_ids.dim() == 3 else img_ids  # [N, 3] (3D is diffusers' deprecated form)
+    if ids.dim() != 2 or ids.shape[1] < 3 or ids.shape[0] == 0:
+        return None
+    pos = ids[:, 1:3].round().long()  # [N, 2] (row, col)
+    lo, hi = pos.min(0).values, pos.max(0).values  # [2], [2]
+    r0, c0, r1, c1 = torch.cat([lo, hi]).tolist()
+    H, W = r1 - r0 + 1, c1 - c0 + 1
+    N = ids.shape[0]
+    if H * W != N:
+        return None
+    raster = (pos[:, 0] - r0) * W + (pos[:, 1] - c0)  # [N] raster index of every token
+    ok = (raster == torch.arange(N, device=ids.device)).all() & (ids[:, 1:3] == pos.to(ids.dtype)).all()
+    return (int(H), int(W)) if bool(ok) else None
+
+
+class FluxAdapter(BackboneAdapter):
+    """Adapter for diffusers `FluxTransformer2DModel` (see the module docstring).
+
+    Example:
+        >>> import tomerge                                                   # doctest: +SKIP
+        >>> with tomerge.merging(pipe, "tomesd", ratio=0.5, use_rand=False):  # doctest: +SKIP
+        ...     image = pipe("a cat", num_inference_steps=4).images[0]
+    """
+
+    name: ClassVar[str] = "flux"
+    block_names: ClassVar[tuple[str, ...]] = ("FluxTransformerBlock", "FluxSingleTransformerBlock")
+    t_max: ClassVar[float] = 1.0  # Flux is called with t in [0, 1] (it multiplies by 1000 inside)
+
+    def __init__(self, model: nn.Module, options: Any) -> None:
+        super().__init__(model, options)
+        self.grid_size: tuple[int, int] | None = None
+        self._warned_ids = False
+
+    @classmethod
+    def find_model(cls, obj: Any) -> nn.Module | None:
+        """The transformer: ``obj`` itself or a pipeline's ``obj.transformer``."""
+        return submodel(obj, "transformer", "FluxTransformer2DModel")
+
+    def blocks(self) -> list[BlockSpec]:
+        specs: list[BlockSpec] = []
+        for module in self.model.modules():  # registration order = execution order: double, then single
+            names = class_names(module)
+            lengths = CallLengths()
+            if "FluxTransformerBlock" in names:
+                points = (DoubleAttentionPoint("attn", module.attn),
+                          MergePoint("mlp", module.ff))
+                kind = "double"
+            elif "FluxSingleTransformerBlock" in names:
+                points = (SingleStreamPoint("attn", module.proj_mlp, arg="input", lengths=lengths),
+                          SingleAttentionPoint("attn", module.attn, lengths=lengths),
+                          SingleStreamPoint("mlp", module.proj_out, arg="input", lengths=lengths))
+                kind = "single"
+            else:
+                continue
+            specs.append(FluxBlockSpec(module, layer=len(specs), kind=kind, points=points, lengths=lengths))
+        return specs
+
+    def on_model_call(self, args: tuple, kwargs: dict) -> Tensor | float | None:
+        x = _arg(args, kwargs, "hidden_states", 0)  # [B, N, C_in] packed latent
+        img_ids = _arg(args, kwargs, "img_ids", 4)
+        self.grid_size = grid_from_ids(img_ids) if img_ids is not None else None
+        if self.grid_size is None and not self._warned_ids:
+            self._warned_ids = True
+            warnings.warn(
+                f"tomerge flux: the img_ids of this call ({x.shape[1]} image tokens) are not one raster-ordered "
+                "H x W grid (e.g. FLUX Kontext's reference-image tokens); its blocks are not merged", stacklevel=2)
+        return _arg(args, kwargs, "timestep", 3)
+
+    def grid(self, block: BlockSpec, num_tokens: int) -> tuple[int, int] | None:
+        if self.grid_size is None or self.grid_size[0] * self.grid_size[1] != num_tokens:
+            return None
+        return self.grid_size
+
+    def probe(self, block: BlockSpec, point: MergePoint, state: MergeState) -> list[Any]:
+        if not isinstance(point, (DoubleAttentionPoint, SingleAttentionPoint)):
+            return []  # proj_mlp: the attention's own point records
+        return probe_flux_attention(block, point.module, state)
+
+
+
+# ---------------------------------------------------------------------- received attention
+def probe_flux_attention(block: BlockSpec, attn: nn.Module, state: MergeState) -> list[Any]:
+    """Records the text-to-image attention of a ``FluxAttention`` (double- or single-stream).
+
+    Args:
+        block: the block (its layer keys the record; a single-stream block's text length comes from it).
+        attn: the block's ``FluxAttention``.
+        state: receives ``store_attention(layer, a [B, N])``.
+
+    Returns:
+        Hook handles: ``attn`` pre-hook (RoPE table, text length), q/k norm output hooks (the processor's
+        q/k, ``[B, L, heads, d]``), ``attn`` hook. Calls whose attention ran merged are not recorded.
+    """
+    captured: dict[str, Any] = {}
+    double = getattr(attn, "added_kv_proj_dim", None) is not None
+    names = ({"k": "norm_k", "q_txt": "norm_added_q", "k_txt": "norm_added_k"} if double  # captured <- module
+             else {"q": "norm_q", "k": "norm_k"})
+
+    def wanted() -> bool:
+        call = state.call
+        return call is not None and call.where.layer == block.layer and call.decision.merges
+
+    def before(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if wanted():
+            captured["freqs"] = _arg(args, kwargs, "image_rotary_emb", 3)
+            if double:
+                text = _arg(args, kwargs, "encoder_hidden_states", 1)
+                captured["T"] = 0 if text is None else int(text.shape[1])
+            else:
+                captured["T"] = getattr(block, "lengths", CallLengths()).text or 0
+
+    def keep(name: str):
+        def hook(module: nn.Module, args: tuple, output: Tensor) -> None:
+            if wanted():
+                captured[name] = output  # [B, L, heads, d]
+        return hook
+
+    def compute(module: nn.Module, args: tuple, output: Any) -> None:
+        got = dict(captured)
+        captured.clear()
+        T, (H, W) = got.get("T", 0), state.call.grid
+        if not wanted() or T == 0 or not all(n in got for n in names):
+            return  # no text queries: nothing recorded (idm then says it lacks received attention)
+        if double:
+            if got["k"].shape[1] != H * W:
+                return  # the attention ran merged
+            q_txt = got["q_txt"]  # [B, T, h, d]
+            k = torch.cat([got["k_txt"], got["k"]], dim=1)  # [B, T + N, h, d]
+        else:
+            if got["k"].shape[1] != T + H * W:
+                return
+            q_txt, k = got["q"][:, :T], got["k"]  # [B, T, h, d], [B, T + N, h, d]
+        freqs = got.get("freqs")
+        if freqs is not None:
+            from diffusers.models.embeddings import apply_rotary_emb
+
+            q_txt = apply_rotary_emb(q_txt, (freqs[0][:T], freqs[1][:T]), sequence_dim=1)
+            k = apply_rotary_emb(k, freqs, sequence_dim=1)
+        a = _received_by_image(q_txt.transpose(1, 2), k.transpose(1, 2), k.shape[-1] ** -0.5, T)  # [B, N]
+        state.store_attention(block.layer, a)
+
+    handles = [attn.register_forward_pre_hook(before, with_kwargs=True)]
+    handles += [getattr(attn, module).register_forward_hook(keep(name)) for name, module in names.items()]
+    handles.append(attn.register_forward_hook(compute))
+    return handles
+
+
+def _received_by_image(q: Tensor, k: Tensor, scale: float, text_len: int) -> Tensor:
+    """Mean over heads and queries of ``softmax(q k^T * scale)``, image keys only, renormalised.
+
+    Args:
+        q: ``[B, h, Q, d]`` probe queries; ``k``: ``[B, h, T + N, d]`` all keys, text first.
+        scale: logit scale; ``text_len``: ``T``.
+
+    Returns:
+        ``[B, N]`` fp32, rows sum to 1. Queries are processed in chunks to bound memory.
+    """
+    kf = k.float().transpose(-1, -2)  # [B, h, d, T + N]
+    total = q.new_zeros(q.shape[0], k.shape[2], dtype=torch.float32)  # [B, T + N]
+    for start in range(0, q.shape[2], _PROBE_CHUNK):
+        logits = q[:, :, start:start + _PROBE_CHUNK].float() @ kf * scale  # [B, h, c, T + N]
+        total = total + logits.softmax(dim=-1).sum(dim=(1, 2))  # [B, T + N]
+    a = total[:, text_len:]  # [B, N]
+    return a / a.sum(-1, keepdim=True).clamp_min(_EPS)

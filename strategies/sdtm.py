@@ -1,0 +1,289 @@
+"""``sdtm``: the Structure-then-Detail Token Merging schedule (SDTM, CVPR 2025).
+
+Reference: H. Fang, S. Tang, J. Cao, E. Zhang, F. Tang, T.-Y. Lee, "Attend to Not Attended:
+Structure-then-Detail Token Merging for Post-training DiT Acceleration", CVPR 2025
+(arXiv:2505.11707, code: https://github.com/ICTMCG/SDTM).
+
+A :class:`~tomerge.Schedule` combining the two SDTM strategies (strategies.md section 5):
+
+* **Phases.** The structure phase runs :class:`~tomerge.strategies.ssm.SSM` on the attention and
+  MLP inputs while ``p <= switch`` (``p = step / (num_steps - 1)``); the detail phase runs
+  :class:`~tomerge.strategies.idm.IDM` on the MLP input only (attention stays at full length, which
+  is where IDM's received attention is recorded). ``switch_step`` overrides ``switch`` with the
+  authors' absolute rule ``step <= switch_step`` (their ``step_current <= switch_step``: the
+  switch step itself is still a structure step). With 50 steps, ``switch=0.4`` gives 20 structure
+  steps (0..19), the authors' ``switch_step=20`` gives 21 (0..20).
+* **Ratio.** ``r(p) = (ratio - dev) + 2 * dev * cos(p * pi / 2)`` (``curve="cosine"``, the authors'
+  code): from ``ratio + dev`` at the first step to ``ratio - dev`` at the last. ``curve="linear"``:
+  ``(ratio + dev) - 2 * dev * p``; ``curve="constant"``: ``ratio`` (``deviation`` must be 0).
+  ``deviation=0`` is the plain "SDTM", ``ratio=0.3, deviation=0.2`` the authors' "SDTM*". The value is
+  clamped to ``[0, 0.99]`` (it only matters for rounding: ``ratio +- deviation`` is validated to lie in
+  ``[0, 1)``).
+* **Protection.** ``protect_every=k`` runs the full block on every step with ``step % k == 0``
+  (the authors' ``protect_steps_frequency``, default 3 in their release, so step 0 is protected);
+  ``protect_layers`` lists layer indices that are never merged; ``protect_layers_every=k`` protects
+  layers with ``layer % k == 0`` and the last layer (the authors' ``protect_layers_frequency``).
+  Protection applies in both phases.
+* **Decisions.** ``label`` is ``"structure"``, ``"detail"`` or ``"protected"``; plans are computed once
+  per block call (no ``cache_key``) and shared by the phase's sublayers.
+
+Options of the two strategies are flattened into this schedule (one flat config for logs and sweeps):
+``window`` (shared ``k x k`` window side), ``alpha_s`` and ``round_windows`` (SSM), ``alpha_d``,
+``idm_variant`` (IDM's ``variant``: ``"attention"`` paper, ``"streak"`` released code) and
+``idm_local`` (IDM's ``local``). Both strategies are built once, in ``__post_init__``, which also
+validates their options (errors start with ``ssm:`` / ``idm:``).
+
+Not implemented here:
+    * The authors' feature cache (``mcw`` / ``cache_weight``, 0.1 in their release): on unmerge, the
+      merged tokens' outputs are blended with the outputs cached at the last protected step (or every
+      step, ``cache_each_step``). It is a feature cache, not merging, and needs the unmerge hook to
+      know the plan's merged positions and a per-(layer, sublayer) output cache, i.e. a core change
+      in ``tomerge/attach.py``; a schedule alone cannot do it.
+    * Prompt token reweighting (strategies.md section 6) lives in its own module; this schedule has
+      no option for it yet.
+
+Example:
+    >>> from tomerge.schedule import Where
+    >>> s = SDTM(ratio=0.3, deviation=0.2, protect_every=3)
+    >>> [s.decide(Where(step=t, num_steps=50, progress=t / 49, layer=0, num_layers=8)).label for t in (0, 1, 31)]
+    ['protected', 'structure', 'detail']
+    >>> round(s.ratio_at(0.0), 6), round(s.ratio_at(1.0), 6)
+    (0.5, 0.1)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable
+from typing import Any, ClassVar
+
+from tomerge.context import check_ratio
+from tomerge.schedule import Decision, Schedule, Where
+from tomerge.strategy import SUBLAYERS, MergeStrategy
+
+from .idm import IDM
+from .ssm import SSM
+
+CURVES = ("cosine", "linear", "constant")
+MAX_RATIO = 0.99  # upper clamp of the scheduled ratio
+STRUCTURE, DETAIL, PROTECTED = "structure", "detail", "protected"
+
+
+# ---------------------------------------------------------------------- option checks (shared with toma.py)
+def check_int(value: Any, name: str, minimum: int, what: str, optional: bool = False) -> int | None:
+    """Raises unless ``value`` is an int ``>= minimum`` (or ``None`` when ``optional``).
+
+    Args:
+        value: the option's value.
+        name: the option's name, for the message.
+        minimum: smallest allowed value.
+        what: the schedule's name, prefixed to the message.
+        optional: accept ``None``.
+
+    Returns:
+        ``value`` unchanged.
+    """
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        none = " or None" if optional else ""
+        raise ValueError(f"{what}: {name} must be an int >= {minimum}{none}, got {value!r}")
+    return value
+
+
+def check_number(value: Any, name: str, what: str, low: float = 0.0, high: float = math.inf) -> float:
+    """Raises unless ``value`` is a finite number in ``[low, high]``; returns it as a float."""
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+            or not low <= value <= high):
+        raise ValueError(f"{what}: {name} must be a finite number in [{low}, {high}], got {value!r}")
+    return float(value)
+
+
+def check_sublayers(value: Any, name: str, what: str) -> tuple[str, ...]:
+    """Validates a non-empty collection of sublayer names.
+
+    Args:
+        value: a tuple/list/set of names from ``("attn", "crossattn", "mlp")``.
+        name: the option's name, for the message.
+        what: the schedule's name, prefixed to the message.
+
+    Returns:
+        The names as a sorted tuple (hashable, stable in logs).
+    """
+    if isinstance(value, str) or not isinstance(value, Iterable):
+        raise ValueError(f"{what}: {name} must be a tuple of sublayer names from {SUBLAYERS}, got {value!r}")
+    names = tuple(sorted(set(value)))
+    unknown = [n for n in names if n not in SUBLAYERS]
+    if unknown or not names:
+        raise ValueError(
+            f"{what}: {name} must be a non-empty tuple of sublayer names from {SUBLAYERS}, got {value!r} "
+            "(to run a phase unmerged, protect its steps or move the switch instead)")
+    return names
+
+
+# ---------------------------------------------------------------------- the schedule
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SDTM(Schedule):
+    """Structure-then-detail schedule (see the module docstring for every rule).
+
+    Args:
+        ratio: centre of the ratio curve, in ``[0, 1)``.
+        deviation: half-width ``dev`` of the curve; ``ratio - dev >= 0`` and ``ratio + dev < 1``.
+        switch: last progress of the structure phase, in ``[0, 1]`` (``p <= switch`` is structure).
+        switch_step: absolute last structure step (``step <= switch_step``); overrides ``switch``.
+        curve: ``"cosine"`` (authors), ``"linear"`` or ``"constant"``.
+        protect_every: run the full block on steps with ``step % k == 0``; ``None``: off.
+        protect_layers: layer indices (the adapter's block positions) never merged.
+        protect_layers_every: protect layers with ``layer % k == 0`` and the last layer; ``None``: off.
+        structure_sublayers: where SSM merges (default attention and MLP).
+        detail_sublayers: where IDM merges (default MLP only).
+        window: ``k x k`` window side of both SSM and IDM.
+        alpha_s: SSM persistence-prior weight.
+        round_windows: SSM rounds the merged-window count down to a multiple of this (1: off).
+        alpha_d: IDM streak weight.
+        idm_variant: IDM ``variant``: ``"attention"`` (paper) or ``"streak"`` (released code).
+        idm_local: IDM ``local``: merge each source into its own window's destination only.
+
+    Example:
+        >>> import tomerge
+        >>> s = tomerge.get_strategy("sdtm", ratio=0.3, deviation=0.2)   # doctest: +SKIP
+        >>> SDTM(switch_step=20).to_dict()["switch_step"]
+        20
+    """
+
+    name: ClassVar[str] = "sdtm"
+
+    ratio: float = 0.3
+    deviation: float = 0.0
+    switch: float = 0.4
+    switch_step: int | None = None
+    curve: str = "cosine"
+    protect_every: int | None = None
+    protect_layers: tuple[int, ...] = ()
+    protect_layers_every: int | None = None
+    structure_sublayers: tuple[str, ...] = ("attn", "mlp")
+    detail_sublayers: tuple[str, ...] = ("mlp",)
+    window: int = 2
+    alpha_s: float = 0.05
+    round_windows: int = 16
+    alpha_d: float = 0.05
+    idm_variant: str = "attention"
+    idm_local: bool = False
+
+    _ssm: SSM = dataclasses.field(init=False, repr=False, compare=False)
+    _idm: IDM = dataclasses.field(init=False, repr=False, compare=False)
+    _structure: frozenset[str] = dataclasses.field(init=False, repr=False, compare=False)
+    _detail: frozenset[str] = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        what = "sdtm"
+        try:
+            check_ratio(self.ratio)
+        except ValueError as err:
+            raise ValueError(f"{what}: {err}") from None
+        dev = check_number(self.deviation, "deviation", what)
+        if self.ratio - dev < 0 or self.ratio + dev >= 1:
+            raise ValueError(
+                f"{what}: ratio +- deviation must stay in [0, 1), got ratio={self.ratio}, deviation={dev} "
+                f"(range [{self.ratio - dev:g}, {self.ratio + dev:g}])")
+        check_number(self.switch, "switch", what, 0.0, 1.0)
+        check_int(self.switch_step, "switch_step", 0, what, optional=True)
+        if self.curve not in CURVES:
+            raise ValueError(f"{what}: curve must be one of {CURVES}, got {self.curve!r}")
+        if self.curve == "constant" and dev != 0:
+            raise ValueError(f"{what}: curve='constant' uses ratio alone; set deviation=0 (got {dev})")
+        check_int(self.protect_every, "protect_every", 1, what, optional=True)
+        check_int(self.protect_layers_every, "protect_layers_every", 1, what, optional=True)
+        if isinstance(self.protect_layers, (str, bytes)) or not isinstance(self.protect_layers, Iterable):
+            raise ValueError(f"{what}: protect_layers must be a tuple of layer indices, got {self.protect_layers!r}")
+        layers = tuple(sorted(set(self.protect_layers)))
+        for layer in layers:
+            check_int(layer, "every entry of protect_layers", 0, what)
+        set_ = object.__setattr__  # frozen: normalise lists from configs to tuples once, here
+        set_(self, "protect_layers", layers)
+        set_(self, "structure_sublayers", check_sublayers(self.structure_sublayers, "structure_sublayers", what))
+        set_(self, "detail_sublayers", check_sublayers(self.detail_sublayers, "detail_sublayers", what))
+        set_(self, "_structure", frozenset(self.structure_sublayers))
+        set_(self, "_detail", frozenset(self.detail_sublayers))
+        set_(self, "_ssm", SSM(window=self.window, alpha_s=self.alpha_s, round_windows=self.round_windows))
+        set_(self, "_idm", IDM(window=self.window, alpha_d=self.alpha_d, variant=self.idm_variant,
+                               local=self.idm_local))
+
+    # ------------------------------------------------------------------ the rules, as pure functions
+    @property
+    def ssm(self) -> SSM:
+        """The structure-phase strategy (built once)."""
+        return self._ssm
+
+    @property
+    def idm(self) -> IDM:
+        """The detail-phase strategy (built once)."""
+        return self._idm
+
+    def ratio_at(self, progress: float) -> float:
+        """The scheduled ratio at ``progress`` in ``[0, 1]``.
+
+        Args:
+            progress: ``p = step / (num_steps - 1)``.
+
+        Returns:
+            ``r(p)`` for the configured curve, clamped to ``[0, 0.99]``.
+        """
+        dev = self.deviation
+        if self.curve == "cosine":
+            r = (self.ratio - dev) + 2.0 * dev * math.cos(progress * math.pi / 2.0)
+        elif self.curve == "linear":
+            r = (self.ratio + dev) - 2.0 * dev * progress
+        else:
+            r = self.ratio
+        return min(max(r, 0.0), MAX_RATIO)
+
+    def in_structure_phase(self, where: Where) -> bool:
+        """``step <= switch_step`` when ``switch_step`` is set, else ``progress <= switch``."""
+        if self.switch_step is not None:
+            return where.step <= self.switch_step
+        return where.progress <= self.switch
+
+    def is_protected(self, where: Where) -> bool:
+        """Whether the block call runs unmerged (protected step or layer).
+
+        Raises:
+            ValueError: when ``protect_layers`` names a layer the model does not have.
+        """
+        if self.protect_layers and self.protect_layers[-1] >= where.num_layers:
+            raise ValueError(
+                f"sdtm: protect_layers {self.protect_layers} names layers beyond the {where.num_layers} "
+                f"blocks of this model (valid: 0..{where.num_layers - 1})")
+        if self.protect_every is not None and where.step % self.protect_every == 0:
+            return True
+        if where.layer in self.protect_layers:
+            return True
+        k = self.protect_layers_every
+        return k is not None and (where.layer % k == 0 or where.layer == where.num_layers - 1)
+
+    # ------------------------------------------------------------------ Schedule
+    def decide(self, where: Where) -> Decision:
+        """The decision for one block call (see the module docstring).
+
+        Args:
+            where: the block call's step, progress, layer and block kind.
+
+        Returns:
+            ``"protected"``: no strategy; ``"structure"``: SSM on ``structure_sublayers``;
+            ``"detail"``: IDM on ``detail_sublayers``; both at ``ratio_at(where.progress)``.
+        """
+        if self.is_protected(where):
+            return Decision(strategy=None, label=PROTECTED)
+        ratio = self.ratio_at(where.progress)
+        if self.in_structure_phase(where):
+            return Decision(self._ssm, ratio, self._structure, label=STRUCTURE)
+        return Decision(self._idm, ratio, self._detail, label=DETAIL)
+
+    def strategies(self) -> tuple[MergeStrategy, ...]:
+        """``(ssm, idm)``: the adapter records what either needs (IDM: received attention)."""
+        return (self._ssm, self._idm)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The schedule's name and options (flat; the built strategies are derived, not logged)."""
+        return {k: v for k, v in super().to_dict().items() if not k.startswith("_")}

@@ -1,0 +1,176 @@
+"""``toma``: the ToMA schedule: facility-location merging with skipped blocks and plan reuse.
+
+Reference: W. Lu et al., "ToMA: Token Merge with Attention for Diffusion Models", ICML 2025.
+
+A :class:`~tomerge.Schedule` around :class:`~tomerge.strategies.facility_location.FacilityLocation`
+(strategies.md sections 4 and 5). For a block call at step ``s`` whose block is the ``i``-th block of
+its kind (see *Block position* below):
+
+* **Skipped blocks.** ``i < skip_first``: the block runs unmerged (label ``"skip_block"``). The count
+  is per block kind: ToMA's Flux run uses ``skip_first=5`` (first 5 double and first 5 single blocks).
+* **Merge steps.** Only steps with ``s % merge_every == 0`` merge (label ``"merge"``); the others run
+  unmerged (label ``"skip_step"``). The authors' Flux run merges every 3rd step.
+* **Reuse.** A plan (destinations and merge/unmerge matrices) is cached under
+  ``Decision.cache_key = ("toma", kind, group, s // recompute_every)`` with
+  ``group = (i - skip_first) // group_size``: it is computed by the first call of a group in a window
+  of ``recompute_every`` steps and reused by every later call with the same key (the other blocks of
+  the group, the later merge steps of the window, the second call of split guidance). Groups are runs
+  of ``group_size`` consecutive merged blocks of one kind, counted from the first merged block. The
+  state recomputes (and re-caches) a plan whose token count or batch size does not fit the call, so
+  group sharing only pays off where the blocks of a group have the same resolution (a transformer
+  stack; not UNet levels). Plans are cleared when a new trajectory starts.
+
+Block position: ``Where.layer`` is the adapter's global block index and ``Where.block_kind`` names the
+block type. The position ``i`` within the kind is ``where.kind_index`` when the core provides that
+attribute (proposed: the index of the block among the adapter's blocks of the same kind), else
+``where.layer``. The fallback is exact for models with one block kind (UNet, SD3, PixArt, DiT) and for
+the first kind of a multi-kind model; for Flux's single-stream blocks it is only right once the
+core provides ``kind_index`` (a schedule is frozen and stateless, so it cannot count blocks itself).
+
+Facility-location options are forwarded under their own names (``locality``, ``num_tiles``,
+``tile_size``, ``temperature``, ``mask_selected``, ``shared_destinations``, ``unmerge``) and
+validated by building the strategy once in ``__post_init__``.
+
+Not implemented: ToMA's separate refresh of the merge matrices every ``e`` steps while destinations are
+kept for ``d`` steps. Here the whole plan is recomputed every ``recompute_every`` steps (``e = d``);
+a separate ``e`` needs a destination cache distinct from the plan cache in ``MergeState``.
+
+Example:
+    >>> from tomerge.schedule import Where
+    >>> s = ToMA(skip_first=1, merge_every=2, recompute_every=4, group_size=2)
+    >>> [s.decide(Where(step=t, num_steps=10, progress=t / 9, layer=l, num_layers=4)).label
+    ...  for t, l in [(0, 0), (1, 1), (2, 1)]]
+    ['skip_block', 'skip_step', 'merge']
+    >>> s.decide(Where(step=2, num_steps=10, progress=2 / 9, layer=2, num_layers=4)).cache_key
+    ('toma', 'block', 0, 0)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Hashable
+from typing import Any, ClassVar
+
+from tomerge.context import check_ratio
+from tomerge.schedule import Decision, Schedule, Where
+from tomerge.strategy import MergeStrategy
+
+from .facility_location import FacilityLocation
+from .sdtm import check_int, check_sublayers
+
+MERGE, SKIP_BLOCK, SKIP_STEP = "merge", "skip_block", "skip_step"
+
+
+def kind_position(where: Where) -> int:
+    """The position of the block among the blocks of its kind.
+
+    Args:
+        where: the block call.
+
+    Returns:
+        ``where.kind_index`` when the core provides it, else ``where.layer`` (see the module docstring).
+    """
+    index = getattr(where, "kind_index", None)
+    return where.layer if index is None else int(index)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ToMA(Schedule):
+    """ToMA schedule (see the module docstring for every rule).
+
+    Args:
+        ratio: fraction of tokens removed on merged calls, in ``[0, 1)``.
+        skip_first: the first ``k`` blocks of each block kind run unmerged.
+        merge_every: merge only on steps with ``step % merge_every == 0``.
+        recompute_every: destinations and matrices are recomputed every this many steps.
+        group_size: consecutive merged blocks of one kind sharing one plan.
+        sublayers: where the plan is applied (default attention and MLP).
+        locality, num_tiles, tile_size, temperature, mask_selected, shared_destinations, unmerge:
+            :class:`~tomerge.strategies.facility_location.FacilityLocation` options.
+
+    Example:
+        >>> ToMA(num_tiles=256, skip_first=5, merge_every=3).facility.num_tiles
+        256
+    """
+
+    name: ClassVar[str] = "toma"
+
+    ratio: float = 0.5
+    skip_first: int = 0
+    merge_every: int = 1
+    recompute_every: int = 1
+    group_size: int = 1
+    sublayers: tuple[str, ...] = ("attn", "mlp")
+    locality: str = "tiles"
+    num_tiles: int = 64
+    tile_size: int | None = None
+    temperature: float = 1e-3
+    mask_selected: bool = True
+    shared_destinations: bool = False
+    unmerge: str = "transpose"
+
+    _facility: FacilityLocation = dataclasses.field(init=False, repr=False, compare=False)
+    _sublayers: frozenset[str] = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        what = "toma"
+        try:
+            check_ratio(self.ratio)
+        except ValueError as err:
+            raise ValueError(f"{what}: {err}") from None
+        check_int(self.skip_first, "skip_first", 0, what)
+        check_int(self.merge_every, "merge_every", 1, what)
+        check_int(self.recompute_every, "recompute_every", 1, what)
+        check_int(self.group_size, "group_size", 1, what)
+        set_ = object.__setattr__  # frozen: derived fields are built once, here
+        set_(self, "sublayers", check_sublayers(self.sublayers, "sublayers", what))
+        set_(self, "_sublayers", frozenset(self.sublayers))
+        try:
+            facility = FacilityLocation(
+                locality=self.locality, num_tiles=self.num_tiles, tile_size=self.tile_size,
+                temperature=self.temperature, mask_selected=self.mask_selected,
+                shared_destinations=self.shared_destinations, unmerge=self.unmerge)
+        except ValueError as err:
+            raise ValueError(f"{what}: {err}") from None
+        set_(self, "_facility", facility)
+
+    @property
+    def facility(self) -> FacilityLocation:
+        """The facility-location strategy (built once)."""
+        return self._facility
+
+    def cache_key(self, where: Where) -> Hashable:
+        """``("toma", kind, group, step // recompute_every)`` for a merged block call.
+
+        Args:
+            where: a block call that merges (its block is not among the first ``skip_first``).
+
+        Returns:
+            The key the plan of this call is cached under.
+        """
+        group = (kind_position(where) - self.skip_first) // self.group_size
+        return ("toma", where.block_kind, group, where.step // self.recompute_every)
+
+    # ------------------------------------------------------------------ Schedule
+    def decide(self, where: Where) -> Decision:
+        """The decision for one block call.
+
+        Args:
+            where: the block call's step, layer and block kind.
+
+        Returns:
+            ``"skip_block"`` / ``"skip_step"``: unmerged; ``"merge"``: facility location at ``ratio``
+            on ``sublayers`` with the cache key of :meth:`cache_key`.
+        """
+        if kind_position(where) < self.skip_first:
+            return Decision(strategy=None, label=SKIP_BLOCK)
+        if where.step % self.merge_every != 0:
+            return Decision(strategy=None, label=SKIP_STEP)
+        return Decision(self._facility, self.ratio, self._sublayers, cache_key=self.cache_key(where), label=MERGE)
+
+    def strategies(self) -> tuple[MergeStrategy, ...]:
+        return (self._facility,)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The schedule's name and options (flat; the built strategy is derived, not logged)."""
+        return {k: v for k, v in super().to_dict().items() if not k.startswith("_")}

@@ -1,0 +1,344 @@
+"""The `flux` adapter on a tiny random-weight FluxTransformer2DModel (double and single blocks)."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import types
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+import tomerge
+from tomerge.backbones.flux import (BatchedRotaryTable, CallLengths, DoubleAttentionPoint, FluxAdapter,
+                                    gather_rotary, grid_from_ids)
+
+
+STRATEGIES = {"tomesd": {}, "ssm": {}, "idm": {}, "facility_location": {"num_tiles": 4}}
+
+
+# ---------------------------------------------------------------------- tiny model and inputs
+def tiny_flux(seed: int = 0):
+    """2 double + 2 single blocks, 2 heads of 16 (RoPE axes 4 + 6 + 6), width 32."""
+    from diffusers import FluxTransformer2DModel
+
+    torch.manual_seed(seed)
+    model = FluxTransformer2DModel(
+        patch_size=1, in_channels=8, num_layers=2, num_single_layers=2, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=(4, 6, 6))
+    return model.eval()
+
+
+def image_ids(H: int, W: int) -> torch.Tensor:
+    """``[H*W, 3]`` ids ``(0, row, col)`` in raster order, as FluxPipeline._prepare_latent_image_ids builds them."""
+    rows = torch.arange(H).repeat_interleave(W)  # [N]
+    cols = torch.arange(W).repeat(H)  # [N]
+    return torch.stack([torch.zeros(H * W), rows.float(), cols.float()], dim=1)
+
+
+def flux_inputs(batch: int = 2, grid: tuple[int, int] = (8, 8), text: int = 7, t: float = 0.5, seed: int = 1,
+                dtype: torch.dtype = torch.float32) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    H, W = grid
+    return dict(
+        hidden_states=torch.randn(batch, H * W, 8, generator=g).to(dtype),  # [B, N, C_in] packed latent
+        encoder_hidden_states=torch.randn(batch, text, 32, generator=g).to(dtype),  # [B, T, 32]
+        pooled_projections=torch.randn(batch, 32, generator=g).to(dtype),
+        timestep=torch.full((batch,), t, dtype=dtype),
+        img_ids=image_ids(H, W), txt_ids=torch.zeros(text, 3),
+    )
+
+
+def forward(model, inputs: dict) -> torch.Tensor:
+    with torch.no_grad():
+        return model(**inputs).sample
+
+
+def flops(model, inputs: dict) -> int:
+    """FLOPs of one forward; SDPA runs its math kernel so that the attention is counted too (the CPU flash
+    kernel is not in torch's FLOP registry)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        forward(model, inputs)
+    return counter.get_total_flops()
+
+
+def no_hooks_left(model) -> bool:
+    return all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+
+
+@pytest.fixture(scope="module")
+def flux():
+    return tiny_flux()
+
+
+@pytest.fixture(scope="module")
+def baseline(flux):
+    inputs = flux_inputs()
+    return inputs, forward(flux, inputs), flops(flux, inputs)
+
+
+# ---------------------------------------------------------------------- a strategy that only permutes
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Permute(tomerge.MergeStrategy):
+    """Removes nothing: slot ``m`` of sample ``b`` is token ``perm_b[m]`` (a different permutation per sample).
+
+    The model is permutation-equivariant over image tokens only if every slot carries the RoPE position
+    of its token, so the merged model equals the plain one exactly when the rotary gather is right.
+    """
+
+    name = "test_permute"
+
+    def select_destinations(self, x, ctx):
+        g = torch.Generator().manual_seed(x.shape[1])
+        return torch.stack([torch.randperm(x.shape[1], generator=g) for _ in range(x.shape[0])])  # [B, N]
+
+    def merge_matrix(self, x, dst, ctx):
+        return tomerge.MergePlan.hard(dst.argsort(dim=1), dst, backend="index")  # assign[b, dst[b, m]] = m
+
+
+# ---------------------------------------------------------------------- attaching
+def test_finds_the_transformer_of_a_pipeline_and_lists_double_then_single_blocks(flux):
+    pipe = types.SimpleNamespace(transformer=flux)
+    with tomerge.merging(pipe, "tomesd", ratio=0.5) as handle:
+        assert handle.model is flux and isinstance(handle.adapter, FluxAdapter)
+        specs = handle.adapter.blocks()
+        assert [s.kind for s in specs] == ["double", "double", "single", "single"]
+        assert [s.module for s in specs] == [*flux.transformer_blocks, *flux.single_transformer_blocks]
+        single = specs[2]
+        assert [(p.kind, p.module) for p in single.points] == [
+            ("attn", single.module.proj_mlp), ("attn", single.module.attn), ("mlp", single.module.proj_out)]
+    assert no_hooks_left(flux)
+
+
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_ratio_zero_and_remove_are_bit_identical(flux, baseline, name):
+    inputs, before, _ = baseline
+    with tomerge.merging(flux, name, ratio=0.0, **STRATEGIES[name]):
+        assert torch.equal(forward(flux, inputs), before)
+    handle = tomerge.apply(flux, name, ratio=0.5, **STRATEGIES[name])
+    assert not torch.equal(forward(flux, inputs), before)
+    handle.remove()
+    assert torch.equal(forward(flux, inputs), before)
+    assert no_hooks_left(flux) and "_tomerge_handle" not in flux.__dict__
+
+
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_half_ratio_is_finite_and_saves_flops(flux, baseline, name):
+    inputs, before, base_flops = baseline
+    with tomerge.merging(flux, name, ratio=0.5, **STRATEGIES[name]) as handle:
+        out = forward(flux, inputs)
+        merged_flops = flops(flux, inputs)
+        records = handle.state.records[:4]
+    assert out.shape == before.shape and torch.isfinite(out).all()
+    assert [r.block_kind for r in records] == ["double", "double", "single", "single"]
+    assert all(r.num_tokens == 64 and r.num_removed >= 24 for r in records)  # ssm rounds windows: 30 of 32
+    assert merged_flops < base_flops
+    print(f"\nflux {name}: FLOPs baseline/merged = {base_flops / merged_flops:.3f} ({base_flops} / {merged_flops})")
+
+
+def test_merged_rows_carry_their_destinations_rotary_positions(flux, baseline):
+    inputs, before, _ = baseline
+    with tomerge.merging(flux, Permute(), ratio=0.5) as handle:
+        out = forward(flux, inputs)
+        assert all(set(r.sublayers) == {"attn", "mlp"} for r in handle.state.records)
+    torch.testing.assert_close(out, before, rtol=1e-5, atol=1e-5)
+    # Control: positions matter in this model, so a permutation without the gather would be far off.
+    perm = torch.randperm(64, generator=torch.Generator().manual_seed(3))
+    shuffled = dict(inputs, hidden_states=inputs["hidden_states"][:, perm])
+    assert (forward(flux, shuffled)[:, perm.argsort()] - before).abs().max() > 1e-2
+
+
+def test_gather_rotary_matches_a_hand_built_table():
+    T, N, d = 3, 5, 4
+    cos = torch.arange((T + N) * d, dtype=torch.float32).view(T + N, d)  # row r holds r*d .. r*d + d-1
+    sin = -cos
+    dst = torch.tensor([[4, 0, 2], [1, 1, 3]])  # [B=2, M=3]
+    c, s = gather_rotary((cos, sin), dst, T)
+    assert isinstance(c, BatchedRotaryTable)
+    expected = torch.empty(2, T + 3, d)
+    for b in range(2):
+        for i in range(T):
+            expected[b, i] = cos[i]
+        for m in range(3):
+            expected[b, T + m] = cos[T + int(dst[b, m])]
+    assert torch.equal(c.table, expected) and torch.equal(s.table, -expected)
+    shared_c, _ = gather_rotary((cos, sin), dst[:1], T)  # one row of destinations: a plain table
+    assert isinstance(shared_c, torch.Tensor) and torch.equal(shared_c, expected[0])
+
+
+def test_batched_table_through_diffusers_apply_rotary_emb_equals_per_sample_tables():
+    from diffusers.models.embeddings import apply_rotary_emb
+
+    g = torch.Generator().manual_seed(0)
+    cos, sin = torch.randn(2, 6, 8, generator=g), torch.randn(2, 6, 8, generator=g)  # [B, S, d]
+    x = torch.randn(2, 6, 3, 8, generator=g)  # [B, S, heads, d]
+    batched = apply_rotary_emb(x, (BatchedRotaryTable(cos), BatchedRotaryTable(sin)), sequence_dim=1)
+    for b in range(2):
+        alone = apply_rotary_emb(x[b:b + 1], (cos[b], sin[b]), sequence_dim=1)
+        assert torch.equal(batched[b:b + 1], alone)
+    with pytest.raises(TypeError, match="apply_rotary_emb"):
+        BatchedRotaryTable(cos)[0]
+    with pytest.raises(AttributeError, match="apply_rotary_emb"):
+        BatchedRotaryTable(cos).unsqueeze(0)
+
+
+# ---------------------------------------------------------------------- batches, shapes, dtypes
+def test_a_batch_of_two_equals_its_samples_alone(flux):
+    inputs = flux_inputs(batch=2, seed=5)
+    with tomerge.merging(flux, "tomesd", ratio=0.5, use_rand=False, merge_mlp=True):
+        both = forward(flux, inputs)
+        for b in range(2):
+            alone = dict(inputs, **{k: inputs[k][b:b + 1] for k in
+                                    ("hidden_states", "encoder_hidden_states", "pooled_projections", "timestep")})
+            torch.testing.assert_close(forward(flux, alone), both[b:b + 1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("grid", [(4, 6), (6, 4), (5, 7)])
+def test_non_square_latents_use_the_grid_of_the_ids(flux, grid):
+    inputs = flux_inputs(grid=grid)
+    before = forward(flux, inputs)
+    with tomerge.merging(flux, "ssm", ratio=0.5, round_windows=1) as handle:
+        out = forward(flux, inputs)
+        assert handle.adapter.grid_size == grid
+        assert all(r.num_removed > 0 for r in handle.state.records)
+    assert out.shape == before.shape and torch.isfinite(out).all()
+    with tomerge.merging(flux, Permute(), ratio=0.5):
+        torch.testing.assert_close(forward(flux, inputs), before, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("text", [1, 13])
+def test_text_length_comes_from_the_call(flux, text):
+    inputs = flux_inputs(text=text, seed=7)
+    before = forward(flux, inputs)
+    with tomerge.merging(flux, Permute(), ratio=0.5):  # a wrong text/image split would not be exact
+        torch.testing.assert_close(forward(flux, inputs), before, rtol=1e-5, atol=1e-5)
+    with tomerge.merging(flux, "facility_location", ratio=0.5, num_tiles=4) as handle:
+        assert torch.isfinite(forward(flux, inputs)).all()
+        assert handle.stats["tokens_removed"] > 0
+
+
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_bf16_runs(flux, name):
+    model = copy.deepcopy(flux).to(torch.bfloat16)
+    inputs = flux_inputs(dtype=torch.bfloat16)
+    with tomerge.merging(model, name, ratio=0.5, **STRATEGIES[name]) as handle:
+        out = forward(model, inputs)
+        assert handle.stats["tokens_removed"] > 0
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+
+
+# ---------------------------------------------------------------------- received attention, clock, ids
+def test_idm_records_text_to_image_attention_in_every_block(flux):
+    inputs = flux_inputs()
+    with tomerge.merging(flux, "idm", ratio=0.5) as handle:
+        forward(flux, inputs)
+        attention = handle.state.attention
+        assert sorted(attention) == [0, 1, 2, 3]
+        for a in attention.values():
+            assert a.shape == (2, 64) and torch.allclose(a.sum(-1), torch.ones(2))
+            assert not torch.allclose(a, torch.full_like(a, 1 / 64))  # not uniform: real q/k
+        assert all(r.sublayers == ("mlp",) and r.num_removed == 32 for r in handle.state.records)
+
+
+def _reference_received_attention(attn, kwargs: dict, text_len: int) -> torch.Tensor:
+    """Text-to-image attention of a FluxAttention call recomputed from its inputs, written out by hand."""
+    from diffusers.models.embeddings import apply_rotary_emb
+
+    def heads(t):
+        return t.unflatten(-1, (attn.heads, -1))  # [B, L, h, d]
+
+    h = kwargs["hidden_states"]
+    q, k = attn.norm_q(heads(attn.to_q(h))), attn.norm_k(heads(attn.to_k(h)))
+    if kwargs.get("encoder_hidden_states") is not None:
+        c = kwargs["encoder_hidden_states"]
+        q = torch.cat([attn.norm_added_q(heads(attn.add_q_proj(c))), q], dim=1)  # [B, T + N, h, d]
+        k = torch.cat([attn.norm_added_k(heads(attn.add_k_proj(c))), k], dim=1)
+    q = apply_rotary_emb(q, kwargs["image_rotary_emb"], sequence_dim=1)[:, :text_len]  # text queries
+    k = apply_rotary_emb(k, kwargs["image_rotary_emb"], sequence_dim=1)
+    p = torch.einsum("bqhd,bkhd->bhqk", q, k).mul(q.shape[-1] ** -0.5).softmax(-1)  # [B, h, T, T + N]
+    a = p.mean(dim=(1, 2))[:, text_len:]  # [B, N]
+    return a / a.sum(-1, keepdim=True)
+
+
+def test_idm_received_attention_equals_a_hand_computed_reference(flux):
+    inputs = flux_inputs(text=5)
+    seen = {}
+    double, single = flux.transformer_blocks[1].attn, flux.single_transformer_blocks[0].attn
+    def keep(key):
+        def hook(module, args, kwargs):
+            seen.setdefault(key, kwargs)
+        return hook
+
+    hooks = [m.register_forward_pre_hook(keep(key), with_kwargs=True)
+             for key, m in (("double", double), ("single", single))]
+    try:
+        with tomerge.merging(flux, "idm", ratio=0.5) as handle:
+            forward(flux, inputs)
+            with torch.no_grad():
+                for layer, key, attn in ((1, "double", double), (2, "single", single)):
+                    reference = _reference_received_attention(attn, seen[key], 5)
+                    torch.testing.assert_close(handle.state.attention[layer], reference)
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+def test_timestep_in_unit_interval_gives_progress(flux):
+    with tomerge.merging(flux, "tomesd", ratio=0.5) as handle:
+        forward(flux, flux_inputs(t=1.0))
+        forward(flux, flux_inputs(t=0.25))
+        assert handle.state.clock.step == 1
+        assert handle.state.clock.progress == pytest.approx(0.75)
+
+
+def test_ids_that_are_not_one_raster_grid_are_not_merged(flux):
+    inputs = flux_inputs(grid=(4, 4))
+    inputs["img_ids"] = image_ids(4, 4)[torch.randperm(16, generator=torch.Generator().manual_seed(0))]
+    with tomerge.merging(flux, "tomesd", ratio=0.5) as handle:
+        with pytest.warns(UserWarning) as caught:
+            forward(flux, inputs)
+        assert any("raster" in str(w.message) for w in caught)
+        assert handle.stats["tokens_removed"] == 0
+
+
+def test_grid_from_ids():
+    assert grid_from_ids(image_ids(3, 5)) == (3, 5)
+    assert grid_from_ids(image_ids(3, 5) + torch.tensor([0.0, 2.0, 7.0])) == (3, 5)  # offsets are fine
+    assert grid_from_ids(image_ids(3, 5)[None]) == (3, 5)  # deprecated 3D ids
+    assert grid_from_ids(image_ids(12, 9).bfloat16()) == (12, 9)  # pipelines pass ids in the model dtype
+    assert grid_from_ids(torch.cat([image_ids(2, 2), image_ids(2, 2)])) is None  # e.g. Kontext reference tokens
+    assert grid_from_ids(image_ids(3, 5) * 0.5) is None
+
+
+def test_ip_adapter_outputs_unmerge_both_image_parts():
+    point = DoubleAttentionPoint("attn", torch.nn.Identity())
+    image, text, ip = torch.randn(2, 3, 4), torch.randn(2, 5, 4), torch.randn(2, 3, 6)
+    joined = point.get_output((image, text, ip))  # [B, M, 4 + 6]
+    assert torch.equal(joined, torch.cat([image, ip], -1))
+    out = point.set_output((image, text, ip), torch.cat([image, ip], -1).repeat(1, 2, 1))  # "unmerged" to 6 rows
+    assert out[0].shape == (2, 6, 4) and out[1] is text and out[2].shape == (2, 6, 6)
+    assert point.set_output((image, text), image)[1] is text
+
+
+def test_single_stream_points_reject_a_wrong_text_image_split(flux):
+    from tomerge.backbones.flux import SingleStreamPoint
+
+    point = SingleStreamPoint("mlp", flux.single_transformer_blocks[0].proj_out, arg="input",
+                              lengths=CallLengths(text=3, image=10))
+    with pytest.raises(RuntimeError, match="T=3 text and N=10"):
+        point.get_input((torch.randn(1, 12, 4),), {})
+
+
+def test_a_model_loaded_from_a_local_folder_merges_like_the_original(flux, baseline, tmp_path):
+    from diffusers import FluxTransformer2DModel
+
+    inputs, before, _ = baseline
+    flux.save_pretrained(tmp_path)
+    loaded = FluxTransformer2DModel.from_pretrained(tmp_path).eval()
+    assert torch.equal(forward(loaded, inputs), before)
+    with tomerge.merging(flux, "ssm", ratio=0.5) as a, tomerge.merging(loaded, "ssm", ratio=0.5) as b:
+        torch.testing.assert_close(forward(loaded, inputs), forward(flux, inputs), rtol=0, atol=0)
+        assert b.stats["tokens_removed"] == a.stats["tokens_removed"] > 0
