@@ -9,6 +9,8 @@ import sys
 from collections.abc import Sequence
 
 SUBCOMMANDS = {
+    "ablate": ("tomerge.experiments.ablate", "run a strategy x ratio grid against the unmerged baseline",
+               "example: tomerge ablate --set per_class=2 --set name=quick --wandb disabled"),
     "bench": ("tomerge.experiments.bench", "speed benchmarks",
               "example: tomerge bench --kernels --tokens 1024 4096 --ratios 0.25 0.5"),
     "train-reference": ("tomerge.experiments.train_reference", "train the bundled reference DiT",

@@ -1,0 +1,252 @@
+"""Run folders and W&B logging: where ablation results live.
+
+A run folder ``runs/<name>/`` holds ``config.yaml``, ``results.jsonl`` (one JSON row per finished run,
+appended as they finish: the resume point), ``results.csv`` and ``table.md`` (rewritten at the end),
+``images/<run>.safetensors`` + ``images/<run>.png`` (grid), ``maps/<run>.safetensors`` (slot of every
+token of the first image at the kept steps/layers) and ``maps/<run>.json`` (every block call's
+decision). Figures are built from these files alone.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import os
+import subprocess
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+from torch import Tensor
+
+from .config import AblationConfig
+
+TABLE_COLUMNS = [("run", "run"), ("ratio", "ratio"), ("speedup", "speed-up"), ("flop_speedup", "FLOP-ideal"),
+                 ("overhead_ratio", "measured/ideal"), ("psnr", "PSNR dB"), ("ssim", "SSIM"),
+                 ("fd_effnetlite0", "FD-EffNetLite0 vs baseline"), ("fd_effnetlite0_ref", "FD-EffNetLite0 vs test")]
+
+
+def environment() -> dict[str, Any]:
+    """Package versions and the git commit, recorded with every result row."""
+    import importlib.metadata as md
+
+    versions = {}
+    for name in ("torch", "diffusers", "timm", "tomerge"):
+        try:
+            versions[name] = md.version(name)
+        except md.PackageNotFoundError:
+            versions[name] = None
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=Path(__file__).parent, timeout=5).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    return {"versions": versions, "git_commit": commit, "device": "cuda" if torch.cuda.is_available() else "cpu",
+            "threads": torch.get_num_threads()}
+
+
+def image_grid(images: Tensor, columns: int = 10) -> Tensor:
+    """``[n, C, H, W]`` in [-1, 1] -> a ``[H', W', 3]`` uint8 grid."""
+    n, c, h, w = images.shape
+    rows = -(-n // columns)
+    canvas = torch.zeros(rows * columns, c, h, w)
+    canvas[:n] = images.float()
+    canvas = canvas.view(rows, columns, c, h, w).permute(0, 3, 1, 4, 2).reshape(rows * h, columns * w, c)  # [H', W', C]
+    canvas = ((canvas.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
+    return canvas.expand(-1, -1, 3) if c == 1 else canvas[..., :3]
+
+
+def save_png(array: Tensor, path: Path) -> None:
+    from PIL import Image
+
+    Image.fromarray(array.numpy()).save(path)
+
+
+@dataclasses.dataclass
+class RunFolder:
+    """The files of one ablation (see the module docstring)."""
+
+    path: Path
+    rows: list[dict[str, Any]]
+
+    @classmethod
+    def open(cls, config: AblationConfig) -> RunFolder:
+        path = Path(config.out_dir) / config.name
+        (path / "images").mkdir(parents=True, exist_ok=True)
+        (path / "maps").mkdir(exist_ok=True)
+        saved = path / "config.yaml"
+        current = yaml.safe_dump(config.to_dict(), sort_keys=True)
+        if saved.exists() and saved.read_text() != current:
+            previous = yaml.safe_load(saved.read_text())
+            changed = sorted(k for k, v in config.to_dict().items() if previous.get(k) != _plain(v))
+            if set(changed) - {"grid", "wandb", "out_dir"}:
+                raise ValueError(f"{path} holds an ablation with another config (changed: {changed}); "
+                                 "use another name (--set name=...) or delete the folder")
+        saved.write_text(current)
+        rows = []
+        results = path / "results.jsonl"
+        if results.exists():
+            rows = [json.loads(line) for line in results.read_text().splitlines() if line.strip()]
+        return cls(path, rows)
+
+    @property
+    def table_path(self) -> Path:
+        return self.path / "table.md"
+
+    def has(self, run_id: str) -> bool:
+        return any(r["run"] == run_id for r in self.rows)
+
+    def baseline_row(self) -> dict[str, Any]:
+        return next(r for r in self.rows if r["run"] == "baseline")
+
+    def append(self, row: dict[str, Any]) -> None:
+        with (self.path / "results.jsonl").open("a") as f:
+            f.write(json.dumps(row, default=str) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        self.rows.append(row)
+
+    def save_images(self, run_id: str, images: Tensor) -> None:
+        from safetensors.torch import save_file
+
+        save_file({"images": images.to(torch.float16).contiguous()}, self.path / "images" / f"{run_id}.safetensors")
+        save_png(image_grid(images), self.path / "images" / f"{run_id}.png")
+
+    def load_images(self, run_id: str) -> Tensor | None:
+        file = self.path / "images" / f"{run_id}.safetensors"
+        if not file.exists():
+            return None
+        from safetensors.torch import load_file
+
+        return load_file(file)["images"].float()
+
+    def save_tensors(self, key: str, tensors: dict[str, Tensor]) -> None:
+        from safetensors.torch import save_file
+
+        save_file({k: v.contiguous() for k, v in tensors.items()}, self.path / f"{key}.safetensors")
+
+    def load_tensors(self, key: str) -> dict[str, Tensor] | None:
+        file = self.path / f"{key}.safetensors"
+        if not file.exists():
+            return None
+        from safetensors.torch import load_file
+
+        return load_file(file)
+
+    def save_maps(self, run_id: str, maps: dict[str, Tensor], records: list) -> None:
+        from safetensors.torch import save_file
+
+        if maps:
+            save_file({k: v.contiguous() for k, v in maps.items()}, self.path / "maps" / f"{run_id}.safetensors")
+        (self.path / "maps" / f"{run_id}.json").write_text(json.dumps([dataclasses.asdict(r) for r in records]))
+
+    def finish(self) -> None:
+        """Rewrites ``results.csv`` and ``table.md`` from the rows."""
+        keys = sorted({k for r in self.rows for k in r if not isinstance(r[k], dict)})
+        with (self.path / "results.csv").open("w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
+            writer.writeheader()
+            writer.writerows(self.rows)
+        self.table_path.write_text(markdown_table(self.rows))
+
+    def logger(self, config: AblationConfig, env: dict[str, Any]) -> WandbLogger:
+        return WandbLogger(config, env, self.path)
+
+
+def _plain(value: Any) -> Any:
+    return yaml.safe_load(yaml.safe_dump(value))
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return "inf" if value == float("inf") else f"{value:.3g}" if abs(value) < 100 else f"{value:.1f}"
+    return str(value)
+
+
+def markdown_table(rows: list[dict[str, Any]]) -> str:
+    """The ablation table: one row per run."""
+    lines = ["| " + " | ".join(title for _, title in TABLE_COLUMNS) + " |",
+             "|" + "|".join("---" if k == "run" else "---:" for k, _ in TABLE_COLUMNS) + "|"]
+    for row in rows:
+        lines.append("| " + " | ".join(_fmt(row.get(k)) for k, _ in TABLE_COLUMNS) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def wandb_mode(requested: str) -> str:
+    """``auto`` means online with a configured API key, offline otherwise (no account, no network)."""
+    if requested != "auto":
+        return requested
+    if os.environ.get("WANDB_MODE"):
+        return os.environ["WANDB_MODE"]
+    has_key = bool(os.environ.get("WANDB_API_KEY"))
+    netrc = Path.home() / ".netrc"
+    if not has_key and netrc.exists():
+        has_key = "api.wandb.ai" in netrc.read_text()
+    return "online" if has_key else "offline"
+
+
+class WandbLogger:
+    """One W&B run per ablation (resumed with the folder): config, one row of metrics per run,
+    image grids, merge maps, and the results table at the end."""
+
+    def __init__(self, config: AblationConfig, env: dict[str, Any], folder: Path) -> None:
+        self.mode = wandb_mode(config.wandb)
+        self.run = None
+        if self.mode == "disabled":
+            return
+        import wandb
+
+        id_file = folder / "wandb_id.txt"
+        run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:12]
+        id_file.write_text(run_id)
+        self.run = wandb.init(project="tomerge", name=config.name, id=run_id, resume="allow", dir=str(folder),
+                              mode=self.mode, config={**config.to_dict(), **env}, reinit="finish_previous",
+                              settings=wandb.Settings(silent=True, console="off"))
+
+    def images(self, key: str, images: Tensor) -> None:
+        if self.run is not None:
+            import wandb
+
+            self.run.log({f"images/{key}": wandb.Image(image_grid(images).numpy())})
+
+    def row(self, row: dict[str, Any], images: Tensor | None = None, maps: dict[str, Tensor] | None = None) -> None:
+        if self.run is None:
+            return
+        import wandb
+
+        payload: dict[str, Any] = {f"{row['run']}/{k}": v for k, v in row.items()
+                                   if isinstance(v, (int, float)) and v is not None}
+        if images is not None:
+            payload[f"images/{row['run']}"] = wandb.Image(image_grid(images).numpy())
+        for key, slots in (maps or {}).items():
+            payload[f"maps/{row['run']}/{key}"] = wandb.Image(merge_map_rgb(slots).numpy())
+        self.run.log(payload)
+
+    def finish(self, folder: RunFolder) -> None:
+        if self.run is None:
+            return
+        import wandb
+
+        columns = [k for k, _ in TABLE_COLUMNS]
+        table = wandb.Table(columns=columns, data=[[r.get(k) for k in columns] for r in folder.rows])
+        self.run.log({"ablation": table})
+        self.run.summary.update({f"{r['run']}/{k}": r.get(k) for r in folder.rows for k in columns[2:]})
+        self.run.finish()
+
+
+def merge_map_rgb(slots: Tensor, grid: tuple[int, int] | None = None, scale: int = 8) -> Tensor:
+    """Colours tokens by slot (tokens sharing a slot share a colour): ``[N]`` -> ``[H*s, W*s, 3]`` uint8."""
+    n = slots.numel()
+    side = int(round(n ** 0.5))
+    H, W = grid if grid is not None else (side, n // side)
+    g = torch.Generator().manual_seed(0)
+    palette = torch.randint(40, 256, (int(slots.max()) + 1, 3), generator=g, dtype=torch.uint8)
+    counts = torch.bincount(slots, minlength=palette.shape[0])
+    palette[counts == 1] = 0  # unmerged tokens are black
+    rgb = palette[slots].view(H, W, 3)
+    return rgb.repeat_interleave(scale, 0).repeat_interleave(scale, 1)

@@ -1,0 +1,96 @@
+"""`tomerge ablate` end to end on a tiny DiT: rows, files, resume, and the W&B offline log."""
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from tomerge.backbones.native_dit import DiT, DiTConfig, save_dit
+from tomerge.experiments.ablate import run_ablation
+from tomerge.experiments.config import load_config
+from tomerge.experiments.data import write_idx
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ablate")
+    torch.manual_seed(0)
+    model = DiT(DiTConfig(input_size=16, patch_size=2, in_channels=1, hidden_size=32, depth=2, num_heads=2,
+                          num_classes=3))
+    for p in model.parameters():  # leave adaLN-Zero's identity init so merging changes the output
+        p.data.normal_(0, 0.05)
+    save_dit(model, root / "tiny.safetensors")
+    data = root / "data"
+    data.mkdir()
+    write_idx(data / "t10k-images-idx3-ubyte", torch.randint(0, 256, (6, 12, 12), dtype=torch.uint8))
+    write_idx(data / "t10k-labels-idx1-ubyte", torch.randint(0, 10, (6,), dtype=torch.uint8))
+    overrides = [f"checkpoint={root / 'tiny.safetensors'}", f"data_root={data}", f"out_dir={root / 'runs'}",
+                 "name=tiny", "classes=[0, 1]", "per_class=2", "num_steps=2", "batch_size=4", "timing_batch=2",
+                 "warmup=0", "repeats=1", "fd_reference_images=6", "wandb=offline",
+                 "grid=[{strategy: tomesd, ratios: [0.5], options: {use_rand: false}},"
+                 " {strategy: ssm, ratios: [0.25, 0.5], options: {round_windows: 1}}]"]
+    return root, overrides
+
+
+def rows(folder: Path) -> list[dict]:
+    return [json.loads(line) for line in (folder / "results.jsonl").read_text().splitlines()]
+
+
+def test_ablation_writes_every_run_resumes_and_logs_to_wandb_offline(setup):
+    root, overrides = setup
+    folder = run_ablation(load_config(None, overrides), progress=False).path
+    written = rows(folder)
+    assert [r["run"] for r in written] == ["baseline", "tomesd-r0.5-use_rand=False", "ssm-r0.25-round_windows=1",
+                                           "ssm-r0.5-round_windows=1"]
+    for r in written[1:]:
+        assert r["flops"] < r["flops_base"] and r["flop_speedup"] == pytest.approx(r["flops_base"] / r["flops"])
+        assert r["time_s"] > 0 and 0 < r["ssim"] <= 1 and r["psnr"] > 0 and r["fd_effnetlite0_ref"] >= 0
+        assert (folder / "images" / f"{r['run']}.png").exists()
+        assert (folder / "maps" / f"{r['run']}.safetensors").exists()
+        assert r["versions"]["torch"] and "git_commit" in r
+    assert written[0]["psnr"] == 100.0  # the baseline against itself
+    table = (folder / "table.md").read_text()
+    assert all(r["run"] in table for r in written)
+
+    # An interrupted grid keeps what finished: drop the last row and rerun; only that run is redone.
+    lines = (folder / "results.jsonl").read_text().splitlines()
+    (folder / "results.jsonl").write_text("\n".join(lines[:-1]) + "\n")
+    run_ablation(load_config(None, overrides), progress=False)
+    again = rows(folder)
+    assert [r["run"] for r in again] == [r["run"] for r in written]
+    assert again[:3] == written[:3]
+
+    # W&B offline: the run's config and metrics are in the local transaction log.
+    run_dirs = sorted((folder / "wandb").glob("offline-run-*"))
+    assert run_dirs
+    records = []
+    for run_dir in run_dirs:
+        out = subprocess.run(["wandb", "leet", "inspect", "--json", str(run_dir)], capture_output=True, text=True,
+                             timeout=120)
+        records += [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    config = next(r["run"]["config"]["update"] for r in records if r.get("type") == "run")
+    assert config["num_steps"] == 2 and config["name"] == "tiny"
+    logged = {k for r in records if r.get("type") == "history" for k in _history_keys(r)}
+    assert "ssm-r0.5-round_windows=1/psnr" in logged and "tomesd-r0.5-use_rand=False/speedup" in logged
+
+
+def _history_keys(record: dict) -> list[str]:
+    return list(record["history"].get("item", {}))  # {"key": value, ...} per logged step
+
+
+def test_changed_config_in_the_same_folder_is_refused(setup):
+    root, overrides = setup
+    run_ablation(load_config(None, overrides), progress=False)
+    with pytest.raises(ValueError, match="another config"):
+        run_ablation(load_config(None, overrides + ["num_steps=3"]), progress=False)
+
+
+def test_bad_config_keys_and_strategies_raise():
+    with pytest.raises(ValueError, match="unknown config key"):
+        load_config(None, ["num_stepz=3"])
+    with pytest.raises(ValueError, match="unknown strategy"):
+        load_config(None, ["grid=[{strategy: nope, ratios: [0.5]}]"])
+    with pytest.raises(ValueError, match="KEY=VALUE"):
+        load_config(None, ["num_steps"])
