@@ -7,8 +7,9 @@ Every run uses the same labels and the same initial noise as the baseline (noise
 from ``seed + i``), and records: its config, wall-clock time of the sampling loop (median of
 alternating baseline/merged repeats after a warm-up, in one process), FLOPs of the loop
 (``FlopCounterMode``) and the FLOP-ideal speed-up, peak memory, PSNR/SSIM against the baseline
-images, FD-EffNetLite0 against real test images, versions and the git commit. Results are appended
-to ``runs/<name>/results.jsonl`` as each run finishes, so an interrupted grid resumes where it stopped;
+images, FD-EffNetLite0 against the baseline images and against real test images, versions and the
+git commit. Results are appended to ``runs/<name>/results.jsonl`` as each run finishes, so an
+interrupted grid resumes where it stopped;
 ``results.csv`` and ``table.md`` are rewritten at the end, and W&B gets the same (offline by default).
 """
 
@@ -76,13 +77,18 @@ def _seconds(fn) -> float:
     return time.perf_counter() - start
 
 
+def merging(model: nn.Module, run: RunSpec, config: AblationConfig):
+    """``tomerge.merging`` for one run; the step count is the sampler's, so schedules see exact progress."""
+    return tomerge.merging(model, run.strategy, ratio=run.ratio, **{"num_steps": config.num_steps, **run.options})
+
+
 def time_alternating(model: nn.Module, run: RunSpec, config: AblationConfig) -> tuple[float, float]:
     """Median seconds of the timing batch's sampling loop, baseline and merged alternating."""
     call = _timing_call(model, config)
     base, merged = [], []
     for i in range(config.warmup + config.repeats):
         b = _seconds(call)
-        with tomerge.merging(model, run.strategy, ratio=run.ratio, **run.options):
+        with merging(model, run, config):
             m = _seconds(call)
         if i >= config.warmup:
             base.append(b)
@@ -100,7 +106,7 @@ def count_flops(model: nn.Module, config: AblationConfig, run: RunSpec | None) -
         with counter:
             call()
     else:
-        with tomerge.merging(model, run.strategy, ratio=run.ratio, **run.options), counter:
+        with merging(model, run, config), counter:
             call()
     return counter.get_total_flops()
 
@@ -118,7 +124,7 @@ def peak_memory_mb(fn) -> float | None:
 def generate_merged(model: nn.Module, run: RunSpec, config: AblationConfig) -> tuple[Tensor, dict[str, Any], list]:
     """Images with the run's merging, the merge maps of the first image, and the decision records."""
     maps: dict[str, Any] = {}
-    with tomerge.merging(model, run.strategy, ratio=run.ratio, **run.options) as handle:
+    with merging(model, run, config) as handle:
         def keep_map(call, plan) -> None:
             key = f"step{call.where.step:03d}_layer{call.where.layer:02d}"
             if call.where.step in config.map_steps_for(handle.state.clock.num_steps) and key not in maps:

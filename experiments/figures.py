@@ -1,0 +1,510 @@
+"""`tomerge figures`: paper figures and tables from run folders only (never runs a model).
+
+    tomerge figures runs/reference --out figures/reference
+    tomerge figures runs/quick runs/big --out figures/all --metrics psnr fd_effnetlite0 --formats png pdf
+
+Reads what ``tomerge ablate`` wrote (``results.jsonl``, ``images/``, ``maps/``, ``config.yaml``) and writes:
+
+* ``OUT/pareto_<metric>.png``: speed-up (measured, or ``--x flop_speedup``) vs quality, one colour and
+  marker per strategy, ratios annotated, the Pareto front of the merged runs as a line, the baseline
+  marked; ``OUT/pareto.json`` names the runs on each front.
+* ``OUT/ablation.md`` and ``OUT/ablation.tex`` (booktabs): one row per run, best merged value in bold.
+* per run folder, ``OUT/<folder>/``: ``schedules.png`` (fraction of tokens removed per step, requested
+  ratio dashed, phases shaded), ``maps/<run>.png`` (tokens sharing a slot share a colour, unmerged
+  tokens dark, over the run's first image, per kept step and layer), ``grid.png`` (first ``--k``
+  images, baseline row then one row per run).
+
+A W&B offline run directory inside a run folder (``runs/<name>/wandb/offline-run-*``) resolves to
+that run folder; standalone W&B runs are not supported (their binary logs hold no more than the
+run folder does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import fnmatch
+import json
+import math
+import sys
+from collections import Counter, defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+from torch import Tensor
+
+from .records import image_grid, merge_map_rgb
+
+__all__ = ["RunData", "load_run", "pareto_front", "ablation_table", "pareto_figure", "schedule_figure",
+           "merge_map_figure", "image_grid_figure", "make_figures", "add_arguments", "run"]
+
+# metric -> (axis label, higher is better, paired with the baseline images); keys as in metrics.compute_quality
+METRICS = {"psnr": ("PSNR vs baseline (dB)", True, True), "ssim": ("SSIM vs baseline", True, True),
+           "fd_effnetlite0": ("FD-EffNetLite0 vs baseline images (lower is better)", False, True),
+           "fd_effnetlite0_ref": ("FD-EffNetLite0 vs real images (lower is better)", False, False),
+           "fid": ("FID, Inception-v3, vs real images (lower is better)", False, False),
+           "clip_score": ("CLIP score", True, False)}
+X_AXES = {"speedup": "measured speed-up (x)", "flop_speedup": "FLOP-ideal speed-up (x)"}
+# key, title, format, higher is better (None: no bold); a column appears when some row has its key
+COLUMNS = [("ratio", "ratio", "{:g}", None), ("speedup", "speed-up", "{:.2f}", True),
+           ("flop_speedup", "FLOP-ideal", "{:.2f}", True), ("overhead_ratio", "meas./ideal", "{:.2f}", None),
+           ("tokens_removed_mean", "removed", "{:.2f}", None), ("psnr", "PSNR", "{:.2f}", True),
+           ("ssim", "SSIM", "{:.3f}", True), ("fd_effnetlite0", "FD-EffNetLite0", "{:.2f}", False),
+           ("fd_effnetlite0_ref", "FD-EffNetLite0 vs ref", "{:.2f}", False), ("fid", "FID", "{:.2f}", False),
+           ("clip_score", "CLIP", "{:.2f}", True)]
+PHASE_COLOURS = {"structure": "tab:blue", "detail": "tab:orange", "protected": "tab:gray", "merge": "tab:green",
+                 "skip_step": "tab:gray", "skip_block": "tab:brown", "skip": "tab:gray"}
+MARKERS = "osD^vP*Xh<>p"
+
+
+@dataclasses.dataclass
+class RunData:
+    """One run folder: its config, its result rows (the last row per run id, file order), its files."""
+
+    path: Path
+    name: str
+    config: dict[str, Any]
+    rows: list[dict[str, Any]]
+
+    @property
+    def baseline(self) -> dict[str, Any] | None:
+        return next((r for r in self.rows if r["run"] == "baseline"), None)
+
+    @property
+    def merged(self) -> list[dict[str, Any]]:
+        return [r for r in self.rows if r["run"] != "baseline"]
+
+    def images(self, run: str) -> Tensor | None:
+        """``[n, C, H, W]`` float in [-1, 1], or ``None``."""
+        file = self.path / "images" / f"{run}.safetensors"
+        if not file.exists():
+            return None
+        from safetensors.torch import load_file
+
+        return load_file(file)["images"].float()
+
+    def maps(self, run: str) -> dict[str, Tensor]:
+        file = self.path / "maps" / f"{run}.safetensors"
+        if not file.exists():
+            return {}
+        from safetensors.torch import load_file
+
+        return load_file(file)
+
+    def records(self, run: str) -> list[dict[str, Any]]:
+        file = self.path / "maps" / f"{run}.json"
+        return json.loads(file.read_text()) if file.exists() else []
+
+
+def _resolve(path: Path) -> Path:
+    if (path / "results.jsonl").is_file():
+        return path
+    is_wandb = path.name.startswith(("offline-run-", "run-")) or any(path.glob("*.wandb"))
+    for parent in list(path.parents)[:3] if is_wandb else []:
+        if (parent / "results.jsonl").is_file():
+            return parent
+    hint = ("; a W&B run directory is read only inside a run folder, standalone W&B runs are not supported"
+            if is_wandb else "")
+    raise FileNotFoundError(f"{path} is not a run folder (no results.jsonl; write one with `tomerge ablate`){hint}")
+
+
+def load_run(path: str | Path, runs: Sequence[str] | None = None) -> RunData:
+    """Reads a run folder (or a W&B run dir inside one); ``runs`` keeps matching run ids (globs) and the baseline.
+
+    Example:
+        >>> data = load_run("runs/reference")                     # doctest: +SKIP
+        >>> [r["run"] for r in data.rows][:2]                      # doctest: +SKIP
+        ['baseline', 'tomesd-r0.5-use_rand=False']
+    """
+    path = _resolve(Path(path))
+    latest: dict[str, dict[str, Any]] = {}
+    for line in (path / "results.jsonl").read_text().splitlines():
+        if line.strip():
+            row = json.loads(line)
+            latest[row["run"]] = row
+    rows = [r for r in latest.values()
+            if r["run"] == "baseline" or not runs or any(fnmatch.fnmatch(r["run"], p) for p in runs)]
+    rows.sort(key=lambda r: r["run"] != "baseline")  # stable: baseline first, then file order
+    config_file = path / "config.yaml"
+    config = yaml.safe_load(config_file.read_text()) if config_file.exists() else {}
+    return RunData(path, path.name, config or {}, rows)
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def pareto_front(points: Sequence[tuple[float, float]], higher_y: bool = True) -> list[int]:
+    """Indices of the non-dominated points (x is maximised, y maximised or minimised), sorted by x.
+
+    A point is dominated when another is at least as good on both axes and better on one.
+
+    Example:
+        >>> pareto_front([(1.0, 30.0), (2.0, 25.0), (1.5, 24.0), (2.0, 25.0)])
+        [0, 1, 3]
+    """
+    sign = 1.0 if higher_y else -1.0
+    pts = [(x, sign * y) for x, y in points]
+    front = [i for i, (x, y) in enumerate(pts)
+             if not any(bx >= x and by >= y and (bx > x or by > y) for bx, by in pts)]
+    return sorted(front, key=lambda i: (points[i][0], i))
+
+
+# ------------------------------------------------------------------------------------------ tables
+def _cell(value: Any, fmt: str, latex: bool) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "--" if latex else "-"
+    if isinstance(value, float) and math.isinf(value):
+        return "$\\infty$" if latex else "inf"
+    return fmt.format(value)
+
+
+_LATEX_SPECIAL = {"\\": "\\textbackslash{}", "_": "\\_", "%": "\\%", "&": "\\&", "#": "\\#", "{": "\\{",
+                  "}": "\\}", "$": "\\$", "^": "\\^{}", "~": "\\~{}"}
+
+
+def _escape(text: str) -> str:
+    return "".join(_LATEX_SPECIAL.get(c, c) for c in text)
+
+
+def _caption(keys: set[str]) -> str:
+    parts = ["Speed-up over the unmerged baseline: measured wall-clock and FLOP-ideal; removed: mean fraction of "
+             "tokens removed per block call", "PSNR and SSIM against the baseline images at the same seeds"]
+    if "fd_effnetlite0" in keys:
+        parts.append("FD-EffNetLite0: Fr\\'echet distance of EfficientNet-Lite0 features to the baseline images")
+    if "fd_effnetlite0_ref" in keys:
+        parts.append("FD-EffNetLite0 vs ref: the same distance to real images")
+    return ". ".join(parts) + ". Best merged value in bold."
+
+
+def ablation_table(runs: Sequence[RunData], latex: bool = False) -> str:
+    """The ablation table (Markdown, or LaTeX with booktabs); the best merged value per column in bold."""
+    several = len(runs) > 1
+    rows = [(d.name, r) for d in runs for r in d.rows]
+    columns = [c for c in COLUMNS if c[0] == "ratio" or any(r.get(c[0]) is not None for _, r in rows)]
+    best: dict[str, float] = {}
+    for key, _, fmt, higher in columns:
+        values = [r[key] for _, r in rows if r["run"] != "baseline" and _finite(r.get(key))]
+        if higher is not None and len(set(values)) > 1:  # no bold when every run ties
+            best[key] = max(values) if higher else min(values)
+    head = (["folder"] if several else []) + ["run"] + [t for _, t, _, _ in columns]
+    body = []
+    for folder, r in rows:
+        cells = [folder] if several else []
+        cells.append(r["run"])
+        for key, _, fmt, _ in columns:
+            text = _cell(r.get(key), fmt, latex)
+            if key in best and r["run"] != "baseline" and r.get(key) == best[key]:
+                text = f"\\textbf{{{text}}}" if latex else f"**{text}**"
+            cells.append(text)
+        body.append((r["run"] == "baseline", cells))
+    if not latex:
+        align = ["---"] * (len(head) - len(columns)) + ["---:"] * len(columns)
+        lines = ["| " + " | ".join(head) + " |", "|" + "|".join(align) + "|"]
+        lines += ["| " + " | ".join(cells) + " |" for _, cells in body]
+        return "\n".join(lines) + "\n"
+    spec = "l" * (len(head) - len(columns)) + "r" * len(columns)
+    lines = ["% requires \\usepackage{booktabs}", "\\begin{table}[t]", "\\centering", "\\small",
+             f"\\begin{{tabular}}{{{spec}}}", "\\toprule", " & ".join(_escape(h) for h in head) + " \\\\", "\\midrule"]
+    for i, (is_base, cells) in enumerate(body):
+        cells = [_escape(c) if j < len(head) - len(columns) else c for j, c in enumerate(cells)]
+        lines.append(" & ".join(cells) + " \\\\")
+        if is_base and i + 1 < len(body) and not body[i + 1][0]:
+            lines.append("\\midrule")
+    names = ", ".join(_escape(d.name) for d in runs)
+    lines += ["\\bottomrule", "\\end{tabular}",
+              f"\\caption{{Token merging ablation ({names}). {_caption({c[0] for c in columns})}}}",
+              "\\label{tab:ablation}", "\\end{table}"]
+    return "\n".join(lines) + "\n"
+
+
+# ------------------------------------------------------------------------------------------ figures
+def _figure(width: float, height: float):
+    from matplotlib.figure import Figure  # no pyplot: no global figure registry, no backend switch
+
+    return Figure(figsize=(width, height), dpi=150, layout="constrained")
+
+
+def _save(fig, stem: Path, formats: Sequence[str]) -> list[Path]:
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    paths = [stem.with_name(f"{stem.name}.{fmt}") for fmt in formats]
+    for p in paths:
+        fig.savefig(p)
+    return paths
+
+
+def _short_options(row: dict[str, Any], varying: set[str]) -> str:
+    return " ".join(f"{k}={v}" for k, v in sorted((row.get("options") or {}).items()) if k in varying)
+
+
+def pareto_figure(runs: Sequence[RunData], metric: str, stem: Path, x_key: str = "speedup",
+                  formats: Sequence[str] = ("png",)) -> tuple[list[Path], list[str]]:
+    """Speed vs quality of every merged run; returns the files and the ``folder/run`` ids on the front."""
+    label, higher, paired = METRICS[metric]
+    pts = [(d.name, r) for d in runs for r in d.merged if _finite(r.get(x_key)) and _finite(r.get(metric))]
+    fig = _figure(7.5, 4.6)
+    ax = fig.add_subplot()
+    strategies = list(dict.fromkeys(r["strategy"] for _, r in pts))
+    varying = {s: {k for _, r in pts if r["strategy"] == s for k in (r.get("options") or {})
+                   if len({str((q.get("options") or {}).get(k)) for _, q in pts if q["strategy"] == s}) > 1}
+               for s in strategies}
+    coincident = Counter((r[x_key], r[metric]) for _, r in pts)
+    placed: Counter[tuple[float, float]] = Counter()
+    for i, s in enumerate(strategies):
+        mine = [(f, r) for f, r in pts if r["strategy"] == s]
+        ax.scatter([r[x_key] for _, r in mine], [r[metric] for _, r in mine], s=42, color=f"C{i % 10}",
+                   marker=MARKERS[i % len(MARKERS)], label=s, zorder=3, edgecolors="black", linewidths=0.4)
+        for f, r in mine:
+            where = (r[x_key], r[metric])
+            stacked = placed[where]  # coincident points: annotations stacked, named by strategy
+            placed[where] += 1
+            text = " ".join(t for t in (s if coincident[where] > 1 else "", f"r={r['ratio']:g}",
+                                        _short_options(r, varying[s]), f"({f})" if len(runs) > 1 else "") if t)
+            ax.annotate(text, where, xytext=(5, 3 + 10 * stacked), textcoords="offset points", fontsize=7, zorder=5,
+                        bbox={"boxstyle": "round,pad=0.1", "facecolor": "white", "edgecolor": "none", "alpha": 0.75})
+    front = pareto_front([(r[x_key], r[metric]) for _, r in pts], higher)
+    if front:
+        ax.plot([pts[i][1][x_key] for i in front], [pts[i][1][metric] for i in front], "--", color="black",
+                linewidth=1, zorder=2, label="Pareto front")
+    base_fd = [d.baseline[metric] for d in runs if d.baseline and _finite(d.baseline.get(metric))]
+    if paired or not base_fd:
+        ax.axvline(1.0, color="gray", linestyle=":", linewidth=1.2, label="baseline (speed-up 1)")
+    else:
+        ax.scatter([1.0] * len(base_fd), base_fd, marker="*", s=160, color="gold", edgecolors="black",
+                   linewidths=0.6, zorder=4, label="baseline (unmerged)")
+    ax.set_xlabel(X_AXES[x_key])
+    ax.set_ylabel(label)
+    ax.set_title(f"Speed vs quality: {', '.join(d.name for d in runs)}", fontsize=10)
+    ax.grid(True, alpha=0.3)
+    ax.margins(x=0.12, y=0.1)
+    if pts or base_fd:
+        fig.legend(loc="outside right upper", fontsize=8, frameon=False)
+    paths = _save(fig, stem, formats)
+    return paths, [f"{pts[i][0]}/{pts[i][1]['run']}" for i in front]
+
+
+def step_profile(records: Sequence[dict[str, Any]]) -> tuple[list[int], list[float], list[float], list[str]]:
+    """Per step (over all trajectories and layers): fraction of tokens removed (unmerged calls count 0),
+    mean requested ratio, and the most common decision label.
+
+    Example:
+        >>> rec = [dict(step=0, ratio=0.5, num_tokens=4, num_removed=2, label="a"),
+        ...        dict(step=0, ratio=0.0, num_tokens=0, num_removed=0, label="skip"),
+        ...        dict(step=1, ratio=0.5, num_tokens=4, num_removed=1, label="a")]
+        >>> step_profile(rec)
+        ([0, 1], [0.25, 0.25], [0.25, 0.5], ['a', 'a'])
+    """
+    by_step: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    for r in records:
+        by_step[int(r["step"])].append(r)
+    steps = sorted(by_step)
+    removed = [sum(r["num_removed"] / r["num_tokens"] if r["num_tokens"] else 0.0 for r in by_step[s])
+               / len(by_step[s]) for s in steps]
+    ratios = [sum(float(r["ratio"]) for r in by_step[s]) / len(by_step[s]) for s in steps]
+    labels = [Counter(r["label"] for r in by_step[s]).most_common(1)[0][0] for s in steps]
+    return steps, removed, ratios, labels
+
+
+def schedule_figure(data: RunData, stem: Path, formats: Sequence[str] = ("png",)) -> list[Path]:
+    """One panel per merged run: removed fraction and requested ratio over steps, phases shaded."""
+    from matplotlib.patches import Patch
+
+    runs = [(r["run"], step_profile(data.records(r["run"]))) for r in data.merged]
+    runs = [(name, prof) for name, prof in runs if prof[0]]
+    if not runs:
+        return []
+    fig = _figure(7.5, 0.9 + 1.3 * len(runs))
+    axes = fig.subplots(len(runs), 1, sharex=True, squeeze=False)[:, 0]
+    phases: dict[str, str] = {}
+    for ax, (name, (steps, removed, ratios, labels)) in zip(axes, runs):
+        if len(set(labels)) > 1:
+            start = 0
+            for i in range(1, len(steps) + 1):
+                if i == len(steps) or labels[i] != labels[start]:
+                    colour = phases.setdefault(labels[start], PHASE_COLOURS.get(labels[start], f"C{len(phases) + 3}"))
+                    ax.axvspan(steps[start] - 0.5, steps[i - 1] + 0.5, color=colour, alpha=0.15, linewidth=0)
+                    start = i
+        ax.plot(steps, removed, marker=".", color="black", linewidth=1.2, label="tokens removed (measured)")
+        ax.plot(steps, ratios, "--", color="tab:red", linewidth=1, label="requested ratio (mean over layers)")
+        ax.set_ylim(-0.02, max(1.0, max(ratios) * 1.05))
+        ax.set_ylabel("fraction", fontsize=8)
+        ax.set_title(name, fontsize=9, loc="left")
+        ax.grid(True, alpha=0.3)
+    axes[-1].set_xlabel("denoising step")
+    axes[-1].xaxis.get_major_locator().set_params(integer=True)
+    handles, names = axes[0].get_legend_handles_labels()
+    handles += [Patch(color=c, alpha=0.3) for c in phases.values()]
+    names += [f"phase: {p}" for p in phases]
+    fig.legend(handles, names, loc="outside lower center", ncols=min(4, len(names)), fontsize=8, frameon=False)
+    fig.suptitle(f"Merge schedules: {data.name}", fontsize=10)
+    return _save(fig, stem, formats)
+
+
+def token_grid(num_tokens: int, image_hw: tuple[int, int]) -> tuple[int, int]:
+    """The token grid ``(gh, gw)`` with ``gh * gw = N`` and the image's aspect ratio (square when unsure)."""
+    h, w = image_hw
+    gh = max(1, round(math.sqrt(num_tokens * h / w)))
+    if gh * (num_tokens // gh) == num_tokens:
+        return gh, num_tokens // gh
+    side = math.isqrt(num_tokens)
+    if side * side != num_tokens:
+        raise ValueError(f"cannot infer the token grid of {num_tokens} tokens for an image of {image_hw}")
+    return side, side
+
+
+def _rgb(image: Tensor) -> Tensor:
+    """``[C, H, W]`` in [-1, 1] -> ``[H, W, 3]`` in [0, 1] (grey images repeated)."""
+    img = ((image.float().clamp(-1, 1) + 1) / 2).permute(1, 2, 0)  # [H, W, C]
+    return img.expand(-1, -1, 3) if img.shape[-1] == 1 else img[..., :3]
+
+
+def _overlay(slots: Tensor, image: Tensor | None, alpha: float) -> Tensor:
+    """Slot colours (``[N]`` -> ``[gh, gw, 3]``), blended over ``image [C, H, W]`` when given -> float [h, w, 3]."""
+    hw = tuple(image.shape[-2:]) if image is not None else (1, 1)
+    colours = merge_map_rgb(slots, token_grid(slots.numel(), hw), scale=1).float() / 255  # [gh, gw, 3]
+    if image is None:
+        return colours
+    img = _rgb(image)  # [H, W, 3]
+    up = torch.nn.functional.interpolate(colours.permute(2, 0, 1)[None], size=hw, mode="nearest")[0]  # [3, H, W]
+    return ((1 - alpha) * img + alpha * up.permute(1, 2, 0)).clamp(0, 1)  # unmerged (black) tokens: dimmed image
+
+
+def merge_map_figure(data: RunData, run: str, stem: Path, formats: Sequence[str] = ("png",),
+                     columns: int = 8, alpha: float = 0.6) -> list[Path]:
+    """Merge maps of a run over its first image: per kept step a row of layers (wrapped after
+    ``columns``), the image itself in the first column."""
+    import re
+
+    maps = data.maps(run)
+    if not maps:
+        return []
+    images = data.images(run)
+    images = images if images is not None else data.images("baseline")
+    image = images[0] if images is not None else None
+    parsed = {k: re.fullmatch(r"step(\d+)_layer(\d+)", k) for k in maps}
+    by_step: dict[str, list[str]] = defaultdict(list)
+    for key in sorted(maps, key=lambda k: (int(parsed[k][1]), int(parsed[k][2])) if parsed[k] else (1 << 30, 0)):
+        by_step[f"step {int(parsed[key][1])}" if parsed[key] else "other"].append(key)
+    cols = min(columns, max(len(v) for v in by_step.values()))
+    rows = [(step, keys[i:i + cols]) for step, keys in by_step.items() for i in range(0, len(keys), cols)]
+    extra = int(image is not None)
+    aspect = image.shape[-2] / image.shape[-1] if image is not None else 1.0
+    fig = _figure(1.3 * (cols + extra) + 0.2, (1.3 * aspect + 0.4) * len(rows) + 0.4)
+    axes = fig.subplots(len(rows), cols + extra, squeeze=False)
+    for ax in axes.flat:
+        ax.set_axis_off()
+    previous = None
+    for r, (step, keys) in enumerate(rows):
+        if image is not None and step != previous:
+            axes[r, 0].imshow(_rgb(image).numpy(), interpolation="nearest")
+            axes[r, 0].set_title("first image\n(final output)", fontsize=7)
+        previous = step
+        for c, key in enumerate(keys):
+            slots = maps[key].long()
+            ax = axes[r, c + extra]
+            ax.imshow(_overlay(slots, image, alpha).numpy(), interpolation="nearest")
+            removed = slots.numel() - int(torch.unique(slots).numel())
+            name = f"{step}, layer {int(parsed[key][2])}" if parsed[key] else key
+            ax.set_title(f"{name}\n-{removed}/{slots.numel()} tokens", fontsize=7)
+    fig.suptitle(f"{run}: tokens sharing a slot share a colour; unmerged tokens dark", fontsize=8)
+    return _save(fig, stem, formats)
+
+
+def _wrap(text: str, width: int = 24) -> str:
+    import textwrap
+
+    return "\n".join(textwrap.wrap(text, width, break_on_hyphens=True)) or text
+
+
+def image_grid_figure(data: RunData, stem: Path, k: int = 8, formats: Sequence[str] = ("png",)) -> list[Path]:
+    """First ``k`` images of the baseline and of every run, one labelled row each."""
+    rows = [(r["run"], data.images(r["run"])) for r in data.rows]
+    rows = [(_wrap(name), im[:k]) for name, im in rows if im is not None]
+    if not rows:
+        return []
+    n = max(im.shape[0] for _, im in rows)
+    h, w = rows[0][1].shape[-2:]
+    label_w = 0.15 + 0.06 * max(len(line) for name, _ in rows for line in name.splitlines())
+    image_w = 0.9 * n * w / h
+    fig = _figure(label_w + image_w, 0.35 + 0.95 * len(rows))
+    grid = fig.add_gridspec(len(rows), 2, width_ratios=[label_w, image_w])
+    for i, (name, im) in enumerate(rows):
+        label = fig.add_subplot(grid[i, 0])
+        label.set_axis_off()
+        label.text(1.0, 0.5, name, ha="right", va="center", fontsize=8, transform=label.transAxes)
+        ax = fig.add_subplot(grid[i, 1])
+        ax.imshow(image_grid(im, columns=n).numpy(), interpolation="nearest")
+        for j in range(1, n):  # white separators between images
+            ax.axvline(j * w - 0.5, color="white", linewidth=1.5)
+        ax.set_axis_off()
+    fig.suptitle(f"{data.name}: first {n} images, same seeds in every row", fontsize=9)
+    return _save(fig, stem, formats)
+
+
+def make_figures(paths: Sequence[str | Path], out: str | Path, metrics: Sequence[str] | None = None,
+                 x_key: str = "speedup", k: int = 8, formats: Sequence[str] = ("png",),
+                 runs: Sequence[str] | None = None) -> list[Path]:
+    """Every figure and table of the given run folders; returns the files written."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    data = [load_run(p, runs) for p in paths]
+    seen: Counter[str] = Counter()
+    for d in data:  # folders with the same name: the later ones get -1, -2, ...
+        seen[d.name] += 1
+        if seen[d.name] > 1:
+            d.name = f"{d.name}-{seen[d.name] - 1}"
+    written: list[Path] = []
+    for latex, suffix in ((False, "md"), (True, "tex")):
+        (out / f"ablation.{suffix}").write_text(ablation_table(data, latex=latex))
+        written.append(out / f"ablation.{suffix}")
+    fronts = {}
+    available = [m for m in METRICS if any(_finite(r.get(m)) for d in data for r in d.merged)]
+    for metric in metrics or available:
+        if metric not in METRICS:
+            raise ValueError(f"unknown metric {metric!r}; choose from {sorted(METRICS)}")
+        files, fronts[metric] = pareto_figure(data, metric, out / f"pareto_{metric}", x_key, formats)
+        written += files
+    (out / "pareto.json").write_text(json.dumps({"x": x_key, "fronts": fronts}, indent=2))
+    written.append(out / "pareto.json")
+    for d in data:
+        written += schedule_figure(d, out / d.name / "schedules", formats)
+        for r in d.merged:
+            written += merge_map_figure(d, r["run"], out / d.name / "maps" / r["run"], formats)
+        written += image_grid_figure(d, out / d.name / "grid", k, formats)
+    return written
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR",
+                        help="run folders written by `tomerge ablate` (or a W&B run dir inside one)")
+    parser.add_argument("--out", type=Path, required=True, help="output folder")
+    parser.add_argument("--metrics", nargs="+", choices=sorted(METRICS), default=None,
+                        help="quality axes of the Pareto plots (default: every metric present)")
+    parser.add_argument("--x", dest="x_key", choices=sorted(X_AXES), default="speedup",
+                        help="speed axis (default: %(default)s, measured wall-clock)")
+    parser.add_argument("--k", type=int, default=8, help="images per row of the image grids (default: %(default)s)")
+    parser.add_argument("--formats", nargs="+", default=["png"], choices=["png", "pdf", "svg"],
+                        help="figure file formats (default: png)")
+    parser.add_argument("--runs", nargs="+", default=None, metavar="GLOB",
+                        help="only runs whose id matches one of these globs (the baseline is always kept)")
+
+
+def run(args: argparse.Namespace) -> int:
+    written = make_figures(args.run_dirs, args.out, args.metrics, args.x_key, args.k, args.formats, args.runs)
+    print(Path(args.out / "ablation.md").read_text())
+    print("\n".join(str(p) for p in written))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tomerge.experiments.figures", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
