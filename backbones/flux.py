@@ -32,6 +32,12 @@ Received attention (``idm``): the text-to-image part of the joint attention, fro
 computes (hooks on ``norm_q``/``norm_k``/``norm_added_q``/``norm_added_k``, RoPE applied as the model
 does), all text queries against all keys, restricted to the image keys and renormalised per sample.
 
+Prompt reweighting (``sdtm`` with prompt categories, :mod:`tomerge.prompts`): the text tokens are the first
+``T`` keys of every joint attention (double: ``T`` from the attention's ``encoder_hidden_states``; single:
+the block call's text length); the image queries get the text-key bias inside its SDPA call, which
+needs diffusers' native attention backend. ``FluxPipeline``'s text sequence is its T5 tokens, padded to
+``max_sequence_length``: :func:`text_tokens` lists them for a categorizer.
+
 Example:
     >>> import tomerge                                               # doctest: +SKIP
     >>> handle = tomerge.apply(pipe, "tomesd", ratio=0.5)  # a FluxPipeline or its transformer  # doctest: +SKIP
@@ -46,7 +52,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
-from tomerge.adapter import BackboneAdapter, BlockSpec, MergePoint, class_names
+from tomerge.adapter import BackboneAdapter, BlockSpec, MergePoint, TextKeys, class_names
 from tomerge.plan import MergePlan
 from tomerge.state import MergeState
 
@@ -334,11 +340,30 @@ class FluxAdapter(BackboneAdapter):
             return None
         return self.grid_size
 
+    def text_keys(self, block: BlockSpec, point: MergePoint) -> TextKeys | None:
+        if isinstance(point, DoubleAttentionPoint):
+            def text_len(args: tuple, kwargs: dict) -> int:
+                text = _arg(args, kwargs, "encoder_hidden_states", 1)  # [B, T, C]
+                return 0 if text is None else int(text.shape[1])
+        elif isinstance(point, SingleAttentionPoint):
+            def text_len(args: tuple, kwargs: dict) -> int:
+                return point.lengths.text or 0  # the joint sequence's text part, from the block call
+        else:
+            return None
+        return TextKeys(point.module, text_len=text_len, text_first=True)  # [text, image] in the processor
+
     def probe(self, block: BlockSpec, point: MergePoint, state: MergeState) -> list[Any]:
         if not isinstance(point, (DoubleAttentionPoint, SingleAttentionPoint)):
             return []  # proj_mlp: the attention's own point records
         return probe_flux_attention(block, point.module, state)
 
+
+def text_tokens(pipe: Any, prompt: str, max_sequence_length: int = 512) -> list[str]:
+    """The text tokens a `FluxPipeline` gives the transformer for ``prompt``: its T5 tokens (``tokenizer_2``),
+    padded to ``max_sequence_length`` (the pipeline call's), as strings for a prompt categorizer."""
+    t5 = pipe.tokenizer_2
+    ids = t5(prompt, padding="max_length", max_length=max_sequence_length, truncation=True).input_ids
+    return list(t5.convert_ids_to_tokens(ids))
 
 
 # ---------------------------------------------------------------------- received attention

@@ -25,6 +25,11 @@ and text queries the processor computes anyway, so the attention keeps its fused
 queries' softmax over all keys (image and text, as in the model) is averaged over heads and text
 queries, restricted to the image keys and renormalised to sum to 1 per sample.
 
+Prompt reweighting (``sdtm`` with prompt categories, :mod:`tomerge.prompts`): the text tokens are the last
+``T`` keys of the joint attention ``attn`` (``T`` from its ``encoder_hidden_states``); the image queries
+get the text-key bias inside its SDPA call. The text sequence of ``StableDiffusion3Pipeline`` is 77 CLIP
+tokens then ``max_sequence_length`` T5 tokens: :func:`text_tokens` lists them for a categorizer.
+
 Feed-forward chunking is not supported (apply raises; disable it first).
 """
 
@@ -36,11 +41,11 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
-from tomerge.adapter import BlockSpec, MergePoint
+from tomerge.adapter import BlockSpec, MergePoint, TextKeys
 from tomerge.probe import received_attention, split_heads
 from tomerge.state import MergeState
 
-from ._diffusers import PatchifiedAdapter
+from ._diffusers import PatchifiedAdapter, call_arg
 
 _EPS = 1e-12
 
@@ -83,10 +88,49 @@ class SD3Adapter(PatchifiedAdapter):
         points.append(MergePoint("mlp", block.ff))
         return tuple(points)
 
+    def text_keys(self, block: BlockSpec, point: MergePoint) -> TextKeys | None:
+        if point.module is not block.module.attn:
+            return None  # attn2 (dual attention) is image-only
+        return TextKeys(point.module, text_len=_text_len, text_first=False)  # [image, text] in the processor
+
     def probe(self, block: BlockSpec, point: MergePoint, state: MergeState) -> list[Any]:
         if point.module is not block.module.attn:
             return []  # attn2 (dual attention): the joint attention's text-to-image probe is the record
         return probe_joint_attention(block, point.module, state)
+
+
+def _text_len(args: tuple, kwargs: dict) -> int:
+    text = call_arg(args, kwargs, "encoder_hidden_states", 1)  # [B, T, C]
+    return 0 if text is None else int(text.shape[1])
+
+
+def text_tokens(pipe: Any, prompt: str, max_sequence_length: int = 256) -> list[str]:
+    """The text tokens a `StableDiffusion3Pipeline` gives the transformer for ``prompt``, as strings.
+
+    The pipeline concatenates the CLIP tokens (``tokenizer``, padded to its 77) and the T5 tokens
+    (``tokenizer_3``, padded to ``max_sequence_length``; without T5 they are zero embeddings, listed
+    as ``"<pad>"``). Feed the result to a :class:`~tomerge.prompts.PromptCategorizer`.
+
+    Args:
+        pipe: the pipeline (its tokenizers are used; no model runs).
+        prompt: the prompt.
+        max_sequence_length: the pipeline call's ``max_sequence_length``.
+
+    Returns:
+        ``77 + max_sequence_length`` token strings (CLIP ``"red</w>"``, T5 ``"▁red"``).
+
+    Example:
+        >>> labels = WordListCategorizer().categorize(prompt, text_tokens(pipe, prompt))   # doctest: +SKIP
+    """
+    clip = pipe.tokenizer
+    ids = clip(prompt, padding="max_length", max_length=pipe.tokenizer_max_length, truncation=True).input_ids
+    tokens = list(clip.convert_ids_to_tokens(ids))
+    t5 = getattr(pipe, "tokenizer_3", None)
+    if t5 is None or getattr(pipe, "text_encoder_3", None) is None:
+        return tokens + ["<pad>"] * max_sequence_length
+    ids = t5(prompt, padding="max_length", max_length=max_sequence_length, truncation=True,
+             add_special_tokens=True).input_ids
+    return tokens + list(t5.convert_ids_to_tokens(ids))
 
 
 def probe_joint_attention(block: BlockSpec, attn: nn.Module, state: MergeState) -> list[Any]:

@@ -26,6 +26,14 @@ A :class:`~tomerge.Schedule` combining the two SDTM strategies (strategies.md se
   Protection applies in both phases.
 * **Decisions.** ``label`` is ``"structure"``, ``"detail"`` or ``"protected"``; plans are computed once
   per block call (no ``cache_key``) and shared by the phase's sublayers.
+* **Prompt reweighting** (strategies.md section 6). ``prompt_reweight=a_p`` (default 2): in the structure
+  phase the attention of image queries to text tokens labelled ``"structure"`` is multiplied by ``a_p``,
+  in the detail phase to ``"detail"`` tokens (an exact ``log(a_p)`` logit bias that keeps the fused SDPA
+  kernel, :mod:`tomerge.prompts`). It needs labels: ``tomerge.apply(..., prompt_categories=rows)`` or
+  ``handle.set_prompt_categories(rows)``; without them nothing is reweighted, and models without text
+  tokens in their attention (UNet, PixArt, DiT) refuse labels. The phase follows ``in_structure_phase``
+  on every step and layer, protected ones included (protection is about merging, not about the prompt).
+  ``prompt_reweight=None`` or ``1`` turns it off.
 
 Options of the two strategies are flattened into this schedule (one flat config for logs and sweeps):
 ``window`` (shared ``k x k`` window side), ``alpha_s`` and ``round_windows`` (SSM), ``alpha_d``,
@@ -39,8 +47,6 @@ Not implemented here:
       step, ``cache_each_step``). It is a feature cache, not merging, and needs the unmerge hook to
       know the plan's merged positions and a per-(layer, sublayer) output cache, i.e. a core change
       in ``tomerge/attach.py``; a schedule alone cannot do it.
-    * Prompt token reweighting (strategies.md section 6) lives in its own module; this schedule has
-      no option for it yet.
 
 Example:
     >>> from tomerge.schedule import Where
@@ -144,6 +150,7 @@ class SDTM(Schedule):
         alpha_d: IDM streak weight.
         idm_variant: IDM ``variant``: ``"attention"`` (paper) or ``"streak"`` (released code).
         idm_local: IDM ``local``: merge each source into its own window's destination only.
+        prompt_reweight: ``a_p`` of prompt reweighting (active only with prompt categories); ``None``: off.
 
     Example:
         >>> import tomerge
@@ -170,6 +177,7 @@ class SDTM(Schedule):
     alpha_d: float = 0.05
     idm_variant: str = "attention"
     idm_local: bool = False
+    prompt_reweight: float | None = 2.0
 
     _ssm: SSM = dataclasses.field(init=False, repr=False, compare=False)
     _idm: IDM = dataclasses.field(init=False, repr=False, compare=False)
@@ -194,6 +202,8 @@ class SDTM(Schedule):
         if self.curve == "constant" and dev != 0:
             raise ValueError(f"{what}: curve='constant' uses ratio alone; set deviation=0 (got {dev})")
         check_int(self.protect_every, "protect_every", 1, what, optional=True)
+        if self.prompt_reweight is not None:
+            check_number(self.prompt_reweight, "prompt_reweight", what, low=1e-6)
         check_int(self.protect_layers_every, "protect_layers_every", 1, what, optional=True)
         if isinstance(self.protect_layers, (str, bytes)) or not isinstance(self.protect_layers, Iterable):
             raise ValueError(f"{what}: protect_layers must be a tuple of layer indices, got {self.protect_layers!r}")
@@ -279,6 +289,22 @@ class SDTM(Schedule):
         if self.in_structure_phase(where):
             return Decision(self._ssm, ratio, self._structure, label=STRUCTURE)
         return Decision(self._idm, ratio, self._detail, label=DETAIL)
+
+    @property
+    def reweights_prompts(self) -> bool:
+        """True unless ``prompt_reweight`` is ``None``."""
+        return self.prompt_reweight is not None
+
+    def prompt_reweighting(self, where: Where) -> tuple[str, float] | None:
+        """``("structure" | "detail", a_p)`` by the phase of ``where``; ``None`` when off or ``a_p == 1``.
+
+        Example:
+            >>> SDTM(prompt_reweight=2.0).prompt_reweighting(Where(0, 50, 0.0, 0, 8))
+            ('structure', 2.0)
+        """
+        if self.prompt_reweight is None or self.prompt_reweight == 1.0:
+            return None
+        return (STRUCTURE if self.in_structure_phase(where) else DETAIL), float(self.prompt_reweight)
 
     def strategies(self) -> tuple[MergeStrategy, ...]:
         """``(ssm, idm)``: the adapter records what either needs (IDM: received attention)."""

@@ -14,11 +14,12 @@ its kind (see *Block position* below):
   ``Decision.cache_key = ("toma", kind, group, s // recompute_every)`` with
   ``group = (i - skip_first) // group_size``: it is computed by the first call of a group in a window
   of ``recompute_every`` steps and reused by every later call with the same key (the other blocks of
-  the group, the later merge steps of the window, the second call of split guidance). Groups are runs
-  of ``group_size`` consecutive merged blocks of one kind, counted from the first merged block. The
-  state recomputes (and re-caches) a plan whose token count or batch size does not fit the call, so
-  group sharing only pays off where the blocks of a group have the same resolution (a transformer
-  stack; not UNet levels). Plans are cleared when a new trajectory starts.
+  the group, the later merge steps of the window). The state keeps plans per call slot (the n-th model
+  call of a step), so with split guidance each branch reuses its own plans and the result equals batched
+  guidance. Groups are runs of ``group_size`` consecutive merged blocks of one kind, counted from the
+  first merged block. The state recomputes (and re-caches) a plan whose token count or batch size
+  does not fit the call, so group sharing only pays off where the blocks of a group have the same
+  resolution (a transformer stack; not UNet levels). Plans are cleared when a new trajectory starts.
 
 Block position: ``Where.layer`` is the adapter's global block index and ``Where.block_kind`` names the
 block type. The position ``i`` within the kind is ``where.kind_index`` when the core provides that

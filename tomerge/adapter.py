@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 from torch import Tensor, nn
@@ -81,6 +82,21 @@ class BlockSpec:
         return kwargs[self.arg] if self.arg in kwargs else args[0]
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class TextKeys:
+    """Where the text tokens are in a joint (text + image) attention module, for prompt reweighting.
+
+    Args:
+        module: the attention module whose ``scaled_dot_product_attention`` call gets the text-key bias.
+        text_len: ``(args, kwargs) -> T``: the text length of one call of ``module``.
+        text_first: the joint sequence is ``[text, image]`` (Flux) rather than ``[image, text]`` (SD3).
+    """
+
+    module: nn.Module
+    text_len: Callable[[tuple, dict], int]
+    text_first: bool
+
+
 @dataclasses.dataclass(frozen=True)
 class NoOptions:
     """Adapters without options use this."""
@@ -127,6 +143,10 @@ class BackboneAdapter(abc.ABC):
         ``"attn"`` point) into ``state.store_attention``; returns the hook handles. Adapters whose
         attention cannot be probed raise."""
         raise NotImplementedError(f"backbone {self.name!r} cannot record received attention")
+
+    def text_keys(self, block: BlockSpec, point: MergePoint) -> TextKeys | None:
+        """The joint text-image attention of ``point`` (prompt reweighting), or ``None``: no text keys there."""
+        return None
 
     def check(self) -> None:
         """Raises when the model is in a configuration the adapter cannot merge correctly."""

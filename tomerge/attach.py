@@ -10,13 +10,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from torch import nn
 
 from .adapter import BackboneAdapter, BlockSpec, MergePoint
 from .context import check_ratio
+from .prompts import PromptCategories, bias_text_keys
 from .registry import backbone_class, build, list_backbones, strategy_class
 from .schedule import Constant, Schedule
 from .state import MergeState, TrajectoryClock
@@ -24,7 +25,7 @@ from .strategy import MergeStrategy
 
 _HANDLE_ATTR = "_tomerge_handle"
 _SUBLAYER_FLAGS = ("merge_attn", "merge_crossattn", "merge_mlp")
-_STATE_OPTIONS = ("seed", "num_steps")
+_STATE_OPTIONS = ("seed", "num_steps", "prompt_categories")
 
 
 class MergeHandle:
@@ -39,6 +40,8 @@ class MergeHandle:
     def __init__(self, model: nn.Module, adapter: BackboneAdapter, schedule: Schedule, state: MergeState) -> None:
         self.model, self.adapter, self.schedule, self.state = model, adapter, schedule, state
         self._hooks: list[Any] = []
+        self._blocks: list[BlockSpec] = []
+        self._text_hooks = False  # prompt-reweighting hooks installed (on the first set_prompt_categories)
         self._blocks_with_grid = 0  # blocks of the current model call the adapter could merge
         self._warned_nothing = False
 
@@ -67,8 +70,59 @@ class MergeHandle:
             if self.model.__dict__.get(_HANDLE_ATTR) is self:
                 del self.model.__dict__[_HANDLE_ATTR]
 
+    def set_prompt_categories(self, categories: Sequence[Sequence[str]] | None) -> None:
+        """Sets the text-token labels of prompt reweighting (strategies.md section 6); ``None`` turns it off.
+
+        Args:
+            categories: one label list per prompt (``"structure"``, ``"detail"``, ``"none"`` for every text
+                token the model attends to, e.g. from a :class:`tomerge.prompts.PromptCategorizer`); rows map
+                onto the batch as :class:`tomerge.prompts.PromptCategories` says (classifier-free guidance:
+                the negative prompts' rows first; one row applies to every sample).
+
+        Raises:
+            TypeError: the schedule does not reweight prompts (e.g. ``sdtm`` built with ``prompt_reweight=None``).
+            ValueError: invalid labels, or a model without text tokens in its attention.
+
+        Example:
+            >>> handle = tomerge.apply(pipe, "sdtm", ratio=0.3)                    # doctest: +SKIP
+            >>> handle.set_prompt_categories([negative_labels, labels])            # doctest: +SKIP
+        """
+        if categories is None:
+            self.state.prompt_categories = None
+            return
+        if not self._hooks:
+            raise RuntimeError("this tomerge handle was removed; apply again")
+        if not self.schedule.reweights_prompts:
+            raise TypeError(f"schedule {self.schedule.name!r} does not reweight prompts; prompt categories need "
+                            "e.g. sdtm with prompt_reweight=a_p")
+        rows = PromptCategories(categories)
+        if not self._text_hooks:
+            hooks: list[Any] = []
+            for block in self._blocks:
+                for point in block.points:
+                    keys = self.adapter.text_keys(block, point)
+                    if keys is not None:
+                        hooks += bias_text_keys(keys, self._text_bias)
+            if not hooks:
+                raise ValueError(f"the {self.adapter.name!r} backbone has no text tokens in its attention: prompt "
+                                 "reweighting needs a joint text-image attention (sd3, flux)")
+            self._hooks.extend(hooks)
+            self._text_hooks = True
+        self.state.prompt_categories = rows
+
+    def _text_bias(self, batch: int, text_len: int, device: Any) -> Any:
+        """The ``[B, T]`` text-key bias of the block call in progress, or ``None``."""
+        categories, call = self.state.prompt_categories, self.state.call
+        if categories is None or call is None:
+            return None
+        reweighting = self.schedule.prompt_reweighting(call.where)
+        if reweighting is None:
+            return None
+        return categories.bias(reweighting[0], reweighting[1], batch, text_len, device)
+
     # ------------------------------------------------------------------ hooks
     def _attach(self, blocks: list[BlockSpec]) -> None:
+        self._blocks = blocks
         add = self._hooks.append
         add(self.model.register_forward_pre_hook(self._model_pre, with_kwargs=True))
         add(self.model.register_forward_hook(self._model_post))
@@ -144,7 +198,8 @@ def apply(target: Any, strategy: str | MergeStrategy | Schedule = "tomesd", *, r
         ratio: fraction of tokens removed (for a strategy: required unless the instance has one).
         backbone: adapter name; found from the model's classes when ``None``.
         **options: strategy options, the adapter's options, ``merge_attn`` / ``merge_crossattn`` /
-            ``merge_mlp``, ``seed`` (per-(step, layer) generators) and ``num_steps``. Unknown names raise.
+            ``merge_mlp``, ``seed`` (per-(step, layer) generators), ``num_steps`` and ``prompt_categories``
+            (see :meth:`MergeHandle.set_prompt_categories`). Unknown names raise.
 
     Returns:
         A :class:`MergeHandle`; ``handle.remove()`` or :func:`remove` undoes everything.
@@ -176,13 +231,15 @@ def apply(target: Any, strategy: str | MergeStrategy | Schedule = "tomesd", *, r
     scheduler = getattr(target, "scheduler", None) if target is not model else None
     clock = TrajectoryClock(
         num_steps=state_opts.get("num_steps"),
-        timesteps=(lambda: getattr(scheduler, "timesteps", None)) if scheduler is not None else None,
+        timesteps=_scheduler_timesteps(scheduler, adapter.t_max) if scheduler is not None else None,
         t_max=adapter.t_max,
     )
     state = MergeState(schedule, num_layers=len(blocks), seed=state_opts.get("seed", 0), clock=clock)
     handle = MergeHandle(model, adapter, schedule, state)
     try:
         handle._attach(blocks)
+        if state_opts.get("prompt_categories") is not None:
+            handle.set_prompt_categories(state_opts["prompt_categories"])
     except BaseException:
         handle.remove()
         raise
@@ -216,6 +273,21 @@ def merging(target: Any, strategy: str | MergeStrategy | Schedule = "tomesd", **
 
 
 # ---------------------------------------------------------------------- helpers
+def _scheduler_timesteps(scheduler: Any, t_max: float):
+    """The pipeline scheduler's timesteps in the units the model is called with.
+
+    diffusers schedulers count timesteps on a ``[0, 1000]`` scale; pipelines of models called with
+    ``t`` in ``[0, t_max]`` (Flux: ``t_max = 1``, ``FluxPipeline`` passes ``timestep / 1000``) divide by
+    1000, so the schedule is scaled by ``t_max / 1000`` to be compared with the calls' timesteps.
+    """
+    scale = t_max / 1000.0
+
+    def timesteps():
+        t = getattr(scheduler, "timesteps", None)
+        return t if t is None or scale == 1.0 else t.float() * scale
+    return timesteps
+
+
 def _make_schedule(strategy: str | MergeStrategy | Schedule, ratio: float | None, options: dict[str, Any],
                    adapter_fields: set[str]) -> Schedule:
     if isinstance(strategy, str):

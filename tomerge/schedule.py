@@ -77,6 +77,16 @@ class Schedule(abc.ABC):
     def strategies(self) -> tuple[MergeStrategy, ...]:
         """Every strategy the schedule may pick (adapters record what they need)."""
 
+    @property
+    def reweights_prompts(self) -> bool:
+        """Whether :meth:`prompt_reweighting` may return a reweighting (prompt categories are accepted)."""
+        return False
+
+    def prompt_reweighting(self, where: Where) -> tuple[str, float] | None:
+        """``(category, a_p)``: multiply the attention of image queries to text tokens of ``category`` by
+        ``a_p`` in this block call; ``None``: no prompt reweighting (the default)."""
+        return None
+
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"schedule": self.name}
         for f in dataclasses.fields(self):  # type: ignore[arg-type]

@@ -121,8 +121,13 @@ class MergeState:
         self.records: list[Record] = []
         self.call: BlockCall | None = None
         self.plans: dict[Hashable, MergePlan] = {}
-        self.streaks: dict[int, Tensor] = {}  # N -> [B, N] consecutive merges of each token
+        # Plans and streaks are kept per call slot: the index of the model call among the calls of the
+        # current step (split guidance: 0 = first branch, 1 = second; batched guidance: always 0), so
+        # split guidance reuses and counts exactly as the batched call does for each sample.
+        self.slot = 0
+        self.streaks: dict[tuple[int, int], Tensor] = {}  # (slot, N) -> [B, N] consecutive merges of each token
         self.attention: dict[int, Tensor] = {}  # layer -> [B, N] received attention, latest full-length call
+        self.prompt_categories: Any = None  # tomerge.prompts.PromptCategories: text-token labels, or None
         self._forked: dict[torch.device, torch.Generator] = {}
         # Called with (block call, new plan) whenever a plan is computed: merge maps, probes, logging.
         self.observers: list[Callable[[BlockCall, MergePlan], None]] = []
@@ -132,10 +137,14 @@ class MergeState:
 
     # ------------------------------------------------------------------ model calls
     def begin_model_call(self, timestep: Tensor | float | None) -> None:
+        previous = (self.clock.trajectory, self.clock.current)
         if self.clock.observe(timestep):
             self.plans.clear()
             self.streaks.clear()
             self.attention.clear()
+        same_step = timestep is not None and previous[1] is not None \
+            and (self.clock.trajectory, self.clock.current) == previous
+        self.slot = self.slot + 1 if same_step else 0
 
     # ------------------------------------------------------------------ block calls
     def begin_block(self, layer: int, block_kind: str, grid: tuple[int, int] | None,
@@ -163,11 +172,11 @@ class MergeState:
         if call.plan is not None:
             return call.plan
         key = call.decision.cache_key
-        plan = self.plans.get(key) if key is not None else None
+        plan = self.plans.get((self.slot, key)) if key is not None else None
         if plan is None or plan.num_tokens != metric.shape[1] or plan.batch_size not in (1, metric.shape[0]):
             plan = self._compute(call, metric)
             if key is not None:
-                self.plans[key] = plan
+                self.plans[(self.slot, key)] = plan
         call.plan = plan
         return plan
 
@@ -202,10 +211,10 @@ class MergeState:
         return a
 
     def _streak(self, batch: int, num_tokens: int, device: torch.device) -> Tensor:
-        s = self.streaks.get(num_tokens)
+        s = self.streaks.get((self.slot, num_tokens))
         if s is None or s.shape[0] != batch:
             s = torch.zeros(batch, num_tokens, device=device)
-            self.streaks[num_tokens] = s
+            self.streaks[(self.slot, num_tokens)] = s
         return s
 
     def _update_streaks(self, plan: MergePlan, batch: int, num_tokens: int, device: torch.device) -> None:
@@ -215,7 +224,7 @@ class MergeState:
             owner = plan.dst.gather(1, plan.slot_of_token)  # [B, N] representative of each token's slot
             merged = (owner != torch.arange(num_tokens, device=device)).expand(batch, num_tokens)
         s = self._streak(batch, num_tokens, device)
-        self.streaks[num_tokens] = (s + 1) * merged
+        self.streaks[(self.slot, num_tokens)] = (s + 1) * merged
 
     # ------------------------------------------------------------------ randomness
     def _generator(self, strategy: Any, where: Where, device: torch.device) -> torch.Generator:
