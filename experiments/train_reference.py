@@ -65,6 +65,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--t-sampling", choices=("logit-normal", "uniform"), default="logit-normal",
                         help="training time distribution (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads (default: %(default)s)")
+    parser.add_argument("--accelerator", default="auto", choices=("auto", "cpu", "gpu"),
+                        help="Lightning accelerator: a GPU when one is present (default: %(default)s)")
+    parser.add_argument("--init-from", default=None, metavar="SAFETENSORS",
+                        help="warm-start model and EMA from exported weights (e.g. the committed reference "
+                             "model) when there is no checkpoint to resume; the optimizer starts fresh")
     parser.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
     parser.add_argument("--limit-images", type=int, default=None, help="use only the first N training images (smoke tests)")
     parser.add_argument("--ckpt-minutes", type=float, default=5.0,
@@ -326,7 +331,7 @@ def run(args: argparse.Namespace) -> int:
         loggers.append(wb)
 
     trainer = pl.Trainer(
-        accelerator="cpu", devices=1, precision="32-true", max_steps=args.max_steps, max_epochs=-1,
+        accelerator=args.accelerator, devices=1, precision="32-true", max_steps=args.max_steps, max_epochs=-1,
         logger=loggers, callbacks=callbacks, log_every_n_steps=max(1, args.log_every),
         gradient_clip_val=args.grad_clip or None, enable_progress_bar=args.progress_refresh > 0,
         default_root_dir=str(out_dir), num_sanity_val_steps=0, enable_model_summary=True,
@@ -334,6 +339,13 @@ def run(args: argparse.Namespace) -> int:
     ckpt = _resolve_checkpoint(args)
     if ckpt is not None:
         print(f"resuming from {ckpt}", flush=True)
+    elif args.init_from:
+        from tomerge.backbones.native_dit import load_dit
+
+        weights = load_dit(args.init_from, config=config).state_dict()
+        module.model.load_state_dict(weights)
+        module.ema.load_state_dict(weights)
+        print(f"warm start from {args.init_from} (fresh optimizer)", flush=True)
     try:
         trainer.fit(module, train_dataloaders=loader, ckpt_path=str(ckpt) if ckpt else None)
     finally:

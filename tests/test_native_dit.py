@@ -182,3 +182,11 @@ def test_training_smoke_checkpoint_resume_export(tmp_path):
     assert info["steps"] == 3 and info["config"]["hidden_size"] == 32 and info["final_loss"] > 0
     model = load_dit(target)
     assert model(torch.randn(1, 1, 32, 32), torch.rand(1), torch.tensor([1])).shape == (1, 1, 32, 32)
+    # A fresh out-dir warm-started from the exported weights: with lr 0 nothing moves, so the
+    # weights it exports are exactly the ones it started from.
+    warm = [a if a != str(out) else str(tmp_path / "warm") for a in common]
+    assert main(warm + ["--max-steps", "1", "--lr", "0", "--init-from", str(target)]) == 0
+    again = tmp_path / "export" / "warm.safetensors"
+    assert main(["--out-dir", str(tmp_path / "warm"), "--export", str(again)]) == 0
+    start, end = load_dit(target).state_dict(), load_dit(again).state_dict()
+    assert all(torch.equal(start[k], end[k]) for k in start)
