@@ -1,12 +1,21 @@
-"""Speed benchmarks. Kernel mode: plan + merge + unmerge of every strategy against the `tomesd`
-package's own functions, on bare tensors, as median wall-clock times.
+"""Speed benchmarks: end-to-end model forwards (``--e2e``) and merge kernels (``--kernels``).
 
+    tomerge bench --e2e --widths sd3 pixart flux unet --tokens 1024 4096 --ratios 0.5 --depth 2 --batch 2
+    tomerge bench --e2e --quick                   # tiny models in seconds (smoke test)
     tomerge bench --kernels                       # N = 1024, 4096; C = 1536; B = 2; ratio 0.25, 0.5
     python -m tomerge.experiments.bench --kernels --tokens 1024 --ratios 0.5 --out runs/kernels.csv
 
-Each strategy's hard plans run with both backends (``index`` gather/scatter, ``dense`` batched
-matmul); soft plans (facility location) are dense by construction. Times are medians of
-``torch.utils.benchmark`` adaptive runs, with as many threads as torch uses here.
+End-to-end mode (:mod:`tomerge.experiments.bench_e2e`): random-weight diffusers models at SD3-Medium,
+PixArt/DiT-XL and Flux widths with reduced depth, baseline and every strategy/schedule alternating in
+one process; measured speed-up, FLOP-ideal speed-up (``FlopCounterMode``) and their ratio; on a
+UNet, the ``tomesd`` package's own patch against tomerge's ``tomesd`` at the same ratio.
+
+Kernel mode: plan + merge + unmerge of every strategy against the ``tomesd`` package's own functions,
+on bare tensors. Each strategy's hard plans run with both backends (``index`` gather/scatter,
+``dense`` batched matmul); soft plans (facility location) are dense by construction. Times are medians
+of ``torch.utils.benchmark`` adaptive runs, with as many threads as torch uses here.
+
+On CUDA every timing synchronises (``torch.utils.benchmark`` does); ``--dtype bf16`` runs in bfloat16.
 """
 
 from __future__ import annotations
@@ -15,7 +24,9 @@ import argparse
 import csv
 import math
 import platform
+import statistics
 import sys
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -26,6 +37,11 @@ from torch.utils import benchmark
 import tomerge
 from tomerge.contract import make_context
 from tomerge.strategy import MergeStrategy
+
+from .bench_e2e import TOMESD_PACKAGE, WIDTHS, e2e_benchmark
+from .bench_e2e import markdown_table as e2e_table
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -46,9 +62,29 @@ class KernelRow:
 
 
 def median_ms(fn: Callable[[], object], min_run_time: float) -> float:
-    """Median time of ``fn`` in ms (adaptive repeats, all of torch's threads)."""
+    """Median time of ``fn`` in ms: ``torch.utils.benchmark`` adaptive repeats with all of torch's threads;
+    on CUDA (once a CUDA tensor exists), the median of CUDA-event timings over ``min_run_time`` seconds."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return _cuda_events_ms(fn, min_run_time)
     timer = benchmark.Timer(stmt="fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
     return timer.adaptive_autorange(min_run_time=min_run_time).median * 1e3
+
+
+def _cuda_events_ms(fn: Callable[[], object], min_run_time: float, inner: int = 10) -> float:
+    """Median over blocks of ``inner`` back-to-back calls, each block timed with CUDA events."""
+    for _ in range(3):
+        fn()
+    times: list[float] = []
+    start_all = time.perf_counter()
+    while len(times) < 5 or time.perf_counter() - start_all < min_run_time:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(inner):
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / inner)
+    return statistics.median(times)
 
 
 def _tomesd_row(x: torch.Tensor, grid: tuple[int, int], ratio: float, min_run_time: float) -> KernelRow:
@@ -83,7 +119,7 @@ def _strategy_rows(name: str, x: torch.Tensor, grid: tuple[int, int], ratio: flo
 def kernel_benchmark(tokens: Sequence[int] = (1024, 4096), ratios: Sequence[float] = (0.25, 0.5),
                      channels: int = 1536, batch: int = 2, strategies: Sequence[str] | None = None,
                      backends: Sequence[str] = ("index", "dense"), min_run_time: float = 0.5,
-                     progress: bool = True) -> list[KernelRow]:
+                     progress: bool = True, device: str = "cpu", dtype: torch.dtype = torch.float32) -> list[KernelRow]:
     """Times plan and merge + unmerge for every strategy and the tomesd package.
 
     Args:
@@ -94,6 +130,7 @@ def kernel_benchmark(tokens: Sequence[int] = (1024, 4096), ratios: Sequence[floa
         backends: backends for hard plans.
         min_run_time: seconds of measurement per timing.
         progress: show a progress bar.
+        device, dtype: where the token tensor lives.
 
     Returns:
         One :class:`KernelRow` per (method, backend, N, ratio).
@@ -111,7 +148,7 @@ def kernel_benchmark(tokens: Sequence[int] = (1024, 4096), ratios: Sequence[floa
             if side * side != N:
                 raise ValueError(f"--tokens must be squares, got {N}")
             grid = (side, side)
-            x = torch.randn(batch, N, channels)
+            x = torch.randn(batch, N, channels, device=device).to(dtype)
             rows.append(_tomesd_row(x, grid, ratio, min_run_time))
             for name in names:
                 rows.extend(_strategy_rows(name, x, grid, ratio, backends, min_run_time))
@@ -127,37 +164,93 @@ def markdown_table(rows: Sequence[KernelRow]) -> str:
     return "\n".join(lines)
 
 
-def machine_line() -> str:
-    return (f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
-            f"torch {torch.__version__}, python {platform.python_version()}")
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--kernels", action="store_true", help="time plan + merge + unmerge on bare tensors")
-    parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096], help="image token counts N")
-    parser.add_argument("--ratios", type=float, nargs="+", default=[0.25, 0.5])
-    parser.add_argument("--channels", type=int, default=1536)
+    mode = parser.add_argument_group("mode (one of)")
+    mode.add_argument("--e2e", action="store_true", help="time model forwards: baseline vs strategies vs tomesd")
+    mode.add_argument("--kernels", action="store_true", help="time plan + merge + unmerge on bare tensors")
+    parser.add_argument("--tokens", type=int, nargs="+", default=None,
+                        help="image token counts N, perfect squares (default 1024 4096; --quick: 256)")
+    parser.add_argument("--ratios", type=float, nargs="+", default=None,
+                        help="merge ratios (default: --e2e 0.5, --kernels 0.25 0.5)")
     parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument("--strategies", nargs="+", default=None, choices=tomerge.list_strategies())
-    parser.add_argument("--min-run-time", type=float, default=0.5, help="seconds measured per timing")
-    parser.add_argument("--out", type=Path, default=None, help="write the rows as CSV here")
+    parser.add_argument("--strategies", nargs="+", default=None,
+                        choices=[*tomerge.list_strategies(), TOMESD_PACKAGE],
+                        help="methods (default: every strategy; --e2e: every strategy and schedule)")
+    parser.add_argument("--out", type=Path, default=None, help="write the rows as CSV here (and a .md beside it)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    kernels = parser.add_argument_group("--kernels")
+    kernels.add_argument("--channels", type=int, default=1536)
+    kernels.add_argument("--min-run-time", type=float, default=0.5, help="seconds measured per timing")
+    e2e = parser.add_argument_group("--e2e")
+    e2e.add_argument("--widths", nargs="+", choices=WIDTHS, default=None,
+                     help="model families/widths (default sd3 pixart flux unet)")
+    e2e.add_argument("--depth", type=int, default=None, help="blocks per model; Flux: of each kind (default 2)")
+    e2e.add_argument("--steps", type=int, default=0, help="also time an Euler sampling loop of this many steps")
+    e2e.add_argument("--repeats", type=int, default=None, help="timed alternating rounds (default 3)")
+    e2e.add_argument("--warmup", type=int, default=0,
+                     help="untimed alternating rounds (each timing already follows two warm-up calls)")
+    e2e.add_argument("--text-tokens", type=int, default=None, help="override the widths' text lengths")
+    e2e.add_argument("--quick", action="store_true", help="tiny models, N=256, depth 1, 2 repeats (seconds)")
+    e2e.add_argument("--sdpa", choices=["default", "flash", "efficient", "cudnn", "math"], default="default",
+                     help="restrict scaled_dot_product_attention to one backend (GPU: flash)")
+
+
+def machine_line() -> str:
+    proc = platform.processor() or platform.machine()
+    if torch.cuda.is_available():
+        proc = f"{torch.cuda.get_device_name()}, CUDA {torch.version.cuda}"
+    return f"{proc}, {torch.get_num_threads()} threads, torch {torch.__version__}, python {platform.python_version()}"
+
+
+def write_rows(path: Path, rows: Sequence[dict], table: str, header: str) -> None:
+    """CSV of the rows at ``path`` and the Markdown table at ``path.with_suffix('.md')``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    path.with_suffix(".md").write_text(f"{header}\n\n{table}\n")
+    print(f"\nwrote {path} and {path.with_suffix('.md')}")
 
 
 def run(args: argparse.Namespace) -> int:
-    if not args.kernels:
-        print("tomerge bench: choose a mode, e.g. --kernels", file=sys.stderr)
+    if args.e2e == args.kernels:
+        print("tomerge bench: choose one mode, --e2e or --kernels", file=sys.stderr)
         return 2
-    rows = kernel_benchmark(args.tokens, args.ratios, args.channels, args.batch, args.strategies,
-                            min_run_time=args.min_run_time)
-    print(f"\nKernel benchmark, B={args.batch}, C={args.channels} ({machine_line()})\n")
-    print(markdown_table(rows))
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        with args.out.open("w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=[*asdict(rows[0]), "total_ms"])
-            writer.writeheader()
-            writer.writerows({**asdict(r), "total_ms": r.total_ms} for r in rows)
-        print(f"\nwrote {args.out}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    argv = getattr(args, "argv", None)  # set by main(); the `tomerge` console script passes sys.argv
+    command = f"python -m tomerge.experiments.bench {' '.join(argv)}" if argv is not None else \
+        f"tomerge {' '.join(sys.argv[1:])}"
+    if args.kernels:
+        if TOMESD_PACKAGE in (args.strategies or []):
+            print("tomerge bench: the tomesd package is always in --kernels; name tomerge strategies", file=sys.stderr)
+            return 2
+        rows = kernel_benchmark(args.tokens or [1024, 4096], args.ratios or [0.25, 0.5], args.channels, args.batch,
+                                args.strategies, min_run_time=args.min_run_time, device=args.device,
+                                dtype=DTYPES[args.dtype])
+        header = f"Kernel benchmark, B={args.batch}, C={args.channels}, {args.dtype} ({machine_line()})"
+        table = markdown_table(rows)
+        dicts = [{**asdict(r), "total_ms": r.total_ms} for r in rows]
+    else:
+        quick = args.quick
+        rows = e2e_benchmark(
+            widths=args.widths or ["sd3", "pixart", "flux", "unet"], tokens=args.tokens or ([256] if quick else
+                                                                                             [1024, 4096]),
+            ratios=args.ratios or [0.5], depth=args.depth or (1 if quick else 2), batch=args.batch,
+            methods=args.strategies, steps=args.steps, repeats=args.repeats or (2 if quick else 3),
+            warmup=args.warmup, quick=quick, text_tokens=args.text_tokens, dtype=DTYPES[args.dtype],
+            device=args.device, sdpa=args.sdpa)
+        models = "quick (tiny) models" if quick else "full widths"
+        header = f"End-to-end benchmark, B={args.batch}, {args.dtype}, SDPA {args.sdpa}, {models} ({machine_line()})"
+        table = e2e_table(rows)
+        dicts = [r.as_dict() for r in rows]
+    print(f"\n{header}\n\n{table}")
+    print(f"\ncommand: {command}")
+    if args.out is not None and rows:
+        write_rows(args.out, dicts, table, f"{header}\n\ncommand: `{command}`")
     return 0
 
 
@@ -165,7 +258,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tomerge.experiments.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
-    return run(parser.parse_args(argv))
+    args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    return run(args)
 
 
 if __name__ == "__main__":

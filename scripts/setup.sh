@@ -10,6 +10,11 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 if ! "$PY" -c "import torch, torchvision" >/dev/null 2>&1; then
     "$PY" -m pip install -q "torch==2.14.1" "torchvision==0.29.1"
 fi
+# Fashion-MNIST (reference model training and FD-EffNetLite0 of `tomerge ablate`) from Debian's package.
+if [ ! -d /usr/share/datasets/fashion-mnist ] && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    (apt-get update -qq && apt-get install -y -qq dataset-fashion-mnist >/dev/null) \
+        || echo "setup.sh: could not install dataset-fashion-mnist; pass data_root=... to tomerge ablate" >&2
+fi
 constraints=$(mktemp)
 trap 'rm -f "$constraints"' EXIT
 "$PY" - >"$constraints" <<'PYEOF'

@@ -47,7 +47,6 @@ import warnings
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from tomerge.context import MergeContext
@@ -145,6 +144,23 @@ class FacilityLocation(MergeStrategy):
         return pos.reshape(nty * ntx, t * t)  # [T, s]
 
     # ------------------------------------------------------------------ the algorithm
+    def plan(self, x: Tensor, ctx: MergeContext) -> MergePlan:
+        """:meth:`select_destinations` then :meth:`merge_matrix`, with the tiled unit features computed once
+        and shared by both (a subclass that overrides either method gets the plain template)."""
+        cls = type(self)
+        if (cls.select_destinations is not FacilityLocation.select_destinations
+                or cls.merge_matrix is not FacilityLocation.merge_matrix):
+            return super().plan(x, ctx)
+        B, N, _ = ctx.check_tokens(x)
+        if ctx.tokens_to_remove(N) == 0:
+            return MergePlan.identity(B, N, device=x.device)
+        layout = self.tile_layout(ctx.grid, x.device)  # [T, s]
+        X, xf, denom = _features(x, layout)  # [B, T, s, C]
+        # Shared destinations select on sample 0's own features (as select_destinations does).
+        Xs = _features(x[:1], layout)[0] if self.shared_destinations else X
+        dst = self._greedy(Xs, layout, self._dst_per_tile(N, layout.shape[0], ctx), N).expand(B, -1)  # [B, M]
+        return self._matrices(X, xf, denom, dst, layout)
+
     def select_destinations(self, x: Tensor, ctx: MergeContext) -> Tensor:
         """Greedy facility location in every tile.
 
@@ -157,31 +173,10 @@ class FacilityLocation(MergeStrategy):
         """
         B, N, _ = ctx.check_tokens(x)
         layout = self.tile_layout(ctx.grid, x.device)  # [T, s]
-        T, s = layout.shape
-        d = self._dst_per_tile(N, T, ctx)
+        d = self._dst_per_tile(N, layout.shape[0], ctx)
         source = x[:1] if self.shared_destinations else x
-        X = _tile(_normalise(source), layout)  # [b, T, s, C] (b = 1 when shared)
-        pad = layout == N  # [T, s]
-        S = X @ X.transpose(-1, -2)  # [b, T, s, s]
-        coverage = torch.zeros_like(S[..., 0, :])  # [b, T, s]
-        chosen = torch.zeros(S.shape[:-1], dtype=torch.bool, device=x.device)  # [b, T, s]
-        picks = []
-        for k in range(d):
-            if k == 0:
-                gain = S.sum(-1)  # [b, T, s] row sums
-            else:
-                gain = (S - coverage.unsqueeze(-2)).clamp_min(0).sum(-1)  # [b, T, s]
-            blocked = (pad | chosen) if self.mask_selected else pad.expand_as(chosen)  # [b, T, s]
-            exhausted = blocked.all(-1, keepdim=True)  # [b, T, 1]: every real token already chosen
-            blocked = torch.where(exhausted, pad, blocked)  # then repeat a real token, never padding
-            pick = gain.masked_fill(blocked, float("-inf")).argmax(-1, keepdim=True)  # [b, T, 1]
-            chosen = chosen.scatter(-1, pick, True)
-            row = S.gather(-2, pick.unsqueeze(-1).expand(*pick.shape, s)).squeeze(-2)  # [b, T, s]
-            coverage = row if k == 0 else torch.maximum(coverage, row)
-            picks.append(pick)
-        local = torch.cat(picks, dim=-1)  # [b, T, d]
-        dst = layout.expand(local.shape[0], T, s).gather(-1, local)  # [b, T, d]
-        return dst.reshape(dst.shape[0], T * d).expand(B, T * d)  # [B, M]
+        X = _features(source, layout)[0]  # [b, T, s, C] (b = 1 when shared)
+        return self._greedy(X, layout, d, N).expand(B, -1)  # [B, M]
 
     def merge_matrix(self, x: Tensor, dst: Tensor, ctx: MergeContext) -> MergePlan:
         """Soft tiled merge/unmerge matrices from the destinations.
@@ -202,11 +197,44 @@ class FacilityLocation(MergeStrategy):
                 f"dst must be [B={B}, T*d] with T={T} tiles for grid {ctx.grid}, got {tuple(dst.shape)}; "
                 "pass the output of select_destinations for the same x and ctx"
             )
-        dst = dst.expand(B, -1)  # [B, M]
+        X, xf, denom = _features(x, layout)  # [B, T, s, C]
+        return self._matrices(X, xf, denom, dst.expand(B, -1), layout)
+
+    def _greedy(self, X: Tensor, layout: Tensor, d: int, num_tokens: int) -> Tensor:
+        """``[b, T*d]`` destinations: ``d`` greedy facility-location picks per tile of unit features ``X [b, T, s, C]``
+        (``layout`` marks padding with ``num_tokens``)."""
+        T, s = layout.shape
+        pad = layout == num_tokens  # [T, s]
+        S = X @ X.transpose(-1, -2)  # [b, T, s, s]
+        coverage = torch.zeros_like(S[..., 0, :])  # [b, T, s]
+        chosen = torch.zeros(S.shape[:-1], dtype=torch.bool, device=X.device)  # [b, T, s]
+        excess = torch.empty_like(S)  # [b, T, s, s] reused by every pick
+        picks = []
+        for k in range(d):
+            if k == 0:
+                gain = S.sum(-1)  # [b, T, s] row sums
+            else:  # sum_i relu(S[v, i] - m_i), in one reused buffer
+                gain = torch.sub(S, coverage.unsqueeze(-2), out=excess).clamp_min_(0).sum(-1)  # [b, T, s]
+            blocked = (pad | chosen) if self.mask_selected else pad.expand_as(chosen)  # [b, T, s]
+            exhausted = blocked.all(-1, keepdim=True)  # [b, T, 1]: every real token already chosen
+            blocked = torch.where(exhausted, pad, blocked)  # then repeat a real token, never padding
+            pick = gain.masked_fill(blocked, float("-inf")).argmax(-1, keepdim=True)  # [b, T, 1]
+            chosen = chosen.scatter(-1, pick, True)
+            row = S.gather(-2, pick.unsqueeze(-1).expand(*pick.shape, s)).squeeze(-2)  # [b, T, s]
+            coverage = row if k == 0 else torch.maximum(coverage, row)
+            picks.append(pick)
+        local = torch.cat(picks, dim=-1)  # [b, T, d]
+        dst = layout.expand(local.shape[0], T, s).gather(-1, local)  # [b, T, d]
+        return dst.reshape(dst.shape[0], T * d)  # [b, M]
+
+    def _matrices(self, X: Tensor, xf: Tensor, denom: Tensor, dst: Tensor, layout: Tensor) -> MergePlan:
+        """The soft plan from tiled unit features ``X [B, T, s, C]``, ``xf [B, N, C]`` (fp32) with its norms
+        ``denom [B, N, 1]``, and destinations ``dst [B, M]``."""
+        B, N, C = xf.shape
+        T, s = layout.shape
         d = dst.shape[1] // T
-        Xn = _normalise(x)  # [B, N, C]
-        X = _tile(Xn, layout)  # [B, T, s, C]
-        X_dst = Xn.gather(1, dst.unsqueeze(-1).expand(B, T * d, C)).view(B, T, d, C)  # [B, T, d, C]
+        index = dst.unsqueeze(-1)  # [B, M, 1]
+        X_dst = (xf.gather(1, index.expand(B, T * d, C)).div_(denom.gather(1, index))).view(B, T, d, C)  # [B, T, d, C]
         L = X_dst @ X.transpose(-1, -2)  # [B, T, d, s]
         A = torch.softmax(L / self.temperature, dim=-2)  # [B, T, d, s], each column sums to 1
         A = A * (layout != N).to(A.dtype).view(1, T, 1, s)  # padding columns get zero weight
@@ -232,21 +260,26 @@ class FacilityLocation(MergeStrategy):
         return d
 
 
-def _normalise(x: Tensor) -> Tensor:
-    """``[B, N, C]`` fp32 unit vectors (an all-zero token stays zero, never NaN)."""
-    return F.normalize(x.float(), dim=-1, eps=_EPS)
+def _features(x: Tensor, layout: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Unit features in tile layout, as ``_tile(F.normalize(x.float(), eps), layout)`` computes them.
 
-
-def _tile(xn: Tensor, layout: Tensor) -> Tensor:
-    """Features in tile layout.
+    The norms are reduced over all of ``x`` (so they have exactly the values ``F.normalize`` uses), then
+    only the gathered rows are divided: no normalised copy of ``x`` and no zero-padded copy.
 
     Args:
-        xn: ``[B, N, C]`` features.
+        x: ``[B, N, C]`` features (any float dtype).
         layout: ``[T, s]`` token positions, ``N`` for padding.
 
     Returns:
-        ``[B, T, s, C]``; padding rows are zero.
+        ``X [B, T, s, C]`` fp32 unit rows (padding rows zero; an all-zero token stays zero, never NaN),
+        ``xf [B, N, C]`` (``x`` in fp32) and ``denom [B, N, 1]``, the eps-clamped norms.
     """
-    B, N, C = xn.shape
-    padded = torch.cat([xn, xn.new_zeros(B, 1, C)], dim=1)  # [B, N + 1, C]
-    return padded[:, layout.flatten()].view(B, *layout.shape, C)  # [B, T, s, C]
+    xf = x.float()
+    B, N, C = xf.shape
+    denom = xf.norm(dim=-1, keepdim=True).clamp_min(_EPS)  # [B, N, 1]
+    flat = layout.flatten()  # [T*s]
+    pos = flat.clamp(max=N - 1)  # padding reads a real row, zeroed below
+    X = xf.index_select(1, pos).div_(denom.index_select(1, pos))  # [B, T*s, C]
+    if flat.numel() > N:  # every token is in one tile, so more slots than tokens means padding
+        X.masked_fill_((flat == N).view(1, -1, 1), 0)
+    return X.view(B, *layout.shape, C), xf, denom

@@ -47,7 +47,6 @@ import warnings
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from tomerge.context import MergeContext
@@ -201,9 +200,12 @@ class IDM(MergeStrategy):
         if self.local:
             merged_into = window_of[merged]  # [B, r], own window = index into dst
         else:
-            xn = F.normalize(x.float(), dim=-1, eps=EPS)  # [B, N, C]
-            src_feat = xn.gather(1, merged.unsqueeze(-1).expand(B, r, C))  # [B, r, C]
-            dst_feat = xn.gather(1, dst.unsqueeze(-1).expand(B, D, C))  # [B, D, C]
+            # F.normalize(x) then gather, without a normalised copy of all of x: the norms of every token
+            # (the same reduction, so the same values), then the gathered rows divided in place.
+            xf = x.float()
+            denom = xf.norm(dim=-1, keepdim=True).clamp_min(EPS)  # [B, N, 1]
+            src_feat = xf.gather(1, merged.unsqueeze(-1).expand(B, r, C)).div_(denom.gather(1, merged.unsqueeze(-1)))
+            dst_feat = xf.gather(1, dst.unsqueeze(-1).expand(B, D, C)).div_(denom.gather(1, dst.unsqueeze(-1)))
             merged_into = (src_feat @ dst_feat.transpose(1, 2)).argmax(dim=-1)  # [B, r], first max on ties
 
         taken = is_dst.to(torch.int8).scatter_(1, merged, 1)  # [B, N], 1 = destination or merged

@@ -53,7 +53,6 @@ import warnings
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from tomerge.context import MergeContext
@@ -178,8 +177,11 @@ class SSM(MergeStrategy):
         B = x.shape[0]
         K = self.window_size
         windows = window_tokens(ctx.grid, self.window, x.device)  # [nW, K]
-        xn = F.normalize(x.float(), dim=-1, eps=EPS)  # [B, N, C]
-        xw = xn[:, windows]  # [B, nW, K, C]
+        xf = x.float()
+        # F.normalize(x)[:, windows] without a normalised copy of all of x: the norms of every token (the same
+        # reduction, so the same values), then the gathered rows divided in place.
+        denom = xf.norm(dim=-1, keepdim=True).clamp_min(EPS)  # [B, N, 1]
+        xw = xf[:, windows].div_(denom[:, windows])  # [B, nW, K, C] unit rows
         gram = xw @ xw.transpose(-1, -2)  # [B, nW, K, K]
         off_diagonal = ~torch.eye(K, dtype=torch.bool, device=x.device)  # [K, K]
         score = (gram * off_diagonal).sum(dim=(-1, -2)) / (K * (K - 1))  # [B, nW]

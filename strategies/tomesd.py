@@ -24,7 +24,6 @@ import warnings
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from tomerge import MergeContext, MergePlan, MergeStrategy
@@ -92,18 +91,27 @@ class ToMeSD(MergeStrategy):
 
     def merge_matrix(self, x: Tensor, dst: Tensor, ctx: MergeContext) -> MergePlan:
         B, N, _ = x.shape
-        is_dst = torch.zeros(N, dtype=torch.bool, device=x.device)
-        is_dst[dst[0]] = True  # one layout for the whole batch
-        src = torch.nonzero(~is_dst).squeeze(1)  # [S], raster order
+        D = dst.shape[1]
+        S = N - D  # destinations are distinct (one per cell): the count needs no look at the data
+        is_dst = torch.zeros(N, dtype=torch.int8, device=x.device)
+        is_dst[dst[0]] = 1  # one layout for the whole batch
+        # The non-destinations in raster order, without nonzero() (a host sync on CUDA): a stable sort
+        # puts the zeros first, in position order.
+        src = torch.sort(is_dst, stable=True).indices[:S]  # [S]
         r = ctx.tokens_to_remove(N)
-        if r > src.numel():
+        if r > S:
             warnings.warn(
-                f"tomesd: ratio {ctx.ratio} asks to remove {r} of {N} tokens, but only {src.numel()} are "
-                f"sources with sx={self.sx}, sy={self.sy}; removing {src.numel()}", stacklevel=3)
-            r = src.numel()
+                f"tomesd: ratio {ctx.ratio} asks to remove {r} of {N} tokens, but only {S} are "
+                f"sources with sx={self.sx}, sy={self.sy}; removing {S}", stacklevel=3)
+            r = S
 
-        metric = F.normalize(x.float(), dim=-1, eps=1e-6)  # [B, N, C]
-        scores = metric[:, src] @ metric[:, dst[0]].transpose(1, 2)  # [B, S, D] cosine similarity
+        # F.normalize(x) then gather, without the normalised copy of all of x: norms of every token (the
+        # same reduction, hence the same values), then gathered rows divided in place.
+        xf = x.float()
+        denom = xf.norm(dim=-1, keepdim=True).clamp_min(1e-6)  # [B, N, 1]
+        a = xf.index_select(1, src).div_(denom.index_select(1, src))  # [B, S, C] unit rows
+        b = xf.index_select(1, dst[0]).div_(denom.index_select(1, dst[0]))  # [B, D, C]
+        scores = a @ b.transpose(1, 2)  # [B, S, D] cosine similarity
         best, best_dst = scores.max(dim=-1)  # [B, S]
         order = best.argsort(dim=-1, descending=True, stable=True)  # [B, S] most similar first
         merged_rank, unmerged_rank = order[:, :r], order[:, r:]
@@ -111,3 +119,4 @@ class ToMeSD(MergeStrategy):
         unmerged = src[unmerged_rank]  # [B, S - r]
         merged_into = best_dst.gather(1, merged_rank)  # [B, r] index into dst
         return MergePlan.from_matching(dst.contiguous(), unmerged, merged, merged_into, N)
+

@@ -188,15 +188,23 @@ class MergePlan:
             return x
         if self.is_soft:
             xt = self._tile(x)  # [B, T, s, C]
-            y = self.merge_weights.to(x.dtype) @ xt  # [B, T, d, C]
+            y = self._soft_weights(x)[0] @ xt  # [B, T, d, C]
             return y.flatten(1, 2)  # [B, M, C]
         if self._use_dense(x):
             W, _ = self._hard_dense(x.dtype)
             return W @ x
+        # Sum rows into slots with index_add_ over whole rows (a [B*N] index, never a [B, N, C] one), then
+        # scale in place: one [B, M, C] allocation, the same additions in the same order as scatter_add_.
         B, N, C = x.shape
-        index = self._batched(self.assign, B).unsqueeze(-1).expand(B, N, C)  # [B, N, C]
-        summed = x.new_zeros(B, self.num_slots, C).scatter_add_(1, index, x)  # [B, M, C]
-        return summed * self._inverse_sizes(B, x.dtype)
+        M = self.num_slots
+        summed = x.new_zeros(B, M, C)  # [B, M, C]
+        if x.is_contiguous():
+            summed.view(B * M, C).index_add_(0, self._flat_assign(B), x.view(B * N, C))
+        else:  # e.g. the image part of a joint [text, image] sequence: rows are contiguous per sample
+            assign = self._batched(self.assign, B)
+            for b in range(B):
+                summed[b].index_add_(0, assign[b], x[b])
+        return summed.mul_(self._inverse_sizes(B, x.dtype))
 
     def unmerge(self, y: Tensor) -> Tensor:
         """``[B, M, C'] -> [B, N, C']``: every token receives its slot's value."""
@@ -206,13 +214,19 @@ class MergePlan:
         if self.is_soft:
             B, T, s, d = self.unmerge_weights.shape
             yt = y.view(y.shape[0], T, d, y.shape[-1])  # [B, T, d, C]
-            return self._untile(self.unmerge_weights.to(y.dtype) @ yt)  # [B, N, C]
+            return self._untile(self._soft_weights(y)[1] @ yt)  # [B, N, C]
         if self._use_dense(y):
             _, U = self._hard_dense(y.dtype)
             return U @ y
-        B, _, C = y.shape
-        index = self._batched(self.assign, B).unsqueeze(-1).expand(B, self.num_tokens, C)  # [B, N, C]
-        return torch.gather(y, 1, index)
+        B, M, C = y.shape
+        N = self.num_tokens
+        if y.is_contiguous():  # row gather with a [B*N] index (no [B, N, C] index tensor)
+            return y.view(B * M, C).index_select(0, self._flat_assign(B)).view(B, N, C)
+        out = y.new_empty(B, N, C)  # [B, N, C]
+        assign = self._batched(self.assign, B)
+        for b in range(B):  # e.g. the image part of a joint sequence: rows are contiguous per sample
+            torch.index_select(y[b], 0, assign[b], out=out[b])
+        return out
 
     def dense(self) -> tuple[Tensor, Tensor]:
         """The merge and unmerge matrices ``W [B, M, N]`` and ``U [B, N, M]`` (fp32)."""
@@ -265,28 +279,82 @@ class MergePlan:
             return x.device.type == "cuda"
         return self.backend == "dense"
 
+    def _cache(self) -> dict:
+        """Per-plan memo of derived tensors (a plan is immutable, so they never go stale)."""
+        cache = self.__dict__.get("_memo")
+        if cache is None:
+            cache = {}
+            object.__setattr__(self, "_memo", cache)
+        return cache
+
     def _inverse_sizes(self, batch: int, dtype: torch.dtype) -> Tensor:
-        cached = self.__dict__.get("_inv_sizes")
-        if cached is None:
-            cached = self.sizes.reciprocal().unsqueeze(-1)  # [B, M, 1]
-            object.__setattr__(self, "_inv_sizes", cached)
-        return self._batched(cached, batch).to(dtype)
+        cache = self._cache()
+        if ("inv_sizes", dtype) not in cache:
+            inv = cache.get(("inv_sizes", torch.float32))
+            if inv is None:
+                inv = self.sizes.reciprocal().unsqueeze(-1)  # [B, M, 1]
+                cache[("inv_sizes", torch.float32)] = inv
+            cache[("inv_sizes", dtype)] = inv.to(dtype)
+        return self._batched(cache[("inv_sizes", dtype)], batch)
+
+    def _flat_assign(self, batch: int) -> Tensor:
+        """``[B*N]`` slot of every token in the flattened ``[B*M]`` slot rows (built once per batch size)."""
+        cache = self._cache()
+        key = ("flat_assign", batch)
+        if key not in cache:
+            assign = self._batched(self.assign, batch)  # [B, N]
+            offsets = torch.arange(batch, device=assign.device).unsqueeze(1) * self.num_slots  # [B, 1]
+            cache[key] = (assign + offsets).reshape(-1)  # [B*N]
+        return cache[key]
+
+    def _soft_weights(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """``W`` and ``U`` in ``x``'s dtype, cast once per plan.
+
+        On CPU, entries below the smallest normal float32 (``1.2e-38``; softmax at a low temperature makes
+        many) are stored as 0 in this execution copy: subnormal operands slow CPU matmuls down several
+        times, and such a weight moves no sum by a single ulp. ``merge_weights`` itself is left untouched.
+        """
+        cache = self._cache()
+        key = ("soft", x.dtype, x.device.type)
+        if key not in cache:
+            pair = []
+            for w in (self.merge_weights, self.unmerge_weights):
+                w = w.to(x.dtype)
+                if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16, torch.float64):
+                    w = w.masked_fill(w.abs() < torch.finfo(torch.float32).tiny, 0)
+                pair.append(w)
+            cache[key] = (pair[0], pair[1])
+        return cache[key]
 
     def _hard_dense(self, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        cache = self.__dict__.setdefault("_dense_cache", {})
-        if dtype not in cache:
+        cache = self._cache()
+        if ("dense", dtype) not in cache:
             U = torch.nn.functional.one_hot(self.slot_of_token, self.num_slots).to(dtype)  # [B, N, M]
             W = (U / U.sum(1, keepdim=True)).transpose(1, 2)  # [B, M, N], rows sum to 1
-            cache[dtype] = (W.contiguous(), U)
-        return cache[dtype]
+            cache[("dense", dtype)] = (W.contiguous(), U)
+        return cache[("dense", dtype)]
 
     def _tile(self, x: Tensor) -> Tensor:
         """``[B, N, C] -> [B, T, s, C]`` by ``tile_tokens`` (zero rows for padding)."""
         B, T, d, s = self.merge_weights.shape
         if self.tile_tokens is None:
             return x.unsqueeze(1)  # [B, 1, N, C]
-        padded = torch.cat([x, x.new_zeros(x.shape[0], 1, x.shape[2])], dim=1)  # [B, N + 1, C]
-        return padded[:, self.tile_tokens.flatten()].view(x.shape[0], T, s, x.shape[2])
+        positions, padding = self._tile_index()
+        xt = x.index_select(1, positions)  # [B, T*s, C], one copy (no padded copy of x first)
+        if padding is not None:
+            xt.masked_fill_(padding.view(1, -1, 1), 0)  # padding rows are zero
+        return xt.view(x.shape[0], T, s, x.shape[2])
+
+    def _tile_index(self) -> tuple[Tensor, Tensor | None]:
+        """``[T*s]`` token of every tile member (padding clamped to a real token) and the ``[T*s]`` padding
+        mask (``None`` without padding: every token is in exactly one tile, so ``T*s == N`` means none)."""
+        cache = self._cache()
+        if "tile_index" not in cache:
+            flat = self.tile_tokens.flatten()  # [T*s]
+            padded = flat.numel() > self.num_tokens
+            cache["tile_index"] = ((flat.clamp(max=self.num_tokens - 1), flat == self.num_tokens) if padded
+                                   else (flat, None))
+        return cache["tile_index"]
 
     def _untile(self, xt: Tensor) -> Tensor:
         """``[B, T, s, C] -> [B, N, C]``, the inverse of :meth:`_tile` (padding rows dropped)."""
@@ -294,14 +362,15 @@ class MergePlan:
         flat = xt.reshape(B, T * s, C)  # [B, T*s, C]
         if self.tile_tokens is None:
             return flat
-        inverse = self.__dict__.get("_inverse_tiles")
+        cache = self._cache()
+        inverse = cache.get("inverse_tiles")
         if inverse is None:
             positions = self.tile_tokens.flatten()
             inverse = torch.empty(self.num_tokens + 1, dtype=torch.long, device=positions.device)
             inverse[positions] = torch.arange(positions.numel(), device=positions.device)
             inverse = inverse[: self.num_tokens]  # [N] position of each token in the tile layout
-            object.__setattr__(self, "_inverse_tiles", inverse)
-        return flat[:, inverse]
+            cache["inverse_tiles"] = inverse
+        return flat.index_select(1, inverse)  # [B, N, C]
 
 
 def _check_backend(backend: str) -> None:

@@ -1,0 +1,417 @@
+"""End-to-end speed benchmark: random-weight diffusers models at the widths that matter, baseline vs
+every strategy/schedule (and the ``tomesd`` package on a UNet), measured and FLOP-ideal speed-ups.
+
+    tomerge bench --e2e --widths sd3 pixart flux --tokens 1024 4096 --ratios 0.5 --depth 2 --batch 2
+    tomerge bench --e2e --quick                                  # tiny models, seconds (what the tests run)
+
+Per (model, token count, ratio): one transformer forward (``--steps K``: also a ``K``-step Euler
+sampling loop) is timed with ``torch.utils.benchmark`` for the baseline and for every method,
+alternating in one process (round after round: baseline, method 1, method 2, ...), median over
+``--repeats`` rounds after ``--warmup`` untimed ones. FLOPs come from ``FlopCounterMode`` with the CPU
+flash-attention kernel counted like the GPU ones (plan computation, e.g. similarity matmuls, is counted
+in the merged FLOPs). Reported: ``speedup = t_base / t_merged``, ``ideal = flops_base / flops_merged``
+and ``efficiency = speedup / ideal`` (the share of the FLOP saving that survives the merge overhead).
+
+Models (random weights, ``depth`` blocks; Flux: ``depth`` double-stream and ``depth`` single-stream):
+
+=========  ==============================  =====  =====  ======  =====================================
+width      model class                      C      heads  patch   text tokens (default)
+=========  ==============================  =====  =====  ======  =====================================
+sd3        SD3Transformer2DModel (MMDiT)   1536    24    2       333 (77 CLIP + 256 T5), joint
+pixart     PixArtTransformer2DModel        1152    16    2       120 (cross-attention)
+dit        DiTTransformer2DModel (DiT-XL)  1152    16    2       none (class label)
+flux       FluxTransformer2DModel          3072    24    1 (packed 2x2)  512 (T5), joint
+unet       UNet2DConditionModel, SD1.5 widths (320, 640, 1280, 1280), 1 layer per block, 77 x 768 text;
+           N tokens = the full-resolution latent (64 x 64 for 4096); compared with ``tomesd.apply_patch``
+=========  ==============================  =====  =====  ======  =====================================
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import statistics
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils import benchmark
+
+import tomerge
+
+TOMESD_PACKAGE = "tomesd package"
+WIDTHS = ("sd3", "pixart", "dit", "flux", "unet")
+
+
+@dataclasses.dataclass(frozen=True)
+class WidthSpec:
+    """The size of one model family in the benchmark."""
+
+    family: str
+    hidden: int
+    heads: int
+    text_tokens: int
+    text_dim: int = 4096
+    pooled_dim: int = 0
+
+
+FULL = {
+    "sd3": WidthSpec("sd3", 1536, 24, 333, 4096, 2048),
+    "pixart": WidthSpec("pixart", 1152, 16, 120, 4096),
+    "dit": WidthSpec("dit", 1152, 16, 0),
+    "flux": WidthSpec("flux", 3072, 24, 512, 4096, 768),
+    "unet": WidthSpec("unet", 320, 8, 77, 768),
+}
+QUICK = {  # tiny models of the same families (tests, smoke runs)
+    "sd3": WidthSpec("sd3", 32, 2, 8, 24, 16),
+    "pixart": WidthSpec("pixart", 32, 2, 8, 24),
+    "dit": WidthSpec("dit", 32, 2, 0),
+    "flux": WidthSpec("flux", 32, 2, 8, 24, 16),
+    "unet": WidthSpec("unet", 32, 2, 8, 32),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class E2ERow:
+    """One (model, N, ratio, method) result; times in milliseconds, FLOPs in GFLOP."""
+
+    model: str
+    width: int
+    heads: int
+    depth: int
+    tokens: int
+    text_tokens: int
+    batch: int
+    mode: str  # "forward" or "loop<K>"
+    ratio: float
+    method: str
+    base_ms: float
+    merged_ms: float
+    base_gflop: float
+    merged_gflop: float
+
+    @property
+    def speedup(self) -> float:
+        return self.base_ms / self.merged_ms
+
+    @property
+    def ideal(self) -> float:
+        return self.base_gflop / self.merged_gflop
+
+    @property
+    def efficiency(self) -> float:
+        return self.speedup / self.ideal
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "speedup": round(self.speedup, 4), "ideal": round(self.ideal, 4),
+                "efficiency": round(self.efficiency, 4)}
+
+
+# ---------------------------------------------------------------------- models and inputs
+@dataclasses.dataclass
+class Bench:
+    """A model, its call inputs, and how to call it at a timestep."""
+
+    name: str
+    model: nn.Module
+    inputs: dict[str, Any]
+    latent_key: str
+    time_key: str
+    t_max: float
+    spec: WidthSpec
+    depth: int
+
+    def call(self, latent: Tensor | None = None, t: float | None = None) -> Tensor:
+        kw = dict(self.inputs)
+        if latent is not None:
+            kw[self.latent_key] = latent
+        if t is not None:
+            ref = kw[self.time_key]
+            kw[self.time_key] = torch.full_like(ref, t) if isinstance(ref, Tensor) else t
+        out = self.model(kw.pop(self.latent_key), **kw)  # positional, as tomesd's size hook reads args[0]
+        return out.sample if hasattr(out, "sample") else out[0]
+
+    def sample(self, steps: int) -> Tensor:
+        """A ``steps``-step Euler loop from the input latent (velocity = the model output's first channels)."""
+        x = self.inputs[self.latent_key]
+        ts = torch.linspace(self.t_max, 0.0, steps + 1).tolist()
+        for t, t_next in zip(ts[:-1], ts[1:]):
+            v = self.call(x, t)
+            x = x + (t_next - t) / self.t_max * v[:, : x.shape[1]] if x.dim() == 4 else x + (t_next - t) * v
+        return x
+
+
+def build(width: str, tokens: int, depth: int, batch: int, quick: bool = False,
+          text_tokens: int | None = None, dtype: torch.dtype = torch.float32,
+          device: torch.device | str = "cpu", seed: int = 0) -> Bench:
+    """A random-weight model of ``width`` whose blocks see exactly ``tokens`` image tokens, with inputs.
+
+    Args:
+        width: ``sd3``, ``pixart``, ``dit``, ``flux`` or ``unet``.
+        tokens: image tokens ``N``, a perfect square (UNet: tokens of its full-resolution blocks).
+        depth: transformer blocks (Flux: of each kind; UNet: layers per block, 1).
+        batch: ``B``.
+        quick: tiny widths instead of the real ones.
+        text_tokens: override the width's default text length.
+        dtype, device: where the model runs.
+        seed: weights and inputs.
+    """
+    if width not in WIDTHS:
+        raise ValueError(f"unknown width {width!r}; choose from {WIDTHS}")
+    side = math.isqrt(tokens)
+    if side * side != tokens:
+        raise ValueError(f"--tokens must be perfect squares, got {tokens}")
+    spec = (QUICK if quick else FULL)[width]
+    if text_tokens is not None:
+        spec = dataclasses.replace(spec, text_tokens=text_tokens)
+    torch.manual_seed(seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    model, inputs, latent_key, time_key, t_max = _BUILDERS[width](spec, side, depth, batch, g)
+    if dtype != torch.float32 or torch.device(device).type != "cpu":
+        model = model.to(device=device, dtype=dtype)
+    model = model.eval()
+    keep = ("timestep", "img_ids", "txt_ids")  # stay fp32 (positions, timesteps)
+    inputs = {k: v.to(device=device, dtype=dtype if v.is_floating_point() and k not in keep else v.dtype)
+              if isinstance(v, Tensor) else v for k, v in inputs.items()}
+    return Bench(width, model, inputs, latent_key, time_key, t_max, spec, depth)
+
+
+def _sd3(spec: WidthSpec, side: int, depth: int, batch: int, g: torch.Generator):
+    from diffusers import SD3Transformer2DModel
+
+    head_dim = spec.hidden // spec.heads
+    model = SD3Transformer2DModel(
+        sample_size=2 * side, patch_size=2, in_channels=16, out_channels=16, num_layers=depth,
+        attention_head_dim=head_dim, num_attention_heads=spec.heads, joint_attention_dim=spec.text_dim,
+        caption_projection_dim=spec.hidden, pooled_projection_dim=spec.pooled_dim,
+        pos_embed_max_size=max(96, side))
+    inputs = dict(hidden_states=torch.randn(batch, 16, 2 * side, 2 * side, generator=g),
+                  encoder_hidden_states=torch.randn(batch, spec.text_tokens, spec.text_dim, generator=g),
+                  pooled_projections=torch.randn(batch, spec.pooled_dim, generator=g),
+                  timestep=torch.full((batch,), 500.0))
+    return model, inputs, "hidden_states", "timestep", 1000.0
+
+
+def _pixart(spec: WidthSpec, side: int, depth: int, batch: int, g: torch.Generator):
+    from diffusers import PixArtTransformer2DModel
+
+    model = PixArtTransformer2DModel(
+        num_attention_heads=spec.heads, attention_head_dim=spec.hidden // spec.heads, in_channels=4,
+        out_channels=8, num_layers=depth, cross_attention_dim=spec.hidden, sample_size=2 * side, patch_size=2,
+        caption_channels=spec.text_dim, use_additional_conditions=False)
+    inputs = dict(hidden_states=torch.randn(batch, 4, 2 * side, 2 * side, generator=g),
+                  encoder_hidden_states=torch.randn(batch, spec.text_tokens, spec.text_dim, generator=g),
+                  timestep=torch.full((batch,), 500.0),
+                  added_cond_kwargs={"resolution": None, "aspect_ratio": None})
+    return model, inputs, "hidden_states", "timestep", 1000.0
+
+
+def _dit(spec: WidthSpec, side: int, depth: int, batch: int, g: torch.Generator):
+    from diffusers import DiTTransformer2DModel
+
+    model = DiTTransformer2DModel(
+        num_attention_heads=spec.heads, attention_head_dim=spec.hidden // spec.heads, in_channels=4,
+        out_channels=8, num_layers=depth, sample_size=2 * side, patch_size=2, num_embeds_ada_norm=1000)
+    inputs = dict(hidden_states=torch.randn(batch, 4, 2 * side, 2 * side, generator=g),
+                  timestep=torch.full((batch,), 500.0), class_labels=torch.arange(batch) % 1000)
+    return model, inputs, "hidden_states", "timestep", 1000.0
+
+
+def _flux(spec: WidthSpec, side: int, depth: int, batch: int, g: torch.Generator):
+    from diffusers import FluxTransformer2DModel
+
+    head_dim = spec.hidden // spec.heads
+    a = 2 * max(1, head_dim // 16)
+    b = 2 * ((head_dim - a) // 4)
+    rope = (a, b, head_dim - a - b)  # (16, 56, 56) for head_dim 128, as FLUX.1
+    model = FluxTransformer2DModel(
+        patch_size=1, in_channels=64, num_layers=depth, num_single_layers=depth, attention_head_dim=head_dim,
+        num_attention_heads=spec.heads, joint_attention_dim=spec.text_dim, pooled_projection_dim=spec.pooled_dim,
+        axes_dims_rope=rope)
+    rows, cols = torch.meshgrid(torch.arange(side), torch.arange(side), indexing="ij")
+    img_ids = torch.stack([torch.zeros(side * side), rows.flatten(), cols.flatten()], dim=1)  # [N, 3]
+    inputs = dict(hidden_states=torch.randn(batch, side * side, 64, generator=g),
+                  encoder_hidden_states=torch.randn(batch, spec.text_tokens, spec.text_dim, generator=g),
+                  pooled_projections=torch.randn(batch, spec.pooled_dim, generator=g),
+                  timestep=torch.full((batch,), 0.5), img_ids=img_ids, txt_ids=torch.zeros(spec.text_tokens, 3))
+    return model, inputs, "hidden_states", "timestep", 1.0
+
+
+def _unet(spec: WidthSpec, side: int, depth: int, batch: int, g: torch.Generator):
+    from diffusers import UNet2DConditionModel
+
+    base = spec.hidden
+    channels = (base, 2 * base, 4 * base, 4 * base) if base >= 64 else (base, 2 * base)
+    down = ("CrossAttnDownBlock2D",) * (len(channels) - 1) + ("DownBlock2D",)
+    up = ("UpBlock2D",) + ("CrossAttnUpBlock2D",) * (len(channels) - 1)
+    if base < 64:  # quick: both levels with attention, like the tests' tiny UNet
+        down, up = ("CrossAttnDownBlock2D",) * 2, ("CrossAttnUpBlock2D",) * 2
+    model = UNet2DConditionModel(
+        sample_size=side, in_channels=4, out_channels=4, layers_per_block=1, block_out_channels=channels,
+        down_block_types=down, up_block_types=up, cross_attention_dim=spec.text_dim,
+        attention_head_dim=spec.heads, norm_num_groups=min(32, base // 4))
+    inputs = dict(sample=torch.randn(batch, 4, side, side, generator=g), timestep=torch.tensor(500.0),
+                  encoder_hidden_states=torch.randn(batch, spec.text_tokens, spec.text_dim, generator=g))
+    return model, inputs, "sample", "timestep", 1000.0
+
+
+_BUILDERS: dict[str, Callable] = {"sd3": _sd3, "pixart": _pixart, "dit": _dit, "flux": _flux, "unet": _unet}
+
+
+# ---------------------------------------------------------------------- merging, FLOPs, time
+@contextlib.contextmanager
+def merged(bench: Bench, method: str | None, ratio: float, num_steps: int | None = None):
+    """The model with ``method`` applied (``None``: baseline; ``"tomesd package"``: ``tomesd.apply_patch``)."""
+    if method is None:
+        yield
+    elif method == TOMESD_PACKAGE:
+        import tomesd
+
+        tomesd.apply_patch(bench.model, ratio=ratio)
+        try:
+            yield
+        finally:
+            tomesd.remove_patch(bench.model)
+    else:
+        kw = {"num_steps": num_steps} if num_steps else {}
+        with tomerge.merging(bench.model, method, ratio=ratio, **kw):
+            yield
+
+
+def _cpu_sdpa_flops(query, key, value, *args, out_shape=None, **kwargs) -> int:
+    from torch.utils.flop_counter import sdpa_flop_count
+
+    return sdpa_flop_count(query, key, value)
+
+
+def count_flops(fn: Callable[[], object]) -> int:
+    """FLOPs of ``fn()``; the CPU flash-attention kernel (unknown to ``FlopCounterMode``) counted like the GPU ones."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    mapping = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_sdpa_flops}
+    counter = FlopCounterMode(display=False, custom_mapping=mapping)
+    with counter:
+        fn()
+    return counter.get_total_flops()
+
+
+def time_once(fn: Callable[[], object], threads: int) -> float:
+    """Seconds of one call of ``fn``, after two untimed warm-up calls.
+
+    CPU: ``torch.utils.benchmark.Timer.timeit(1)`` (it fixes the thread count and runs the warm-up).
+    CUDA: CUDA events around the call, after a synchronise (the GPU time of everything ``fn`` queues).
+    """
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        fn()
+        fn()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+    timer = benchmark.Timer(stmt="fn()", globals={"fn": fn}, num_threads=threads)
+    return timer.timeit(1).median
+
+
+def time_alternating(bench: Bench, methods: Sequence[str | None], ratio: float, fn: Callable[[], object],
+                     repeats: int, warmup: int, threads: int, num_steps: int | None = None) -> dict[str | None, float]:
+    """Median seconds of ``fn`` per method (``None`` = baseline), methods alternating round after round."""
+    times: dict[str | None, list[float]] = {m: [] for m in methods}
+    for round_ in range(warmup + repeats):
+        for method in methods:
+            with merged(bench, method, ratio, num_steps):
+                t = time_once(fn, threads)
+            if round_ >= warmup:
+                times[method].append(t)
+    return {m: statistics.median(ts) for m, ts in times.items()}
+
+
+def sdpa_backend(name: str):
+    """A context restricting ``scaled_dot_product_attention`` to one backend (``"default"``: no restriction)."""
+    if name == "default":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backends = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+                "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}
+    return sdpa_kernel(backends[name])
+
+
+def default_methods(width: str) -> list[str]:
+    """Every registered strategy and schedule; on the UNet the ``tomesd`` package and tomerge's ``tomesd``."""
+    if width == "unet":
+        return [TOMESD_PACKAGE, "tomesd"]
+    return list(tomerge.list_strategies())
+
+
+def e2e_benchmark(widths: Sequence[str] = ("sd3", "pixart", "flux", "unet"), tokens: Sequence[int] = (1024, 4096),
+                  ratios: Sequence[float] = (0.5,), depth: int = 2, batch: int = 2,
+                  methods: Sequence[str] | None = None, steps: int = 0, repeats: int = 5, warmup: int = 1,
+                  quick: bool = False, text_tokens: int | None = None, threads: int | None = None,
+                  dtype: torch.dtype = torch.float32, device: str = "cpu", sdpa: str = "default",
+                  progress: bool = True) -> list[E2ERow]:
+    """Baseline vs every method on every (width, N, ratio): one forward, and a ``steps``-step loop if ``steps``.
+
+    Args:
+        widths: model families (see the module docstring).
+        tokens: image token counts (perfect squares).
+        ratios: merge ratios.
+        depth: blocks per model (Flux: of each kind).
+        batch: ``B``.
+        methods: strategy/schedule names, or ``"tomesd package"`` (UNet only); default :func:`default_methods`.
+        steps: also time a sampling loop of this many steps (0: forward only).
+        repeats, warmup: timed and untimed alternating rounds.
+        quick: tiny models (seconds).
+        text_tokens: override each width's text length.
+        threads: torch threads (default: torch's current count).
+        dtype, device: where the models run.
+        sdpa: attention backend for every call (``"default"``, ``"flash"``, ``"efficient"``, ``"cudnn"``,
+            ``"math"``); on CPU ``"flash"`` is the CPU flash kernel that runs by default anyway.
+        progress: show a progress bar.
+
+    Returns:
+        One :class:`E2ERow` per (width, N, ratio, mode, method).
+    """
+    from tqdm import tqdm
+
+    threads = threads or torch.get_num_threads()
+    rows: list[E2ERow] = []
+    configs = [(w, n) for w in widths for n in tokens]
+    bar = tqdm(configs, desc="e2e", disable=not progress)
+    with torch.inference_mode(), sdpa_backend(sdpa):
+        for width, N in bar:
+            bench = build(width, N, depth, batch, quick=quick, text_tokens=text_tokens, dtype=dtype, device=device)
+            names = [m for m in (methods or default_methods(width))
+                     if width == "unet" or m != TOMESD_PACKAGE]
+            modes: list[tuple[str, Callable[[], object], int | None]] = [("forward", bench.call, None)]
+            if steps > 0:
+                modes.append((f"loop{steps}", lambda: bench.sample(steps), steps))
+            for ratio in ratios:
+                for mode, fn, num_steps in modes:
+                    bar.set_postfix_str(f"{width} N={N} r={ratio} {mode}")
+                    flops = {}
+                    for m in [None, *names]:
+                        with merged(bench, m, ratio, num_steps):
+                            flops[m] = count_flops(fn)
+                    secs = time_alternating(bench, [None, *names], ratio, fn, repeats, warmup, threads, num_steps)
+                    for m in names:
+                        rows.append(E2ERow(width, bench.spec.hidden, bench.spec.heads, depth, N, bench.spec.text_tokens,
+                                           batch, mode, ratio, m, secs[None] * 1e3, secs[m] * 1e3,
+                                           flops[None] / 1e9, flops[m] / 1e9))
+            del bench
+    return rows
+
+
+def markdown_table(rows: Sequence[E2ERow]) -> str:
+    lines = ["| model | C | depth | N | text | mode | ratio | method | base ms | merged ms | speed-up | ideal | "
+             "efficiency |",
+             "|---|---:|---:|---:|---:|---|---:|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r.model} | {r.width} | {r.depth} | {r.tokens} | {r.text_tokens} | {r.mode} | {r.ratio} | "
+                     f"{r.method} | {r.base_ms:.1f} | {r.merged_ms:.1f} | {r.speedup:.2f} | {r.ideal:.2f} | "
+                     f"{r.efficiency:.0%} |")
+    return "\n".join(lines)

@@ -1,0 +1,89 @@
+"""`tomerge bench` runs on tiny sizes and writes sane rows (speed itself is never asserted here)."""
+
+from __future__ import annotations
+
+import csv
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tomerge.experiments import bench
+from tomerge.experiments.bench_e2e import TOMESD_PACKAGE, build, count_flops
+
+
+def _rows(path) -> list[dict[str, str]]:
+    with path.open() as f:
+        return list(csv.DictReader(f))
+
+
+def test_e2e_quick_transformer_rows(tmp_path):
+    out = tmp_path / "e2e.csv"
+    code = bench.main(["--e2e", "--quick", "--widths", "pixart", "--strategies", "tomesd", "ssm",
+                       "--repeats", "1", "--out", str(out)])
+    assert code == 0
+    rows = _rows(out)
+    assert [r["method"] for r in rows] == ["tomesd", "ssm"]
+    for r in rows:
+        assert r["model"] == "pixart" and int(r["tokens"]) == 256 and float(r["ratio"]) == 0.5
+        assert float(r["base_ms"]) > 0 and float(r["merged_ms"]) > 0
+        assert float(r["ideal"]) > 1.0, r  # ratio 0.5 removes FLOPs, plan cost included
+        assert float(r["efficiency"]) == pytest.approx(float(r["speedup"]) / float(r["ideal"]), rel=1e-3)
+    assert "| pixart |" in out.with_suffix(".md").read_text()
+
+
+def test_e2e_quick_unet_against_the_tomesd_package(tmp_path):
+    out = tmp_path / "unet.csv"
+    assert bench.main(["--e2e", "--quick", "--widths", "unet", "--repeats", "1", "--out", str(out)]) == 0
+    rows = _rows(out)
+    assert [r["method"] for r in rows] == [TOMESD_PACKAGE, "tomesd"]
+    for r in rows:
+        assert float(r["merged_ms"]) > 0 and float(r["ideal"]) > 1.0
+    # Same ratio, same algorithm: the package and tomerge remove the same FLOPs.
+    assert float(rows[0]["merged_gflop"]) == pytest.approx(float(rows[1]["merged_gflop"]), rel=1e-6)
+
+
+def test_e2e_sampling_loop_and_schedules():
+    from tomerge.experiments.bench_e2e import e2e_benchmark
+
+    rows = e2e_benchmark(widths=["dit"], tokens=[256], ratios=[0.5], depth=1, methods=["toma"], steps=2,
+                         repeats=1, quick=True, progress=False)
+    assert [(r.mode, r.method) for r in rows] == [("forward", "toma"), ("loop2", "toma")]
+    assert all(r.ideal > 1.0 and r.merged_ms > 0 for r in rows)
+
+
+def test_kernels_tiny(tmp_path):
+    out = tmp_path / "kernels.csv"
+    code = bench.main(["--kernels", "--tokens", "256", "--ratios", "0.5", "--channels", "16",
+                       "--strategies", "tomesd", "facility_location", "--min-run-time", "0.01", "--out", str(out)])
+    assert code == 0
+    rows = _rows(out)
+    assert {r["method"] for r in rows} == {"tomesd package", "tomesd", "facility_location"}
+    for r in rows:
+        assert float(r["plan_ms"]) > 0 and float(r["merge_unmerge_ms"]) > 0 and int(r["removed"]) > 0
+
+
+def test_a_mode_is_required(capsys):
+    assert bench.main([]) == 2
+    assert "--e2e or --kernels" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("width", ["sd3", "flux"])
+def test_models_see_exactly_n_image_tokens(width):
+    """The builders size the latent so that every block sees the requested token count."""
+    b = build(width, tokens=64, depth=1, batch=2, quick=True)
+    block = b.model.transformer_blocks[0]
+    seen = []
+    handle = block.register_forward_pre_hook(lambda m, a, k: seen.append(k["hidden_states"].shape[1]),
+                                             with_kwargs=True)
+    with torch.no_grad():
+        b.call()
+    handle.remove()
+    assert seen == [64]
+
+
+def test_flops_count_cpu_attention():
+    """FlopCounterMode does not know the CPU flash kernel; the benchmark counts it like the GPU kernels."""
+    q = torch.randn(1, 2, 32, 8)
+    flops = count_flops(lambda: F.scaled_dot_product_attention(q, q, q))
+    assert flops == 2 * (2 * 1 * 2 * 32 * 32 * 8)  # q k^T and attn v
