@@ -38,7 +38,7 @@ import tomerge
 from tomerge.contract import make_context
 from tomerge.strategy import MergeStrategy
 
-from .bench_e2e import TOMESD_PACKAGE, WIDTHS, e2e_benchmark
+from .bench_e2e import TOMESD_PACKAGE, WIDTHS, clock_kwargs, e2e_benchmark
 from .bench_e2e import markdown_table as e2e_table
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -61,12 +61,14 @@ class KernelRow:
         return self.plan_ms + self.merge_unmerge_ms
 
 
-def median_ms(fn: Callable[[], object], min_run_time: float) -> float:
-    """Median time of ``fn`` in ms: ``torch.utils.benchmark`` adaptive repeats with all of torch's threads;
-    on CUDA (once a CUDA tensor exists), the median of CUDA-event timings over ``min_run_time`` seconds."""
+def median_ms(fn: Callable[[], object], min_run_time: float, clock: str = "wall") -> float:
+    """Median time of ``fn`` in ms: ``torch.utils.benchmark`` adaptive repeats with all of torch's threads
+    (``clock="cpu"``: process CPU time); on CUDA (once a CUDA tensor exists), the median of CUDA-event
+    timings over ``min_run_time`` seconds."""
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         return _cuda_events_ms(fn, min_run_time)
-    timer = benchmark.Timer(stmt="fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
+    timer = benchmark.Timer(stmt="fn()", globals={"fn": fn}, num_threads=torch.get_num_threads(),
+                            **clock_kwargs(clock))
     return timer.adaptive_autorange(min_run_time=min_run_time).median * 1e3
 
 
@@ -87,7 +89,8 @@ def _cuda_events_ms(fn: Callable[[], object], min_run_time: float, inner: int = 
     return statistics.median(times)
 
 
-def _tomesd_row(x: torch.Tensor, grid: tuple[int, int], ratio: float, min_run_time: float) -> KernelRow:
+def _tomesd_row(x: torch.Tensor, grid: tuple[int, int], ratio: float, min_run_time: float,
+                clock: str = "wall") -> KernelRow:
     from tomesd.merge import bipartite_soft_matching_random2d
 
     H, W = grid
@@ -99,27 +102,28 @@ def _tomesd_row(x: torch.Tensor, grid: tuple[int, int], ratio: float, min_run_ti
     merge, unmerge = plan()
     y = merge(x)
     return KernelRow("tomesd package", "index", x.shape[1], ratio, x.shape[1] - y.shape[1],
-                     median_ms(plan, min_run_time), median_ms(lambda: unmerge(merge(x)), min_run_time))
+                     median_ms(plan, min_run_time, clock), median_ms(lambda: unmerge(merge(x)), min_run_time, clock))
 
 
 def _strategy_rows(name: str, x: torch.Tensor, grid: tuple[int, int], ratio: float,
-                   backends: Sequence[str], min_run_time: float) -> list[KernelRow]:
+                   backends: Sequence[str], min_run_time: float, clock: str = "wall") -> list[KernelRow]:
     strategy = tomerge.get_strategy(name, **({"use_rand": False} if name == "tomesd" else {}))
     ctx = make_context(x, grid, ratio)
     plan = strategy.plan(x, ctx)
-    plan_ms = median_ms(lambda: strategy.plan(x, ctx), min_run_time)
+    plan_ms = median_ms(lambda: strategy.plan(x, ctx), min_run_time, clock)
     rows = []
     for backend in (["dense"] if plan.is_soft else backends):
         p = plan.with_backend(backend)
         rows.append(KernelRow(name, backend, x.shape[1], ratio, p.num_removed, plan_ms,
-                              median_ms(lambda: p.unmerge(p.merge(x)), min_run_time)))
+                              median_ms(lambda: p.unmerge(p.merge(x)), min_run_time, clock)))
     return rows
 
 
 def kernel_benchmark(tokens: Sequence[int] = (1024, 4096), ratios: Sequence[float] = (0.25, 0.5),
                      channels: int = 1536, batch: int = 2, strategies: Sequence[str] | None = None,
                      backends: Sequence[str] = ("index", "dense"), min_run_time: float = 0.5,
-                     progress: bool = True, device: str = "cpu", dtype: torch.dtype = torch.float32) -> list[KernelRow]:
+                     progress: bool = True, device: str = "cpu", dtype: torch.dtype = torch.float32,
+                     clock: str = "wall") -> list[KernelRow]:
     """Times plan and merge + unmerge for every strategy and the tomesd package.
 
     Args:
@@ -131,6 +135,7 @@ def kernel_benchmark(tokens: Sequence[int] = (1024, 4096), ratios: Sequence[floa
         min_run_time: seconds of measurement per timing.
         progress: show a progress bar.
         device, dtype: where the token tensor lives.
+        clock: ``"wall"`` or ``"cpu"`` (process CPU time) for CPU timings; CUDA uses CUDA events.
 
     Returns:
         One :class:`KernelRow` per (method, backend, N, ratio).
@@ -149,9 +154,9 @@ def kernel_benchmark(tokens: Sequence[int] = (1024, 4096), ratios: Sequence[floa
                 raise ValueError(f"--tokens must be squares, got {N}")
             grid = (side, side)
             x = torch.randn(batch, N, channels, device=device).to(dtype)
-            rows.append(_tomesd_row(x, grid, ratio, min_run_time))
+            rows.append(_tomesd_row(x, grid, ratio, min_run_time, clock))
             for name in names:
-                rows.extend(_strategy_rows(name, x, grid, ratio, backends, min_run_time))
+                rows.extend(_strategy_rows(name, x, grid, ratio, backends, min_run_time, clock))
     return rows
 
 
@@ -180,6 +185,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                        help="CPU timings: wall-clock, or process CPU time (robust on a shared machine; use with "
+                             "--threads 1). CUDA always uses CUDA events")
     kernels = parser.add_argument_group("--kernels")
     kernels.add_argument("--channels", type=int, default=1536)
     kernels.add_argument("--min-run-time", type=float, default=0.5, help="seconds measured per timing")
@@ -202,6 +210,12 @@ def machine_line() -> str:
     if torch.cuda.is_available():
         proc = f"{torch.cuda.get_device_name()}, CUDA {torch.version.cuda}"
     return f"{proc}, {torch.get_num_threads()} threads, torch {torch.__version__}, python {platform.python_version()}"
+
+
+def clock_line(args: argparse.Namespace) -> str:
+    if args.device.startswith("cuda"):
+        return "CUDA events"
+    return "process CPU time" if args.clock == "cpu" else "wall-clock"
 
 
 def write_rows(path: Path, rows: Sequence[dict], table: str, header: str) -> None:
@@ -230,8 +244,9 @@ def run(args: argparse.Namespace) -> int:
             return 2
         rows = kernel_benchmark(args.tokens or [1024, 4096], args.ratios or [0.25, 0.5], args.channels, args.batch,
                                 args.strategies, min_run_time=args.min_run_time, device=args.device,
-                                dtype=DTYPES[args.dtype])
-        header = f"Kernel benchmark, B={args.batch}, C={args.channels}, {args.dtype} ({machine_line()})"
+                                dtype=DTYPES[args.dtype], clock=args.clock)
+        header = (f"Kernel benchmark, B={args.batch}, C={args.channels}, {args.dtype}, {clock_line(args)} "
+                  f"({machine_line()})")
         table = markdown_table(rows)
         dicts = [{**asdict(r), "total_ms": r.total_ms} for r in rows]
     else:
@@ -242,9 +257,10 @@ def run(args: argparse.Namespace) -> int:
             ratios=args.ratios or [0.5], depth=args.depth or (1 if quick else 2), batch=args.batch,
             methods=args.strategies, steps=args.steps, repeats=args.repeats or (2 if quick else 3),
             warmup=args.warmup, quick=quick, text_tokens=args.text_tokens, dtype=DTYPES[args.dtype],
-            device=args.device, sdpa=args.sdpa)
+            device=args.device, sdpa=args.sdpa, clock=args.clock)
         models = "quick (tiny) models" if quick else "full widths"
-        header = f"End-to-end benchmark, B={args.batch}, {args.dtype}, SDPA {args.sdpa}, {models} ({machine_line()})"
+        header = (f"End-to-end benchmark, B={args.batch}, {args.dtype}, SDPA {args.sdpa}, {models}, {clock_line(args)} "
+                  f"({machine_line()})")
         table = e2e_table(rows)
         dicts = [r.as_dict() for r in rows]
     print(f"\n{header}\n\n{table}")

@@ -32,6 +32,7 @@ import contextlib
 import dataclasses
 import math
 import statistics
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -297,10 +298,12 @@ def count_flops(fn: Callable[[], object]) -> int:
     return counter.get_total_flops()
 
 
-def time_once(fn: Callable[[], object], threads: int) -> float:
+def time_once(fn: Callable[[], object], threads: int, clock: str = "wall") -> float:
     """Seconds of one call of ``fn``, after two untimed warm-up calls.
 
-    CPU: ``torch.utils.benchmark.Timer.timeit(1)`` (it fixes the thread count and runs the warm-up).
+    CPU: ``torch.utils.benchmark.Timer.timeit(1)`` (it fixes the thread count and runs the warm-up), with
+    wall-clock time, or with ``clock="cpu"`` the process's CPU time (``time.process_time``: robust when
+    other jobs share the cores; meaningful with one thread, where it is the work done).
     CUDA: CUDA events around the call, after a synchronise (the GPU time of everything ``fn`` queues).
     """
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -313,18 +316,26 @@ def time_once(fn: Callable[[], object], threads: int) -> float:
         end.record()
         end.synchronize()
         return start.elapsed_time(end) / 1e3
-    timer = benchmark.Timer(stmt="fn()", globals={"fn": fn}, num_threads=threads)
+    timer = benchmark.Timer(stmt="fn()", globals={"fn": fn}, num_threads=threads, **clock_kwargs(clock))
     return timer.timeit(1).median
 
 
+def clock_kwargs(clock: str) -> dict[str, Any]:
+    """``torch.utils.benchmark.Timer`` keyword for ``clock`` (``"wall"``: its default; ``"cpu"``: process time)."""
+    if clock not in ("wall", "cpu"):
+        raise ValueError(f"clock must be 'wall' or 'cpu', got {clock!r}")
+    return {"timer": time.process_time} if clock == "cpu" else {}
+
+
 def time_alternating(bench: Bench, methods: Sequence[str | None], ratio: float, fn: Callable[[], object],
-                     repeats: int, warmup: int, threads: int, num_steps: int | None = None) -> dict[str | None, float]:
+                     repeats: int, warmup: int, threads: int, num_steps: int | None = None,
+                     clock: str = "wall") -> dict[str | None, float]:
     """Median seconds of ``fn`` per method (``None`` = baseline), methods alternating round after round."""
     times: dict[str | None, list[float]] = {m: [] for m in methods}
     for round_ in range(warmup + repeats):
         for method in methods:
             with merged(bench, method, ratio, num_steps):
-                t = time_once(fn, threads)
+                t = time_once(fn, threads, clock)
             if round_ >= warmup:
                 times[method].append(t)
     return {m: statistics.median(ts) for m, ts in times.items()}
@@ -353,7 +364,7 @@ def e2e_benchmark(widths: Sequence[str] = ("sd3", "pixart", "flux", "unet"), tok
                   methods: Sequence[str] | None = None, steps: int = 0, repeats: int = 5, warmup: int = 1,
                   quick: bool = False, text_tokens: int | None = None, threads: int | None = None,
                   dtype: torch.dtype = torch.float32, device: str = "cpu", sdpa: str = "default",
-                  progress: bool = True) -> list[E2ERow]:
+                  clock: str = "wall", progress: bool = True) -> list[E2ERow]:
     """Baseline vs every method on every (width, N, ratio): one forward, and a ``steps``-step loop if ``steps``.
 
     Args:
@@ -371,6 +382,7 @@ def e2e_benchmark(widths: Sequence[str] = ("sd3", "pixart", "flux", "unet"), tok
         dtype, device: where the models run.
         sdpa: attention backend for every call (``"default"``, ``"flash"``, ``"efficient"``, ``"cudnn"``,
             ``"math"``); on CPU ``"flash"`` is the CPU flash kernel that runs by default anyway.
+        clock: ``"wall"`` or ``"cpu"`` (process CPU time; see :func:`time_once`); CUDA always uses events.
         progress: show a progress bar.
 
     Returns:
@@ -397,7 +409,8 @@ def e2e_benchmark(widths: Sequence[str] = ("sd3", "pixart", "flux", "unet"), tok
                     for m in [None, *names]:
                         with merged(bench, m, ratio, num_steps):
                             flops[m] = count_flops(fn)
-                    secs = time_alternating(bench, [None, *names], ratio, fn, repeats, warmup, threads, num_steps)
+                    secs = time_alternating(bench, [None, *names], ratio, fn, repeats, warmup, threads, num_steps,
+                                            clock)
                     for m in names:
                         rows.append(E2ERow(width, bench.spec.hidden, bench.spec.heads, depth, N, bench.spec.text_tokens,
                                            batch, mode, ratio, m, secs[None] * 1e3, secs[m] * 1e3,

@@ -155,11 +155,11 @@ class FacilityLocation(MergeStrategy):
         if ctx.tokens_to_remove(N) == 0:
             return MergePlan.identity(B, N, device=x.device)
         layout = self.tile_layout(ctx.grid, x.device)  # [T, s]
-        X, xf, denom = _features(x, layout)  # [B, T, s, C]
+        X = _features(x, layout)  # [B, T, s, C]
         # Shared destinations select on sample 0's own features (as select_destinations does).
-        Xs = _features(x[:1], layout)[0] if self.shared_destinations else X
+        Xs = _features(x[:1], layout) if self.shared_destinations else X
         dst = self._greedy(Xs, layout, self._dst_per_tile(N, layout.shape[0], ctx), N).expand(B, -1)  # [B, M]
-        return self._matrices(X, xf, denom, dst, layout)
+        return self._matrices(X, dst, layout, N)
 
     def select_destinations(self, x: Tensor, ctx: MergeContext) -> Tensor:
         """Greedy facility location in every tile.
@@ -175,7 +175,7 @@ class FacilityLocation(MergeStrategy):
         layout = self.tile_layout(ctx.grid, x.device)  # [T, s]
         d = self._dst_per_tile(N, layout.shape[0], ctx)
         source = x[:1] if self.shared_destinations else x
-        X = _features(source, layout)[0]  # [b, T, s, C] (b = 1 when shared)
+        X = _features(source, layout)  # [b, T, s, C] (b = 1 when shared)
         return self._greedy(X, layout, d, N).expand(B, -1)  # [B, M]
 
     def merge_matrix(self, x: Tensor, dst: Tensor, ctx: MergeContext) -> MergePlan:
@@ -197,8 +197,7 @@ class FacilityLocation(MergeStrategy):
                 f"dst must be [B={B}, T*d] with T={T} tiles for grid {ctx.grid}, got {tuple(dst.shape)}; "
                 "pass the output of select_destinations for the same x and ctx"
             )
-        X, xf, denom = _features(x, layout)  # [B, T, s, C]
-        return self._matrices(X, xf, denom, dst.expand(B, -1), layout)
+        return self._matrices(_features(x, layout), dst.expand(B, -1), layout, N)
 
     def _greedy(self, X: Tensor, layout: Tensor, d: int, num_tokens: int) -> Tensor:
         """``[b, T*d]`` destinations: ``d`` greedy facility-location picks per tile of unit features ``X [b, T, s, C]``
@@ -209,6 +208,7 @@ class FacilityLocation(MergeStrategy):
         coverage = torch.zeros_like(S[..., 0, :])  # [b, T, s]
         chosen = torch.zeros(S.shape[:-1], dtype=torch.bool, device=X.device)  # [b, T, s]
         excess = torch.empty_like(S)  # [b, T, s, s] reused by every pick
+        rows = torch.arange(S.shape[0] * T, device=X.device) * s  # [b*T] first row of each tile's S in S.view(-1, s)
         picks = []
         for k in range(d):
             if k == 0:
@@ -220,21 +220,22 @@ class FacilityLocation(MergeStrategy):
             blocked = torch.where(exhausted, pad, blocked)  # then repeat a real token, never padding
             pick = gain.masked_fill(blocked, float("-inf")).argmax(-1, keepdim=True)  # [b, T, 1]
             chosen = chosen.scatter(-1, pick, True)
-            row = S.gather(-2, pick.unsqueeze(-1).expand(*pick.shape, s)).squeeze(-2)  # [b, T, s]
+            row = S.view(-1, s).index_select(0, rows + pick.view(-1)).view(coverage.shape)  # [b, T, s] = S[.., pick, :]
             coverage = row if k == 0 else torch.maximum(coverage, row)
             picks.append(pick)
         local = torch.cat(picks, dim=-1)  # [b, T, d]
         dst = layout.expand(local.shape[0], T, s).gather(-1, local)  # [b, T, d]
         return dst.reshape(dst.shape[0], T * d)  # [b, M]
 
-    def _matrices(self, X: Tensor, xf: Tensor, denom: Tensor, dst: Tensor, layout: Tensor) -> MergePlan:
-        """The soft plan from tiled unit features ``X [B, T, s, C]``, ``xf [B, N, C]`` (fp32) with its norms
-        ``denom [B, N, 1]``, and destinations ``dst [B, M]``."""
-        B, N, C = xf.shape
-        T, s = layout.shape
+    def _matrices(self, X: Tensor, dst: Tensor, layout: Tensor, N: int) -> MergePlan:
+        """The soft plan from tiled unit features ``X [B, T, s, C]`` and destinations ``dst [B, M]`` of ``N`` tokens."""
+        B, T, s, C = X.shape
         d = dst.shape[1] // T
-        index = dst.unsqueeze(-1)  # [B, M, 1]
-        X_dst = (xf.gather(1, index.expand(B, T * d, C)).div_(denom.gather(1, index))).view(B, T, d, C)  # [B, T, d, C]
+        flat = layout.flatten()  # [T*s]
+        member = torch.empty(N + 1, dtype=torch.long, device=X.device)
+        member[flat] = torch.arange(T * s, device=X.device)  # [N + 1]: row of every token in X.view(B, T*s, C)
+        rows = member[dst] + torch.arange(B, device=X.device).unsqueeze(1) * (T * s)  # [B, M] rows of X.view(-1, C)
+        X_dst = X.view(-1, C).index_select(0, rows.view(-1)).view(B, T, d, C)  # [B, T, d, C] unit destination rows
         L = X_dst @ X.transpose(-1, -2)  # [B, T, d, s]
         A = torch.softmax(L / self.temperature, dim=-2)  # [B, T, d, s], each column sums to 1
         A = A * (layout != N).to(A.dtype).view(1, T, 1, s)  # padding columns get zero weight
@@ -260,7 +261,7 @@ class FacilityLocation(MergeStrategy):
         return d
 
 
-def _features(x: Tensor, layout: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def _features(x: Tensor, layout: Tensor) -> Tensor:
     """Unit features in tile layout, as ``_tile(F.normalize(x.float(), eps), layout)`` computes them.
 
     The norms are reduced over all of ``x`` (so they have exactly the values ``F.normalize`` uses), then
@@ -271,8 +272,8 @@ def _features(x: Tensor, layout: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         layout: ``[T, s]`` token positions, ``N`` for padding.
 
     Returns:
-        ``X [B, T, s, C]`` fp32 unit rows (padding rows zero; an all-zero token stays zero, never NaN),
-        ``xf [B, N, C]`` (``x`` in fp32) and ``denom [B, N, 1]``, the eps-clamped norms.
+        ``[B, T, s, C]`` fp32 unit rows, contiguous; padding rows are zero (an all-zero token stays zero,
+        never NaN).
     """
     xf = x.float()
     B, N, C = xf.shape
@@ -282,4 +283,4 @@ def _features(x: Tensor, layout: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     X = xf.index_select(1, pos).div_(denom.index_select(1, pos))  # [B, T*s, C]
     if flat.numel() > N:  # every token is in one tile, so more slots than tokens means padding
         X.masked_fill_((flat == N).view(1, -1, 1), 0)
-    return X.view(B, *layout.shape, C), xf, denom
+    return X.view(B, *layout.shape, C)

@@ -87,3 +87,16 @@ def test_flops_count_cpu_attention():
     q = torch.randn(1, 2, 32, 8)
     flops = count_flops(lambda: F.scaled_dot_product_attention(q, q, q))
     assert flops == 2 * (2 * 1 * 2 * 32 * 32 * 8)  # q k^T and attn v
+
+
+def test_cpu_clock_counts_work_not_waiting():
+    """``--clock cpu`` times process CPU time: a sleep costs wall-clock time but (almost) no CPU time."""
+    import time
+
+    from tomerge.experiments.bench_e2e import clock_kwargs, time_once
+
+    wall = time_once(lambda: time.sleep(0.05), threads=1, clock="wall")
+    cpu = time_once(lambda: time.sleep(0.05), threads=1, clock="cpu")
+    assert wall >= 0.05 and cpu < 0.02
+    with pytest.raises(ValueError, match="clock"):
+        clock_kwargs("gpu")
