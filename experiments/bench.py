@@ -38,6 +38,7 @@ import tomerge
 from tomerge.contract import make_context
 from tomerge.strategy import MergeStrategy
 
+from .allocator import keep_freed_memory
 from .bench_e2e import TOMESD_PACKAGE, WIDTHS, clock_kwargs, e2e_benchmark
 from .bench_e2e import markdown_table as e2e_table
 
@@ -188,6 +189,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                         help="CPU timings: wall-clock, or process CPU time (robust on a shared machine; use with "
                              "--threads 1). CUDA always uses CUDA events")
+    parser.add_argument("--no-keep-freed-memory", dest="keep_freed_memory", action="store_false",
+                        help="CPU: leave glibc's malloc as it is (by default freed large blocks are kept for reuse "
+                             "instead of being unmapped and page-faulted in again; see experiments/allocator.py)")
     kernels = parser.add_argument_group("--kernels")
     kernels.add_argument("--channels", type=int, default=1536)
     kernels.add_argument("--min-run-time", type=float, default=0.5, help="seconds measured per timing")
@@ -212,10 +216,11 @@ def machine_line() -> str:
     return f"{proc}, {torch.get_num_threads()} threads, torch {torch.__version__}, python {platform.python_version()}"
 
 
-def clock_line(args: argparse.Namespace) -> str:
+def clock_line(args: argparse.Namespace, kept_freed_memory: bool = False) -> str:
     if args.device.startswith("cuda"):
         return "CUDA events"
-    return "process CPU time" if args.clock == "cpu" else "wall-clock"
+    clock = "process CPU time" if args.clock == "cpu" else "wall-clock"
+    return f"{clock}, {'freed memory kept (mallopt)' if kept_freed_memory else 'default malloc'}"
 
 
 def write_rows(path: Path, rows: Sequence[dict], table: str, header: str) -> None:
@@ -235,6 +240,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.threads:
         torch.set_num_threads(args.threads)
+    kept = not args.device.startswith("cuda") and args.keep_freed_memory and keep_freed_memory()
     argv = getattr(args, "argv", None)  # set by main(); the `tomerge` console script passes sys.argv
     command = f"python -m tomerge.experiments.bench {' '.join(argv)}" if argv is not None else \
         f"tomerge {' '.join(sys.argv[1:])}"
@@ -245,7 +251,7 @@ def run(args: argparse.Namespace) -> int:
         rows = kernel_benchmark(args.tokens or [1024, 4096], args.ratios or [0.25, 0.5], args.channels, args.batch,
                                 args.strategies, min_run_time=args.min_run_time, device=args.device,
                                 dtype=DTYPES[args.dtype], clock=args.clock)
-        header = (f"Kernel benchmark, B={args.batch}, C={args.channels}, {args.dtype}, {clock_line(args)} "
+        header = (f"Kernel benchmark, B={args.batch}, C={args.channels}, {args.dtype}, {clock_line(args, kept)} "
                   f"({machine_line()})")
         table = markdown_table(rows)
         dicts = [{**asdict(r), "total_ms": r.total_ms} for r in rows]
@@ -259,7 +265,7 @@ def run(args: argparse.Namespace) -> int:
             warmup=args.warmup, quick=quick, text_tokens=args.text_tokens, dtype=DTYPES[args.dtype],
             device=args.device, sdpa=args.sdpa, clock=args.clock)
         models = "quick (tiny) models" if quick else "full widths"
-        header = (f"End-to-end benchmark, B={args.batch}, {args.dtype}, SDPA {args.sdpa}, {models}, {clock_line(args)} "
+        header = (f"End-to-end benchmark, B={args.batch}, {args.dtype}, SDPA {args.sdpa}, {models}, {clock_line(args, kept)} "
                   f"({machine_line()})")
         table = e2e_table(rows)
         dicts = [r.as_dict() for r in rows]

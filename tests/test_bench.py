@@ -100,3 +100,39 @@ def test_cpu_clock_counts_work_not_waiting():
     assert wall >= 0.05 and cpu < 0.02
     with pytest.raises(ValueError, match="clock"):
         clock_kwargs("gpu")
+
+
+_FAULTS_SCRIPT = """
+import resource, sys, torch
+from tomerge.experiments.allocator import keep_freed_memory
+if sys.argv[1] == "keep":
+    assert keep_freed_memory()
+a = torch.ones(16 << 20)  # 64 MiB, above glibc's largest default mmap threshold
+for _ in range(3):
+    b = a + 1; del b
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(10):
+    b = a + 1; del b
+print((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) // 10)
+"""
+
+
+@pytest.mark.skipif(__import__("platform").libc_ver()[0] != "glibc", reason="mallopt is glibc's")
+def test_keep_freed_memory_stops_page_faults_of_large_tensors():
+    import subprocess
+    import sys
+
+    def faults(mode: str) -> int:
+        out = subprocess.run([sys.executable, "-c", _FAULTS_SCRIPT, mode], capture_output=True, text=True, check=True)
+        return int(out.stdout.strip().splitlines()[-1])
+
+    pages = (64 << 20) // 4096
+    assert faults("default") > pages // 2  # every 64 MiB result is a fresh mmap, faulted in page by page
+    assert faults("keep") < pages // 20  # the freed block is reused
+
+
+def test_keep_freed_memory_rejects_limits_mallopt_cannot_take():
+    from tomerge.experiments.allocator import keep_freed_memory
+
+    with pytest.raises(ValueError, match="limit_bytes"):
+        keep_freed_memory(1 << 31)
