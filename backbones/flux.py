@@ -12,11 +12,12 @@ Facts from the installed diffusers (0.42.1, ``models/transformers/transformer_fl
   one fused ``linear1``), and ``proj_out`` reads ``cat([attn_out, mlp_out], -1)``. Merge points, all on
   the image part (text length ``T`` from the block call's ``encoder_hidden_states``, never a constant):
   ``proj_mlp`` and ``attn`` (``"attn"``: the parallel branch that reads the normalised tokens) and
-  ``proj_out`` (``"mlp"``). With both kinds enabled this computes attention, MLP and ``proj_out`` on the
-  merged sequence; between the branch and ``proj_out`` the image part is unmerged and merged again (for
-  hard plans that round trip is the identity up to float rounding), because a core merge point merges
-  and unmerges around one submodule. ``"mlp"`` alone (``idm``) leaves the attention at full length,
-  which is where the received attention is recorded.
+  ``proj_out`` (``"mlp"``). With both kinds enabled the block runs merged from its norm to ``proj_out``:
+  the normalised tokens are merged once (shared by ``proj_mlp`` and ``attn``), the ``[B, T + M, 4C]`` MLP
+  activation, the concatenation and ``proj_out`` run on the merged sequence, and only ``proj_out``'s
+  output is unmerged (:meth:`MergePoint.keeps_merged`); for hard plans this equals unmerging the branch
+  and merging ``proj_out``'s input again, at a fraction of the cost. ``"mlp"`` alone (``idm``) leaves the
+  attention at full length, which is where the received attention is recorded.
 * RoPE: ``image_rotary_emb = (cos, sin)``, each ``[T + N, d]``, text rows first. When image tokens are
   merged, the image rows are gathered with the plan's destinations (a slot takes the position of the
   token that represents it, ``plan.dst [B, M]``). With per-sample destinations the table becomes
@@ -151,10 +152,12 @@ def gather_rotary(freqs: tuple[Tensor, Tensor], dst: Tensor, text_len: int) -> t
 # ---------------------------------------------------------------------- blocks and merge points
 @dataclasses.dataclass
 class CallLengths:
-    """Text and image lengths of the block call in progress (set by :meth:`FluxBlockSpec.block_input`)."""
+    """The single-stream block call in progress (reset by :meth:`FluxBlockSpec.block_input`): text and image
+    lengths, and the last merge of the joint input (``proj_mlp`` and ``attn`` read the same tensor)."""
 
     text: int | None = None
     image: int | None = None
+    merged: tuple[Tensor, MergePlan, Tensor] | None = None  # (joint input, plan, merged image part)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -168,6 +171,7 @@ class FluxBlockSpec(BlockSpec):
         text = _arg(args, kwargs, "encoder_hidden_states", 1)  # [B, T, C]
         self.lengths.text = int(text.shape[1]) if text is not None else 0
         self.lengths.image = int(x.shape[1])
+        self.lengths.merged = None
         return x
 
 
@@ -198,8 +202,11 @@ class DoubleAttentionPoint(MergePoint):
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class SingleStreamPoint(MergePoint):
-    """A submodule of a single-stream block that reads and writes the joint ``[text, image]`` sequence:
-    the image part (after the call's ``T`` text tokens) is merged on the way in and unmerged on the way out."""
+    """A submodule of a single-stream block that reads the normalised joint ``[text, image]`` sequence
+    (``proj_mlp``; ``attn`` is :class:`SingleAttentionPoint`): the image part (after the call's ``T`` text
+    tokens) is merged on the way in. When the block call also merges ``"mlp"`` (``proj_out``), the output
+    stays merged: the activation, the concatenation and ``proj_out`` run on the merged sequence and
+    :class:`SingleOutputPoint` unmerges once. Otherwise the image part of the output is unmerged here."""
 
     lengths: CallLengths = dataclasses.field(kw_only=True)
 
@@ -215,16 +222,49 @@ class SingleStreamPoint(MergePoint):
         joint = super().get_input(args, kwargs)  # [B, T + N, C]
         return joint[:, self._split(joint):]  # [B, N, C]
 
+    def merge_input(self, args: tuple, kwargs: dict, x: Tensor, plan: MergePlan) -> tuple[tuple, dict]:
+        joint = super().get_input(args, kwargs)  # [B, T + N, C]
+        cached = self.lengths.merged
+        if cached is not None and cached[0] is joint and cached[1] is plan:
+            merged = cached[2]  # proj_mlp and attn read the same normalised tokens: merge them once
+        else:
+            merged = plan.merge(x)  # [B, M, C]
+            self.lengths.merged = (joint, plan, merged)
+        return self.set_input(args, kwargs, merged)
+
     def set_input(self, args: tuple, kwargs: dict, x: Tensor) -> tuple[tuple, dict]:
         joint = super().get_input(args, kwargs)  # [B, T + N, C]
         merged = torch.cat([joint[:, : self.lengths.text], x], dim=1)  # [B, T + M, C]
         return super().set_input(args, kwargs, merged)
+
+    def keeps_merged(self, sublayers: frozenset[str]) -> bool:
+        return "mlp" in sublayers  # proj_out reads this output and unmerges
 
     def get_output(self, out: Tensor) -> Tensor:
         return out[:, self.lengths.text:]  # [B, M, C']
 
     def set_output(self, out: Tensor, y: Tensor) -> Tensor:
         return torch.cat([out[:, : self.lengths.text], y], dim=1)  # [B, T + N, C']
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class SingleOutputPoint(SingleStreamPoint):
+    """``proj_out`` of a single-stream block (``"mlp"``): reads ``cat([attn_out, mlp_out], -1)``, already
+    merged when the block call merged ``"attn"`` too (``[B, T + M, C']``), else full length (merged here);
+    its output's image part is unmerged."""
+
+    def get_input(self, args: tuple, kwargs: dict) -> Tensor:
+        joint = MergePoint.get_input(self, args, kwargs)  # [B, T + N, C'] or [B, T + M, C']
+        return joint[:, self.lengths.text or 0:]
+
+    def merge_input(self, args: tuple, kwargs: dict, x: Tensor, plan: MergePlan) -> tuple[tuple, dict]:
+        if x.shape[1] == plan.num_slots:
+            return args, kwargs  # the parallel branch ran merged: nothing to merge
+        self._split(MergePoint.get_input(self, args, kwargs))
+        return self.set_input(args, kwargs, plan.merge(x))
+
+    def keeps_merged(self, sublayers: frozenset[str]) -> bool:
+        return False
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -317,7 +357,7 @@ class FluxAdapter(BackboneAdapter):
             elif "FluxSingleTransformerBlock" in names:
                 points = (SingleStreamPoint("attn", module.proj_mlp, arg="input", lengths=lengths),
                           SingleAttentionPoint("attn", module.attn, lengths=lengths),
-                          SingleStreamPoint("mlp", module.proj_out, arg="input", lengths=lengths))
+                          SingleOutputPoint("mlp", module.proj_out, arg="input", lengths=lengths))
                 kind = "single"
             else:
                 continue

@@ -342,3 +342,49 @@ def test_a_model_loaded_from_a_local_folder_merges_like_the_original(flux, basel
     with tomerge.merging(flux, "ssm", ratio=0.5) as a, tomerge.merging(loaded, "ssm", ratio=0.5) as b:
         torch.testing.assert_close(forward(loaded, inputs), forward(flux, inputs), rtol=0, atol=0)
         assert b.stats["tokens_removed"] == a.stats["tokens_removed"] > 0
+
+
+# ---------------------------------------------------------------------- single-stream blocks stay merged
+def _count_plan_calls(monkeypatch) -> dict[str, list[tuple[int, ...]]]:
+    """Records the shapes every MergePlan.merge / unmerge call sees."""
+    calls: dict[str, list[tuple[int, ...]]] = {"merge": [], "unmerge": []}
+    for name in calls:
+        original = getattr(tomerge.MergePlan, name)
+
+        def wrapped(self, x, *a, _name=name, _original=original, **k):
+            calls[_name].append(tuple(x.shape))
+            return _original(self, x, *a, **k)
+        monkeypatch.setattr(tomerge.MergePlan, name, wrapped)
+    return calls
+
+
+def test_single_stream_block_merges_once_and_unmerges_once(flux, baseline, monkeypatch):
+    """With attention and MLP merged, a single-stream block merges its normalised tokens once (shared by
+    proj_mlp and attn) and unmerges only proj_out's output: the [B, N, 4C] MLP activation never leaves
+    the merged length."""
+    inputs, _, _ = baseline
+    with tomerge.merging(flux, "ssm", ratio=0.5) as handle:
+        calls = _count_plan_calls(monkeypatch)
+        forward(flux, inputs)
+    assert handle.stats["tokens_removed"] > 0
+    C = 32  # model width; proj_mlp's output is 4C and proj_out's input 5C
+    # 2 double blocks x (attn, ff) + 2 single blocks x 1, each way, all at width C
+    assert [shape[-1] for shape in calls["merge"]] == [C] * 6
+    assert [shape[-1] for shape in calls["unmerge"]] == [C] * 6
+
+
+@pytest.mark.parametrize("strategy", ["ssm", "tomesd"])
+def test_single_stream_merged_branch_equals_unmerge_then_merge_for_hard_plans(flux, baseline, strategy, monkeypatch):
+    """For a hard plan, unmerging proj_mlp's output and merging proj_out's input again is the identity (a slot
+    is copied to its tokens and averaged back), so keeping the branch merged changes cost, not results."""
+    from tomerge.backbones.flux import SingleStreamPoint
+
+    inputs, _, _ = baseline
+    options = {"use_rand": False} if strategy == "tomesd" else {}
+    sublayers = {"merge_attn": True, "merge_mlp": True} if strategy == "tomesd" else {}
+    with tomerge.merging(flux, strategy, ratio=0.5, **options, **sublayers):
+        fused = forward(flux, inputs)
+    monkeypatch.setattr(SingleStreamPoint, "keeps_merged", lambda self, sublayers: False)
+    with tomerge.merging(flux, strategy, ratio=0.5, **options, **sublayers):
+        round_trip = forward(flux, inputs)
+    torch.testing.assert_close(fused, round_trip, rtol=1e-4, atol=1e-5)

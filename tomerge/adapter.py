@@ -56,6 +56,12 @@ class MergePoint:
         adjust other arguments that follow the tokens (e.g. gather rotary tables with ``plan.dst``)."""
         return self.set_input(args, kwargs, plan.merge(x))
 
+    def keeps_merged(self, sublayers: frozenset[str]) -> bool:
+        """Whether this point leaves its output merged because a later point of the same block, merged in
+        the same block call (its decision merges ``sublayers``), consumes it and unmerges (the default:
+        no, every point unmerges its own output). The later point then receives merged tokens."""
+        return False
+
     def unmerge_output(self, out: Any, plan: MergePlan) -> Any:
         """The output with its image tokens unmerged."""
         return self.set_output(out, plan.unmerge(self.get_output(out)))

@@ -181,8 +181,8 @@ class MergeHandle:
         def hook(module: nn.Module, args: tuple, output: Any):
             call = self.state.call
             plan = call.active.pop(id(point), None) if call is not None else None
-            if plan is None:
-                return None
+            if plan is None or point.keeps_merged(call.decision.sublayers):
+                return None  # not merged here, or a later point of the block unmerges
             return point.unmerge_output(output, plan)
         return hook
 
