@@ -202,7 +202,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     e2e.add_argument("--steps", type=int, default=0, help="also time an Euler sampling loop of this many steps")
     e2e.add_argument("--repeats", type=int, default=None, help="timed alternating rounds (default 3)")
     e2e.add_argument("--warmup", type=int, default=0,
-                     help="untimed alternating rounds (each timing already follows two warm-up calls)")
+                     help="untimed alternating rounds (each timing already follows a warm-up call)")
     e2e.add_argument("--text-tokens", type=int, default=None, help="override the widths' text lengths")
     e2e.add_argument("--quick", action="store_true", help="tiny models, N=256, depth 1, 2 repeats (seconds)")
     e2e.add_argument("--sdpa", choices=["default", "flash", "efficient", "cudnn", "math"], default="default",

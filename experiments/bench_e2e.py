@@ -38,7 +38,6 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils import benchmark
 
 import tomerge
 
@@ -299,11 +298,12 @@ def count_flops(fn: Callable[[], object]) -> int:
 
 
 def time_once(fn: Callable[[], object], threads: int, clock: str = "wall") -> float:
-    """Seconds of one call of ``fn``, after two untimed warm-up calls.
+    """Seconds of one call of ``fn``, after one untimed warm-up call (CUDA: two).
 
-    CPU: ``torch.utils.benchmark.Timer.timeit(1)`` (it fixes the thread count and runs the warm-up), with
-    wall-clock time, or with ``clock="cpu"`` the process's CPU time (``time.process_time``: robust when
-    other jobs share the cores; meaningful with one thread, where it is the work done).
+    CPU: with ``threads`` torch threads, wall-clock time (``time.perf_counter``) or with ``clock="cpu"``
+    the process's CPU time (``time.process_time``: robust when other jobs share the cores; meaningful
+    with one thread, where it is the work done). One warm-up suffices here: the methods alternate, and
+    what a first call after a switch pays (plan caches, allocator growth) is paid by that call.
     CUDA: CUDA events around the call, after a synchronise (the GPU time of everything ``fn`` queues).
     """
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -316,8 +316,16 @@ def time_once(fn: Callable[[], object], threads: int, clock: str = "wall") -> fl
         end.record()
         end.synchronize()
         return start.elapsed_time(end) / 1e3
-    timer = benchmark.Timer(stmt="fn()", globals={"fn": fn}, num_threads=threads, **clock_kwargs(clock))
-    return timer.timeit(1).median
+    now = clock_kwargs(clock).get("timer", time.perf_counter)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        fn()
+        begin = now()
+        fn()
+        return now() - begin
+    finally:
+        torch.set_num_threads(previous)
 
 
 def clock_kwargs(clock: str) -> dict[str, Any]:
