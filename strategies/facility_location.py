@@ -50,7 +50,7 @@ import torch
 from torch import Tensor
 
 from tomerge.context import MergeContext
-from tomerge.plan import MergePlan
+from tomerge.plan import MergePlan, take_rows
 from tomerge.strategy import MergeStrategy
 
 LOCALITIES = ("tiles", "stripes")
@@ -280,7 +280,7 @@ def _features(x: Tensor, layout: Tensor) -> Tensor:
     denom = xf.norm(dim=-1, keepdim=True).clamp_min(_EPS)  # [B, N, 1]
     flat = layout.flatten()  # [T*s]
     pos = flat.clamp(max=N - 1)  # padding reads a real row, zeroed below
-    X = xf.index_select(1, pos).div_(denom.index_select(1, pos))  # [B, T*s, C]
+    X = take_rows(xf, pos).div_(take_rows(denom, pos))  # [B, T*s, C]
     if flat.numel() > N:  # every token is in one tile, so more slots than tokens means padding
         X.masked_fill_((flat == N).view(1, -1, 1), 0)
     return X.view(B, *layout.shape, C)

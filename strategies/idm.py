@@ -50,7 +50,7 @@ import torch
 from torch import Tensor
 
 from tomerge.context import MergeContext
-from tomerge.plan import MergePlan
+from tomerge.plan import MergePlan, take_rows
 from tomerge.strategy import MergeStrategy
 
 from .ssm import EPS, normalized_stat, window_tokens
@@ -204,8 +204,8 @@ class IDM(MergeStrategy):
             # (the same reduction, so the same values), then the gathered rows divided in place.
             xf = x.float()
             denom = xf.norm(dim=-1, keepdim=True).clamp_min(EPS)  # [B, N, 1]
-            src_feat = xf.gather(1, merged.unsqueeze(-1).expand(B, r, C)).div_(denom.gather(1, merged.unsqueeze(-1)))
-            dst_feat = xf.gather(1, dst.unsqueeze(-1).expand(B, D, C)).div_(denom.gather(1, dst.unsqueeze(-1)))
+            src_feat = take_rows(xf, merged).div_(take_rows(denom, merged))  # [B, r, C] unit rows
+            dst_feat = take_rows(xf, dst).div_(take_rows(denom, dst))  # [B, D, C]
             merged_into = (src_feat @ dst_feat.transpose(1, 2)).argmax(dim=-1)  # [B, r], first max on ties
 
         taken = is_dst.to(torch.int8).scatter_(1, merged, 1)  # [B, N], 1 = destination or merged

@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from tomerge import MergeContext, MergePlan, MergeStrategy
+from tomerge.plan import take_rows
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -109,8 +110,8 @@ class ToMeSD(MergeStrategy):
         # same reduction, hence the same values), then gathered rows divided in place.
         xf = x.float()
         denom = xf.norm(dim=-1, keepdim=True).clamp_min(1e-6)  # [B, N, 1]
-        a = xf.index_select(1, src).div_(denom.index_select(1, src))  # [B, S, C] unit rows
-        b = xf.index_select(1, dst[0]).div_(denom.index_select(1, dst[0]))  # [B, D, C]
+        a = take_rows(xf, src).div_(take_rows(denom, src))  # [B, S, C] unit rows
+        b = take_rows(xf, dst[0]).div_(take_rows(denom, dst[0]))  # [B, D, C]
         scores = a @ b.transpose(1, 2)  # [B, S, D] cosine similarity
         best, best_dst = scores.max(dim=-1)  # [B, S]
         order = best.argsort(dim=-1, descending=True, stable=True)  # [B, S] most similar first

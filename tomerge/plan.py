@@ -340,7 +340,7 @@ class MergePlan:
         if self.tile_tokens is None:
             return x.unsqueeze(1)  # [B, 1, N, C]
         positions, padding = self._tile_index()
-        xt = x.index_select(1, positions)  # [B, T*s, C], one copy (no padded copy of x first)
+        xt = self._take(x, positions, "tile_rows")  # [B, T*s, C], one copy (no padded copy of x first)
         if padding is not None:
             xt.masked_fill_(padding.view(1, -1, 1), 0)  # padding rows are zero
         return xt.view(x.shape[0], T, s, x.shape[2])
@@ -370,7 +370,44 @@ class MergePlan:
             inverse[positions] = torch.arange(positions.numel(), device=positions.device)
             inverse = inverse[: self.num_tokens]  # [N] position of each token in the tile layout
             cache["inverse_tiles"] = inverse
-        return flat.index_select(1, inverse)  # [B, N, C]
+        return self._take(flat, inverse, "untile_rows")  # [B, N, C]
+
+    def _take(self, x: Tensor, index: Tensor, name: str) -> Tensor:
+        """:func:`take_rows` with the batch-offset row index cached per plan and batch size."""
+        B, N, C = x.shape
+        if not x.is_contiguous():
+            return x.index_select(1, index)
+        cache = self._cache()
+        rows = cache.get((name, B))
+        if rows is None:
+            rows = cache[(name, B)] = batch_rows(index, B, N)  # [B*K]
+        return x.view(B * N, C).index_select(0, rows).view(B, -1, C)
+
+
+def take_rows(x: Tensor, index: Tensor) -> Tensor:
+    """Rows ``index`` of every sample: ``x [B, N, C]``, ``index [K]`` (shared) or ``[B, K]`` -> ``[B, K, C]``.
+
+    For a contiguous ``x``, one row ``index_select`` on the ``[B*N, C]`` view with batch offsets added to
+    the index: on CPU several times faster than ``index_select`` along dim 1 or ``gather`` with an index
+    expanded to ``[B, K, C]`` (3x at ``[2, 4096, 1536]``, 2 threads), for the same values.
+
+    Example:
+        >>> x = torch.arange(12.0).view(2, 3, 2)
+        >>> take_rows(x, torch.tensor([[2, 0], [1, 1]])).tolist()
+        [[[4.0, 5.0], [0.0, 1.0]], [[8.0, 9.0], [8.0, 9.0]]]
+    """
+    B, N, C = x.shape
+    if not x.is_contiguous():  # e.g. the image part of a joint sequence: index along dim 1, no copy of x
+        if index.dim() == 1:
+            return x.index_select(1, index)
+        return x.gather(1, index.unsqueeze(-1).expand(B, index.shape[1], C))
+    return x.view(B * N, C).index_select(0, batch_rows(index, B, N)).view(B, -1, C)
+
+
+def batch_rows(index: Tensor, batch: int, num_rows: int) -> Tensor:
+    """``[batch * K]`` rows of the ``[batch * num_rows, C]`` view for per-sample rows ``index [K]`` or ``[batch, K]``."""
+    offsets = torch.arange(batch, device=index.device).unsqueeze(1) * num_rows  # [B, 1]
+    return (index.expand(batch, -1) + offsets).reshape(-1)
 
 
 def _check_backend(backend: str) -> None:
