@@ -41,6 +41,7 @@ from tomerge.strategy import MergeStrategy
 from .allocator import keep_freed_memory
 from .bench_e2e import TOMESD_PACKAGE, WIDTHS, clock_kwargs, e2e_benchmark
 from .bench_e2e import markdown_table as e2e_table
+from .bench_e2e import pivot_table
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -267,7 +268,8 @@ def run(args: argparse.Namespace) -> int:
         models = "quick (tiny) models" if quick else "full widths"
         header = (f"End-to-end benchmark, B={args.batch}, {args.dtype}, SDPA {args.sdpa}, {models}, {clock_line(args, kept)} "
                   f"({machine_line()})")
-        table = e2e_table(rows)
+        table = (f"{e2e_table(rows)}\n\nSpeed-up / FLOP-ideal speed-up (efficiency) per method:\n\n"
+                 f"{pivot_table(rows)}")
         dicts = [r.as_dict() for r in rows]
     print(f"\n{header}\n\n{table}")
     print(f"\ncommand: {command}")

@@ -436,3 +436,25 @@ def markdown_table(rows: Sequence[E2ERow]) -> str:
                      f"{r.method} | {r.base_ms:.1f} | {r.merged_ms:.1f} | {r.speedup:.2f} | {r.ideal:.2f} | "
                      f"{r.efficiency:.0%} |")
     return "\n".join(lines)
+
+
+def pivot_table(rows: Sequence[E2ERow]) -> str:
+    """One line per (model, N, ratio, mode), one column per method; cells ``speed-up / ideal (efficiency)``.
+
+    Example:
+        >>> row = E2ERow("pixart", 1152, 16, 1, 1024, 120, 2, "forward", 0.5, "ssm", 100.0, 50.0, 10.0, 4.0)
+        >>> print(pivot_table([row]).splitlines()[-1])
+        | pixart (1152) | 1024 | 0.5 | forward | 100 | 2.00 / 2.50 (80%) |
+    """
+    methods = list(dict.fromkeys(r.method for r in rows))
+    groups: dict[tuple, dict[str, E2ERow]] = {}
+    for r in rows:
+        groups.setdefault((r.model, r.width, r.tokens, r.ratio, r.mode), {})[r.method] = r
+    lines = ["| model (C) | N | ratio | mode | base ms | " + " | ".join(methods) + " |",
+             "|---|---:|---:|---|---:|" + "---|" * len(methods)]
+    for (model, width, tokens, ratio, mode), by_method in groups.items():
+        base = next(iter(by_method.values())).base_ms
+        cells = [f"{r.speedup:.2f} / {r.ideal:.2f} ({r.efficiency:.0%})" if (r := by_method.get(m)) else ""
+                 for m in methods]
+        lines.append(f"| {model} ({width}) | {tokens} | {ratio} | {mode} | {base:.0f} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
