@@ -50,7 +50,7 @@ import torch
 from torch import Tensor
 
 from tomerge.context import MergeContext
-from tomerge.plan import MergePlan, take_rows
+from tomerge.plan import MergePlan, take_rows, unit_rows
 from tomerge.strategy import MergeStrategy
 
 LOCALITIES = ("tiles", "stripes")
@@ -208,7 +208,6 @@ class FacilityLocation(MergeStrategy):
         coverage = torch.zeros_like(S[..., 0, :])  # [b, T, s]
         chosen = torch.zeros(S.shape[:-1], dtype=torch.bool, device=X.device)  # [b, T, s]
         excess = torch.empty_like(S)  # [b, T, s, s] reused by every pick
-        rows = torch.arange(S.shape[0] * T, device=X.device) * s  # [b*T] first row of each tile's S in S.view(-1, s)
         picks = []
         for k in range(d):
             if k == 0:
@@ -220,7 +219,7 @@ class FacilityLocation(MergeStrategy):
             blocked = torch.where(exhausted, pad, blocked)  # then repeat a real token, never padding
             pick = gain.masked_fill(blocked, float("-inf")).argmax(-1, keepdim=True)  # [b, T, 1]
             chosen = chosen.scatter(-1, pick, True)
-            row = S.view(-1, s).index_select(0, rows + pick.view(-1)).view(coverage.shape)  # [b, T, s] = S[.., pick, :]
+            row = take_rows(S.view(-1, s, s), pick.view(-1, 1)).view(coverage.shape)  # [b, T, s] = S[.., pick, :]
             coverage = row if k == 0 else torch.maximum(coverage, row)
             picks.append(pick)
         local = torch.cat(picks, dim=-1)  # [b, T, d]
@@ -234,8 +233,7 @@ class FacilityLocation(MergeStrategy):
         flat = layout.flatten()  # [T*s]
         member = torch.empty(N + 1, dtype=torch.long, device=X.device)
         member[flat] = torch.arange(T * s, device=X.device)  # [N + 1]: row of every token in X.view(B, T*s, C)
-        rows = member[dst] + torch.arange(B, device=X.device).unsqueeze(1) * (T * s)  # [B, M] rows of X.view(-1, C)
-        X_dst = X.view(-1, C).index_select(0, rows.view(-1)).view(B, T, d, C)  # [B, T, d, C] unit destination rows
+        X_dst = take_rows(X.view(B, T * s, C), member[dst]).view(B, T, d, C)  # [B, T, d, C] unit destination rows
         L = X_dst @ X.transpose(-1, -2)  # [B, T, d, s]
         A = torch.softmax(L / self.temperature, dim=-2)  # [B, T, d, s], each column sums to 1
         A = A * (layout != N).to(A.dtype).view(1, T, 1, s)  # padding columns get zero weight
@@ -262,10 +260,8 @@ class FacilityLocation(MergeStrategy):
 
 
 def _features(x: Tensor, layout: Tensor) -> Tensor:
-    """Unit features in tile layout, as ``_tile(F.normalize(x.float(), eps), layout)`` computes them.
-
-    The norms are reduced over all of ``x`` (so they have exactly the values ``F.normalize`` uses), then
-    only the gathered rows are divided: no normalised copy of ``x`` and no zero-padded copy.
+    """Unit features in tile layout, as ``_tile(F.normalize(x.float(), eps), layout)`` computes them, with
+    :func:`~tomerge.plan.unit_rows` (no normalised copy of ``x``, no zero-padded copy).
 
     Args:
         x: ``[B, N, C]`` features (any float dtype).
@@ -275,12 +271,9 @@ def _features(x: Tensor, layout: Tensor) -> Tensor:
         ``[B, T, s, C]`` fp32 unit rows, contiguous; padding rows are zero (an all-zero token stays zero,
         never NaN).
     """
-    xf = x.float()
-    B, N, C = xf.shape
-    denom = xf.norm(dim=-1, keepdim=True).clamp_min(_EPS)  # [B, N, 1]
+    B, N, C = x.shape
     flat = layout.flatten()  # [T*s]
-    pos = flat.clamp(max=N - 1)  # padding reads a real row, zeroed below
-    X = take_rows(xf, pos).div_(take_rows(denom, pos))  # [B, T*s, C]
+    (X,) = unit_rows(x, flat.clamp(max=N - 1), eps=_EPS)  # [B, T*s, C]; padding reads a real row, zeroed below
     if flat.numel() > N:  # every token is in one tile, so more slots than tokens means padding
         X.masked_fill_((flat == N).view(1, -1, 1), 0)
     return X.view(B, *layout.shape, C)

@@ -50,7 +50,7 @@ import torch
 from torch import Tensor
 
 from tomerge.context import MergeContext
-from tomerge.plan import MergePlan, take_rows
+from tomerge.plan import MergePlan, unit_rows
 from tomerge.strategy import MergeStrategy
 
 from .ssm import EPS, normalized_stat, window_tokens
@@ -200,12 +200,7 @@ class IDM(MergeStrategy):
         if self.local:
             merged_into = window_of[merged]  # [B, r], own window = index into dst
         else:
-            # F.normalize(x) then gather, without a normalised copy of all of x: the norms of every token
-            # (the same reduction, so the same values), then the gathered rows divided in place.
-            xf = x.float()
-            denom = xf.norm(dim=-1, keepdim=True).clamp_min(EPS)  # [B, N, 1]
-            src_feat = take_rows(xf, merged).div_(take_rows(denom, merged))  # [B, r, C] unit rows
-            dst_feat = take_rows(xf, dst).div_(take_rows(denom, dst))  # [B, D, C]
+            src_feat, dst_feat = unit_rows(x, merged, dst, eps=EPS)  # [B, r, C], [B, D, C] unit rows
             merged_into = (src_feat @ dst_feat.transpose(1, 2)).argmax(dim=-1)  # [B, r], first max on ties
 
         taken = is_dst.to(torch.int8).scatter_(1, merged, 1)  # [B, N], 1 = destination or merged

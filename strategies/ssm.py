@@ -56,7 +56,7 @@ import torch
 from torch import Tensor
 
 from tomerge.context import MergeContext
-from tomerge.plan import MergePlan
+from tomerge.plan import MergePlan, unit_rows
 from tomerge.strategy import MergeStrategy
 
 EPS = 1e-6  # feature-norm epsilon: an all-zero token normalises to 0, not NaN
@@ -177,11 +177,8 @@ class SSM(MergeStrategy):
         B = x.shape[0]
         K = self.window_size
         windows = window_tokens(ctx.grid, self.window, x.device)  # [nW, K]
-        xf = x.float()
-        # F.normalize(x)[:, windows] without a normalised copy of all of x: the norms of every token (the same
-        # reduction, so the same values), then the gathered rows divided in place.
-        denom = xf.norm(dim=-1, keepdim=True).clamp_min(EPS)  # [B, N, 1]
-        xw = xf[:, windows].div_(denom[:, windows])  # [B, nW, K, C] unit rows
+        (xw,) = unit_rows(x, windows.flatten(), eps=EPS)  # [B, nW*K, C] unit rows
+        xw = xw.view(B, *windows.shape, x.shape[-1])  # [B, nW, K, C]
         gram = xw @ xw.transpose(-1, -2)  # [B, nW, K, K]
         off_diagonal = ~torch.eye(K, dtype=torch.bool, device=x.device)  # [K, K]
         score = (gram * off_diagonal).sum(dim=(-1, -2)) / (K * (K - 1))  # [B, nW]

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from tomerge import MergeContext, MergePlan, MergeStrategy
-from tomerge.plan import take_rows
+from tomerge.plan import unit_rows
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -106,12 +106,7 @@ class ToMeSD(MergeStrategy):
                 f"sources with sx={self.sx}, sy={self.sy}; removing {S}", stacklevel=3)
             r = S
 
-        # F.normalize(x) then gather, without the normalised copy of all of x: norms of every token (the
-        # same reduction, hence the same values), then gathered rows divided in place.
-        xf = x.float()
-        denom = xf.norm(dim=-1, keepdim=True).clamp_min(1e-6)  # [B, N, 1]
-        a = take_rows(xf, src).div_(take_rows(denom, src))  # [B, S, C] unit rows
-        b = take_rows(xf, dst[0]).div_(take_rows(denom, dst[0]))  # [B, D, C]
+        a, b = unit_rows(x, src, dst[0], eps=1e-6)  # [B, S, C], [B, D, C] unit rows
         scores = a @ b.transpose(1, 2)  # [B, S, D] cosine similarity
         best, best_dst = scores.max(dim=-1)  # [B, S]
         order = best.argsort(dim=-1, descending=True, stable=True)  # [B, S] most similar first

@@ -302,9 +302,7 @@ class MergePlan:
         cache = self._cache()
         key = ("flat_assign", batch)
         if key not in cache:
-            assign = self._batched(self.assign, batch)  # [B, N]
-            offsets = torch.arange(batch, device=assign.device).unsqueeze(1) * self.num_slots  # [B, 1]
-            cache[key] = (assign + offsets).reshape(-1)  # [B*N]
+            cache[key] = batch_rows(self.assign, batch, self.num_slots)  # [B*N]
         return cache[key]
 
     def _soft_weights(self, x: Tensor) -> tuple[Tensor, Tensor]:
@@ -376,7 +374,7 @@ class MergePlan:
         """:func:`take_rows` with the batch-offset row index cached per plan and batch size."""
         B, N, C = x.shape
         if not x.is_contiguous():
-            return x.index_select(1, index)
+            return take_rows(x, index)
         cache = self._cache()
         rows = cache.get((name, B))
         if rows is None:
@@ -402,6 +400,28 @@ def take_rows(x: Tensor, index: Tensor) -> Tensor:
             return x.index_select(1, index)
         return x.gather(1, index.unsqueeze(-1).expand(B, index.shape[1], C))
     return x.view(B * N, C).index_select(0, batch_rows(index, B, N)).view(B, -1, C)
+
+
+def unit_rows(x: Tensor, *indices: Tensor, eps: float) -> tuple[Tensor, ...]:
+    """Rows of ``F.normalize(x.float(), dim=-1, eps=eps)`` at each of ``indices`` (as :func:`take_rows`),
+    without the normalised copy of all of ``x``.
+
+    The norms are reduced over all of ``x`` (the same reduction ``F.normalize`` runs, hence exactly its
+    values; norms of a gathered subset can differ in the last bit and flip near-ties), then only the
+    gathered rows are divided, in place. An all-zero token stays zero, never NaN.
+
+    Returns:
+        One fp32 ``[B, K, C]`` tensor per index.
+
+    Example:
+        >>> x = torch.tensor([[[3.0, 4.0], [0.0, 0.0], [0.0, 2.0]]])
+        >>> a, b = unit_rows(x, torch.tensor([0]), torch.tensor([1, 2]), eps=1e-6)
+        >>> a.tolist(), b.tolist()
+        ([[[0.6000000238418579, 0.800000011920929]]], [[[0.0, 0.0], [0.0, 1.0]]])
+    """
+    xf = x.float()
+    denom = xf.norm(dim=-1, keepdim=True).clamp_min(eps)  # [B, N, 1]
+    return tuple(take_rows(xf, index).div_(take_rows(denom, index)) for index in indices)
 
 
 def batch_rows(index: Tensor, batch: int, num_rows: int) -> Tensor:
