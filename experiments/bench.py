@@ -39,7 +39,7 @@ from tomerge.contract import make_context
 from tomerge.strategy import MergeStrategy
 
 from .allocator import keep_freed_memory
-from .bench_e2e import TOMESD_PACKAGE, WIDTHS, clock_kwargs, e2e_benchmark
+from .bench_e2e import TOMESD_PACKAGE, WIDTHS, clock_function, e2e_benchmark
 from .bench_e2e import markdown_table as e2e_table
 from .bench_e2e import pivot_table
 
@@ -70,7 +70,7 @@ def median_ms(fn: Callable[[], object], min_run_time: float, clock: str = "wall"
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         return _cuda_events_ms(fn, min_run_time)
     timer = benchmark.Timer(stmt="fn()", globals={"fn": fn}, num_threads=torch.get_num_threads(),
-                            **clock_kwargs(clock))
+                            timer=clock_function(clock))
     return timer.adaptive_autorange(min_run_time=min_run_time).median * 1e3
 
 

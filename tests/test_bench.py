@@ -93,13 +93,13 @@ def test_cpu_clock_counts_work_not_waiting():
     """``--clock cpu`` times process CPU time: a sleep costs wall-clock time but (almost) no CPU time."""
     import time
 
-    from tomerge.experiments.bench_e2e import clock_kwargs, time_once
+    from tomerge.experiments.bench_e2e import clock_function, time_once
 
     wall = time_once(lambda: time.sleep(0.05), threads=1, clock="wall")
     cpu = time_once(lambda: time.sleep(0.05), threads=1, clock="cpu")
     assert wall >= 0.05 and cpu < 0.02
     with pytest.raises(ValueError, match="clock"):
-        clock_kwargs("gpu")
+        clock_function("gpu")
 
 
 _FAULTS_SCRIPT = """
