@@ -13,7 +13,7 @@ UNet, the ``tomesd`` package's own patch against tomerge's ``tomesd`` at the sam
 Kernel mode: plan + merge + unmerge of every strategy against the ``tomesd`` package's own functions,
 on bare tensors. Each strategy's hard plans run with both backends (``index`` gather/scatter,
 ``dense`` batched matmul); soft plans (facility location) are dense by construction. Times are medians
-of ``torch.utils.benchmark`` adaptive runs, with as many threads as torch uses here.
+of ``torch.utils.benchmark`` blocked runs, with as many threads as torch uses here.
 
 On CUDA every timing synchronises (``torch.utils.benchmark`` does); ``--dtype bf16`` runs in bfloat16.
 """
@@ -64,14 +64,19 @@ class KernelRow:
 
 
 def median_ms(fn: Callable[[], object], min_run_time: float, clock: str = "wall") -> float:
-    """Median time of ``fn`` in ms: ``torch.utils.benchmark`` adaptive repeats with all of torch's threads
-    (``clock="cpu"``: process CPU time); on CUDA (once a CUDA tensor exists), the median of CUDA-event
-    timings over ``min_run_time`` seconds."""
+    """Median time of ``fn`` in ms: ``torch.utils.benchmark`` blocks of calls over ``min_run_time`` seconds
+    with all of torch's threads (``clock="cpu"``: process CPU time); on CUDA (once a CUDA tensor exists),
+    the median of CUDA-event timings over ``min_run_time`` seconds.
+
+    ``blocked_autorange``, not ``adaptive_autorange``: the adaptive loop runs until the spread is small, which on
+    a busy machine it never is, and its stop check re-sorts every block so far (a sub-millisecond kernel on a
+    loaded machine kept it going for minutes).
+    """
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         return _cuda_events_ms(fn, min_run_time)
     timer = benchmark.Timer(stmt="fn()", globals={"fn": fn}, num_threads=torch.get_num_threads(),
                             timer=clock_function(clock))
-    return timer.adaptive_autorange(min_run_time=min_run_time).median * 1e3
+    return timer.blocked_autorange(min_run_time=min_run_time).median * 1e3
 
 
 def _cuda_events_ms(fn: Callable[[], object], min_run_time: float, inner: int = 10) -> float:

@@ -5,7 +5,8 @@ Reference: W. Lu et al., "ToMA: Token Merge with Attention for Diffusion Models"
 Algorithm (all tiles and batch elements at once; the only Python loop runs over the ``d`` picks):
 
 1. Features: the tokens entering the sublayer, L2-normalised in fp32 (with an epsilon, so an all-zero
-   token is a zero vector, never NaN).
+   token is a zero vector, never NaN). Only their similarities inside each tile are needed, so the raw
+   rows are gathered into tiles once and their Gram matrix is divided by the norms on its diagonal.
 2. Locality: the ``N = H*W`` tokens are split into ``T`` groups of ``s`` slots (:meth:`tile_layout`).
    ``"tiles"``: ``t x t`` square blocks of the raster grid. The side is ``tile_size`` if given, else
    ``t = max(1, round(sqrt(N / num_tiles)))`` (so about ``num_tiles`` tiles cover the grid; 64x64 tokens
@@ -17,8 +18,10 @@ Algorithm (all tiles and batch elements at once; the only Python loop runs over 
    ``M = T*d`` slots and ``num_removed = N - M >= r`` (fewer, with a warning, only when ``d`` had to be
    raised to 1). Greedy facility location per tile on ``S = X X^T [B, T, s, s]``: the first pick
    maximises the row sum, each later pick the coverage gain ``sum_i relu(S[v, i] - m_i)`` with
-   ``m_i = max_{j in D} S[j, i]``.
-4. Merge matrix: ``L = X_dst X_tile^T [B, T, d, s]``, ``A = softmax(L / tau)`` over the destinations
+   ``m_i = max_{j in D} S[j, i]``, computed as ``sum_i max(S[v, i], m_i)`` (the two differ by
+   ``sum_i m_i``, the same for every candidate: the same choice in one pass over ``S`` fewer).
+4. Merge matrix: ``L = X_dst X_tile^T [B, T, d, s]`` (the picks' rows of ``S``, collected by the greedy
+   loop), ``A = softmax(L / tau)`` over the destinations
    (each token distributes itself over its tile's destinations), ``W = A / A.sum(-1)`` (rows sum to 1),
    unmerge ``U = A^T`` (raw; for a hard assignment it equals ``pinv(W)``), or ``pinv(W)`` per tile.
 
@@ -50,7 +53,7 @@ import torch
 from torch import Tensor
 
 from tomerge.context import MergeContext
-from tomerge.plan import MergePlan, take_rows, unit_rows
+from tomerge.plan import MergePlan, take_rows
 from tomerge.strategy import MergeStrategy
 
 LOCALITIES = ("tiles", "stripes")
@@ -145,8 +148,8 @@ class FacilityLocation(MergeStrategy):
 
     # ------------------------------------------------------------------ the algorithm
     def plan(self, x: Tensor, ctx: MergeContext) -> MergePlan:
-        """:meth:`select_destinations` then :meth:`merge_matrix`, with the tiled unit features computed once
-        and shared by both (a subclass that overrides either method gets the plain template)."""
+        """:meth:`select_destinations` then :meth:`merge_matrix`, with the tile similarities computed once and
+        shared by both (a subclass that overrides either method gets the plain template)."""
         cls = type(self)
         if (cls.select_destinations is not FacilityLocation.select_destinations
                 or cls.merge_matrix is not FacilityLocation.merge_matrix):
@@ -155,11 +158,15 @@ class FacilityLocation(MergeStrategy):
         if ctx.tokens_to_remove(N) == 0:
             return MergePlan.identity(B, N, device=x.device)
         layout = self.tile_layout(ctx.grid, x.device)  # [T, s]
-        X = _features(x, layout)  # [B, T, s, C]
-        # Shared destinations select on sample 0's own features (as select_destinations does).
-        Xs = _features(x[:1], layout) if self.shared_destinations else X
-        dst = self._greedy(Xs, layout, self._dst_per_tile(N, layout.shape[0], ctx), N).expand(B, -1)  # [B, M]
-        return self._matrices(X, dst, layout, N)
+        d = self._dst_per_tile(N, layout.shape[0], ctx)
+        S = _similarities(x, layout)  # [B, T, s, s]
+        if self.shared_destinations:  # select on sample 0 (as select_destinations does), weigh every sample
+            local, _ = self._greedy(S[:1], layout == N, d)  # [1, T, d]
+            local = local.expand(B, -1, -1)  # [B, T, d]
+            L = S.gather(-2, local.unsqueeze(-1).expand(-1, -1, -1, S.shape[-1]))  # [B, T, d, s]
+        else:
+            local, L = self._greedy(S, layout == N, d)  # [B, T, d], [B, T, d, s]
+        return self._matrices(L, _positions(layout, local), layout, N)
 
     def select_destinations(self, x: Tensor, ctx: MergeContext) -> Tensor:
         """Greedy facility location in every tile.
@@ -174,16 +181,17 @@ class FacilityLocation(MergeStrategy):
         B, N, _ = ctx.check_tokens(x)
         layout = self.tile_layout(ctx.grid, x.device)  # [T, s]
         d = self._dst_per_tile(N, layout.shape[0], ctx)
-        source = x[:1] if self.shared_destinations else x
-        X = _features(source, layout)  # [b, T, s, C] (b = 1 when shared)
-        return self._greedy(X, layout, d, N).expand(B, -1)  # [B, M]
+        S = _similarities(x[:1] if self.shared_destinations else x, layout)  # [b, T, s, s] (b = 1 when shared)
+        local, _ = self._greedy(S, layout == N, d)  # [b, T, d]
+        return _positions(layout, local).expand(B, -1)  # [B, M]
 
     def merge_matrix(self, x: Tensor, dst: Tensor, ctx: MergeContext) -> MergePlan:
         """Soft tiled merge/unmerge matrices from the destinations.
 
         Args:
             x: ``[B, N, C]`` image-token features.
-            dst: ``[B, M]`` (or ``[1, M]``) destinations from :meth:`select_destinations`.
+            dst: ``[B, M]`` (or ``[1, M]``) destinations from :meth:`select_destinations`: slot ``m = t*d + j``
+                must hold a token of tile ``t``.
             ctx: the merge context.
 
         Returns:
@@ -192,49 +200,62 @@ class FacilityLocation(MergeStrategy):
         B, N, C = ctx.check_tokens(x)
         layout = self.tile_layout(ctx.grid, x.device)  # [T, s]
         T, s = layout.shape
-        if dst.dim() != 2 or dst.shape[0] not in (1, B) or dst.shape[1] % T != 0:
+        if (dst.dim() != 2 or dst.shape[0] not in (1, B) or dst.shape[1] % T != 0
+                or dst.min() < 0 or dst.max() >= N):
             raise ValueError(
-                f"dst must be [B={B}, T*d] with T={T} tiles for grid {ctx.grid}, got {tuple(dst.shape)}; "
-                "pass the output of select_destinations for the same x and ctx"
+                f"dst must be [B={B}, T*d] token positions with T={T} tiles for grid {ctx.grid}, got "
+                f"{tuple(dst.shape)}; pass the output of select_destinations for the same x and ctx"
             )
-        return self._matrices(_features(x, layout), dst.expand(B, -1), layout, N)
+        d = dst.shape[1] // T
+        member = torch.empty(N + 1, dtype=torch.long, device=x.device)
+        member[layout.flatten()] = torch.arange(T * s, device=x.device)  # [N + 1]: tile-layout row of every token
+        start = torch.arange(T, device=x.device).view(1, T, 1) * s  # [1, T, 1] first row of every tile
+        local = member[dst].view(-1, T, d) - start  # [b, T, d] member index inside the tile
+        if local.min() < 0 or local.max() >= s:
+            raise ValueError(f"dst slot t*d + j must be a token of tile t (tile_layout({ctx.grid})); "
+                             "pass the output of select_destinations for the same x and ctx")
+        S = _similarities(x, layout)  # [B, T, s, s]
+        L = S.gather(-2, local.expand(B, -1, -1).unsqueeze(-1).expand(-1, -1, -1, s))  # [B, T, d, s]
+        return self._matrices(L, dst.expand(B, -1), layout, N)
 
-    def _greedy(self, X: Tensor, layout: Tensor, d: int, num_tokens: int) -> Tensor:
-        """``[b, T*d]`` destinations: ``d`` greedy facility-location picks per tile of unit features ``X [b, T, s, C]``
-        (``layout`` marks padding with ``num_tokens``)."""
-        T, s = layout.shape
-        pad = layout == num_tokens  # [T, s]
-        S = X @ X.transpose(-1, -2)  # [b, T, s, s]
-        coverage = torch.zeros_like(S[..., 0, :])  # [b, T, s]
-        chosen = torch.zeros(S.shape[:-1], dtype=torch.bool, device=X.device)  # [b, T, s]
+    def _greedy(self, S: Tensor, pad: Tensor, d: int) -> tuple[Tensor, Tensor]:
+        """``d`` greedy facility-location picks per tile of the similarities ``S [b, T, s, s]`` (``pad [T, s]``
+        marks padding members).
+
+        Returns:
+            ``[b, T, d]`` member index of every pick inside its tile, and the picks' similarity rows
+            ``[b, T, d, s]`` (``S[..., pick, :]``).
+        """
+        b, T, s, _ = S.shape
+        pad_bias = torch.zeros(T, s, device=S.device).masked_fill_(pad, float("-inf"))  # [T, s]
+        bias = pad_bias.expand(b, T, s).clone()  # [b, T, s]: -inf where a member may not be picked
+        # A tile with fewer real members than d runs out of candidates (only with mask_selected): from then
+        # on it repeats a real member. Only then is the per-pick check needed.
+        real = int((~pad).sum(-1).min())
+        rows, picks = [], []
         excess = torch.empty_like(S)  # [b, T, s, s] reused by every pick
-        picks = []
         for k in range(d):
             if k == 0:
                 gain = S.sum(-1)  # [b, T, s] row sums
-            else:  # sum_i relu(S[v, i] - m_i), in one reused buffer
-                gain = torch.sub(S, coverage.unsqueeze(-2), out=excess).clamp_min_(0).sum(-1)  # [b, T, s]
-            blocked = (pad | chosen) if self.mask_selected else pad.expand_as(chosen)  # [b, T, s]
-            exhausted = blocked.all(-1, keepdim=True)  # [b, T, 1]: every real token already chosen
-            blocked = torch.where(exhausted, pad, blocked)  # then repeat a real token, never padding
-            pick = gain.masked_fill(blocked, float("-inf")).argmax(-1, keepdim=True)  # [b, T, 1]
-            chosen = chosen.scatter(-1, pick, True)
-            row = take_rows(S.view(-1, s, s), pick.view(-1, 1)).view(coverage.shape)  # [b, T, s] = S[.., pick, :]
-            coverage = row if k == 0 else torch.maximum(coverage, row)
+            else:  # sum_i max(S[v, i], m_i) = sum_i relu(S[v, i] - m_i) + sum_i m_i, and the last sum is
+                # the same for every candidate v: the same argmax, in two passes over S instead of three
+                gain = torch.maximum(S, coverage.unsqueeze(-2), out=excess).sum(-1)  # [b, T, s]
+            allowed = bias
+            if self.mask_selected and k >= real:
+                exhausted = torch.isneginf(bias).all(-1, keepdim=True)  # [b, T, 1]
+                allowed = torch.where(exhausted, pad_bias, bias)  # exhausted tiles repeat a real member
+            pick = (gain + allowed).argmax(-1, keepdim=True)  # [b, T, 1]
+            if self.mask_selected:
+                bias.scatter_(-1, pick, float("-inf"))
+            row = S.gather(-2, pick.unsqueeze(-1).expand(b, T, 1, s))  # [b, T, 1, s] = S[.., pick, :]
+            coverage = row.squeeze(-2).clone() if k == 0 else torch.maximum(coverage, row.squeeze(-2))  # [b, T, s]
+            rows.append(row)
             picks.append(pick)
-        local = torch.cat(picks, dim=-1)  # [b, T, d]
-        dst = layout.expand(local.shape[0], T, s).gather(-1, local)  # [b, T, d]
-        return dst.reshape(dst.shape[0], T * d)  # [b, M]
+        return torch.cat(picks, dim=-1), torch.cat(rows, dim=-2)  # [b, T, d], [b, T, d, s]
 
-    def _matrices(self, X: Tensor, dst: Tensor, layout: Tensor, N: int) -> MergePlan:
-        """The soft plan from tiled unit features ``X [B, T, s, C]`` and destinations ``dst [B, M]`` of ``N`` tokens."""
-        B, T, s, C = X.shape
-        d = dst.shape[1] // T
-        flat = layout.flatten()  # [T*s]
-        member = torch.empty(N + 1, dtype=torch.long, device=X.device)
-        member[flat] = torch.arange(T * s, device=X.device)  # [N + 1]: row of every token in X.view(B, T*s, C)
-        X_dst = take_rows(X.view(B, T * s, C), member[dst]).view(B, T, d, C)  # [B, T, d, C] unit destination rows
-        L = X_dst @ X.transpose(-1, -2)  # [B, T, d, s]
+    def _matrices(self, L: Tensor, dst: Tensor, layout: Tensor, N: int) -> MergePlan:
+        """The soft plan from the destinations' similarity rows ``L [B, T, d, s]`` and their positions ``dst [B, M]``."""
+        B, T, d, s = L.shape
         A = torch.softmax(L / self.temperature, dim=-2)  # [B, T, d, s], each column sums to 1
         A = A * (layout != N).to(A.dtype).view(1, T, 1, s)  # padding columns get zero weight
         W = A / A.sum(-1, keepdim=True).clamp_min(torch.finfo(A.dtype).tiny)  # [B, T, d, s]
@@ -259,21 +280,33 @@ class FacilityLocation(MergeStrategy):
         return d
 
 
-def _features(x: Tensor, layout: Tensor) -> Tensor:
-    """Unit features in tile layout, as ``_tile(F.normalize(x.float(), eps), layout)`` computes them, with
-    :func:`~tomerge.plan.unit_rows` (no normalised copy of ``x``, no zero-padded copy).
+def _similarities(x: Tensor, layout: Tensor) -> Tensor:
+    """Cosine similarities inside every tile, ``S = X X^T`` of the unit features ``X = F.normalize(x.float(), eps)``
+    in tile layout.
+
+    The raw rows are gathered once and their Gram matrix is scaled by the norms on its diagonal
+    (``S_ij = <x_i, x_j> / (max(|x_i|, eps) max(|x_j|, eps))``): no normalised copy of ``x``, no norm pass over it.
 
     Args:
         x: ``[B, N, C]`` features (any float dtype).
         layout: ``[T, s]`` token positions, ``N`` for padding.
 
     Returns:
-        ``[B, T, s, C]`` fp32 unit rows, contiguous; padding rows are zero (an all-zero token stays zero,
-        never NaN).
+        ``[B, T, s, s]`` fp32; rows and columns of padding members, and of all-zero tokens, are zero (never NaN).
     """
     B, N, C = x.shape
+    T, s = layout.shape
     flat = layout.flatten()  # [T*s]
-    (X,) = unit_rows(x, flat.clamp(max=N - 1), eps=_EPS)  # [B, T*s, C]; padding reads a real row, zeroed below
+    X = take_rows(x, flat.clamp(max=N - 1)).float()  # [B, T*s, C]; padding reads a real row, zeroed below
     if flat.numel() > N:  # every token is in one tile, so more slots than tokens means padding
         X.masked_fill_((flat == N).view(1, -1, 1), 0)
-    return X.view(B, *layout.shape, C)
+    X = X.view(B, T, s, C)  # [B, T, s, C]
+    S = X @ X.transpose(-1, -2)  # [B, T, s, s] dot products
+    norm = S.diagonal(dim1=-2, dim2=-1).sqrt().clamp_min(_EPS)  # [B, T, s] (a copy, so S may change below)
+    return S.div_(norm.unsqueeze(-1)).div_(norm.unsqueeze(-2))
+
+
+def _positions(layout: Tensor, local: Tensor) -> Tensor:
+    """``[b, T*d]`` token positions of the member indices ``local [b, T, d]`` of the tiles ``layout [T, s]``."""
+    b, T, d = local.shape
+    return layout.expand(b, T, layout.shape[1]).gather(-1, local).reshape(b, T * d)

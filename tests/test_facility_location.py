@@ -306,3 +306,57 @@ def test_bad_dst_shape_raises() -> None:
     with pytest.raises(ValueError, match="select_destinations"):
         FacilityLocation(tile_size=2).merge_matrix(x, torch.zeros(1, 5, dtype=torch.long),
                                                    MergeContext(grid=(4, 4), ratio=0.5))
+
+
+def test_dst_outside_its_tile_raises() -> None:
+    x = torch.randn(1, 16, 4, generator=_gen(15))
+    ctx = MergeContext(grid=(4, 4), ratio=0.75)  # 2x2 tiles, one destination each
+    fl = FacilityLocation(tile_size=2)
+    dst = fl.select_destinations(x, ctx)
+    with pytest.raises(ValueError, match="tile"):
+        fl.merge_matrix(x, dst.flip(-1), ctx)  # slot 0 now holds a token of the last tile
+    with pytest.raises(ValueError, match="select_destinations"):
+        fl.merge_matrix(x, torch.full_like(dst, 16), ctx)  # not a token position
+
+
+# ---------------------------------------------------------------------------------------- the spec, literally
+def _spec_plan(x: torch.Tensor, tiles: list[list[int]], d: int, tau: float) -> tuple[list, torch.Tensor]:
+    """The algorithm as the spec states it, one sample and one tile at a time, in float64: unit features,
+    ``S = X X^T``, first pick by row sum, later picks by ``sum_i relu(S[v, i] - m_i)`` among unchosen
+    members, ``L = X_dst X_tile^T``, ``A = softmax(L / tau)`` over destinations, ``W = A / A.sum(-1)``."""
+    X = torch.nn.functional.normalize(x.double(), dim=-1, eps=1e-6)
+    picks, Ws = [], []
+    for tile in tiles:
+        Xt = X[tile]  # [s, C]
+        S = Xt @ Xt.T
+        chosen: list[int] = []
+        for k in range(d):
+            if k == 0:
+                gain = S.sum(-1)
+            else:
+                m = S[chosen].max(0).values
+                gain = (S - m).clamp_min(0).sum(-1)
+            gain[chosen] = -math.inf
+            chosen.append(int(gain.argmax()))
+        L = Xt[chosen] @ Xt.T  # [d, s]
+        A = torch.softmax(L / tau, dim=0)
+        picks.append([tile[j] for j in chosen])
+        Ws.append(A / A.sum(-1, keepdim=True))
+    return picks, torch.stack(Ws)  # [T, d, s]
+
+
+@pytest.mark.parametrize("tau", [1e-3, 0.05])
+def test_matches_the_spec_computed_plainly(tau: float) -> None:
+    """Destinations and merge matrix against :func:`_spec_plan` on clustered tokens (clear winners, so float32
+    rounding cannot flip a greedy choice)."""
+    g = _gen(16)
+    labels = torch.randint(0, 6, (2, 64), generator=g)
+    x = _clustered(labels, C=12, noise=0.2, seed=17)
+    ctx = MergeContext(grid=(8, 8), ratio=0.75)  # 4x4 tiles, d = 4
+    fl = FacilityLocation(tile_size=4, temperature=tau)
+    plan = fl.plan(x, ctx)
+    tiles = [sorted(t) for t in _expected_tiles((8, 8), 4)]
+    for b in range(2):
+        picks, W = _spec_plan(x[b], tiles, 4, tau)
+        assert plan.dst[b].view(4, 4).tolist() == picks
+        assert torch.allclose(plan.merge_weights[b].double(), W, atol=1e-4)
