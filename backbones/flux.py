@@ -55,6 +55,7 @@ from torch import Tensor, nn
 
 from tomerge.adapter import BackboneAdapter, BlockSpec, MergePoint, TextKeys, class_names
 from tomerge.plan import MergePlan
+from tomerge.probe import received_attention
 from tomerge.state import MergeState
 
 from ._diffusers import submodel
@@ -481,12 +482,15 @@ def _received_by_image(q: Tensor, k: Tensor, scale: float, text_len: int) -> Ten
         scale: logit scale; ``text_len``: ``T``.
 
     Returns:
-        ``[B, N]`` fp32, rows sum to 1. Queries are processed in chunks to bound memory.
+        ``[B, N]`` fp32, rows sum to 1. Queries go through :func:`~tomerge.probe.received_attention` in chunks
+        of ``_PROBE_CHUNK`` to bound the ``[B, h, chunk, T + N]`` logits.
     """
-    kf = k.float().transpose(-1, -2)  # [B, h, d, T + N]
-    total = q.new_zeros(q.shape[0], k.shape[2], dtype=torch.float32)  # [B, T + N]
-    for start in range(0, q.shape[2], _PROBE_CHUNK):
-        logits = q[:, :, start:start + _PROBE_CHUNK].float() @ kf * scale  # [B, h, c, T + N]
-        total = total + logits.softmax(dim=-1).sum(dim=(1, 2))  # [B, T + N]
+    keys = k.float().contiguous()  # [B, h, T + N, d]: one copy here, not one inside every chunk's matmul
+    Q = q.shape[2]
+    total = None
+    for start in range(0, Q, _PROBE_CHUNK):
+        chunk = q[:, :, start:start + _PROBE_CHUNK]  # [B, h, c, d]
+        part = received_attention(chunk, keys, scale) * (chunk.shape[2] / Q)  # [B, T + N], the chunk's share
+        total = part if total is None else total.add_(part)
     a = total[:, text_len:]  # [B, N]
     return a / a.sum(-1, keepdim=True).clamp_min(_EPS)
