@@ -161,11 +161,11 @@ class FacilityLocation(MergeStrategy):
         d = self._dst_per_tile(N, layout.shape[0], ctx)
         S = _similarities(x, layout)  # [B, T, s, s]
         if self.shared_destinations:  # select on sample 0 (as select_destinations does), weigh every sample
-            local, _ = self._greedy(S[:1], layout == N, d)  # [1, T, d]
+            local, _ = self._greedy(S[:1], layout == N, d, self._fewest_members(ctx.grid))  # [1, T, d]
             local = local.expand(B, -1, -1)  # [B, T, d]
             L = S.gather(-2, local.unsqueeze(-1).expand(-1, -1, -1, S.shape[-1]))  # [B, T, d, s]
         else:
-            local, L = self._greedy(S, layout == N, d)  # [B, T, d], [B, T, d, s]
+            local, L = self._greedy(S, layout == N, d, self._fewest_members(ctx.grid))  # [B, T, d], [B, T, d, s]
         return self._matrices(L, _positions(layout, local), layout, N)
 
     def select_destinations(self, x: Tensor, ctx: MergeContext) -> Tensor:
@@ -182,7 +182,7 @@ class FacilityLocation(MergeStrategy):
         layout = self.tile_layout(ctx.grid, x.device)  # [T, s]
         d = self._dst_per_tile(N, layout.shape[0], ctx)
         S = _similarities(x[:1] if self.shared_destinations else x, layout)  # [b, T, s, s] (b = 1 when shared)
-        local, _ = self._greedy(S, layout == N, d)  # [b, T, d]
+        local, _ = self._greedy(S, layout == N, d, self._fewest_members(ctx.grid))  # [b, T, d]
         return _positions(layout, local).expand(B, -1)  # [B, M]
 
     def merge_matrix(self, x: Tensor, dst: Tensor, ctx: MergeContext) -> MergePlan:
@@ -218,9 +218,9 @@ class FacilityLocation(MergeStrategy):
         L = S.gather(-2, local.expand(B, -1, -1).unsqueeze(-1).expand(-1, -1, -1, s))  # [B, T, d, s]
         return self._matrices(L, dst.expand(B, -1), layout, N)
 
-    def _greedy(self, S: Tensor, pad: Tensor, d: int) -> tuple[Tensor, Tensor]:
+    def _greedy(self, S: Tensor, pad: Tensor, d: int, fewest: int) -> tuple[Tensor, Tensor]:
         """``d`` greedy facility-location picks per tile of the similarities ``S [b, T, s, s]`` (``pad [T, s]``
-        marks padding members).
+        marks padding members; the smallest tile has ``fewest`` real members).
 
         Returns:
             ``[b, T, d]`` member index of every pick inside its tile, and the picks' similarity rows
@@ -230,8 +230,7 @@ class FacilityLocation(MergeStrategy):
         pad_bias = torch.zeros(T, s, device=S.device).masked_fill_(pad, float("-inf"))  # [T, s]
         bias = pad_bias.expand(b, T, s).clone()  # [b, T, s]: -inf where a member may not be picked
         # A tile with fewer real members than d runs out of candidates (only with mask_selected): from then
-        # on it repeats a real member. Only then is the per-pick check needed.
-        real = int((~pad).sum(-1).min())
+        # on it repeats a real member. Only then is the per-pick check needed (known from the grid: no sync).
         rows, picks = [], []
         excess = torch.empty_like(S)  # [b, T, s, s] reused by every pick
         for k in range(d):
@@ -241,7 +240,7 @@ class FacilityLocation(MergeStrategy):
                 # the same for every candidate v: the same argmax, in two passes over S instead of three
                 gain = torch.maximum(S, coverage.unsqueeze(-2), out=excess).sum(-1)  # [b, T, s]
             allowed = bias
-            if self.mask_selected and k >= real:
+            if self.mask_selected and k >= fewest:
                 exhausted = torch.isneginf(bias).all(-1, keepdim=True)  # [b, T, 1]
                 allowed = torch.where(exhausted, pad_bias, bias)  # exhausted tiles repeat a real member
             pick = (gain + allowed).argmax(-1, keepdim=True)  # [b, T, 1]
@@ -266,6 +265,16 @@ class FacilityLocation(MergeStrategy):
         return MergePlan.soft(W, U, dst, N, tile_tokens=layout)
 
     # ------------------------------------------------------------------ internals
+    def _fewest_members(self, grid: tuple[int, int]) -> int:
+        """Real tokens in the smallest tile of :meth:`tile_layout` (the last stripe, or the bottom-right tile)."""
+        H, W = grid
+        N = H * W
+        if self.locality == "stripes":
+            s = -(-N // self.num_tiles)
+            return N - (-(-N // s) - 1) * s
+        t = self.tile_side(grid)
+        return (H - (-(-H // t) - 1) * t) * (W - (-(-W // t) - 1) * t)
+
     def _dst_per_tile(self, N: int, T: int, ctx: MergeContext) -> int:
         """``d = (N - r) // T``, at least 1 (warns when that removes fewer than ``r`` tokens)."""
         r = ctx.tokens_to_remove(N)

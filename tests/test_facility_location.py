@@ -132,6 +132,16 @@ def test_layout_and_plan_respect_tiles(locality: str, options: dict, grid: tuple
             assert W[b, m, outside].abs().max() == 0 and U[b, outside, m].abs().max() == 0
 
 
+def test_fewest_members_is_the_smallest_tile_of_the_layout() -> None:
+    """The greedy loop's exhaustion check is skipped until this many picks, so it must not overstate."""
+    for H in range(1, 14):
+        for W in range(1, 14):
+            for fl in (FacilityLocation(tile_size=3), FacilityLocation(tile_size=5), FacilityLocation(num_tiles=4),
+                       FacilityLocation(locality="stripes", num_tiles=7)):
+                layout = fl.tile_layout((H, W))
+                assert fl._fewest_members((H, W)) == int((layout < H * W).sum(-1).min())
+
+
 @pytest.mark.parametrize("grid", [(6, 10), (7, 9)])
 @pytest.mark.parametrize("locality,options", [("tiles", {"tile_size": 3}), ("tiles", {"tile_size": 4}),
                                               ("stripes", {"num_tiles": 7})])
