@@ -159,13 +159,14 @@ class FacilityLocation(MergeStrategy):
             return MergePlan.identity(B, N, device=x.device)
         layout = self.tile_layout(ctx.grid, x.device)  # [T, s]
         d = self._dst_per_tile(N, layout.shape[0], ctx)
+        fewest = self._fewest_members(ctx.grid)
         S = _similarities(x, layout)  # [B, T, s, s]
         if self.shared_destinations:  # select on sample 0 (as select_destinations does), weigh every sample
-            local, _ = self._greedy(S[:1], layout == N, d, self._fewest_members(ctx.grid))  # [1, T, d]
+            local, _ = self._greedy(S[:1], layout == N, d, fewest)  # [1, T, d]
             local = local.expand(B, -1, -1)  # [B, T, d]
-            L = S.gather(-2, local.unsqueeze(-1).expand(-1, -1, -1, S.shape[-1]))  # [B, T, d, s]
+            L = _rows(S, local)  # [B, T, d, s]
         else:
-            local, L = self._greedy(S, layout == N, d, self._fewest_members(ctx.grid))  # [B, T, d], [B, T, d, s]
+            local, L = self._greedy(S, layout == N, d, fewest)  # [B, T, d], [B, T, d, s]
         return self._matrices(L, _positions(layout, local), layout, N)
 
     def select_destinations(self, x: Tensor, ctx: MergeContext) -> Tensor:
@@ -215,7 +216,7 @@ class FacilityLocation(MergeStrategy):
             raise ValueError(f"dst slot t*d + j must be a token of tile t (tile_layout({ctx.grid})); "
                              "pass the output of select_destinations for the same x and ctx")
         S = _similarities(x, layout)  # [B, T, s, s]
-        L = S.gather(-2, local.expand(B, -1, -1).unsqueeze(-1).expand(-1, -1, -1, s))  # [B, T, d, s]
+        L = _rows(S, local.expand(B, -1, -1))  # [B, T, d, s]
         return self._matrices(L, dst.expand(B, -1), layout, N)
 
     def _greedy(self, S: Tensor, pad: Tensor, d: int, fewest: int) -> tuple[Tensor, Tensor]:
@@ -246,8 +247,8 @@ class FacilityLocation(MergeStrategy):
             pick = (gain + allowed).argmax(-1, keepdim=True)  # [b, T, 1]
             if self.mask_selected:
                 bias.scatter_(-1, pick, float("-inf"))
-            row = S.gather(-2, pick.unsqueeze(-1).expand(b, T, 1, s))  # [b, T, 1, s] = S[.., pick, :]
-            coverage = row.squeeze(-2).clone() if k == 0 else torch.maximum(coverage, row.squeeze(-2))  # [b, T, s]
+            row = _rows(S, pick)  # [b, T, 1, s]
+            coverage = row.squeeze(-2) if k == 0 else torch.maximum(coverage, row.squeeze(-2))  # [b, T, s]
             rows.append(row)
             picks.append(pick)
         return torch.cat(picks, dim=-1), torch.cat(rows, dim=-2)  # [b, T, d], [b, T, d, s]
@@ -313,6 +314,12 @@ def _similarities(x: Tensor, layout: Tensor) -> Tensor:
     S = X @ X.transpose(-1, -2)  # [B, T, s, s] dot products
     norm = S.diagonal(dim1=-2, dim2=-1).sqrt().clamp_min(_EPS)  # [B, T, s] (a copy, so S may change below)
     return S.div_(norm.unsqueeze(-1)).div_(norm.unsqueeze(-2))
+
+
+def _rows(S: Tensor, local: Tensor) -> Tensor:
+    """``S[b, t, local[b, t, j], :]``: the rows ``local [b, T, k]`` of every tile's similarities ``S [b, T, s, s]``,
+    as ``[b, T, k, s]``."""
+    return S.gather(-2, local.unsqueeze(-1).expand(-1, -1, -1, S.shape[-1]))
 
 
 def _positions(layout: Tensor, local: Tensor) -> Tensor:
