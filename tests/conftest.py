@@ -3,10 +3,22 @@ import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
-sys.path.insert(0, os.path.dirname(__file__))  # tests/models.py
+sys.path.insert(0, os.path.dirname(__file__))  # tests/models.py, tests/ties.py
 
 import torch  # noqa: E402
 
 # Tests check behaviour, not speed: one thread avoids oversubscribing small CPU machines
 # (a tiny UNet forward takes ~15x longer with 2 threads when other processes compete).
-torch.set_num_threads(1)
+# TOMERGE_TEST_THREADS and TOMERGE_TEST_MKLDNN=0 change how float32 kernels round, as another machine
+# would: .ci/run reruns the tie_sensitive tests so (see docs/strategies.md, "Float32 ties change plans").
+torch.set_num_threads(int(os.environ.get("TOMERGE_TEST_THREADS", "1")))
+if os.environ.get("TOMERGE_TEST_MKLDNN", "1") == "0":
+    torch.backends.mkldnn.enabled = False
+
+
+def pytest_configure(config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "tie_sensitive: compares discrete choices (argmax, sorts, greedy picks) or batched/compiled results "
+        "exactly; .ci/run reruns these with other kernel rounding (ATEN_CPU_CAPABILITY=default, 2 threads)",
+    )
