@@ -3,12 +3,28 @@
 Built-ins register through the entry-point groups ``tomerge.strategies`` and ``tomerge.backbones``
 declared in ``setup.cfg``, exactly as a third-party package would; entry points are loaded lazily,
 on first use. Classes defined in a script or notebook register with the decorators.
+
+A name belongs to one class. Registering under a taken name raises ``ValueError`` naming both
+classes (a built-in entry point counts: a plugin cannot take ``"tomesd"``), except for the same
+registration arriving twice, which is harmless:
+
+* the same class object again (a no-op);
+* a class with the same qualified name from the same module, or from the same source file under
+  another module name: the module was executed again (``importlib.reload``, a notebook cell re-run,
+  a plugin file imported once by path and once by module name). The newer class replaces the older.
+* a decorated class that is also the target of its name's entry point. The decorator then runs while
+  that module is being imported, so the registry compares ``module:qualname`` with the entry point
+  instead of loading it (loading it again is the circular ``partially initialized module`` error);
+  when the entry point names another module that is still mid-import (an alias such as
+  ``my_pkg:Mine`` re-exporting ``my_pkg.strat.Mine``), the check waits for the first lookup.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import sys
 from importlib.metadata import EntryPoint, entry_points
+from pathlib import Path
 from typing import Any, Callable, TypeVar
 
 T = TypeVar("T", bound=type)
@@ -21,6 +37,7 @@ class _Registry:
         self.group, self.what = group, what
         self._classes: dict[str, type] = {}
         self._entry_points: dict[str, EntryPoint] | None = None
+        self._unverified: dict[str, EntryPoint] = {}  # decorated while their entry point's module was mid-import
 
     def _eps(self) -> dict[str, EntryPoint]:
         if self._entry_points is None:
@@ -33,16 +50,17 @@ class _Registry:
     def add(self, name: str, cls: type) -> None:
         known = self._classes.get(name)
         if known is None and name in self._eps():
-            known = self.get(name)
-        if known is not None and known is not cls:
-            raise ValueError(
-                f"a {self.what} named {name!r} is already registered ({known.__module__}.{known.__qualname__}); "
-                "choose another name"
-            )
+            known = self._entry_point_target(self._eps()[name], cls)
+            if known is None:  # its module is mid-import: compare when it is first looked up
+                self._unverified[name] = self._eps()[name]
+        if known is not None and not same_definition(known, cls):
+            raise ValueError(self._clash(name, known, cls))
         cls.name = name
         self._classes[name] = cls
 
     def get(self, name: str) -> type:
+        if name in self._unverified:
+            self._verify(name)
         if name in self._classes:
             return self._classes[name]
         ep = self._eps().get(name)
@@ -52,11 +70,79 @@ class _Registry:
             cls = ep.load()
         except Exception as err:  # a broken plugin must say which one it is
             raise ImportError(f"could not load {self.what} {name!r} from entry point {ep.value}: {err}") from err
+        registered = self._classes.get(name)  # its module's decorator may have registered it meanwhile
+        self._unverified.pop(name, None)
+        if registered is not None and not same_definition(registered, cls):
+            raise ValueError(self._clash(name, cls, registered))
         if getattr(cls, "name", name) not in ("", name):
             raise ValueError(f"entry point {name!r} loads {cls.__qualname__} named {cls.name!r}")
         cls.name = name
         self._classes[name] = cls
         return cls
+
+    def _entry_point_target(self, ep: EntryPoint, cls: type) -> type | None:
+        """The class ``ep`` names, without importing a module that is being imported (None: unknown yet)."""
+        if ep.attr is not None and (ep.module, ep.attr) == (cls.__module__, cls.__qualname__):
+            return cls  # the decorator of the entry point's own class
+        module = sys.modules.get(ep.module)
+        if module is not None:
+            target: Any = module
+            for part in ep.attr.split(".") if ep.attr else ():
+                target = getattr(target, part, None)
+            return target if isinstance(target, type) else None
+        try:
+            return ep.load()
+        except Exception:  # e.g. it imports the module being imported now; checked at first lookup
+            return None
+
+    def _verify(self, name: str) -> None:
+        try:
+            target = self._unverified[name].load()
+        except Exception:  # still mid-import (or broken): the registered class stands for now
+            return
+        del self._unverified[name]
+        if not same_definition(target, self._classes[name]):
+            raise ValueError(self._clash(name, target, self._classes[name]))
+
+    def _clash(self, name: str, known: type, cls: type) -> str:
+        by, origin = "", ""
+        ep = self._eps().get(name)
+        if ep is not None:
+            dist = getattr(ep, "dist", None)
+            package = dist.name if dist is not None else None
+            if package == "tomerge":
+                by = "the built-in "
+            else:
+                origin = f" (entry point {ep.value}{f' of package {package}' if package else ''})"
+        return (f"a {self.what} named {name!r} is already registered by {by}{describe(known)}{origin}; "
+                f"cannot register {describe(cls)} under the same name: choose another name")
+
+
+def _source(cls: type) -> str | None:
+    file = getattr(sys.modules.get(cls.__module__), "__file__", None)
+    try:
+        return str(Path(file).resolve()) if file else None
+    except (OSError, RuntimeError):
+        return None
+
+
+def same_definition(a: type, b: type) -> bool:
+    """Whether ``a`` and ``b`` are one registration: the same class, or the same class statement run
+    again (same qualified name, and the same module or the same source file)."""
+    if a is b:
+        return True
+    if a.__qualname__ != b.__qualname__:
+        return False
+    return a.__module__ == b.__module__ or (_source(a) is not None and _source(a) == _source(b))
+
+
+def describe(cls: type) -> str:
+    """``module.QualName`` of a class, with its source file for a plugin loaded from a file."""
+    text = f"{cls.__module__}.{cls.__qualname__}"
+    file = _source(cls)
+    if file is not None and cls.__module__.startswith("tomerge_plugin_"):
+        text += f" from {file}"
+    return text
 
 
 _strategies = _Registry("tomerge.strategies", "strategy")
