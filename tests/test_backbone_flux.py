@@ -186,14 +186,19 @@ def test_batched_table_through_diffusers_apply_rotary_emb_equals_per_sample_tabl
 
 
 # ---------------------------------------------------------------------- batches, shapes, dtypes
+@pytest.mark.tie_sensitive
 def test_a_batch_of_two_equals_its_samples_alone(flux):
-    inputs = flux_inputs(batch=2, seed=5)
-    with tomerge.merging(flux, "tomesd", ratio=0.5, use_rand=False, merge_mlp=True):
-        both = forward(flux, inputs)
+    """float64: in float32 the batch size changes the kernels' rounding (~1e-6), which can flip tomesd's
+    argsort between near-tied similarities; in float64 the strategy (selecting in float32) sees the same values."""
+    model = copy.deepcopy(flux).double()
+    inputs = flux_inputs(batch=2, seed=5, dtype=torch.float64)
+    with tomerge.merging(model, "tomesd", ratio=0.5, use_rand=False, merge_mlp=True) as handle:
+        both = forward(model, inputs)
+        assert handle.stats["tokens_removed"] > 0
         for b in range(2):
             alone = dict(inputs, **{k: inputs[k][b:b + 1] for k in
                                     ("hidden_states", "encoder_hidden_states", "pooled_projections", "timestep")})
-            torch.testing.assert_close(forward(flux, alone), both[b:b + 1], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(forward(model, alone), both[b:b + 1], rtol=1e-9, atol=1e-9)
 
 
 @pytest.mark.parametrize("grid", [(4, 6), (6, 4), (5, 7)])

@@ -172,24 +172,32 @@ def test_half_ratio_is_finite_right_shape_and_cheaper(models, backbone, strategy
     print(f"\nFLOPs {backbone:6s} {strategy:17s} baseline/merged = {base / merged:.3f} ({base} / {merged})")
 
 
+@pytest.mark.tie_sensitive
 @pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("backbone", BACKBONES)
 def test_batch_equals_samples_alone(models, backbone, strategy):
     model, inputs = models[backbone], make_inputs(backbone)
     assert tomerge.get_strategy(strategy, **OPTIONS.get(strategy, {})).batch_independent
     outs = []
-    for part in (inputs, pair(inputs, 0), pair(inputs, 1), select(inputs, 0), select(inputs, 1)):
+    for part in (inputs, pair(inputs, 0), pair(inputs, 1)):
         with merging(model, strategy, 0.5):  # fresh state each time (streaks are per application)
             outs.append(run(model, part))
-    batch, twice_a, twice_b, alone_a, alone_b = outs
+    batch, twice_a, twice_b = outs
     # Same kernel shapes: a sample's result does not depend on the other sample, to the bit.
     assert torch.equal(batch, torch.cat([twice_a[:1], twice_b[1:]]))
-    # Run alone (batch 1), the model's own kernels round differently (~1e-6). facility_location's greedy
-    # pick then flips between near-tied candidates of these tiny random models, whose normalised tokens
-    # are dominated by the shared adaLN shift (measured: 1e-6 input noise -> ~4% of outputs change by
-    # up to 6e-3), so for it only the test above is meaningful.
-    if strategy != "facility_location":
-        torch.testing.assert_close(batch, torch.cat([alone_a, alone_b]), rtol=1e-4, atol=1e-5)
+    # Run alone (batch 1), float32 kernels round differently (~1e-6), and the strategies' argmaxes, sorts and
+    # greedy picks flip between near-tied candidates of these tiny random models, whose normalised tokens
+    # are dominated by the shared adaLN shift (facility location: 1e-6 input noise changes ~4% of outputs
+    # by up to 6e-3). In float64 the batch size changes the tokens far below float32's resolution, so the
+    # strategies (which select in float32) see the same values and make the same choices.
+    model64, inputs64 = copy.deepcopy(model).double(), to_dtype(inputs, torch.float64)
+    outs = []
+    for part in (inputs64, select(inputs64, 0), select(inputs64, 1)):
+        with merging(model64, strategy, 0.5) as handle:
+            outs.append(run(model64, part))
+            assert handle.stats["tokens_removed"] > 0
+    batch, alone_a, alone_b = outs
+    torch.testing.assert_close(batch, torch.cat([alone_a, alone_b]), rtol=1e-9, atol=1e-9)
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
@@ -299,10 +307,12 @@ def test_sd3_probe_is_the_text_to_image_attention(qk_norm):
     assert not torch.allclose(recorded, torch.full_like(recorded, 1 / recorded.shape[1]))  # not uniform
 
 
+@pytest.mark.tie_sensitive
 def test_sd3_probe_with_fused_projections_matches_unfused():
     # diffusers' fuse_qkv_projections puts the fused joint processor on every attention, which breaks
-    # SD3.5's attn2 and skips q/k norms: only plain SD3 can be fused.
-    model, inputs = tiny_sd3(dual=False, qk_norm=None), make_inputs("sd3")
+    # SD3.5's attn2 and skips q/k norms: only plain SD3 can be fused. float64: the fused projection rounds
+    # differently, which in float32 can flip idm's sort and argmax between near-tied tokens of block 1.
+    model, inputs = tiny_sd3(dual=False, qk_norm=None).double(), to_dtype(make_inputs("sd3"), torch.float64)
     with merging(model, "idm", 0.5) as handle:
         plain_out = run(model, inputs)
         plain = {k: v.clone() for k, v in handle.state.attention.items()}
@@ -313,7 +323,7 @@ def test_sd3_probe_with_fused_projections_matches_unfused():
         assert sorted(fused) == sorted(plain) == [0, 1]
         for layer in plain:
             torch.testing.assert_close(fused[layer], plain[layer], rtol=1e-4, atol=1e-7)
-    torch.testing.assert_close(fused_out, plain_out, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(fused_out, plain_out, rtol=1e-9, atol=1e-9)
 
 
 # ---------------------------------------------------------------------- SD3 particulars

@@ -17,7 +17,14 @@ def test_every_builtin_strategy_is_registered():
     assert {"tomesd", "ssm", "idm", "facility_location"} <= set(STRATEGIES)
 
 
-@pytest.mark.parametrize("check", CHECKS)
+# per_sample compares a batch's plans with each sample's alone exactly (to 1e-4) in float32. On the contract's
+# smooth tokens facility location's greedy has exact ties (symmetric pairs: 44 of its 256 steps), so the
+# check holds only because the strategies' float32 kernels are batch-invariant at these shapes; .ci/run
+# reruns it with other kernel rounding (see docs/strategies.md, "Float32 ties change plans").
+CHECK_PARAMS = [pytest.param(c, marks=pytest.mark.tie_sensitive) if c == "per_sample" else c for c in CHECKS]
+
+
+@pytest.mark.parametrize("check", CHECK_PARAMS)
 @pytest.mark.parametrize("name", STRATEGIES)
 def test_contract(name, check):
     strategy = tomerge.get_strategy(name)

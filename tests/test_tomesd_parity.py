@@ -1,4 +1,12 @@
-"""`tomerge.apply(unet, "tomesd", ...)` reproduces `tomesd.apply_patch(unet, ...)` (the tomesd package)."""
+"""`tomerge.apply(unet, "tomesd", ...)` reproduces `tomesd.apply_patch(unet, ...)` (the tomesd package).
+
+The tiny UNet's activations have near ties: measured in float64, a merged source's best and second-best
+destination differ by as little as 2e-6 (ratio 0.5, max_downsample 2, 2x2 strides), far below what a
+different float32 computation may round by. Parity holds because both implementations compute the
+similarities with the same float32 ops (norms over all tokens, a division, one batched matmul; their
+different source order leaves every row's values bit-identical), so they break near ties alike. The
+module is tie_sensitive: .ci/run reruns it with other kernel rounding.
+"""
 
 import itertools
 
@@ -8,6 +16,8 @@ import tomesd
 
 import tomerge
 from models import tiny_unet, unet_inputs
+
+pytestmark = pytest.mark.tie_sensitive
 
 
 @pytest.fixture(scope="module")
