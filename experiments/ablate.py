@@ -1,208 +1,194 @@
 """`tomerge ablate`: a grid of strategies x ratios x options against the unmerged baseline.
 
     tomerge ablate                                        # default grid on the bundled reference DiT (CPU, minutes)
-    tomerge ablate --config experiments/configs/quality.yaml --set images.per_class=10 --set name=big
+    tomerge ablate --config experiments/configs/quality.yaml --set per_class=10 --set name=big
+    tomerge ablate --config experiments/configs/papers/sdtm_sd3_medium.yaml \\
+        --set model.pipeline=/models/sd3-medium --set prompts=/data/coco/captions_val2017.json
 
-Every run uses the same labels and the same initial noise as the baseline (noise of image ``i`` comes
-from ``seed + i``), and records: its config, wall-clock time of the sampling loop (median of
-alternating baseline/merged repeats after a warm-up, in one process), FLOPs of the loop
-(``FlopCounterMode``) and the FLOP-ideal speed-up, peak memory, PSNR/SSIM against the baseline
-images, FD-EffNetLite0 against the baseline images and against real test images, versions and the
-git commit. Results are appended to ``runs/<name>/results.jsonl`` as each run finishes, so an
-interrupted grid resumes where it stopped;
-``results.csv`` and ``table.md`` are rewritten at the end, and W&B gets the same (offline by default).
+The model is the bundled reference DiT (class labels) or any diffusers pipeline folder on local disk
+(prompt sets); see :mod:`tomerge.experiments.sources`. Every run generates the same items with the
+same per-item seeds as the baseline (noise of item ``i`` from ``seed + i``), written as PNGs to
+``runs/<name>/images/<run>/`` (resumable, optionally over several processes with Lightning DDP), and
+records: its config; speed of the timing batch's generation call, baseline and merged alternating in
+one process (median and spread of the repeats, wall-clock and denoiser time, per image); FLOPs of
+the denoiser (``FlopCounterMode`` around every denoiser call) and the FLOP-ideal speed-up; peak CUDA
+memory; PSNR/SSIM and EfficientNet-Lite0 feature distance against the baseline image of the same
+item; FD-EffNetLite0 against the baseline set and against real images; CLIP score and FID when
+their local weights are given; versions and the git commit. Results are appended to
+``runs/<name>/results.jsonl`` as each run finishes, so an interrupted grid resumes where it stopped
+(and an interrupted run keeps its finished images); ``results.csv`` and ``table.md`` are rewritten at
+the end, and W&B gets the same (offline by default).
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
-from torch import Tensor, nn
-
 import tomerge
 
 from .config import AblationConfig, RunSpec, load_config
+from .generate import GenerateSpec, generate_distributed, generate_local, prepare
 from .records import RunFolder, environment
-from .sampling import sample
+from .sources import Item
+from .speed import NOISY_SPREAD, count_denoiser_flops, time_alternating
+
+__all__ = ["run_ablation", "add_arguments", "run"]
 
 
-def load_model(config: AblationConfig) -> nn.Module:
-    """The model the grid runs on: a DiT checkpoint (default: the bundled reference model)."""
-    from tomerge.backbones.native_dit import load_dit
-
-    return load_dit(config.checkpoint_path(), map_location=config.device).eval()
+def _merging(source: Any, run: RunSpec):
+    """``tomerge.merging`` for one run (the reference DiT also gets the sampler's step count)."""
+    return tomerge.merging(source.target, run.strategy, ratio=run.ratio, **{**source.merge_options(), **run.options})
 
 
-def _noise(config: AblationConfig, indices: range, model: nn.Module) -> Tensor:
-    c = model.config
-    size = (c.in_channels, *c.image_hw)
-    return torch.stack([torch.randn(size, generator=torch.Generator().manual_seed(config.seed + i)) for i in indices])
-
-
-def generate(model: nn.Module, config: AblationConfig, progress: bool = False) -> Tensor:
-    """All images of the config (``[n, C, H, W]`` in [-1, 1]), batch by batch, same noise every time."""
-    labels = config.labels()
-    images = []
-    for start in range(0, len(labels), config.batch_size):
-        idx = range(start, min(start + config.batch_size, len(labels)))
-        images.append(sample(model, labels[idx.start:idx.stop], num_steps=config.num_steps,
-                             cfg_scale=config.cfg_scale, noise=_noise(config, idx, model)).cpu())
-    return torch.cat(images)
-
-
-def _timing_call(model: nn.Module, config: AblationConfig):
-    labels = config.labels()[: config.timing_batch]
-    noise = _noise(config, range(len(labels)), model)
-
-    def call() -> None:
-        sample(model, labels, num_steps=config.num_steps, cfg_scale=config.cfg_scale, noise=noise)
-
-    return call
-
-
-def _seconds(fn) -> float:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    fn()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    return time.perf_counter() - start
-
-
-def merging(model: nn.Module, run: RunSpec, config: AblationConfig):
-    """``tomerge.merging`` for one run; the step count is the sampler's, so schedules see exact progress."""
-    return tomerge.merging(model, run.strategy, ratio=run.ratio, **{"num_steps": config.num_steps, **run.options})
-
-
-def time_alternating(model: nn.Module, run: RunSpec, config: AblationConfig) -> tuple[float, float]:
-    """Median seconds of the timing batch's sampling loop, baseline and merged alternating."""
-    call = _timing_call(model, config)
-    base, merged = [], []
-    for i in range(config.warmup + config.repeats):
-        b = _seconds(call)
-        with merging(model, run, config):
-            m = _seconds(call)
-        if i >= config.warmup:
-            base.append(b)
-            merged.append(m)
-    return statistics.median(base), statistics.median(merged)
-
-
-def count_flops(model: nn.Module, config: AblationConfig, run: RunSpec | None) -> int:
-    """FLOPs of the timing batch's full sampling loop (with the run's merging, if any)."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    call = _timing_call(model, config)
-    counter = FlopCounterMode(display=False)
+def _spec(config: AblationConfig, run: RunSpec | None) -> GenerateSpec:
     if run is None:
-        with counter:
-            call()
+        return GenerateSpec(model=config.model, batch_size=config.batch_size, plugins=config.plugins)
+    return GenerateSpec(model=config.model, strategy=run.strategy, ratio=run.ratio, options=run.options,
+                        batch_size=config.batch_size, plugins=config.plugins)
+
+
+def produce_images(folder: RunFolder, run_id: str, spec: GenerateSpec, items: Sequence[Item], source: Any,
+                   config: AblationConfig, progress: bool) -> list[Path]:
+    """Writes (or resumes) the run's images; returns their files in item order."""
+    out = folder.images_dir(run_id)
+    if config.devices > 1:
+        prepare(out, items, spec)
+        on_gpu = config.model.device.startswith("cuda")
+        launcher = config.launcher if config.launcher != "auto" else ("ddp_spawn" if on_gpu else "ddp_fork")
+        generate_distributed(items, spec, out, devices=config.devices, accelerator="gpu" if on_gpu else "cpu",
+                             launcher=launcher, progress=progress)
     else:
-        with merging(model, run, config), counter:
-            call()
-    return counter.get_total_flops()
+        generate_local(items, spec, out, source=source, progress=progress)
+    files = [out / item.filename for item in items]
+    missing = [f.name for f in files if not f.exists()]
+    if missing:
+        raise RuntimeError(f"{len(missing)} images of {run_id} were not written (first: {missing[0]})")
+    return files
 
 
-def peak_memory_mb(fn) -> float | None:
-    """Peak CUDA memory of ``fn`` in MiB (``None`` on CPU, where torch does not track it)."""
-    if not torch.cuda.is_available():
-        fn()
-        return None
-    torch.cuda.reset_peak_memory_stats()
-    fn()
-    return torch.cuda.max_memory_allocated() / 2**20
-
-
-def generate_merged(model: nn.Module, run: RunSpec, config: AblationConfig) -> tuple[Tensor, dict[str, Any], list]:
-    """Images with the run's merging, the merge maps of the first image, and the decision records."""
+def measure(source: Any, config: AblationConfig, timing_items: Sequence[Item], run: RunSpec | None,
+            map_steps: bool = True) -> dict[str, Any]:
+    """FLOPs of the denoiser for the timing batch (with the run's merging), the merge maps of its first
+    image and every block call's decision record."""
+    call = lambda: source.generate(timing_items)  # noqa: E731
+    if run is None:
+        flops, calls = count_denoiser_flops(source.denoiser, call)
+        return {"flops": flops, "denoiser_calls": calls, "maps": {}, "records": []}
     maps: dict[str, Any] = {}
-    with merging(model, run, config) as handle:
-        def keep_map(call, plan) -> None:
-            key = f"step{call.where.step:03d}_layer{call.where.layer:02d}"
-            if call.where.step in config.map_steps_for(handle.state.clock.num_steps) and key not in maps:
+    with _merging(source, run) as handle:
+        def keep_map(block_call, plan) -> None:
+            where = block_call.where
+            key = f"step{where.step:03d}_layer{where.layer:02d}"
+            steps = config.map_steps_for(handle.state.clock.num_steps or source.num_steps)
+            if map_steps and where.step in steps and key not in maps:
                 maps[key] = plan.slot_of_token[0].cpu()
         handle.state.observers.append(keep_map)
-        images = generate(model, config)
+        flops, calls = count_denoiser_flops(source.denoiser, call)
         records = list(handle.state.records)
-    return images, maps, records
+    return {"flops": flops, "denoiser_calls": calls, "maps": maps, "records": records}
+
+
+def speed_row(source: Any, config: AblationConfig, timing_items: Sequence[Item], run: RunSpec) -> dict[str, Any]:
+    """Timing batch, baseline and merged alternating: medians, spreads, per image, denoiser time, memory."""
+    base, merged = time_alternating(lambda: source.generate(timing_items), lambda: _merging(source, run),
+                                    source.denoiser, warmup=config.warmup, repeats=config.repeats)
+    n = len(timing_items)
+    spread = None if base.spread is None else max(base.spread, merged.spread)
+    return {
+        "time_base_s": base.median, "time_s": merged.median, "speedup": base.median / merged.median,
+        "time_per_image_s": merged.median / n, "time_per_image_base_s": base.median / n,
+        "denoiser_time_base_s": base.denoiser_median, "denoiser_time_s": merged.denoiser_median,
+        "denoiser_speedup": base.denoiser_median / merged.denoiser_median,
+        "time_spread_base": base.spread, "time_spread": merged.spread, "timing_spread": spread,
+        "timing_noisy": spread is not None and spread > NOISY_SPREAD, "timing_repeats": config.repeats,
+        "peak_memory_base_mb": base.peak_memory_mb, "peak_memory_mb": merged.peak_memory_mb,
+    }
 
 
 class QualityFeatures:
-    """EfficientNet-Lite0 features of the baseline images and of real test images, computed once per
-    run folder (``features.safetensors``) and reused by every run's quality numbers."""
+    """The quality scorer of a run folder: EfficientNet-Lite0 features of the baseline images and of the
+    real reference images, computed once (``features.safetensors``) and reused by every run, plus the
+    optional CLIP score and FID models of ``metrics:``.
 
-    def __init__(self, folder: RunFolder, config: AblationConfig, baseline: Tensor) -> None:
-        from .metrics import FeatureExtractor
+    Reference images: ``metrics.reference_images`` (a folder), else for the reference DiT
+    ``fd_reference_images`` Fashion-MNIST test images (0: none).
+    """
 
+    def __init__(self, folder: RunFolder, config: AblationConfig, baseline_files: Sequence[Path],
+                 prompts: Sequence[str] | None) -> None:
+        from .metrics import ImageSetQuality, image_files
+
+        m = config.metrics
         cached = folder.load_tensors("features") or {}
-        extract = FeatureExtractor(device=config.device)
-        if "baseline" not in cached:
-            cached["baseline"] = extract(baseline)
-        if config.fd_reference_images and "reference" not in cached:
+        reference_files = (image_files(m.reference_images, m.reference_limit) if m.reference_images else None)
+        scorer = ImageSetQuality(baseline_files, prompts=prompts, baseline_features=cached.get("baseline"),
+                                 reference_features=cached.get("reference"),
+                                 reference_files=reference_files,
+                                 clip_model=m.clip_model, fid_weights=m.fid_weights, batch_size=m.batch_size,
+                                 device=config.model.device)
+        cached["baseline"] = scorer.baseline_features
+        if scorer.reference_features is None and m.reference_images is None and config.fd_reference_images \
+                and config.model.kind == "reference":
             from .data import FashionMNIST
 
             real = FashionMNIST(config.data_root, split="test", limit=config.fd_reference_images)
-            cached["reference"] = extract(real.images.float().div(127.5).sub(1.0).unsqueeze(1))  # [n, 1, H, W]
+            scorer.reference_features = scorer.extract(real.images.float().div(127.5).sub(1.0).unsqueeze(1))
+        if scorer.reference_features is not None:
+            cached["reference"] = scorer.reference_features
         folder.save_tensors("features", cached)
-        self.features = cached
+        self.scorer = scorer
 
-    def kwargs(self) -> dict[str, Tensor]:
-        out = {"baseline_features": self.features["baseline"]}
-        if "reference" in self.features:
-            out["reference_features"] = self.features["reference"]
-        return out
+    def score(self, files: Sequence[Path]) -> dict[str, float]:
+        return self.scorer.score(files)
 
 
 def run_ablation(config: AblationConfig, progress: bool = True) -> RunFolder:
     """Runs (or resumes) the grid; returns the run folder with every result written."""
     from tqdm import tqdm
 
-    from .metrics import compute_quality
-
     folder = RunFolder.open(config)
-    model = load_model(config)
+    source = config.model.load()
+    items = config.items()
+    source.check_items(items)
+    timing_items = items[: config.timing_batch]
     env = environment()
     logger = folder.logger(config, env)
-    baseline = folder.load_images("baseline")
-    if baseline is None:
-        baseline = generate(model, config)
-        folder.save_images("baseline", baseline)
-        logger.images("baseline", baseline)
-    features = QualityFeatures(folder, config, baseline)
+    prompts = [i.prompt for i in items] if source.conditioning == "prompt" else None
+
+    baseline_files = produce_images(folder, "baseline", _spec(config, None), items, source, config, progress)
+    quality = QualityFeatures(folder, config, baseline_files, prompts)
     if not folder.has("baseline"):
-        quality = compute_quality(baseline, baseline, **features.kwargs())
+        measured = measure(source, config, timing_items, None)
         row = {"run": "baseline", "strategy": "none", "ratio": 0.0, "options": {},
-               "flops": count_flops(model, config, None), **quality, **env}
+               "flops": measured["flops"], "flops_per_image": measured["flops"] / len(timing_items),
+               "denoiser_calls_per_image": measured["denoiser_calls"] / len(timing_items),
+               **quality.score(baseline_files), **env}
+        folder.save_grid("baseline", baseline_files)
         folder.append(row)
-        logger.row(row)
+        logger.row(row, images=baseline_files, prompts=prompts)
 
     todo = [r for r in config.runs() if not folder.has(r.run_id)]
     for run in tqdm(todo, desc=f"ablate {config.name}", disable=not progress):
-        images, maps, records = generate_merged(model, run, config)
-        t_base, t_merged = time_alternating(model, run, config)
+        files = produce_images(folder, run.run_id, _spec(config, run), items, source, config, progress=False)
+        measured = measure(source, config, timing_items, run)
         flops_base = folder.baseline_row()["flops"]
-        flops = count_flops(model, config, run)
-        memory = peak_memory_mb(_timing_call(model, config)) if torch.cuda.is_available() else None
-        quality = compute_quality(baseline, images, **features.kwargs())
         row = {
             "run": run.run_id, "strategy": run.strategy, "ratio": run.ratio, "options": run.options,
-            "time_base_s": t_base, "time_s": t_merged, "speedup": t_base / t_merged,
-            "flops_base": flops_base, "flops": flops, "flop_speedup": flops_base / flops,
-            "overhead_ratio": (t_base / t_merged) / (flops_base / flops),
-            "peak_memory_mb": memory, "tokens_removed_mean": _mean_removed(records), **quality, **env,
+            **speed_row(source, config, timing_items, run),
+            "flops_base": flops_base, "flops": measured["flops"], "flop_speedup": flops_base / measured["flops"],
+            "flops_per_image": measured["flops"] / len(timing_items),
+            "denoiser_calls_per_image": measured["denoiser_calls"] / len(timing_items),
+            "tokens_removed_mean": _mean_removed(measured["records"]), **quality.score(files), **env,
         }
-        folder.save_images(run.run_id, images)
-        folder.save_maps(run.run_id, maps, records)
+        row["overhead_ratio"] = row["speedup"] / row["flop_speedup"]
+        folder.save_grid(run.run_id, files)
+        folder.save_maps(run.run_id, measured["maps"], measured["records"])
         folder.append(row)
-        logger.row(row, images=images, maps=maps)
+        logger.row(row, images=files, prompts=prompts, maps=measured["maps"])
     folder.finish()
     logger.finish(folder)
     return folder
@@ -217,7 +203,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", type=Path, default=None,
                         help="YAML config (default: experiments/configs/ablate.yaml, the reference-model grid)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a config entry, dotted keys, YAML values (repeatable)")
+                        help="override a config entry, dotted keys (model.call.height=512), YAML values (repeatable)")
     parser.add_argument("--wandb", choices=["disabled", "offline", "online"], default=None,
                         help="W&B mode (default: offline unless an API key is configured)")
     parser.add_argument("--out-dir", type=Path, default=None, help="parent folder of run folders (default runs/)")
@@ -229,7 +215,7 @@ def run(args: argparse.Namespace) -> int:
         overrides.append(f"wandb={args.wandb}")
     if args.out_dir is not None:
         overrides.append(f"out_dir={args.out_dir}")
-    config = load_config(args.config, overrides)
+    config = load_config(args.config, overrides, plugins=list(getattr(args, "plugins", None) or []))
     folder = run_ablation(config)
     print()
     print(folder.table_path.read_text())

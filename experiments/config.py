@@ -1,4 +1,9 @@
-"""Ablation configs: a frozen dataclass read from YAML, overridable with ``--set key=value``."""
+"""Experiment configs: a frozen dataclass read from YAML, overridable with ``--set key=value``.
+
+One config describes what ``tomerge ablate`` runs, and ``tomerge generate --config`` reads its
+``model``, prompt/class, seed and batch keys. ``--set`` takes dotted keys into mappings
+(``--set model.pipeline=/models/sd3 --set model.call.num_inference_steps=28``) and YAML values.
+"""
 
 from __future__ import annotations
 
@@ -8,9 +13,12 @@ from typing import Any
 
 import yaml
 
+from .sources import REFERENCE_CHECKPOINT, Item, ModelSpec
+
 CONFIG_DIR = Path(__file__).parent / "configs"
 DEFAULT_CONFIG = CONFIG_DIR / "ablate.yaml"
-REFERENCE_CHECKPOINT = Path(__file__).parent / "reference" / "dit_reference.safetensors"
+__all__ = ["CONFIG_DIR", "DEFAULT_CONFIG", "REFERENCE_CHECKPOINT", "RunSpec", "MetricsConfig", "AblationConfig",
+           "parse_override", "apply_override", "load_config"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,33 +36,74 @@ class RunSpec:
 
 
 @dataclasses.dataclass(frozen=True)
+class MetricsConfig:
+    """Optional metrics and where their local weights are (nothing is ever downloaded).
+
+    Args:
+        clip_model: a local ``transformers`` CLIP folder: CLIP score of every image with its prompt.
+        fid_weights: the torch-fidelity Inception-v3 state dict: FID against ``reference_images``.
+        reference_images: a folder of real images (PNG/JPEG): FD-EffNetLite0 (and FID) against it.
+        reference_limit: at most this many reference images (sorted by name).
+        batch_size: images per feature-extractor forward.
+    """
+
+    clip_model: str | None = None
+    fid_weights: str | None = None
+    reference_images: str | None = None
+    reference_limit: int | None = None
+    batch_size: int = 32
+
+    def __post_init__(self) -> None:
+        from .metrics import MissingWeightsError
+
+        for key, what in (("clip_model", "CLIP model folder"), ("fid_weights", "Inception weights"),
+                          ("reference_images", "reference image folder")):
+            value = getattr(self, key)
+            if value is not None and not Path(value).exists():
+                raise MissingWeightsError(f"metrics.{key}: {what} {value} not found (local paths only; "
+                                          "nothing is downloaded)")
+        if self.fid_weights is not None and self.reference_images is None:
+            raise ValueError("metrics.fid_weights needs metrics.reference_images (FID compares with real images)")
+        if self.batch_size < 1:
+            raise ValueError(f"metrics.batch_size must be >= 1, got {self.batch_size}")
+
+
+@dataclasses.dataclass(frozen=True)
 class AblationConfig:
-    """Everything an ablation needs; ``to_dict()`` is what W&B logs.
+    """Everything an ablation needs; ``to_dict()`` is what W&B logs and ``config.yaml`` holds.
 
     Args:
         name: run folder name under ``out_dir``.
-        checkpoint: DiT weights (``None``: the bundled reference model).
-        device: ``"cpu"`` or ``"cuda"``.
-        num_steps, cfg_scale: Euler steps and guidance scale of the sampler.
-        classes, per_class: the labels generated (each class ``per_class`` times).
-        seed: noise of image ``i`` comes from ``seed + i``.
-        batch_size: images per sampling call.
+        model: the model source (:class:`~tomerge.experiments.sources.ModelSpec`): ``reference`` or
+            ``{pipeline: FOLDER, dtype, device, call}``.
+        classes, per_class: the reference model's labels (each class ``per_class`` times).
+        prompts: a text-to-image pipeline's prompt set: a file (``.txt``, ``.jsonl``, COCO captions
+            ``.json``, PartiPrompts ``.tsv``, class names) or a mapping (see
+            :class:`~tomerge.experiments.prompt_sets.PromptSet`).
+        num_prompts, prompt_offset, images_per_prompt: which prompts, and images per prompt.
+        seed: noise of item ``i`` comes from ``seed + i``.
+        batch_size: images per generation call.
         grid: entries ``{strategy, ratios, options}``; every strategy x ratio is a run.
-        timing_batch, warmup, repeats: the timed sampling call and its alternating repeats.
-        fd_reference_images: real test images for FD-EffNetLite0 (0 disables it).
-        data_root: Fashion-MNIST IDX folder (default: the Debian package's).
+        timing_batch, warmup, repeats: the timed generation call and its alternating repeats.
+        fd_reference_images, data_root: Fashion-MNIST test images for the reference model's
+            FD-EffNetLite0 (0 disables it) and their IDX folder (default: the Debian package's).
+        metrics: optional metrics (:class:`MetricsConfig`).
+        devices, launcher: generation processes (Lightning DDP when ``devices > 1``); ``launcher``
+            ``auto`` forks on CPU and spawns on GPU.
+        plugins: modules or ``.py`` files imported first (strategies registered in one file).
         wandb: ``"auto"`` (offline unless an API key is configured), ``"offline"``, ``"online"``, ``"disabled"``.
         out_dir: parent folder of run folders.
         map_steps: denoising steps whose merge maps are kept (negative counts from the end).
     """
 
     name: str = "reference"
-    checkpoint: str | None = None
-    device: str = "cpu"
-    num_steps: int = 20
-    cfg_scale: float = 2.0
+    model: ModelSpec = dataclasses.field(default_factory=ModelSpec)
     classes: tuple[int, ...] = tuple(range(10))
     per_class: int = 4
+    prompts: Any = None
+    num_prompts: int | None = None
+    prompt_offset: int = 0
+    images_per_prompt: int = 1
     seed: int = 0
     batch_size: int = 20
     grid: tuple[dict[str, Any], ...] = ()
@@ -63,6 +112,10 @@ class AblationConfig:
     repeats: int = 3
     fd_reference_images: int = 1000
     data_root: str | None = None
+    metrics: MetricsConfig = dataclasses.field(default_factory=MetricsConfig)
+    devices: int = 1
+    launcher: str = "auto"
+    plugins: tuple[str, ...] = ()
     wandb: str = "auto"
     out_dir: str = "runs"
     map_steps: tuple[int, ...] = (0, -1)
@@ -70,63 +123,126 @@ class AblationConfig:
     def __post_init__(self) -> None:
         import tomerge
 
-        for key in ("num_steps", "per_class", "batch_size", "timing_batch", "repeats"):
+        for key in ("per_class", "batch_size", "timing_batch", "repeats", "images_per_prompt", "devices"):
             if int(getattr(self, key)) < 1:
                 raise ValueError(f"{key} must be >= 1, got {getattr(self, key)}")
+        if self.warmup < 0:
+            raise ValueError(f"warmup must be >= 0, got {self.warmup}")
         if self.wandb not in ("auto", "offline", "online", "disabled"):
             raise ValueError(f"wandb must be auto, offline, online or disabled, got {self.wandb!r}")
+        if self.launcher not in ("auto", "ddp", "ddp_spawn", "ddp_fork"):
+            raise ValueError(f"launcher must be auto, ddp, ddp_spawn or ddp_fork, got {self.launcher!r}")
+        if self.model.conditioning == "prompt" and self.prompts is None:
+            raise ValueError("a pipeline model generates from prompts: set prompts: FILE (txt, jsonl, COCO json, "
+                             "PartiPrompts tsv or class names)")
+        if self.model.conditioning == "class" and self.prompts is not None:
+            raise ValueError("prompts: is for text-to-image pipelines; the reference DiT takes classes/per_class")
+        if self.prompts is not None:
+            self.prompt_set()  # validates the prompt options (reading happens later)
         known = set(tomerge.list_strategies())
         for entry in self.grid:
             extra = set(entry) - {"strategy", "ratios", "options"}
             if extra or "strategy" not in entry or "ratios" not in entry:
                 raise ValueError(f"grid entries are {{strategy, ratios, options}}; got {entry}")
             if entry["strategy"] not in known:
-                raise ValueError(f"unknown strategy {entry['strategy']!r} in grid; registered: {sorted(known)}")
+                raise ValueError(f"unknown strategy {entry['strategy']!r} in grid; registered: {sorted(known)}"
+                                 " (a strategy in your own file: plugins: [FILE] or --plugin FILE)")
 
-    def labels(self) -> list[int]:
-        return [c for c in self.classes for _ in range(self.per_class)]
+    # ------------------------------------------------------------------ items
+    def prompt_set(self):
+        from .prompt_sets import PromptSet
+
+        return PromptSet.from_config(self.prompts, num_prompts=self.num_prompts, prompt_offset=self.prompt_offset,
+                                     images_per_prompt=self.images_per_prompt)
+
+    def items(self) -> list[Item]:
+        """Every image of the config, item ``i`` with seed ``seed + i``: each class ``per_class`` times
+        (reference model), or each prompt ``images_per_prompt`` times (pipelines), in order."""
+        if self.model.conditioning == "class":
+            labels = [int(c) for c in self.classes for _ in range(self.per_class)]
+            return [Item(i, self.seed + i, label=c) for i, c in enumerate(labels)]
+        prompts = self.prompt_set().prompts()
+        if not prompts:
+            raise ValueError(f"the prompt set {self.prompts!r} holds no prompts")
+        expanded = [p for p in prompts for _ in range(self.images_per_prompt)]
+        return [Item(i, self.seed + i, prompt=p) for i, p in enumerate(expanded)]
 
     def runs(self) -> list[RunSpec]:
         return [RunSpec(e["strategy"], float(r), dict(e.get("options") or {})) for e in self.grid for r in e["ratios"]]
 
-    def checkpoint_path(self) -> Path:
-        path = Path(self.checkpoint) if self.checkpoint else REFERENCE_CHECKPOINT
-        if not path.is_file():
-            raise FileNotFoundError(f"checkpoint {path} not found; set checkpoint=PATH (local weights only)")
-        return path
-
-    def map_steps_for(self, num_steps: int | None) -> set[int]:
-        n = num_steps or self.num_steps
-        return {s % n for s in self.map_steps}
+    def map_steps_for(self, num_steps: int) -> set[int]:
+        return {s % num_steps for s in self.map_steps}
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
 def parse_override(text: str) -> tuple[str, Any]:
+    """``KEY=VALUE`` -> ``(KEY, yaml value)``; ``KEY`` may be dotted (``model.call.height``)."""
     if "=" not in text:
         raise ValueError(f"--set wants KEY=VALUE, got {text!r}")
     key, value = text.split("=", 1)
     return key.strip(), yaml.safe_load(value)
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> AblationConfig:
-    """Reads a YAML config (default: the reference grid), applies ``KEY=VALUE`` overrides, validates.
+def apply_override(values: dict[str, Any], key: str, value: Any) -> None:
+    """Sets ``values[a][b][c] = value`` for ``key = "a.b.c"``, creating mappings on the way.
 
-    Unknown keys raise, naming the valid ones.
+    Example:
+        >>> v = {"model": "reference"}
+        >>> apply_override(v, "model.pipeline", "/m/sd3"); v
+        {'model': {'pipeline': '/m/sd3'}}
+    """
+    *parents, last = key.split(".")
+    node = values
+    for part in parents:
+        child = node.get(part)
+        if child == "reference" and part == "model":
+            child = {}  # `model: reference` is the mapping-less default
+        if child is None:
+            child = {}
+        if not isinstance(child, dict):
+            raise ValueError(f"--set {key}: {part!r} is {child!r}, not a mapping")
+        node[part] = child = dict(child)
+        node = child
+    node[last] = value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
+                plugins: list[str] | None = None) -> AblationConfig:
+    """Reads a YAML config (default: the reference grid), applies ``KEY=VALUE`` overrides, loads the
+    config's plugins (and ``plugins``, e.g. from ``--plugin``), validates.
+
+    Unknown keys raise, naming the valid ones. Relative plugin paths in a config file are looked up
+    next to the file first.
     """
     path = Path(path) if path is not None else DEFAULT_CONFIG
     if not path.is_file():
         raise FileNotFoundError(f"config {path} not found")
     values = yaml.safe_load(path.read_text()) or {}
     for text in overrides or []:
-        key, value = parse_override(text)
-        values[key] = value
+        apply_override(values, *parse_override(text))
     valid = {f.name for f in dataclasses.fields(AblationConfig)}
     unknown = sorted(set(values) - valid)
     if unknown:
         raise ValueError(f"unknown config key(s) {unknown}; valid keys: {sorted(valid)}")
+    from .plugins import load_plugins, resolve_specs
+
+    config_plugins = resolve_specs(list(values.get("plugins") or []), base_dir=path.parent)
+    extra = resolve_specs(list(plugins or []))
+    load_plugins(config_plugins)
+    load_plugins(extra)
+    values["plugins"] = tuple(dict.fromkeys(config_plugins + extra))  # absolute: worker processes load them too
     for key in ("classes", "grid", "map_steps"):
         if key in values:
             values[key] = tuple(values[key])
+    values["model"] = ModelSpec.from_config(values.get("model"))
+    metrics = values.get("metrics") or {}
+    if not isinstance(metrics, dict):
+        raise ValueError(f"metrics must be a mapping, got {metrics!r}")
+    unknown = sorted(set(metrics) - {f.name for f in dataclasses.fields(MetricsConfig)})
+    if unknown:
+        raise ValueError(f"unknown metrics key(s) {unknown}; valid: "
+                         f"{sorted(f.name for f in dataclasses.fields(MetricsConfig))}")
+    values["metrics"] = MetricsConfig(**metrics)
     return AblationConfig(**values)

@@ -77,14 +77,23 @@ class RunData:
     def merged(self) -> list[dict[str, Any]]:
         return [r for r in self.rows if r["run"] != "baseline"]
 
-    def images(self, run: str) -> Tensor | None:
-        """``[n, C, H, W]`` float in [-1, 1], or ``None``."""
-        file = self.path / "images" / f"{run}.safetensors"
-        if not file.exists():
-            return None
-        from safetensors.torch import load_file
+    def index(self, run: str) -> list[dict[str, Any]]:
+        """The run's items (``images/<run>/prompts.jsonl``): index, seed, file, prompt or label."""
+        file = self.path / "images" / run / "prompts.jsonl"
+        return [json.loads(line) for line in file.read_text().splitlines() if line.strip()] if file.exists() else []
 
-        return load_file(file)["images"].float()
+    def images(self, run: str, k: int | None = None) -> Tensor | None:
+        """The first ``k`` images (all: ``None``) ``[n, C, H, W]`` float in [-1, 1], or ``None``."""
+        from .metrics import load_image_files
+
+        files = [self.path / "images" / run / item["file"] for item in self.index(run)[:k]]
+        files = [f for f in files if f.exists()]
+        return load_image_files(files) if files else None
+
+    def prompts(self, k: int | None = None) -> list[str] | None:
+        """Prompts of the first ``k`` items (text-to-image runs), or ``None`` for class-conditional runs."""
+        items = self.index("baseline")[:k]
+        return [item["prompt"] for item in items] if items and "prompt" in items[0] else None
 
     def maps(self, run: str) -> dict[str, Tensor]:
         file = self.path / "maps" / f"{run}.safetensors"
@@ -381,8 +390,8 @@ def merge_map_figure(data: RunData, run: str, stem: Path, formats: Sequence[str]
     maps = data.maps(run)
     if not maps:
         return []
-    images = data.images(run)
-    images = images if images is not None else data.images("baseline")
+    images = data.images(run, 1)
+    images = images if images is not None else data.images("baseline", 1)
     image = images[0] if images is not None else None
     parsed = {k: re.fullmatch(r"step(\d+)_layer(\d+)", k) for k in maps}
     by_step: dict[str, list[str]] = defaultdict(list)
@@ -420,11 +429,17 @@ def _wrap(text: str, width: int = 24) -> str:
 
 
 def image_grid_figure(data: RunData, stem: Path, k: int = 8, formats: Sequence[str] = ("png",)) -> list[Path]:
-    """First ``k`` images of the baseline and of every run, one labelled row each."""
-    rows = [(r["run"], data.images(r["run"])) for r in data.rows]
-    rows = [(_wrap(name), im[:k]) for name, im in rows if im is not None]
-    if not rows:
+    """First ``k`` images of the baseline and of every run, same seeds. Class-conditional runs: one
+    labelled row per run. Text-to-image runs: one row per prompt (the prompt under it), one column
+    per run (baseline first)."""
+    runs = [(r["run"], data.images(r["run"], k)) for r in data.rows]
+    runs = [(name, im) for name, im in runs if im is not None]
+    if not runs:
         return []
+    prompts = data.prompts(k)
+    if prompts is not None:
+        return _prompt_grid_figure(data, runs, prompts, stem, formats)
+    rows = [(_wrap(name), im) for name, im in runs]
     n = max(im.shape[0] for _, im in rows)
     h, w = rows[0][1].shape[-2:]
     label_w = 0.15 + 0.06 * max(len(line) for name, _ in rows for line in name.splitlines())
@@ -441,6 +456,29 @@ def image_grid_figure(data: RunData, stem: Path, k: int = 8, formats: Sequence[s
             ax.axvline(j * w - 0.5, color="white", linewidth=1.5)
         ax.set_axis_off()
     fig.suptitle(f"{data.name}: first {n} images, same seeds in every row", fontsize=9)
+    return _save(fig, stem, formats)
+
+
+def _prompt_grid_figure(data: RunData, runs: list[tuple[str, Tensor]], prompts: list[str], stem: Path,
+                        formats: Sequence[str]) -> list[Path]:
+    """Rows: prompts (wrapped under the row); columns: baseline, then the runs."""
+    n = min(len(prompts), min(im.shape[0] for _, im in runs))
+    cols = len(runs)
+    h, w = runs[0][1].shape[-2:]
+    cell = 1.6
+    fig = _figure(cell * cols * w / h + 0.2, (cell + 0.45) * n + 0.6)
+    axes = fig.subplots(n, cols, squeeze=False)
+    for j, (name, im) in enumerate(runs):
+        axes[0, j].set_title(_wrap(name, 22), fontsize=7)
+        for i in range(n):
+            axes[i, j].imshow(_rgb(im[i]).numpy(), interpolation="nearest")
+            axes[i, j].set_xticks([])
+            axes[i, j].set_yticks([])
+    for i in range(n):
+        text = prompts[i] if len(prompts[i]) <= 160 else prompts[i][:157] + "..."
+        axes[i, 0].annotate(_wrap(text, int(28 * cols)), xy=(0, 0), xycoords="axes fraction", xytext=(0, -4),
+                            textcoords="offset points", ha="left", va="top", fontsize=7)
+    fig.suptitle(f"{data.name}: same prompt and seed in every row", fontsize=9)
     return _save(fig, stem, formats)
 
 

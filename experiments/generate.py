@@ -1,12 +1,17 @@
-"""`tomerge generate`: images for a class list with a chosen strategy, for metrics at scale.
+"""`tomerge generate`: images for a class list or a prompt set with a chosen strategy, for metrics at scale.
 
-    tomerge generate --classes 0 1 2 --per-class 100 --out runs/gen/base                     # unmerged
-    tomerge generate --class-file classes.txt --strategy tomesd --ratio 0.5 --set use_rand=false --out runs/gen/tomesd
-    tomerge generate --classes 0 1 2 3 --per-class 500 --strategy ssm --out runs/gen/ssm --devices 4 --accelerator gpu
+    tomerge generate --classes 0 1 2 --per-class 100 --out runs/gen/base                     # reference DiT, unmerged
+    tomerge generate --pipeline /models/sd3-medium --dtype fp16 --prompts captions_val2017.json \\
+        --num-prompts 1000 --call num_inference_steps=28 --strategy sdtm --out runs/gen/sdtm --devices 4
+    tomerge generate --config experiments/configs/papers/sdtm_sd3_medium.yaml \\
+        --set model.pipeline=/models/sd3-medium --strategy tomesd --ratio 0.5 --out runs/gen/tomesd
 
-Item ``i`` of the list (classes repeated ``--per-class`` times each, in order) gets the seed
-``--seed + i``; its initial noise comes from ``torch.Generator().manual_seed(seed)`` exactly as in
-``tomerge ablate``, and it is written to ``OUT/{i:05d}_class{c}_seed{seed}.png``.
+Item ``i`` (classes repeated ``--per-class`` times, or prompts repeated ``--images-per-prompt``
+times, in order) gets the seed ``--seed + i``; its initial noise comes from
+``torch.Generator("cpu").manual_seed(seed)`` exactly as in ``tomerge ablate``, and it is written to
+``OUT/{i:05d}_class{c}_seed{seed}.png`` (classes) or ``OUT/{i:05d}_seed{seed}.png`` (prompts), listed
+with its prompt in ``OUT/prompts.jsonl``. Each image written is also logged in
+``OUT/generated.jsonl`` with the rank that wrote it.
 
 Resume: the list is cut into fixed batches of ``--batch-size`` consecutive items; a batch whose files
 all exist is skipped, and a partly finished one is recomputed whole but only its missing files are
@@ -16,13 +21,11 @@ image depends only on its index, seed, the batch size and the settings (recorded
 number of processes or on what was generated before.
 
 Several processes: ``--devices N`` (and ``--num-nodes``) run PyTorch Lightning's ``Trainer.predict``
-with DDP (gloo on CPU, NCCL on GPU); rank ``r`` of ``W`` takes batches ``r, r + W, r + 2W, ...``.
-``--launcher ddp`` re-executes the command once per extra rank (Lightning's default, also right
-under SLURM/torchrun); ``ddp_spawn`` / ``ddp_fork`` start them with ``multiprocessing`` spawn / fork
-(fork: CPU only, or before CUDA is initialised; the cheapest start, used by the tests).
-
-Text-to-image models (prompt lists) are not supported yet: the generator drives class-conditional
-native DiT checkpoints (pixel space, 1 or 3 channels).
+with DDP (gloo on CPU, NCCL on GPU); rank ``r`` of ``W`` takes batches ``r, r + W, r + 2W, ...`` and
+loads the model itself on its device. ``--launcher ddp`` re-executes the command once per extra rank
+(Lightning's default, also right under SLURM/torchrun); ``ddp_spawn`` / ``ddp_fork`` start them with
+``multiprocessing`` spawn / fork (fork: CPU only, or before CUDA is initialised; the cheapest start,
+used by the tests).
 """
 
 from __future__ import annotations
@@ -33,43 +36,28 @@ import functools
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 import tomerge
 
-from .config import REFERENCE_CHECKPOINT, parse_override
-from .sampling import sample
+from .config import apply_override, parse_override
+from .sources import REFERENCE_CHECKPOINT, Item, ModelSpec
 
-__all__ = ["Item", "GenerateSpec", "read_class_file", "build_items", "make_batches", "shard",
-           "generate_batch", "process_batch", "generate_local", "generate_distributed", "add_arguments", "run"]
+__all__ = ["Item", "GenerateSpec", "read_class_file", "build_items", "make_batches", "shard", "write_index",
+           "generate_batch", "process_batch", "generate_local", "generate_distributed",
+           "add_arguments", "run"]
 
 SETTINGS_FILE = "generate.json"
+INDEX_FILE = "prompts.jsonl"
+LOG_FILE = "generated.jsonl"
 
 
 # ---------------------------------------------------------------------------------------- items
-@dataclasses.dataclass(frozen=True)
-class Item:
-    """One image to produce: its global index, class label and noise seed.
-
-    Example:
-        >>> Item(7, 3, 107).filename
-        '00007_class3_seed107.png'
-    """
-
-    index: int
-    label: int
-    seed: int
-
-    @property
-    def filename(self) -> str:
-        return f"{self.index:05d}_class{self.label}_seed{self.seed}.png"
-
-
 def read_class_file(path: str | os.PathLike) -> list[int]:
     """Class ids from a file: a JSON list (or ``{"classes": [...]}``), or text with ids separated by
     whitespace or commas (``#`` starts a comment). One id per image (``--per-class`` repeats them).
@@ -99,7 +87,7 @@ def read_class_file(path: str | os.PathLike) -> list[int]:
 
 
 def build_items(classes: Sequence[int], per_class: int = 1, seed: int = 0) -> list[Item]:
-    """Every class ``per_class`` times, in order (as ``AblationConfig.labels``); item ``i`` has seed ``seed + i``.
+    """Every class ``per_class`` times, in order (as ``AblationConfig.items``); item ``i`` has seed ``seed + i``.
 
     Example:
         >>> [(i.index, i.label, i.seed) for i in build_items([4, 2], per_class=2, seed=10)]
@@ -108,7 +96,7 @@ def build_items(classes: Sequence[int], per_class: int = 1, seed: int = 0) -> li
     if per_class < 1:
         raise ValueError(f"--per-class must be >= 1, got {per_class}")
     labels = [int(c) for c in classes for _ in range(per_class)]
-    return [Item(i, c, seed + i) for i, c in enumerate(labels)]
+    return [Item(i, seed + i, label=c) for i, c in enumerate(labels)]
 
 
 def make_batches(items: Sequence[Item], batch_size: int) -> list[list[Item]]:
@@ -138,36 +126,37 @@ def shard(num_batches: int, rank: int, world_size: int) -> list[int]:
 # ---------------------------------------------------------------------------------------- settings
 @dataclasses.dataclass(frozen=True)
 class GenerateSpec:
-    """Everything that changes the pixels of an image besides its index and seed.
+    """Everything that changes the pixels of an image besides its index, seed and condition.
 
     Args:
-        checkpoint: the DiT weights (``.safetensors``).
+        model: the model source (reference DiT or a pipeline folder, with its call arguments).
         strategy: a registered strategy/schedule name, or ``"none"`` for the unmerged model.
         ratio: the merge ratio (ignored for ``"none"``).
         options: strategy/adapter/state options passed to :func:`tomerge.merging`.
-        num_steps, cfg_scale, shift: sampler settings (see :func:`~tomerge.experiments.sampling.sample`).
-        batch_size: images per sampling call.
+        batch_size: images per generation call.
+        plugins: modules or files imported before the strategy is built (also in every worker).
     """
 
-    checkpoint: str
+    model: ModelSpec = dataclasses.field(default_factory=ModelSpec)
     strategy: str = "none"
     ratio: float = 0.5
     options: dict[str, Any] = dataclasses.field(default_factory=dict)
-    num_steps: int = 20
-    cfg_scale: float = 2.0
-    shift: float = 1.0
     batch_size: int = 16
+    plugins: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.strategy != "none" and self.strategy not in tomerge.list_strategies():
             raise ValueError(f"unknown strategy {self.strategy!r}; choose none or one of {tomerge.list_strategies()}")
         if self.strategy == "none" and self.options:
             raise ValueError(f"--set {sorted(self.options)} needs a --strategy")
-        if self.num_steps < 1 or self.batch_size < 1:
-            raise ValueError("num_steps and batch_size must be >= 1")
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The recorded settings (``plugins`` are where code comes from, not a setting)."""
+        out = dataclasses.asdict(self)
+        del out["plugins"]
+        return out
 
 
 def check_settings(out: Path, spec: GenerateSpec) -> None:
@@ -181,37 +170,47 @@ def check_settings(out: Path, spec: GenerateSpec) -> None:
             raise ValueError(f"{out} holds images generated with other settings (changed: {changed}); "
                              "use another --out or delete the folder")
         return
-    tmp = file.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(current, indent=2, sort_keys=True))
-    os.replace(tmp, file)
+    _write_atomic(file, json.dumps(current, indent=2, sort_keys=True))
+
+
+def write_index(out: Path, items: Sequence[Item]) -> None:
+    """``OUT/prompts.jsonl``: one line per item (index, seed, file, prompt or label), rewritten whole."""
+    lines = [json.dumps({"index": i.index, "seed": i.seed, "file": i.filename,
+                         **({"prompt": i.prompt} if i.prompt is not None else {"label": i.label})})
+             for i in items]
+    _write_atomic(out / INDEX_FILE, "\n".join(lines) + "\n")
+
+
+def read_index(out: Path) -> list[Item]:
+    """The items of a generation folder, from its ``prompts.jsonl``."""
+    file = out / INDEX_FILE
+    if not file.is_file():
+        raise FileNotFoundError(f"{out} has no {INDEX_FILE}")
+    rows = [json.loads(line) for line in file.read_text().splitlines() if line.strip()]
+    return [Item(r["index"], r["seed"], label=r.get("label"), prompt=r.get("prompt")) for r in rows]
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 # ---------------------------------------------------------------------------------------- work
-def item_noise(item: Item, model: nn.Module) -> Tensor:
-    """``[C, H, W]`` initial noise of an item (the same draw as ``tomerge ablate``)."""
-    c = model.config
-    return torch.randn((c.in_channels, *c.image_hw), generator=torch.Generator().manual_seed(item.seed))
-
-
-def generate_batch(model: nn.Module, batch: Sequence[Item], spec: GenerateSpec) -> Tensor:
-    """Images ``[B, C, H, W]`` in ``[-1, 1]`` (CPU) of one batch, with the spec's merging.
+def generate_batch(source: Any, batch: Sequence[Item], spec: GenerateSpec) -> Tensor:
+    """Images ``[B, C, H, W]`` in ``[-1, 1]`` (float32, CPU) of one batch, with the spec's merging.
 
     Random merge choices are made inside a forked RNG seeded from the batch's first seed, so they
     do not depend on what ran before in the process.
     """
-    device = next(model.parameters()).device
-    labels = torch.tensor([i.label for i in batch], dtype=torch.long)
-    noise = torch.stack([item_noise(i, model) for i in batch])  # [B, C, H, W]
+    device = torch.device(source.spec.device)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(batch[0].seed)
         if spec.strategy == "none":
-            images = sample(model, labels, num_steps=spec.num_steps, cfg_scale=spec.cfg_scale, shift=spec.shift,
-                            noise=noise)
-        else:
-            with tomerge.merging(model, spec.strategy, ratio=spec.ratio, **spec.options):
-                images = sample(model, labels, num_steps=spec.num_steps, cfg_scale=spec.cfg_scale,
-                                shift=spec.shift, noise=noise)
-    return images.cpu()
+            return source.generate(batch)
+        with tomerge.merging(source.target, spec.strategy, ratio=spec.ratio,
+                             **{**source.merge_options(), **spec.options}):
+            return source.generate(batch)
 
 
 def save_image(image: Tensor, path: Path) -> None:
@@ -224,47 +223,46 @@ def save_image(image: Tensor, path: Path) -> None:
     elif array.shape[0] == 3:
         pil = Image.fromarray(array.permute(1, 2, 0).contiguous().numpy(), mode="RGB")
     else:
-        raise ValueError(f"can write 1- or 3-channel images, got {array.shape[0]} channels "
-                         "(latent models need a decoder, which generate does not have yet)")
+        raise ValueError(f"can write 1- or 3-channel images, got {array.shape[0]} channels")
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     pil.save(tmp, format="PNG")
     os.replace(tmp, path)
 
 
-def process_batch(model: nn.Module, batch: Sequence[Item], spec: GenerateSpec, out: Path) -> int:
+def process_batch(source: Any, batch: Sequence[Item], spec: GenerateSpec, out: Path, rank: int = 0) -> int:
     """Generates a batch unless all its files exist; writes only the missing files; returns how many."""
     missing = [k for k, item in enumerate(batch) if not (out / item.filename).exists()]
     if not missing:
         return 0
-    images = generate_batch(model, batch, spec)
-    for k in missing:
-        save_image(images[k], out / batch[k].filename)
+    images = generate_batch(source, batch, spec)
+    with (out / LOG_FILE).open("a") as log:
+        for k in missing:
+            save_image(images[k], out / batch[k].filename)
+            log.write(json.dumps({"file": batch[k].filename, "rank": rank}) + "\n")
+            log.flush()
     return len(missing)
 
 
-def load_model(spec: GenerateSpec, device: str | torch.device = "cpu") -> nn.Module:
-    from tomerge.backbones.native_dit import load_dit
-
-    return load_dit(spec.checkpoint, map_location=device).eval()
-
-
-def _check_labels(items: Sequence[Item], model: nn.Module) -> None:
-    n = model.config.num_classes
-    bad = sorted({i.label for i in items if not 0 <= i.label < n})
-    if bad:
-        raise ValueError(f"class ids {bad} outside the model's classes 0..{n - 1}")
+def prepare(out: Path, items: Sequence[Item], spec: GenerateSpec) -> None:
+    """Creates ``out``, checks/records the settings and writes the item index."""
+    out.mkdir(parents=True, exist_ok=True)
+    check_settings(out, spec)
+    write_index(out, items)
 
 
-def generate_local(items: Sequence[Item], spec: GenerateSpec, out: Path, device: str = "cpu",
+def generate_local(items: Sequence[Item], spec: GenerateSpec, out: Path, source: Any = None,
                    progress: bool = True) -> int:
-    """One process: every batch in order. Returns the number of images written."""
+    """One process: every batch in order (``source``: an already loaded model source, reused).
+    Returns the number of images written."""
     from tqdm import tqdm
 
-    model = load_model(spec, device)
-    _check_labels(items, model)
+    source = source if source is not None else spec.model.load()
+    source.check_items(items)
+    prepare(out, items, spec)
     written = 0
-    for batch in tqdm(make_batches(items, spec.batch_size), desc="generate", unit="batch", disable=not progress):
-        written += process_batch(model, batch, spec, out)
+    for batch in tqdm(make_batches(items, spec.batch_size), desc=f"generate {out.name}", unit="batch",
+                      disable=not progress):
+        written += process_batch(source, batch, spec, out)
     return written
 
 
@@ -278,17 +276,23 @@ def _lightning_module_class() -> type:
     import pytorch_lightning as pl
 
     class GenerateModule(pl.LightningModule):
-        """Generates this rank's shard of batches in ``predict_step`` and writes the PNGs."""
+        """Loads the model on its rank's device in ``setup``, generates this rank's shard of batches in
+        ``predict_step`` and writes the PNGs."""
 
         def __init__(self, items: list[Item], spec: GenerateSpec, out: str, threads: int | None = None) -> None:
             super().__init__()
             self.items, self.spec, self.out, self.threads = items, spec, out, threads
-            self.model = load_model(spec)
-            _check_labels(items, self.model)
+            self.source = None
 
-        def on_predict_start(self) -> None:
+        def setup(self, stage: str) -> None:
+            from .plugins import load_plugins
+
             if self.threads:
                 torch.set_num_threads(self.threads)
+            load_plugins(self.spec.plugins)  # a spawned rank starts with the built-ins only
+            device = self.trainer.strategy.root_device
+            model = dataclasses.replace(self.spec.model, device=str(device))
+            self.source = model.load()
 
         def predict_dataloader(self):
             from torch.utils.data import DataLoader
@@ -296,11 +300,14 @@ def _lightning_module_class() -> type:
             batches = make_batches(self.items, self.spec.batch_size)
             mine = shard(len(batches), self.trainer.global_rank, self.trainer.world_size)
             work = [{"batch_index": b, "items": [dataclasses.astuple(i) for i in batches[b]]} for b in mine]
-            return DataLoader(work, batch_size=None, collate_fn=lambda x: x)
+            # Lightning refuses a rank with nothing to do (fewer batches than ranks): give it an empty batch.
+            return DataLoader(work or [{"batch_index": -1, "items": []}], batch_size=None, collate_fn=lambda x: x)
 
         def predict_step(self, batch: dict[str, Any], batch_idx: int) -> int:
             items = [Item(*t) for t in batch["items"]]
-            return process_batch(self.model, items, self.spec, Path(self.out))
+            if not items:
+                return 0
+            return process_batch(self.source, items, self.spec, Path(self.out), rank=self.trainer.global_rank)
 
     GenerateModule.__qualname__ = "GenerateModule"
     GenerateModule.__module__ = "tomerge.experiments.generate"
@@ -318,9 +325,10 @@ def generate_distributed(items: Sequence[Item], spec: GenerateSpec, out: Path, d
                          threads: int | None = None, progress: bool = True) -> bool:
     """``Trainer.predict`` with DDP over ``devices x num_nodes`` ranks; returns True on global rank 0.
 
-    With ``launcher="ddp"`` Lightning re-executes the current command for the other local ranks, so
-    call this from a script or console entry point; from Python (notebooks, tests) use ``"ddp_fork"``
-    (CPU) or ``"ddp_spawn"``.
+    Every rank loads the model itself (``spec.model`` on its own device). With ``launcher="ddp"``
+    Lightning re-executes the current command for the other local ranks, so call this from a script
+    or console entry point; from Python (notebooks, tests, ``tomerge ablate``) use ``"ddp_fork"``
+    (CPU) or ``"ddp_spawn"``. The caller prepares ``out`` (:func:`prepare`) on one rank first.
     """
     import pytorch_lightning as pl
     from pytorch_lightning.strategies import DDPStrategy
@@ -340,27 +348,39 @@ def generate_distributed(items: Sequence[Item], spec: GenerateSpec, out: Path, d
 
 # ---------------------------------------------------------------------------------------- CLI
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    what = parser.add_argument_group("what to generate")
+    what = parser.add_argument_group("what to generate (classes for the reference DiT, prompts for a pipeline)")
+    what.add_argument("--config", type=Path, default=None,
+                      help="an experiment config (as for `tomerge ablate`): its model, classes/prompts, seed and "
+                           "batch_size keys are used; flags below override them")
     what.add_argument("--classes", type=int, nargs="+", default=None, metavar="C", help="class ids")
     what.add_argument("--class-file", type=Path, default=None,
                       help="class ids from a file (JSON list, or text separated by spaces/commas/newlines)")
-    what.add_argument("--per-class", type=int, default=1, help="images per listed class id (default: %(default)s)")
-    what.add_argument("--seed", type=int, default=0, help="item i uses seed SEED + i (default: %(default)s)")
+    what.add_argument("--per-class", type=int, default=None, help="images per listed class id (default: 1)")
+    what.add_argument("--prompts", default=None, metavar="FILE",
+                      help="prompt set: .txt, .jsonl, COCO captions .json, PartiPrompts .tsv")
+    what.add_argument("--num-prompts", type=int, default=None, help="use the first N prompts (after the offset)")
+    what.add_argument("--prompt-offset", type=int, default=None, help="skip the first K prompts")
+    what.add_argument("--images-per-prompt", type=int, default=None, help="images per prompt (default: 1)")
+    what.add_argument("--seed", type=int, default=None, help="item i uses seed SEED + i (default: 0)")
     what.add_argument("--out", type=Path, required=True, help="output folder (created; reruns resume)")
     merge = parser.add_argument_group("merging")
     merge.add_argument("--strategy", default="none", choices=["none", *tomerge.list_strategies()],
                        help="strategy or schedule (default: none, the unmerged model)")
     merge.add_argument("--ratio", type=float, default=0.5, help="merge ratio (default: %(default)s)")
     merge.add_argument("--set", dest="options", action="append", default=[], metavar="OPTION=VALUE",
-                       help="strategy/adapter option, YAML value, e.g. --set use_rand=false (repeatable)")
-    model = parser.add_argument_group("model and sampler")
-    model.add_argument("--checkpoint", type=Path, default=REFERENCE_CHECKPOINT,
+                       help="strategy/adapter option, YAML value, e.g. --set use_rand=false (repeatable); "
+                            "with --config, dotted config keys too (--set model.pipeline=DIR)")
+    model = parser.add_argument_group("model")
+    model.add_argument("--pipeline", type=Path, default=None,
+                       help="a local diffusers pipeline folder (default: the reference DiT)")
+    model.add_argument("--checkpoint", type=Path, default=None,
                        help="native DiT weights (default: the bundled reference model)")
-    model.add_argument("--num-steps", type=int, default=20, help="Euler steps (default: %(default)s)")
-    model.add_argument("--cfg-scale", type=float, default=2.0, help="guidance scale (default: %(default)s)")
-    model.add_argument("--shift", type=float, default=1.0, help="timestep shift (default: %(default)s)")
-    model.add_argument("--batch-size", type=int, default=16,
-                       help="images per sampling call; part of the settings (default: %(default)s)")
+    model.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], default=None, help="(default: fp32)")
+    model.add_argument("--call", dest="call", action="append", default=[], metavar="KEY=VALUE",
+                       help="generation-call argument: for a pipeline e.g. num_inference_steps=28 height=512; "
+                            "for the reference DiT num_steps, cfg_scale, shift (repeatable)")
+    model.add_argument("--batch-size", type=int, default=None,
+                       help="images per generation call; part of the settings (default: 16)")
     procs = parser.add_argument_group("processes")
     procs.add_argument("--devices", type=int, default=1, help="processes per node; > 1 uses Lightning DDP")
     procs.add_argument("--num-nodes", type=int, default=1, help="nodes (Lightning DDP)")
@@ -372,35 +392,99 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     procs.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
+def _config_values(args: argparse.Namespace) -> dict[str, Any]:
+    """Model, items, seed and batch size from ``--config`` (dotted ``--set`` keys applied), then the flags."""
+    from .config import load_config
+
+    config_overrides = [o for o in args.options if "." in o.split("=", 1)[0]]
+    if args.config is None:
+        if config_overrides:
+            raise SystemExit(f"tomerge generate: {config_overrides} set config keys, which need --config FILE")
+        return {}
+    config = load_config(args.config, config_overrides, plugins=list(getattr(args, "plugins", None) or []))
+    return {"model": config.model, "config": config}
+
+
+def _model_spec(args: argparse.Namespace, base: ModelSpec | None) -> ModelSpec:
+    values = base.to_dict() if base is not None else ModelSpec().to_dict()
+    if args.pipeline is not None and args.checkpoint is not None:
+        raise SystemExit("tomerge generate: give --pipeline or --checkpoint, not both")
+    if args.pipeline is not None:
+        values.update(kind="pipeline", path=str(args.pipeline.expanduser().resolve()), call={})
+    elif args.checkpoint is not None:
+        values.update(kind="reference", path=str(Path(args.checkpoint).resolve()), call={})
+    elif values["kind"] == "reference" and values["path"] is None:
+        values["path"] = str(REFERENCE_CHECKPOINT)
+    if args.dtype is not None:
+        values["dtype"] = args.dtype
+    call = dict(values["call"])
+    for text in args.call:
+        apply_override(call, *parse_override(text))
+    values["call"] = call
+    accelerator = _accelerator(args)
+    if accelerator == "gpu" and values["device"] == "cpu":
+        values["device"] = "cuda"
+    return ModelSpec(**values)
+
+
+def _accelerator(args: argparse.Namespace) -> str:
+    if args.accelerator == "auto":
+        return "gpu" if torch.cuda.is_available() else "cpu"
+    return args.accelerator
+
+
+def _items(args: argparse.Namespace, model: ModelSpec, config: Any) -> list[Item]:
+    if model.conditioning == "class":
+        if args.prompts is not None:
+            raise SystemExit("tomerge generate: --prompts needs a text-to-image --pipeline")
+        if args.classes is not None and args.class_file is not None:
+            raise SystemExit("tomerge generate: give --classes or --class-file, not both")
+        classes = args.classes if args.classes is not None else (
+            read_class_file(args.class_file) if args.class_file is not None else
+            (list(config.classes) if config is not None else None))
+        if classes is None:
+            raise SystemExit("tomerge generate: give --classes C [C ...] or --class-file FILE")
+        if not classes:
+            raise SystemExit("tomerge generate: the class list is empty")
+        per_class = args.per_class or (config.per_class if config is not None else 1)
+        seed = args.seed if args.seed is not None else (config.seed if config is not None else 0)
+        return build_items(classes, per_class, seed)
+    if args.classes is not None or args.class_file is not None:
+        raise SystemExit("tomerge generate: a text-to-image pipeline takes --prompts, not class ids")
+    from .config import AblationConfig
+
+    keys = {"prompts": args.prompts, "num_prompts": args.num_prompts, "prompt_offset": args.prompt_offset,
+            "images_per_prompt": args.images_per_prompt, "seed": args.seed}
+    values = {k: getattr(config, k) for k in keys} if config is not None else {}
+    values.update({k: v for k, v in keys.items() if v is not None})
+    if values.get("prompts") is None:
+        raise SystemExit("tomerge generate: a text-to-image pipeline needs --prompts FILE")
+    return AblationConfig(model=model, **values).items()
+
+
 def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
-    if (args.classes is None) == (args.class_file is None):
-        raise SystemExit("tomerge generate: give exactly one of --classes C [C ...] or --class-file FILE")
-    classes = args.classes if args.classes is not None else read_class_file(args.class_file)
-    if not classes:
-        raise SystemExit("tomerge generate: the class list is empty")
-    options = dict(parse_override(text) for text in args.options)
-    checkpoint = Path(args.checkpoint)
-    if not checkpoint.is_file():
-        raise SystemExit(f"tomerge generate: checkpoint {checkpoint} not found (local weights only)")
-    spec = GenerateSpec(checkpoint=str(checkpoint.resolve()), strategy=args.strategy, ratio=args.ratio,
-                        options=options, num_steps=args.num_steps, cfg_scale=args.cfg_scale, shift=args.shift,
-                        batch_size=args.batch_size)
-    items = build_items(classes, args.per_class, args.seed)
+    from_config = _config_values(args)
+    config = from_config.get("config")
+    model = _model_spec(args, from_config.get("model"))
+    items = _items(args, model, config)
+    options = dict(parse_override(text) for text in args.options if "." not in text.split("=", 1)[0])
+    batch_size = args.batch_size or (config.batch_size if config is not None else 16)
+    plugins = tuple(config.plugins) if config is not None else tuple(getattr(args, "plugins", None) or ())
+    spec = GenerateSpec(model=model, strategy=args.strategy, ratio=args.ratio, options=options,
+                        batch_size=batch_size, plugins=plugins)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    check_settings(out, spec)
-    accelerator = args.accelerator
-    if accelerator == "auto":
-        accelerator = "gpu" if torch.cuda.is_available() else "cpu"
+    accelerator = _accelerator(args)
     if args.devices * args.num_nodes > 1:
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0 and int(os.environ.get("NODE_RANK", "0")) == 0:
+            prepare(out, items, spec)
         is_zero = generate_distributed(items, spec, out, args.devices, accelerator, args.num_nodes, args.launcher,
                                        args.threads, progress=not args.no_progress)
         if not is_zero:
             return 0
     else:
-        generate_local(items, spec, out, "cuda" if accelerator == "gpu" else "cpu", progress=not args.no_progress)
+        generate_local(items, spec, out, progress=not args.no_progress)
     done = sum((out / i.filename).exists() for i in items)
     print(f"{done}/{len(items)} images in {out}")
     return 0 if done == len(items) else 1

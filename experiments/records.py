@@ -2,9 +2,11 @@
 
 A run folder ``runs/<name>/`` holds ``config.yaml``, ``results.jsonl`` (one JSON row per finished run,
 appended as they finish: the resume point), ``results.csv`` and ``table.md`` (rewritten at the end),
-``images/<run>.safetensors`` + ``images/<run>.png`` (grid), ``maps/<run>.safetensors`` (slot of every
-token of the first image at the kept steps/layers) and ``maps/<run>.json`` (every block call's
-decision). Figures are built from these files alone.
+``images/<run>/`` (one PNG per item, with ``prompts.jsonl``), ``images/<run>.png`` (a grid of the first
+images), ``features.safetensors`` (EfficientNet-Lite0 features of the baseline and reference images),
+``maps/<run>.safetensors`` (slot of every token of the first timed image at the kept steps/layers) and
+``maps/<run>.json`` (every block call's decision in the timed batch). Figures are built from these
+files alone.
 """
 
 from __future__ import annotations
@@ -24,9 +26,13 @@ from torch import Tensor
 
 from .config import AblationConfig
 
+# (key, title); a column is shown when some row has a value for it
 TABLE_COLUMNS = [("run", "run"), ("ratio", "ratio"), ("speedup", "speed-up"), ("flop_speedup", "FLOP-ideal"),
-                 ("overhead_ratio", "measured/ideal"), ("psnr", "PSNR dB"), ("ssim", "SSIM"),
-                 ("fd_effnetlite0", "FD-EffNetLite0 vs baseline"), ("fd_effnetlite0_ref", "FD-EffNetLite0 vs test")]
+                 ("overhead_ratio", "measured/ideal"), ("timing_spread", "timing spread"),
+                 ("time_per_image_s", "s/image"), ("psnr", "PSNR dB"), ("ssim", "SSIM"),
+                 ("feat_cos_dist", "EffNetLite0 cos dist"), ("fd_effnetlite0", "FD-EffNetLite0 vs baseline"),
+                 ("fd_effnetlite0_ref", "FD-EffNetLite0 vs test"), ("clip_score", "CLIP score"), ("fid", "FID")]
+GRID_IMAGES = 20  # images in a run's grid PNG and logged to W&B
 
 
 def environment() -> dict[str, Any]:
@@ -82,7 +88,7 @@ class RunFolder:
         if saved.exists() and saved.read_text() != current:
             previous = yaml.safe_load(saved.read_text())
             changed = sorted(k for k, v in config.to_dict().items() if previous.get(k) != _plain(v))
-            if set(changed) - {"grid", "wandb", "out_dir"}:
+            if set(changed) - {"grid", "wandb", "out_dir", "plugins"}:
                 raise ValueError(f"{path} holds an ablation with another config (changed: {changed}); "
                                  "use another name (--set name=...) or delete the folder")
         saved.write_text(current)
@@ -109,19 +115,15 @@ class RunFolder:
             os.fsync(f.fileno())
         self.rows.append(row)
 
-    def save_images(self, run_id: str, images: Tensor) -> None:
-        from safetensors.torch import save_file
+    def images_dir(self, run_id: str) -> Path:
+        """The run's PNGs, one per item (``{i:05d}_seed{s}.png`` / ``{i:05d}_class{c}_seed{s}.png``)."""
+        return self.path / "images" / run_id
 
-        save_file({"images": images.to(torch.float16).contiguous()}, self.path / "images" / f"{run_id}.safetensors")
-        save_png(image_grid(images), self.path / "images" / f"{run_id}.png")
+    def save_grid(self, run_id: str, files: list[Path]) -> None:
+        """``images/<run>.png``: the first :data:`GRID_IMAGES` images side by side."""
+        from .metrics import load_image_files
 
-    def load_images(self, run_id: str) -> Tensor | None:
-        file = self.path / "images" / f"{run_id}.safetensors"
-        if not file.exists():
-            return None
-        from safetensors.torch import load_file
-
-        return load_file(file)["images"].float()
+        save_png(image_grid(load_image_files(files[:GRID_IMAGES])), self.path / "images" / f"{run_id}.png")
 
     def save_tensors(self, key: str, tensors: dict[str, Tensor]) -> None:
         from safetensors.torch import save_file
@@ -168,12 +170,23 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
+def _cell(row: dict[str, Any], key: str) -> str:
+    if key == "timing_spread" and row.get(key) is not None:
+        return f"{100 * row[key]:.0f}%" + (" (noisy)" if row.get("timing_noisy") else "")
+    return _fmt(row.get(key))
+
+
 def markdown_table(rows: list[dict[str, Any]]) -> str:
-    """The ablation table: one row per run."""
-    lines = ["| " + " | ".join(title for _, title in TABLE_COLUMNS) + " |",
-             "|" + "|".join("---" if k == "run" else "---:" for k, _ in TABLE_COLUMNS) + "|"]
+    """The ablation table: one row per run; a column for every key some row has. A run whose timing
+    repeats disagree by more than 10% (max - min over the median) is marked ``(noisy)``."""
+    columns = [(k, t) for k, t in TABLE_COLUMNS if k in ("run", "ratio") or any(r.get(k) is not None for r in rows)]
+    lines = ["| " + " | ".join(title for _, title in columns) + " |",
+             "|" + "|".join("---" if k == "run" else "---:" for k, _ in columns) + "|"]
     for row in rows:
-        lines.append("| " + " | ".join(_fmt(row.get(k)) for k, _ in TABLE_COLUMNS) + " |")
+        lines.append("| " + " | ".join(_cell(row, k) for k, _ in columns) + " |")
+    if any(r.get("timing_noisy") for r in rows):
+        lines.append("\n(noisy): the timing repeats of that run disagree by more than 10%; its speed-up is not "
+                     "reliable (rerun with more `repeats` on a quiet machine).")
     return "\n".join(lines) + "\n"
 
 
@@ -208,21 +221,24 @@ class WandbLogger:
                               mode=self.mode, config={**config.to_dict(), **env}, reinit="finish_previous",
                               settings=wandb.Settings(silent=True, console="off"))
 
-    def images(self, key: str, images: Tensor) -> None:
-        if self.run is not None:
-            import wandb
-
-            self.run.log({f"images/{key}": wandb.Image(image_grid(images).numpy())})
-
-    def row(self, row: dict[str, Any], images: Tensor | None = None, maps: dict[str, Tensor] | None = None) -> None:
+    def row(self, row: dict[str, Any], images: list[Path] | None = None, prompts: list[str] | None = None,
+            maps: dict[str, Tensor] | None = None) -> None:
+        """One run's metrics, its first images (each with its prompt as caption) and merge maps."""
         if self.run is None:
             return
         import wandb
 
+        from .metrics import load_image_files
+
         payload: dict[str, Any] = {f"{row['run']}/{k}": v for k, v in row.items()
                                    if isinstance(v, (int, float)) and v is not None}
-        if images is not None:
-            payload[f"images/{row['run']}"] = wandb.Image(image_grid(images).numpy())
+        if images:
+            first = images[:GRID_IMAGES]
+            loaded = load_image_files(first)  # [k, C, H, W]
+            payload[f"images/{row['run']}"] = [
+                wandb.Image(image_grid(loaded[k:k + 1], columns=1).numpy(),
+                            caption=prompts[k] if prompts is not None else first[k].name)
+                for k in range(len(first))]
         for key, slots in (maps or {}).items():
             payload[f"maps/{row['run']}/{key}"] = wandb.Image(merge_map_rgb(slots).numpy())
         self.run.log(payload)

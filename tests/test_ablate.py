@@ -26,8 +26,9 @@ def setup(tmp_path_factory):
     data.mkdir()
     write_idx(data / "t10k-images-idx3-ubyte", torch.randint(0, 256, (6, 12, 12), dtype=torch.uint8))
     write_idx(data / "t10k-labels-idx1-ubyte", torch.randint(0, 10, (6,), dtype=torch.uint8))
-    overrides = [f"checkpoint={root / 'tiny.safetensors'}", f"data_root={data}", f"out_dir={root / 'runs'}",
-                 "name=tiny", "classes=[0, 1]", "per_class=2", "num_steps=2", "batch_size=4", "timing_batch=2",
+    overrides = [f"model.reference={root / 'tiny.safetensors'}", "model.call.num_steps=2", f"data_root={data}",
+                 f"out_dir={root / 'runs'}", "name=tiny", "classes=[0, 1]", "per_class=2", "batch_size=4",
+                 "timing_batch=2",
                  "warmup=0", "repeats=1", "fd_reference_images=6", "wandb=offline",
                  "grid=[{strategy: tomesd, ratios: [0.5], options: {use_rand: false}},"
                  " {strategy: ssm, ratios: [0.25, 0.5], options: {round_windows: 1}}]"]
@@ -71,7 +72,7 @@ def test_ablation_writes_every_run_resumes_and_logs_to_wandb_offline(setup):
                              timeout=120)
         records += [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     config = next(r["run"]["config"]["update"] for r in records if r.get("type") == "run")
-    assert config["num_steps"] == 2 and config["name"] == "tiny"
+    assert config["model"]["call"]["num_steps"] == 2 and config["name"] == "tiny"
     logged = {k for r in records if r.get("type") == "history" for k in _history_keys(r)}
     assert "ssm-r0.5-round_windows=1/psnr" in logged and "tomesd-r0.5-use_rand=False/speedup" in logged
 
@@ -84,7 +85,7 @@ def test_changed_config_in_the_same_folder_is_refused(setup):
     root, overrides = setup
     run_ablation(load_config(None, overrides), progress=False)
     with pytest.raises(ValueError, match="another config"):
-        run_ablation(load_config(None, overrides + ["num_steps=3"]), progress=False)
+        run_ablation(load_config(None, overrides + ["model.call.num_steps=3"]), progress=False)
 
 
 def test_bad_config_keys_and_strategies_raise():

@@ -50,7 +50,20 @@ def _slots(removed: int, gen: torch.Generator) -> torch.Tensor:
     return slots
 
 
-def make_run_folder(root: Path, name: str = "synthetic") -> Path:
+def save_images(folder: Path, run: str, images: torch.Tensor, prompts: list[str] | None = None) -> None:
+    """A run's images as ``tomerge ablate`` writes them: ``images/<run>/`` PNGs and their ``prompts.jsonl``."""
+    from tomerge.experiments.generate import Item, save_image, write_index
+
+    out = folder / "images" / run
+    out.mkdir(parents=True)
+    items = [Item(i, i, label=None if prompts else 0, prompt=prompts[i] if prompts else None)
+             for i in range(images.shape[0])]
+    for item, image in zip(items, images):
+        save_image(image, out / item.filename)
+    write_index(out, items)
+
+
+def make_run_folder(root: Path, name: str = "synthetic", prompts: list[str] | None = None) -> Path:
     from safetensors.torch import save_file
 
     folder = root / name
@@ -60,16 +73,15 @@ def make_run_folder(root: Path, name: str = "synthetic") -> Path:
     gen = torch.Generator().manual_seed(0)
     rows = [{"run": "baseline", "strategy": "none", "ratio": 0.0, "options": {}, "flops": 1000, "psnr": 100.0,
              "ssim": 1.0, "fd_effnetlite0": 0.0, "versions": {}, "git_commit": None}]
-    save_file({"images": (torch.rand(N_IMAGES, 1, SIDE, SIDE, generator=gen) * 2 - 1).half()},
-              folder / "images" / "baseline.safetensors")
+    channels = 3 if prompts else 1
+    save_images(folder, "baseline", torch.rand(N_IMAGES, channels, SIDE, SIDE, generator=gen) * 2 - 1, prompts)
     for run, strategy, ratio, options, speedup, psnr, fd in RUNS:
         rows.append({"run": run, "strategy": strategy, "ratio": ratio, "options": options, "time_base_s": 1.0,
                      "time_s": 1 / speedup, "speedup": speedup, "flops_base": 1000, "flops": 600,
                      "flop_speedup": 1000 / 600, "overhead_ratio": speedup / (1000 / 600), "peak_memory_mb": None,
                      "tokens_removed_mean": 0.4, "psnr": psnr, "ssim": psnr / 40, "fd_effnetlite0": fd,
                      "versions": {}, "git_commit": None})
-        save_file({"images": (torch.rand(N_IMAGES, 1, SIDE, SIDE, generator=gen) * 2 - 1).half()},
-                  folder / "images" / f"{run}.safetensors")
+        save_images(folder, run, torch.rand(N_IMAGES, channels, SIDE, SIDE, generator=gen) * 2 - 1, prompts)
         records, maps = [], {}
         for step in range(STEPS):
             for layer in range(LAYERS):
@@ -175,3 +187,18 @@ def test_wandb_dir_and_several_folders(tmp_path):
     assert "ssm-r0.5" not in md
     assert (out / "a" / "grid.png") in written and (out / "a-1" / "grid.png") in written
     assert len(json.loads((out / "pareto.json").read_text())["fronts"]["psnr"]) == 6  # same points in both
+
+
+def test_text_to_image_grid_has_one_row_per_prompt(tmp_path):
+    prompts = [f"prompt number {i}, a photo of a cat on a mat" for i in range(N_IMAGES)]
+    folder = make_run_folder(tmp_path, "t2i", prompts=prompts)
+    data = figures.load_run(folder)
+    assert data.prompts(3) == prompts[:3]
+    assert data.images("ssm-r0.5", 2).shape == (2, 3, SIDE, SIDE)
+    written = figures.image_grid_figure(data, tmp_path / "grid", k=3)
+    from PIL import Image
+
+    with Image.open(written[0]) as im:  # 3 prompt rows, 9 columns (baseline + 8 runs): wider than tall
+        assert im.size[0] > im.size[1] > 300
+    class_data = figures.load_run(make_run_folder(tmp_path, "classes"))
+    assert class_data.prompts() is None

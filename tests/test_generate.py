@@ -10,11 +10,12 @@ import pytest
 import torch
 
 from tomerge.experiments import generate as gen
+from tomerge.experiments.sources import ModelSpec
 
 CLASSES = [0, 1, 2]
 PER_CLASS = 2  # 6 images
 EXPECTED = [f"{i:05d}_class{c}_seed{10 + i}.png" for i, c in enumerate([0, 0, 1, 1, 2, 2])]
-COMMON = ["--classes", *map(str, CLASSES), "--per-class", str(PER_CLASS), "--seed", "10", "--num-steps", "3",
+COMMON = ["--classes", *map(str, CLASSES), "--per-class", str(PER_CLASS), "--seed", "10", "--call", "num_steps=3",
           "--batch-size", "2", "--strategy", "tomesd", "--ratio", "0.5", "--no-progress", "--threads", "1"]
 
 
@@ -44,8 +45,8 @@ def _pixels(path: Path) -> np.ndarray:
 
 
 def _spec(checkpoint: Path) -> gen.GenerateSpec:
-    return gen.GenerateSpec(checkpoint=str(checkpoint.resolve()), strategy="tomesd", ratio=0.5, num_steps=3,
-                            batch_size=2)
+    model = ModelSpec(kind="reference", path=str(checkpoint.resolve()), call={"num_steps": 3})
+    return gen.GenerateSpec(model=model, strategy="tomesd", ratio=0.5, batch_size=2)
 
 
 def test_items_batches_and_shards():
@@ -105,6 +106,7 @@ def test_single_process_resume_and_ddp_match(checkpoint, tmp_path, monkeypatch):
     real_shard = gen.shard
     monkeypatch.setattr(gen, "shard", logged_shard)
     items = gen.build_items(CLASSES, PER_CLASS, seed=10)
+    gen.prepare(ddp, items, _spec(checkpoint))
     assert gen.generate_distributed(items, _spec(checkpoint), ddp, devices=2, accelerator="cpu",
                                     launcher="ddp_fork", threads=1, progress=False)
     shards = {p.name: json.loads(p.read_text()) for p in shard_log.iterdir()}
@@ -118,4 +120,4 @@ def test_single_process_resume_and_ddp_match(checkpoint, tmp_path, monkeypatch):
 
 def test_strategy_none_rejects_options(checkpoint):
     with pytest.raises(ValueError, match="needs a --strategy"):
-        gen.GenerateSpec(checkpoint=str(checkpoint), options={"use_rand": False})
+        gen.GenerateSpec(model=ModelSpec(path=str(checkpoint)), options={"use_rand": False})

@@ -198,13 +198,13 @@ def test_compute_quality_keys_and_values():
 @pytest.mark.parametrize("weights", [None, "/nonexistent/pt_inception-2015-12-05-6726825d.pth"])
 def test_fid_without_weights_names_the_option(weights):
     x = _images(2, 0)
-    with pytest.raises(M.MissingWeightsError, match="--fid-weights"):
+    with pytest.raises(M.MissingWeightsError, match="metrics.fid_weights"):
         M.fid(x, x, inception_weights=weights)
 
 
 @pytest.mark.parametrize("path", [None, "/nonexistent/clip-vit-base-patch16"])
 def test_clip_score_without_weights_names_the_option(path):
-    with pytest.raises(M.MissingWeightsError, match="--clip-model"):
+    with pytest.raises(M.MissingWeightsError, match="metrics.clip_model"):
         M.clip_score(_images(2, 0), ["a shoe", "a bag"], clip_model_path=path)
 
 

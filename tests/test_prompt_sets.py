@@ -59,6 +59,21 @@ def test_coco_one_caption_per_image_smallest_annotation_id_in_image_id_order(tmp
     assert PromptSet(str(f), num_prompts=2, prompt_offset=1).prompts() == expected[1:3]
 
 
+def test_coco_longest_caption_rule_of_the_sdtm_sampler(tmp_path):
+    annotations = [{"image_id": 2, "id": 1, "caption": "short"},
+                   {"image_id": 2, "id": 5, "caption": "the longest caption of image two"},
+                   {"image_id": 2, "id": 3, "caption": "a middling caption"},
+                   {"image_id": 1, "id": 9, "caption": "tie aaaa"},  # equal lengths: the smaller id wins
+                   {"image_id": 1, "id": 8, "caption": "tie bbbb"},
+                   {"image_id": 1, "id": 2, "caption": "tiny"}]
+    f = write(tmp_path / "captions.json", json.dumps({"annotations": annotations}))
+    assert read_prompts(f, coco_caption="longest") == ["tie bbbb", "the longest caption of image two"]
+    assert read_prompts(f) == ["tiny", "short"]  # the default rule: smallest annotation id
+    assert PromptSet(str(f), coco_caption="longest").prompts() == ["tie bbbb", "the longest caption of image two"]
+    with pytest.raises(ValueError, match="coco_caption"):
+        PromptSet(str(f), coco_caption="random")
+
+
 def test_parti_tsv_prompt_column_with_extra_columns_commas_hashes_and_quotes(tmp_path):
     rows = ["Prompt\tCategory\tChallenge\tNote",
             "bond\tAbstract\tBasic\tBiology-inspired concepts with multiple meanings",
@@ -150,7 +165,7 @@ def test_from_config_string_dict_overrides_none_and_unknown_keys(tmp_path):
     assert PromptSet.from_config({"file": str(f), "num_prompts": 1}, num_prompts=2).num_prompts == 2
     assert PromptSet.from_config(ps.to_dict()) == ps
     assert ps.to_dict() == {"file": str(f), "format": "auto", "field": None, "template": "a photo of a {name}",
-                            "num_prompts": 1, "prompt_offset": 1, "images_per_prompt": 3}
+                            "num_prompts": 1, "prompt_offset": 1, "images_per_prompt": 3, "coco_caption": "first"}
     with pytest.raises(ValueError, match=r"unknown prompts key\(s\) \['count'\]; valid keys: \['file', 'format'"):
         PromptSet.from_config({"file": str(f), "count": 3})
     with pytest.raises(ValueError, match=r"unknown prompts key\(s\) \['seed'\]"):

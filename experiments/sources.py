@@ -1,0 +1,313 @@
+"""Model sources: what an experiment generates with.
+
+Every subcommand that runs a model takes the same ``model:`` entry:
+
+* ``model: reference`` (the default): the bundled class-conditional reference DiT, or a native DiT
+  checkpoint (``{reference: PATH, call: {num_steps, cfg_scale, shift}}``; ``reference: bundled`` is
+  the bundled one), sampled with tomerge's Euler sampler; items carry class labels.
+* ``model: {pipeline: PATH, dtype: bf16|fp16|fp32, device: cpu|cuda, call: {...}}``: any diffusers
+  pipeline folder on local disk, loaded with ``DiffusionPipeline.from_pretrained(PATH,
+  local_files_only=True)`` (never a download); items carry prompts. ``call`` holds pipeline-call
+  arguments (``num_inference_steps``, ``guidance_scale``, ``height``, ``width``,
+  ``max_sequence_length``, ...) on top of the family's defaults (:data:`CALL_DEFAULTS`).
+
+Both produce images ``[B, C, H, W]`` in ``[-1, 1]`` (float32, CPU) for a batch of items, the initial
+noise of item ``i`` drawn from ``torch.Generator("cpu").manual_seed(seed_i)`` so an image depends
+only on its seed and settings (also across devices and batch compositions up to kernel rounding).
+
+Example:
+    >>> spec = ModelSpec.from_config({"pipeline": "/models/sd3-medium", "dtype": "fp16", "device": "cuda",
+    ...                               "call": {"num_inference_steps": 28}})     # doctest: +SKIP
+    >>> source = spec.load()                                                     # doctest: +SKIP
+    >>> images = source.generate([Item(0, 0, prompt="a red fox in snow")])      # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+
+__all__ = ["Item", "ModelSpec", "ReferenceSource", "PipelineSource", "CALL_DEFAULTS", "DTYPES"]
+
+REFERENCE_CHECKPOINT = Path(__file__).parent / "reference" / "dit_reference.safetensors"
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+# Pipeline-call arguments per backbone family, on top of which `call:` applies. They are the released
+# pipelines' own defaults made explicit (diffusers 0.42), so that every result row records them; the
+# resolution is the family's native one.
+CALL_DEFAULTS: dict[str, dict[str, Any]] = {
+    "sd3": {"num_inference_steps": 28, "guidance_scale": 7.0, "height": 1024, "width": 1024,
+            "max_sequence_length": 256},
+    "flux": {"num_inference_steps": 28, "guidance_scale": 3.5, "height": 1024, "width": 1024,
+             "max_sequence_length": 512},
+    "pixart": {"num_inference_steps": 20, "guidance_scale": 4.5, "height": 1024, "width": 1024},
+    "unet": {"num_inference_steps": 50},  # SD 1.x/2.x (7.5, 512^2) and SDXL (5.0, 1024^2): the pipeline's own
+    "dit": {"num_inference_steps": 250, "guidance_scale": 4.0},
+}
+# Arguments tomerge sets itself for every call (one image per item, per-item generators, tensor output).
+RESERVED_CALL_ARGS = ("prompt", "generator", "output_type", "num_images_per_prompt", "return_dict",
+                      "class_labels", "latents", "prompt_embeds")
+
+
+@dataclasses.dataclass(frozen=True)
+class Item:
+    """One image to produce: its global index, noise seed, and its condition (class label or prompt).
+
+    Example:
+        >>> Item(7, 107, label=3).filename, Item(7, 107, prompt="a cat").filename
+        ('00007_class3_seed107.png', '00007_seed107.png')
+    """
+
+    index: int
+    seed: int
+    label: int | None = None
+    prompt: str | None = None
+
+    @property
+    def filename(self) -> str:
+        if self.label is not None:
+            return f"{self.index:05d}_class{self.label}_seed{self.seed}.png"
+        return f"{self.index:05d}_seed{self.seed}.png"
+
+
+def _cpu_generator(seed: int) -> torch.Generator:
+    return torch.Generator("cpu").manual_seed(int(seed))
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """A model source as plain data (what configs hold, what is pickled to worker processes).
+
+    Args:
+        kind: ``"reference"`` (native DiT) or ``"pipeline"`` (a diffusers pipeline folder).
+        path: the DiT checkpoint (``None``: the bundled reference model) or the pipeline folder.
+        dtype: ``fp32``, ``fp16`` or ``bf16`` (pipelines).
+        device: ``cpu`` or ``cuda`` (``cuda:N`` too).
+        call: sampler arguments: for the reference model ``num_steps``, ``cfg_scale``, ``shift``; for a
+            pipeline its ``__call__`` arguments on top of :data:`CALL_DEFAULTS`.
+    """
+
+    kind: str = "reference"
+    path: str | None = None
+    dtype: str = "fp32"
+    device: str = "cpu"
+    call: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    REFERENCE_CALL = {"num_steps": 20, "cfg_scale": 2.0, "shift": 1.0}
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("reference", "pipeline"):
+            raise ValueError(f"model kind must be reference or pipeline, got {self.kind!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"model.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"model.device must be cpu or cuda, got {self.device!r}")
+        if not isinstance(self.call, dict):
+            raise ValueError(f"model.call must be a mapping of call arguments, got {self.call!r}")
+        if self.kind == "reference":
+            unknown = sorted(set(self.call) - set(self.REFERENCE_CALL))
+            if unknown:
+                raise ValueError(f"unknown model.call argument(s) {unknown} for the reference DiT; "
+                                 f"valid: {sorted(self.REFERENCE_CALL)}")
+        else:
+            if not self.path:
+                raise ValueError("model.pipeline needs the path of a local diffusers pipeline folder")
+            reserved = sorted(set(self.call) & set(RESERVED_CALL_ARGS))
+            if reserved:
+                raise ValueError(f"model.call sets {reserved}, which tomerge sets per item; remove them "
+                                 "(prompts come from `prompts:`, seeds from `seed:`)")
+
+    @classmethod
+    def from_config(cls, value: Any) -> ModelSpec:
+        """``"reference"``, ``{reference: PATH, ...}`` or ``{pipeline: PATH, dtype, device, call}``.
+
+        Example:
+            >>> ModelSpec.from_config("reference").kind
+            'reference'
+            >>> ModelSpec.from_config({"pipeline": "/m/sd3", "dtype": "bf16"}).dtype
+            'bf16'
+        """
+        if value is None or value == "reference":
+            return cls()
+        if isinstance(value, ModelSpec):
+            return value
+        if isinstance(value, str):
+            raise ValueError(f"model must be `reference` or a mapping {{pipeline: PATH, ...}}, got {value!r}; "
+                             "for a pipeline folder write model: {pipeline: PATH}")
+        if not isinstance(value, dict):
+            raise ValueError(f"model must be `reference` or a mapping, got {value!r}")
+        value = dict(value)
+        kinds = [k for k in ("reference", "pipeline") if k in value]
+        if len(kinds) != 1:
+            raise ValueError("model needs exactly one of `reference: CHECKPOINT` or `pipeline: FOLDER`, "
+                             f"got keys {sorted(value)}")
+        kind = kinds[0]
+        path = value.pop(kind)
+        unknown = sorted(set(value) - {"dtype", "device", "call"})
+        if unknown:
+            raise ValueError(f"unknown model key(s) {unknown}; valid: {kind}, dtype, device, call")
+        return cls(kind=kind, path=None if path in (None, "bundled") else str(path), **value)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @property
+    def conditioning(self) -> str:
+        """``"class"`` (items carry labels) or ``"prompt"``."""
+        return "class" if self.kind == "reference" else "prompt"
+
+    def load(self) -> ReferenceSource | PipelineSource:
+        return ReferenceSource(self) if self.kind == "reference" else PipelineSource(self)
+
+
+class ReferenceSource:
+    """A native DiT checkpoint sampled with :func:`tomerge.experiments.sampling.sample`."""
+
+    conditioning = "class"
+
+    def __init__(self, spec: ModelSpec) -> None:
+        from tomerge.backbones.native_dit import load_dit
+
+        self.spec = spec
+        path = Path(spec.path) if spec.path else REFERENCE_CHECKPOINT
+        if not path.is_file():
+            raise FileNotFoundError(f"model: reference checkpoint {path} not found (local weights only)")
+        self.checkpoint = path
+        self.model = load_dit(path, map_location=spec.device).eval().to(DTYPES[spec.dtype])
+        self.call = {**ModelSpec.REFERENCE_CALL, **spec.call}
+
+    @property
+    def target(self) -> nn.Module:
+        """What :func:`tomerge.apply` attaches to."""
+        return self.model
+
+    @property
+    def denoiser(self) -> nn.Module:
+        return self.model
+
+    @property
+    def num_steps(self) -> int:
+        return int(self.call["num_steps"])
+
+    def merge_options(self) -> dict[str, Any]:
+        """Extra :func:`tomerge.apply` options: the sampler's step count (schedules see exact progress)."""
+        return {"num_steps": self.num_steps}
+
+    def check_items(self, items: Sequence[Item]) -> None:
+        n = self.model.config.num_classes
+        if any(i.label is None for i in items):
+            raise ValueError("the reference DiT is class-conditional: give class labels, not prompts")
+        bad = sorted({i.label for i in items if not 0 <= i.label < n})
+        if bad:
+            raise ValueError(f"class ids {bad} outside the model's classes 0..{n - 1}")
+
+    def generate(self, batch: Sequence[Item]) -> Tensor:
+        """Images ``[B, C, H, W]`` in ``[-1, 1]`` (float32, CPU)."""
+        from .sampling import sample
+
+        c = self.model.config
+        noise = torch.stack([torch.randn((c.in_channels, *c.image_hw), generator=_cpu_generator(i.seed))
+                             for i in batch])  # [B, C, H, W]
+        labels = torch.tensor([i.label for i in batch], dtype=torch.long)
+        return sample(self.model, labels, num_steps=self.num_steps, cfg_scale=float(self.call["cfg_scale"]),
+                      shift=float(self.call["shift"]), noise=noise).float().cpu()
+
+
+class PipelineSource:
+    """A diffusers pipeline from a local folder, called once per batch of prompts."""
+
+    conditioning = "prompt"
+
+    def __init__(self, spec: ModelSpec) -> None:
+        from diffusers import DiffusionPipeline
+
+        self.spec = spec
+        folder = Path(spec.path).expanduser()
+        if not folder.is_dir():
+            hint = (" (it looks like a hub id: download the weights yourself, e.g. `huggingface-cli download "
+                    f"{spec.path} --local-dir DIR`, and give DIR)" if "/" in spec.path and not Path(spec.path).anchor
+                    else "")
+            raise FileNotFoundError(f"model.pipeline {spec.path!r} is not a local folder{hint}; tomerge never "
+                                    "downloads weights")
+        if not (folder / "model_index.json").is_file():
+            raise FileNotFoundError(f"model.pipeline {folder} has no model_index.json: not a diffusers pipeline "
+                                    "folder (save one with pipe.save_pretrained(DIR))")
+        dtype = DTYPES[spec.dtype]
+        with warnings.catch_warnings():  # diffusers 0.42 renames torch_dtype; older releases know only it
+            warnings.filterwarnings("ignore", message="`torch_dtype` is deprecated", category=FutureWarning)
+            self.pipe = DiffusionPipeline.from_pretrained(str(folder), torch_dtype=dtype, local_files_only=True)
+        for module in self.pipe.components.values():
+            # Without `accelerate`, diffusers 0.42 leaves some components (SD3's transformer) in the
+            # file's dtype: cast those that were missed.
+            if isinstance(module, nn.Module) and any(p.dtype != dtype for p in module.parameters()):
+                module.to(dtype)
+        self.pipe.to(spec.device)
+        self.pipe.set_progress_bar_config(disable=True)
+        self.family = self._family()
+        self.call = {**CALL_DEFAULTS.get(self.family, {}), **spec.call}
+        self._check_call()
+
+    def _family(self) -> str | None:
+        import tomerge
+        from tomerge.registry import backbone_class
+
+        for name in tomerge.list_backbones():
+            if backbone_class(name).find_model(self.pipe) is not None:
+                return name
+        return None
+
+    def _check_call(self) -> None:
+        params = inspect.signature(self.pipe.__call__).parameters
+        valid = {k for k, p in params.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+        unknown = sorted(set(self.call) - valid)
+        if unknown:
+            raise ValueError(f"unknown model.call argument(s) {unknown} for {type(self.pipe).__name__}; valid: "
+                             f"{sorted(valid - set(RESERVED_CALL_ARGS))}")
+        if "prompt" not in valid:
+            raise ValueError(f"{type(self.pipe).__name__} takes no prompt: tomerge generates from prompt sets "
+                             "with text-to-image pipelines (use model: reference for class labels)")
+
+    @property
+    def target(self) -> Any:
+        return self.pipe
+
+    @property
+    def denoiser(self) -> nn.Module:
+        for attr in ("transformer", "unet"):
+            module = getattr(self.pipe, attr, None)
+            if isinstance(module, nn.Module):
+                return module
+        raise ValueError(f"{type(self.pipe).__name__} has no transformer or unet")
+
+    @property
+    def num_steps(self) -> int | None:
+        steps = self.call.get("num_inference_steps")
+        if steps is None:
+            steps = inspect.signature(self.pipe.__call__).parameters["num_inference_steps"].default
+        return int(steps)
+
+    def merge_options(self) -> dict[str, Any]:
+        return {}  # the step clock comes from the pipeline's scheduler
+
+    def check_items(self, items: Sequence[Item]) -> None:
+        if any(i.prompt is None for i in items):
+            raise ValueError(f"{type(self.pipe).__name__} is a text-to-image pipeline: give prompts (`prompts:`)")
+
+    def generate(self, batch: Sequence[Item]) -> Tensor:
+        """Images ``[B, 3, H, W]`` in ``[-1, 1]`` (float32, CPU)."""
+        out = self.pipe(prompt=[i.prompt for i in batch], generator=[_cpu_generator(i.seed) for i in batch],
+                        output_type="pt", **self.call)
+        images = out.images if hasattr(out, "images") else out[0]
+        if images.ndim != 4:
+            raise ValueError(f"{type(self.pipe).__name__} returned {images.ndim}-D output {tuple(images.shape)}; "
+                             "experiments take image pipelines ([B, C, H, W]); video is not supported yet")
+        return (images.float().cpu() * 2 - 1).clamp(-1, 1)  # [B, 3, H, W]
+
