@@ -213,3 +213,27 @@ def test_compute_quality_opt_in_metrics_need_their_inputs(tmp_path):
     with pytest.raises(ValueError, match="reference_images"):
         M.compute_quality(x, x, fid_weights=tmp_path)
     assert issubclass(M.MissingWeightsError, FileNotFoundError)
+
+
+def test_clip_score_is_100_times_the_clamped_cosine_of_the_projected_embeddings():
+    """Known answer from the CLIP towers themselves: pooled outputs, projections, unit vectors,
+    ``max(100 cos, 0)`` per image, mean over images (Hessel et al. 2021)."""
+    pytest.importorskip("transformers")
+    import local_pipelines
+    from transformers import CLIPModel, CLIPProcessor
+
+    folder = local_pipelines.clip_folder()
+    images = _images(4, 3, channels=3)
+    prompts = ["a red shoe", "a bag on a chair", "two dogs", "a shirt with stripes"]
+    model = CLIPModel.from_pretrained(folder, local_files_only=True).eval()
+    processor = CLIPProcessor.from_pretrained(folder, local_files_only=True)
+    uint8 = ((images + 1) * 127.5).round().clamp(0, 255).to(torch.uint8)
+    inputs = processor(text=prompts, images=list(uint8), return_tensors="pt", padding=True)
+    with torch.no_grad():
+        image = model.visual_projection(model.vision_model(pixel_values=inputs["pixel_values"]).pooler_output)
+        text = model.text_projection(model.text_model(input_ids=inputs["input_ids"],
+                                                      attention_mask=inputs["attention_mask"]).pooler_output)
+    cos = torch.nn.functional.cosine_similarity(image, text, dim=-1)  # [4]
+    expected = (100 * cos).clamp_min(0).mean().item()
+    assert M.clip_score(images, prompts, folder, batch_size=3) == pytest.approx(expected, rel=1e-5, abs=1e-4)
+    assert M.clip_score(images[:1], prompts[0], folder) == pytest.approx(max(100 * cos[0].item(), 0), abs=1e-4)

@@ -217,3 +217,34 @@ def test_bad_inputs_give_clear_errors(tmp_path, capsys):
     broken.write_text("import tomerge\nraise RuntimeError('the plugin is broken')\n")
     assert cli(["ablate", "--config", str(config), "--plugin", str(broken)]) == 2
     assert "the plugin is broken" in capsys.readouterr().err
+
+
+PAPERS = {"sdtm_sd3_medium": "sd3", "toma_flux_dev": "flux", "toma_sdxl": "sdxl", "tomesd_sd15": "sd"}
+
+
+@pytest.mark.parametrize("paper", sorted(PAPERS))
+def test_paper_configs_load_and_every_run_attaches_to_its_family(tmp_path, paper):
+    """The paper protocols are ready to run: with a local folder of the right family and a prompt file of
+    the configured format, the config validates and every grid cell attaches (options exist)."""
+    import tomerge
+    from tomerge.experiments.config import CONFIG_DIR
+
+    family = PAPERS[paper]
+    coco = tmp_path / "captions.json"
+    coco.write_text(json.dumps({"annotations": [{"image_id": 1, "id": 1, "caption": "a cat"},
+                                                {"image_id": 2, "id": 2, "caption": "a dog on a mat"}]}))
+    classes = tmp_path / "imagenet_class_index.json"
+    classes.write_text(json.dumps({"0": ["n01440764", "tench"], "1": ["n01443537", "goldfish"]}))
+    prompts = classes if paper == "tomesd_sd15" else coco
+    config = load_config(CONFIG_DIR / "papers" / f"{paper}.yaml", [
+        f"model.pipeline={local_pipelines.pipeline_folder(family)}", "model.device=cpu", "model.dtype=fp32",
+        f"prompts.file={prompts}", "num_prompts=2"])
+    items = config.items()
+    assert len(items) == 2 * config.images_per_prompt and all(i.prompt for i in items)
+    if paper == "tomesd_sd15":
+        assert items[0].prompt == "A high quality photograph of a tench." and items[1].seed == items[0].seed + 1
+    source = config.model.load()
+    assert config.runs()
+    for run in config.runs():
+        with tomerge.merging(source.target, run.strategy, ratio=run.ratio, **run.options) as handle:
+            assert handle.adapter.name == ("unet" if family in ("sd", "sdxl") else family)
