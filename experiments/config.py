@@ -188,12 +188,22 @@ def parse_override(text: str) -> tuple[str, Any]:
 def apply_override(values: dict[str, Any], key: str, value: Any) -> None:
     """Sets ``values[a][b][c] = value`` for ``key = "a.b.c"``, creating mappings on the way.
 
+    Setting ``model.pipeline`` on a reference model (or ``model.reference`` on a pipeline) starts a new
+    ``model`` mapping: the other source's call arguments do not carry over (set ``model.call`` after it).
+
     Example:
-        >>> v = {"model": "reference"}
+        >>> v = {"model": {"reference": "bundled", "call": {"num_steps": 20}}}
         >>> apply_override(v, "model.pipeline", "/m/sd3"); v
         {'model': {'pipeline': '/m/sd3'}}
+        >>> apply_override(v, "model.call.height", 512); v
+        {'model': {'pipeline': '/m/sd3', 'call': {'height': 512}}}
     """
     *parents, last = key.split(".")
+    if parents == ["model"] and last in ("reference", "pipeline"):
+        model = values.get("model")
+        other = "pipeline" if last == "reference" else "reference"
+        if model == other or (isinstance(model, dict) and other in model):
+            values["model"] = {}  # another model source: its call arguments do not carry over
     node = values
     for part in parents:
         child = node.get(part)

@@ -630,7 +630,7 @@ class ImageSetQuality:
         f_run = torch.cat(feats)  # [N, 1280]
         out = {"psnr": sums["psnr"] / n, "ssim": sums["ssim"] / n,
                "feat_cos_dist": float((1 - torch.nn.functional.cosine_similarity(
-                   self.baseline_features, f_run, dim=1)).mean())}
+                   self.baseline_features, f_run, dim=1)).clamp_min(0).mean())}  # rounding: 1 - cos >= 0
         if n >= 2:
             out["fd_effnetlite0"] = frechet_distance(self.baseline_features, f_run)
         if self.reference_features is not None:

@@ -248,3 +248,22 @@ def test_paper_configs_load_and_every_run_attaches_to_its_family(tmp_path, paper
     for run in config.runs():
         with tomerge.merging(source.target, run.strategy, ratio=run.ratio, **run.options) as handle:
             assert handle.adapter.name == ("unet" if family in ("sd", "sdxl") else family)
+
+
+def test_examples_in_the_experiment_modules_run():
+    import doctest
+
+    from tomerge.experiments import config, generate, sources
+
+    for module in (config, generate, sources):
+        result = doctest.testmod(module)
+        assert result.attempted > 0 and result.failed == 0, module.__name__
+
+
+def test_setting_a_pipeline_on_the_default_config_starts_a_new_model_mapping(tmp_path):
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("a cat\n")
+    folder = local_pipelines.pipeline_folder("sd")
+    config = load_config(None, [f"model.pipeline={folder}", "model.call.height=32", f"prompts={prompts}"])
+    assert (config.model.kind, config.model.path, config.model.call) == ("pipeline", str(folder), {"height": 32})
+    assert [i.prompt for i in config.items()] == ["a cat"]
