@@ -59,7 +59,7 @@ def _greedy_gaps(x: torch.Tensor, dst: torch.Tensor, fl: FacilityLocation, ctx: 
     for b in range(dst.shape[0]):
         for t, picks in enumerate(dst[b].view(T, -1).tolist()):
             tile = [p for p in layout[t].tolist() if p < N]
-            gaps += greedy_facility_location(X[b, tile], len(picks), follow=[tile.index(p) for p in picks])[1]
+            gaps += greedy_facility_location(X[b, tile], [tile.index(p) for p in picks])
     return torch.tensor(gaps, dtype=torch.float64)
 
 
@@ -390,8 +390,8 @@ def test_matches_the_spec_computed_plainly(tau: float) -> None:
         picks = plan.dst[b].view(4, 4).tolist()  # [T, d] token positions
         for t, tile in enumerate(tiles):
             assert set(picks[t]) <= set(tile)
-            chosen, tile_gaps = greedy_facility_location(X[b, tile], 4, follow=[tile.index(p) for p in picks[t]])
-            gaps += tile_gaps
+            chosen = [tile.index(p) for p in picks[t]]  # member indices, in pick order
+            gaps += greedy_facility_location(X[b, tile], chosen)  # asserts every pick is a best candidate
             W = _spec_merge_weights(X[b, tile], chosen, tau)  # [d, s]
             assert torch.allclose(plan.merge_weights[b, t].double(), W, atol=1e-4)
     clear = sum(gap > MARGIN for gap in gaps)

@@ -42,8 +42,7 @@ def assert_clear(gaps: Tensor, what: str, margin: float = MARGIN) -> None:
     )
 
 
-def greedy_facility_location(X: Tensor, d: int, follow: list[int] | None = None,
-                             tol: float = MARGIN) -> tuple[list[int], list[float]]:
+def greedy_facility_location(X: Tensor, follow: list[int], tol: float = MARGIN) -> list[float]:
     """Greedy facility location on one tile as the spec states it, in float64, tie-aware.
 
     ``S = X X^T``; the first pick maximises the row sum, every later pick the coverage gain
@@ -51,20 +50,19 @@ def greedy_facility_location(X: Tensor, d: int, follow: list[int] | None = None,
 
     Args:
         X: ``[s, C]`` unit features of the tile's members.
-        d: number of picks.
-        follow: picks of the implementation under test (member indices). At every step the followed
-            pick must be one of the best candidates (gain within ``tol`` of the maximum); the greedy
-            then continues from it, so exact ties may break either way and the rest is still checked.
+        follow: the ``d`` picks of the implementation under test (member indices, in pick order). At every
+            step the followed pick must be one of the best candidates (gain within ``tol`` of the maximum);
+            the greedy then continues from it, so exact ties may break either way and the rest is still
+            checked.
         tol: how close to the maximum gain a candidate counts as tied.
 
     Returns:
-        The picks (``follow`` when given) and, per step, the gap between the best and the second-best
-        gain (small where the step was a tie).
+        Per step, the gap between the best and the second-best gain (small where the step was a tie).
     """
     S = X.double() @ X.double().T  # [s, s]
     chosen: list[int] = []
     gaps: list[float] = []
-    for k in range(d):
+    for k, pick in enumerate(follow):
         if k == 0:
             gain = S.sum(-1)  # [s] row sums
         else:
@@ -73,12 +71,8 @@ def greedy_facility_location(X: Tensor, d: int, follow: list[int] | None = None,
         gain[chosen] = -torch.inf
         best = float(gain.max())
         gaps.append(float(kth_gap(gain, 1)))  # inf when one candidate is left
-        if follow is None:
-            chosen.append(int(gain.argmax()))
-            continue
-        pick = follow[k]
         tied = (gain >= best - tol).nonzero().flatten().tolist()
         assert pick in tied, (f"greedy step {k}: picked member {pick} (gain {float(gain[pick]):.7f}) but the "
                               f"best gain is {best:.7f} (members {tied})")
         chosen.append(pick)
-    return chosen, gaps
+    return gaps
