@@ -3,12 +3,17 @@
     tomerge bench --e2e --widths sd3 pixart flux unet --tokens 1024 4096 --ratios 0.5 --depth 2 --batch 2
     tomerge bench --e2e --quick                   # tiny models in seconds (smoke test)
     tomerge bench --kernels                       # N = 1024, 4096; C = 1536; B = 2; ratio 0.25, 0.5
+    tomerge bench --config my_sd3.yaml --set model.pipeline=/models/sd3 --set repeats=5   # a real pipeline
     python -m tomerge.experiments.bench --kernels --tokens 1024 --ratios 0.5 --out runs/kernels.csv
 
 End-to-end mode (:mod:`tomerge.experiments.bench_e2e`): random-weight diffusers models at SD3-Medium,
 PixArt/DiT-XL and Flux widths with reduced depth, baseline and every strategy/schedule alternating in
 one process; measured speed-up, FLOP-ideal speed-up (``FlopCounterMode``) and their ratio; on a
 UNet, the ``tomesd`` package's own patch against tomerge's ``tomesd`` at the same ratio.
+
+Config mode (``--config``): the generation call of a config's model (the bundled reference DiT or a
+diffusers pipeline folder, see docs/experiments.md) on its timing batch, for every run of its grid,
+timed as ``tomerge ablate`` times it (alternating, median and spread, denoiser time and FLOPs).
 
 Kernel mode: plan + merge + unmerge of every strategy against the ``tomesd`` package's own functions,
 on bare tensors. Each strategy's hard plans run with both backends (``index`` gather/scatter,
@@ -180,6 +185,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     mode = parser.add_argument_group("mode (one of)")
     mode.add_argument("--e2e", action="store_true", help="time model forwards: baseline vs strategies vs tomesd")
     mode.add_argument("--kernels", action="store_true", help="time plan + merge + unmerge on bare tensors")
+    mode.add_argument("--config", type=Path, default=None,
+                      help="time the generation calls of a config's model (the reference DiT or a pipeline folder) "
+                           "for every run of its grid, as tomerge ablate does, without images or quality metrics")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="--config: override a config entry (dotted keys, YAML values; repeatable)")
     parser.add_argument("--tokens", type=int, nargs="+", default=None,
                         help="image token counts N, perfect squares (default 1024 4096; --quick: 256)")
     parser.add_argument("--ratios", type=float, nargs="+", default=None,
@@ -240,9 +250,30 @@ def write_rows(path: Path, rows: Sequence[dict], table: str, header: str) -> Non
     print(f"\nwrote {path} and {path.with_suffix('.md')}")
 
 
+def model_benchmark(config_path: Path, overrides: Sequence[str], plugins: Sequence[str] = ()) -> list[dict]:
+    """Speed rows of every run of a config's grid on its model: the timing batch's generation call,
+    baseline and merged alternating (``warmup``, ``repeats``), denoiser time and FLOPs, spread."""
+    from .ablate import measure, speed_row
+    from .config import load_config
+
+    config = load_config(config_path, list(overrides), plugins=list(plugins))
+    source = config.model.load()
+    items = config.items()[: config.timing_batch]
+    source.check_items(items)
+    flops_base = measure(source, config, items, None, map_steps=False)["flops"]
+    rows = []
+    for run in config.runs():
+        flops = measure(source, config, items, run, map_steps=False)["flops"]
+        row = {"run": run.run_id, "ratio": run.ratio, **speed_row(source, config, items, run),
+               "flops_base": flops_base, "flops": flops, "flop_speedup": flops_base / flops}
+        row["overhead_ratio"] = row["speedup"] / row["flop_speedup"]
+        rows.append(row)
+    return rows
+
+
 def run(args: argparse.Namespace) -> int:
-    if args.e2e == args.kernels:
-        print("tomerge bench: choose one mode, --e2e or --kernels", file=sys.stderr)
+    if args.e2e + args.kernels + (args.config is not None) != 1:
+        print("tomerge bench: choose one mode, --e2e, --kernels or --config FILE", file=sys.stderr)
         return 2
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -250,7 +281,13 @@ def run(args: argparse.Namespace) -> int:
     argv = getattr(args, "argv", None)  # set by main(); the `tomerge` console script passes sys.argv
     command = f"python -m tomerge.experiments.bench {' '.join(argv)}" if argv is not None else \
         f"tomerge {' '.join(sys.argv[1:])}"
-    if args.kernels:
+    if args.config is not None:
+        from .records import markdown_table as run_table
+
+        dicts = rows = model_benchmark(args.config, args.overrides, getattr(args, "plugins", None) or ())
+        header = f"Generation-call benchmark of {args.config} ({machine_line()})"
+        table = run_table(rows)
+    elif args.kernels:
         if TOMESD_PACKAGE in (args.strategies or []):
             print("tomerge bench: the tomesd package is always in --kernels; name tomerge strategies", file=sys.stderr)
             return 2

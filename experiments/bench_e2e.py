@@ -91,6 +91,21 @@ class E2ERow:
     merged_ms: float
     base_gflop: float
     merged_gflop: float
+    base_spread: float | None = None  # (max - min) / median of the timed repeats
+    merged_spread: float | None = None
+
+    @property
+    def spread(self) -> float | None:
+        """The larger of the two timings' spreads (``None`` with a single repeat)."""
+        spreads = [s for s in (self.base_spread, self.merged_spread) if s is not None]
+        return max(spreads) if spreads else None
+
+    @property
+    def noisy(self) -> bool:
+        """The repeats disagree by more than :data:`~tomerge.experiments.speed.NOISY_SPREAD` (10%)."""
+        from .speed import NOISY_SPREAD
+
+        return self.spread is not None and self.spread > NOISY_SPREAD
 
     @property
     def speedup(self) -> float:
@@ -352,8 +367,9 @@ def clock_function(clock: str) -> Callable[[], float]:
 
 def time_alternating(bench: Bench, methods: Sequence[str | None], ratio: float, fn: Callable[[], object],
                      repeats: int, warmup: int, threads: int, num_steps: int | None = None,
-                     clock: str = "wall") -> dict[str | None, float]:
-    """Median seconds of ``fn`` per method (``None`` = baseline), methods alternating round after round."""
+                     clock: str = "wall") -> dict[str | None, tuple[float, float | None]]:
+    """Median seconds of ``fn`` per method (``None`` = baseline), methods alternating round after round,
+    with the spread of the repeats, ``(max - min) / median`` (``None`` for one repeat)."""
     times: dict[str | None, list[float]] = {m: [] for m in methods}
     for round_ in range(warmup + repeats):
         for method in methods:
@@ -361,7 +377,10 @@ def time_alternating(bench: Bench, methods: Sequence[str | None], ratio: float, 
                 t = time_once(fn, threads, clock)
             if round_ >= warmup:
                 times[method].append(t)
-    return {m: statistics.median(ts) for m, ts in times.items()}
+    def summary(ts: list[float]) -> tuple[float, float | None]:
+        median = statistics.median(ts)
+        return median, ((max(ts) - min(ts)) / median if len(ts) > 1 else None)
+    return {m: summary(ts) for m, ts in times.items()}
 
 
 def sdpa_backend(name: str):
@@ -436,25 +455,29 @@ def e2e_benchmark(widths: Sequence[str] = ("sd3", "pixart", "flux", "unet"), tok
                                             clock)
                     for m in names:
                         rows.append(E2ERow(width, bench.spec.hidden, bench.spec.heads, depth, N, bench.spec.text_tokens,
-                                           batch, mode, ratio, m, secs[None] * 1e3, secs[m] * 1e3,
-                                           flops[None] / 1e9, flops[m] / 1e9))
+                                           batch, mode, ratio, m, secs[None][0] * 1e3, secs[m][0] * 1e3,
+                                           flops[None] / 1e9, flops[m] / 1e9, secs[None][1], secs[m][1]))
             del bench
     return rows
 
 
 def markdown_table(rows: Sequence[E2ERow]) -> str:
+    """One line per row; ``spread`` is the larger timing's (max - min) / median over the repeats, and a
+    row above 10% is marked ``(noisy)``: its speed-up is not reliable."""
     lines = ["| model | C | depth | N | text | mode | ratio | method | base ms | merged ms | speed-up | ideal | "
-             "efficiency |",
-             "|---|---:|---:|---:|---:|---|---:|---|---:|---:|---:|---:|---:|"]
+             "efficiency | spread |",
+             "|---|---:|---:|---:|---:|---|---:|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
+        spread = "-" if r.spread is None else f"{r.spread:.0%}" + (" (noisy)" if r.noisy else "")
         lines.append(f"| {r.model} | {r.width} | {r.depth} | {r.tokens} | {r.text_tokens} | {r.mode} | {r.ratio} | "
                      f"{r.method} | {r.base_ms:.1f} | {r.merged_ms:.1f} | {r.speedup:.2f} | {r.ideal:.2f} | "
-                     f"{r.efficiency:.0%} |")
+                     f"{r.efficiency:.0%} | {spread} |")
     return "\n".join(lines)
 
 
 def pivot_table(rows: Sequence[E2ERow]) -> str:
-    """One line per (model, N, ratio, mode), one column per method; cells ``speed-up / ideal (efficiency)``.
+    """One line per (model, N, ratio, mode), one column per method; cells ``speed-up / ideal (efficiency)``,
+    followed by ``noisy`` when the cell's timing repeats disagree by more than 10%.
 
     Example:
         >>> row = E2ERow("pixart", 1152, 16, 1, 1024, 120, 2, "forward", 0.5, "ssm", 100.0, 50.0, 10.0, 4.0)
@@ -469,7 +492,7 @@ def pivot_table(rows: Sequence[E2ERow]) -> str:
              "|---|---:|---:|---|---:|" + "---|" * len(methods)]
     for (model, width, tokens, ratio, mode), by_method in groups.items():
         base = next(iter(by_method.values())).base_ms
-        cells = [f"{r.speedup:.2f} / {r.ideal:.2f} ({r.efficiency:.0%})" if (r := by_method.get(m)) else ""
-                 for m in methods]
+        cells = [f"{r.speedup:.2f} / {r.ideal:.2f} ({r.efficiency:.0%}){' noisy' if r.noisy else ''}"
+                 if (r := by_method.get(m)) else "" for m in methods]
         lines.append(f"| {model} ({width}) | {tokens} | {ratio} | {mode} | {base:.0f} | " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -18,7 +18,7 @@ SUBCOMMANDS = {
     "ablate": ("tomerge.experiments.ablate", "run a strategy x ratio grid against the unmerged baseline",
                "example: tomerge ablate --set per_class=2 --set name=quick --wandb disabled"),
     "generate": ("tomerge.experiments.generate",
-                 "images for a class list with a chosen strategy (one process or Lightning DDP)",
+                 "images for a class list or a prompt set with a chosen strategy (one process or Lightning DDP)",
                  "example: tomerge generate --classes 0 1 2 --per-class 100 --strategy tomesd --ratio 0.5 "
                  "--out runs/gen/tomesd"),
     "figures": ("tomerge.experiments.figures", "paper figures and tables from run folders (never runs a model)",

@@ -84,17 +84,18 @@ def count_denoiser_flops(denoiser: nn.Module, call: Callable[[], Any]) -> tuple[
     from torch.utils.flop_counter import FlopCounterMode
 
     counter = FlopCounterMode(display=False)
-    depth = [0]
+    depth, total = [0], [0]
 
     def enter(module: nn.Module, args: tuple) -> None:
         if depth[0] == 0:
-            counter.__enter__()
+            counter.__enter__()  # clears the counts of the previous call
         depth[0] += 1
 
     def leave(module: nn.Module, args: tuple, output: Any) -> None:
         depth[0] -= 1
         if depth[0] == 0:
             counter.__exit__(None, None, None)
+            total[0] += counter.get_total_flops()
 
     handles = [denoiser.register_forward_pre_hook(enter), denoiser.register_forward_hook(leave)]
     try:
@@ -105,7 +106,7 @@ def count_denoiser_flops(denoiser: nn.Module, call: Callable[[], Any]) -> tuple[
             handle.remove()
         if depth[0]:
             counter.__exit__(None, None, None)
-    return int(counter.get_total_flops()), probe.calls
+    return int(total[0]), probe.calls
 
 
 @dataclasses.dataclass

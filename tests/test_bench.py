@@ -65,7 +65,7 @@ def test_kernels_tiny(tmp_path):
 
 def test_a_mode_is_required(capsys):
     assert bench.main([]) == 2
-    assert "--e2e or --kernels" in capsys.readouterr().err
+    assert "--e2e, --kernels or --config FILE" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("width", ["sd3", "flux"])

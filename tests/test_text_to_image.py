@@ -267,3 +267,19 @@ def test_setting_a_pipeline_on_the_default_config_starts_a_new_model_mapping(tmp
     config = load_config(None, [f"model.pipeline={folder}", "model.call.height=32", f"prompts={prompts}"])
     assert (config.model.kind, config.model.path, config.model.call) == ("pipeline", str(folder), {"height": 32})
     assert [i.prompt for i in config.items()] == ["a cat"]
+
+
+def test_bench_times_a_pipeline_folder_from_a_config(tmp_path, capsys):
+    config = write_config(tmp_path, "pixart", "bench")
+    out = tmp_path / "bench.csv"
+    assert cli(["bench", "--config", str(config), "--set", "repeats=2", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    import csv
+
+    with out.open() as f:
+        rows = list(csv.DictReader(f))
+    assert [r["run"] for r in rows] == ["tomesd-r0.5-use_rand=False", "ssm-r0.5-round_windows=1"]
+    for r in rows:
+        assert float(r["time_s"]) > 0 and float(r["flops"]) < float(r["flops_base"])
+        assert float(r["timing_spread"]) >= 0 and r["run"] in printed
+    assert not (tmp_path / "runs").exists()  # speed only: no run folder, no images
