@@ -17,8 +17,27 @@ from .sources import REFERENCE_CHECKPOINT, Item, ModelSpec
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 DEFAULT_CONFIG = CONFIG_DIR / "ablate.yaml"
-__all__ = ["CONFIG_DIR", "DEFAULT_CONFIG", "REFERENCE_CHECKPOINT", "RunSpec", "MetricsConfig", "AblationConfig",
+__all__ = ["CONFIG_DIR", "DEFAULT_CONFIG", "REFERENCE_CHECKPOINT", "ConfigError", "RunSpec", "MetricsConfig", "AblationConfig",
            "parse_override", "apply_override", "load_config"]
+
+
+class ConfigError(ValueError):
+    """Everything wrong with a config, one problem per line (``problems``)."""
+
+    def __init__(self, problems: list[str]) -> None:
+        self.problems = list(problems)
+        lines = "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(f"the config has {len(self.problems)} problem(s):\n{lines}")
+
+
+def _check_run(strategy: str, ratio: Any, options: dict[str, Any], backbones: list[str] | None) -> None:
+    import tomerge
+    from tomerge.attach import check_options
+
+    if strategy not in tomerge.list_strategies():
+        raise ValueError(f"unknown strategy {strategy!r}; registered: {tomerge.list_strategies()} "
+                         "(a strategy in your own file: plugins: [FILE] or --plugin FILE)")
+    check_options(strategy, ratio=ratio, backbones=backbones, **options)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,32 +140,50 @@ class AblationConfig:
     map_steps: tuple[int, ...] = (0, -1)
 
     def __post_init__(self) -> None:
-        import tomerge
+        """Checks the whole config before any work, and reports every problem at once (:class:`ConfigError`):
+        counts, modes, the model source (files exist, call arguments), the prompts (read), and every run
+        of the grid (strategy name, ratio, options: what ``tomerge.apply`` would refuse)."""
+        problems: list[str] = []
+
+        def check(what: str, fn) -> None:
+            try:
+                fn()
+            except (ValueError, TypeError, KeyError, FileNotFoundError, ImportError) as err:
+                message = err.args[0] if isinstance(err, KeyError) and err.args else err
+                problems.append(f"{what}: {message}")
 
         for key in ("per_class", "batch_size", "timing_batch", "repeats", "images_per_prompt", "devices"):
-            if int(getattr(self, key)) < 1:
-                raise ValueError(f"{key} must be >= 1, got {getattr(self, key)}")
-        if self.warmup < 0:
-            raise ValueError(f"warmup must be >= 0, got {self.warmup}")
+            if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
+                problems.append(f"{key} must be an integer >= 1, got {getattr(self, key)!r}")
+        if not isinstance(self.warmup, int) or self.warmup < 0:
+            problems.append(f"warmup must be an integer >= 0, got {self.warmup!r}")
         if self.wandb not in ("auto", "offline", "online", "disabled"):
-            raise ValueError(f"wandb must be auto, offline, online or disabled, got {self.wandb!r}")
+            problems.append(f"wandb must be auto, offline, online or disabled, got {self.wandb!r}")
         if self.launcher not in ("auto", "ddp", "ddp_spawn", "ddp_fork"):
-            raise ValueError(f"launcher must be auto, ddp, ddp_spawn or ddp_fork, got {self.launcher!r}")
+            problems.append(f"launcher must be auto, ddp, ddp_spawn or ddp_fork, got {self.launcher!r}")
+        check("model", self.model.check)
         if self.model.conditioning == "prompt" and self.prompts is None:
-            raise ValueError("a pipeline model generates from prompts: set prompts: FILE (txt, jsonl, COCO json, "
-                             "PartiPrompts tsv or class names)")
-        if self.model.conditioning == "class" and self.prompts is not None:
-            raise ValueError("prompts: is for text-to-image pipelines; the reference DiT takes classes/per_class")
-        if self.prompts is not None:
-            self.prompt_set()  # validates the prompt options (reading happens later)
-        known = set(tomerge.list_strategies())
-        for entry in self.grid:
-            extra = set(entry) - {"strategy", "ratios", "options"}
+            problems.append("a pipeline model generates from prompts: set prompts: FILE (txt, jsonl, COCO json, "
+                            "PartiPrompts tsv or class names)")
+        elif self.model.conditioning == "class" and self.prompts is not None:
+            problems.append("prompts: is for text-to-image pipelines; the reference DiT takes classes/per_class")
+        elif self.model.conditioning == "prompt":
+            check("prompts", self.items)
+        for i, entry in enumerate(self.grid):
+            extra = set(entry) - {"strategy", "ratios", "options"} if isinstance(entry, dict) else {"?"}
             if extra or "strategy" not in entry or "ratios" not in entry:
-                raise ValueError(f"grid entries are {{strategy, ratios, options}}; got {entry}")
-            if entry["strategy"] not in known:
-                raise ValueError(f"unknown strategy {entry['strategy']!r} in grid; registered: {sorted(known)}"
-                                 " (a strategy in your own file: plugins: [FILE] or --plugin FILE)")
+                problems.append(f"grid[{i}]: entries are {{strategy, ratios, options}}; got {entry}")
+                continue
+            if not isinstance(entry["ratios"], (list, tuple)) or not entry["ratios"]:
+                problems.append(f"grid[{i}] ({entry['strategy']}): ratios must be a non-empty list, "
+                                f"got {entry['ratios']!r}")
+                continue
+            backbones = ["native_dit"] if self.model.kind == "reference" else None
+            for ratio in entry["ratios"]:
+                check(f"grid[{i}] ({entry['strategy']} at ratio {ratio})",
+                      lambda: _check_run(entry["strategy"], ratio, dict(entry.get("options") or {}), backbones))
+        if problems:
+            raise ConfigError(problems)
 
     # ------------------------------------------------------------------ items
     def prompt_set(self):

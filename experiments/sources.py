@@ -35,7 +35,7 @@ import torch
 from torch import Tensor, nn
 
 
-__all__ = ["Item", "ModelSpec", "ReferenceSource", "PipelineSource", "CALL_DEFAULTS", "DTYPES"]
+__all__ = ["Item", "ModelSpec", "check_call", "ReferenceSource", "PipelineSource", "CALL_DEFAULTS", "DTYPES"]
 
 REFERENCE_CHECKPOINT = Path(__file__).parent / "reference" / "dit_reference.safetensors"
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -55,6 +55,20 @@ CALL_DEFAULTS: dict[str, dict[str, Any]] = {
 # Arguments tomerge sets itself for every call (one image per item, per-item generators, tensor output).
 RESERVED_CALL_ARGS = ("prompt", "generator", "output_type", "num_images_per_prompt", "return_dict",
                       "class_labels", "latents", "prompt_embeds")
+
+
+def check_call(pipeline_class: type, call: dict[str, Any]) -> None:
+    """Raises unless every ``call`` argument is a named parameter of the pipeline's ``__call__`` (its
+    ``**kwargs``, where it has them, would swallow a typo) and the pipeline takes prompts."""
+    params = inspect.signature(pipeline_class.__call__).parameters
+    valid = {k for k, p in params.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and k != "self"}
+    unknown = sorted(set(call) - valid)
+    if unknown:
+        raise ValueError(f"unknown model.call argument(s) {unknown} for {pipeline_class.__name__}; valid: "
+                         f"{sorted(valid - set(RESERVED_CALL_ARGS))}")
+    if "prompt" not in valid:
+        raise ValueError(f"{pipeline_class.__name__} takes no prompt: tomerge generates from prompt sets with "
+                         "text-to-image pipelines (use model: reference for class labels)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,6 +173,36 @@ class ModelSpec:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def check(self) -> None:
+        """Fails fast, without loading weights: the checkpoint or pipeline folder exists, the folder is a
+        diffusers pipeline, and every ``call`` argument is one its ``__call__`` takes."""
+        if self.kind == "reference":
+            path = Path(self.path) if self.path else REFERENCE_CHECKPOINT
+            if not path.is_file():
+                raise FileNotFoundError(f"model.reference: checkpoint {path} not found (local weights only)")
+            return
+        folder = Path(self.path).expanduser()
+        if not folder.is_dir():
+            hint = (" (it looks like a hub id: download the weights yourself, e.g. `huggingface-cli download "
+                    f"{self.path} --local-dir DIR`, and give DIR)" if "/" in self.path and not Path(self.path).anchor
+                    else "")
+            raise FileNotFoundError(f"model.pipeline {self.path!r} is not a local folder{hint}; tomerge never "
+                                    "downloads weights")
+        index = folder / "model_index.json"
+        if not index.is_file():
+            raise FileNotFoundError(f"model.pipeline {folder} has no model_index.json: not a diffusers pipeline "
+                                    "folder (save one with pipe.save_pretrained(DIR))")
+        import json
+
+        import diffusers
+
+        name = json.loads(index.read_text()).get("_class_name")
+        pipeline_class = getattr(diffusers, name, None) if isinstance(name, str) else None
+        if pipeline_class is None:
+            raise ValueError(f"model.pipeline {folder}: model_index.json names pipeline class {name!r}, which this "
+                             f"diffusers ({diffusers.__version__}) does not have")
+        check_call(pipeline_class, self.call)
+
     @property
     def conditioning(self) -> str:
         """``"class"`` (items carry labels) or ``"prompt"``."""
@@ -177,9 +221,8 @@ class ReferenceSource:
         from tomerge.backbones.native_dit import load_dit
 
         self.spec = spec
+        spec.check()
         path = Path(spec.path) if spec.path else REFERENCE_CHECKPOINT
-        if not path.is_file():
-            raise FileNotFoundError(f"model: reference checkpoint {path} not found (local weights only)")
         self.checkpoint = path
         self.model = load_dit(path, map_location=spec.device).eval().to(DTYPES[spec.dtype])
         self.call = {**ModelSpec.REFERENCE_CALL, **spec.call}
@@ -230,16 +273,8 @@ class PipelineSource:
         from diffusers import DiffusionPipeline
 
         self.spec = spec
+        spec.check()
         folder = Path(spec.path).expanduser()
-        if not folder.is_dir():
-            hint = (" (it looks like a hub id: download the weights yourself, e.g. `huggingface-cli download "
-                    f"{spec.path} --local-dir DIR`, and give DIR)" if "/" in spec.path and not Path(spec.path).anchor
-                    else "")
-            raise FileNotFoundError(f"model.pipeline {spec.path!r} is not a local folder{hint}; tomerge never "
-                                    "downloads weights")
-        if not (folder / "model_index.json").is_file():
-            raise FileNotFoundError(f"model.pipeline {folder} has no model_index.json: not a diffusers pipeline "
-                                    "folder (save one with pipe.save_pretrained(DIR))")
         dtype = DTYPES[spec.dtype]
         with warnings.catch_warnings():  # diffusers 0.42 renames torch_dtype; older releases know only it
             warnings.filterwarnings("ignore", message="`torch_dtype` is deprecated", category=FutureWarning)
@@ -253,7 +288,7 @@ class PipelineSource:
         self.pipe.set_progress_bar_config(disable=True)
         self.family = self._family()
         self.call = {**CALL_DEFAULTS.get(self.family, {}), **spec.call}
-        self._check_call()
+        check_call(type(self.pipe), self.call)
 
     def _family(self) -> str | None:
         import tomerge
@@ -263,17 +298,6 @@ class PipelineSource:
             if backbone_class(name).find_model(self.pipe) is not None:
                 return name
         return None
-
-    def _check_call(self) -> None:
-        params = inspect.signature(self.pipe.__call__).parameters
-        valid = {k for k, p in params.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
-        unknown = sorted(set(self.call) - valid)
-        if unknown:
-            raise ValueError(f"unknown model.call argument(s) {unknown} for {type(self.pipe).__name__}; valid: "
-                             f"{sorted(valid - set(RESERVED_CALL_ARGS))}")
-        if "prompt" not in valid:
-            raise ValueError(f"{type(self.pipe).__name__} takes no prompt: tomerge generates from prompt sets "
-                             "with text-to-image pipelines (use model: reference for class labels)")
 
     @property
     def target(self) -> Any:

@@ -95,3 +95,24 @@ def test_bad_config_keys_and_strategies_raise():
         load_config(None, ["grid=[{strategy: nope, ratios: [0.5]}]"])
     with pytest.raises(ValueError, match="KEY=VALUE"):
         load_config(None, ["num_steps"])
+
+
+def test_the_whole_grid_is_checked_before_any_work_and_every_problem_reported(tmp_path):
+    """A bad ratio, a misspelled option, an unknown strategy and a bad adapter option in one grid: one error
+    listing all four, raised by load_config (before the model is loaded or anything is generated)."""
+    from tomerge.experiments.config import ConfigError
+
+    grid = ("grid=[{strategy: tomesd, ratios: [0.5, 1.5], options: {use_rand: false}},"
+            " {strategy: tomesd, ratios: [0.25], options: {use_rnd: false}},"
+            " {strategy: nope, ratios: [0.5]}, {strategy: ssm, ratios: [0.5], options: {window: 0}}]")
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [grid, f"out_dir={tmp_path}"])
+    problems = info.value.problems
+    assert len(problems) == 4, problems
+    assert "grid[0] (tomesd at ratio 1.5)" in problems[0] and "ratio" in problems[0]
+    assert "grid[1]" in problems[1] and "use_rnd" in problems[1]
+    assert "grid[2]" in problems[2] and "unknown strategy 'nope'" in problems[2]
+    assert "grid[3]" in problems[3] and "window" in problems[3]
+    assert not (tmp_path / "reference").exists()  # nothing was written
+    with pytest.raises(ConfigError, match="model: .*not found"):
+        load_config(None, [f"model.reference={tmp_path / 'missing.safetensors'}"])

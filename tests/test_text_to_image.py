@@ -197,20 +197,24 @@ def test_figures_for_a_text_to_image_run(tmp_path):
         assert (out / name).is_file(), name
 
 
-def test_bad_inputs_give_clear_errors(tmp_path, capsys):
+def test_bad_inputs_give_clear_errors_when_the_config_is_loaded(tmp_path, capsys):
+    """Before any weights are loaded: load_config checks the folder, the call arguments and the prompts."""
+    from tomerge.experiments.config import ConfigError
+
     config = write_config(tmp_path, "sd", "bad")
-    with pytest.raises(FileNotFoundError, match="model.pipeline .* not a local folder"):
-        load_config(config, [f"model.pipeline={tmp_path / 'missing'}"]).model.load()
-    with pytest.raises(FileNotFoundError, match="hub id"):
-        load_config(config, ["model.pipeline=stabilityai/stable-diffusion-3-medium"]).model.load()
+    with pytest.raises(ConfigError, match="model.pipeline .* not a local folder"):
+        load_config(config, [f"model.pipeline={tmp_path / 'missing'}"])
+    with pytest.raises(ConfigError, match="hub id"):
+        load_config(config, ["model.pipeline=stabilityai/stable-diffusion-3-medium"])
     empty = tmp_path / "empty.txt"
     empty.write_text("\n\n")
-    with pytest.raises(ValueError, match="no prompts"):
-        load_config(config, [f"prompts={empty}"]).items()
-    with pytest.raises(ValueError, match=r"unknown model.call argument\(s\) \['num_stepz'\]"):
-        load_config(config, ["model.call.num_stepz=3"]).model.load()
-    with pytest.raises(ValueError, match="prompts: FILE"):
-        load_config(config, ["prompts=null"])
+    with pytest.raises(ConfigError, match="no prompts"):
+        load_config(config, [f"prompts={empty}"])
+    with pytest.raises(ConfigError, match=r"unknown model.call argument\(s\) \['num_stepz'\]"):
+        load_config(config, ["model.call.num_stepz=3"])
+    with pytest.raises(ConfigError) as info:  # several problems at once
+        load_config(config, ["prompts=null", "model.call.num_stepz=3", "batch_size=0"])
+    assert len(info.value.problems) == 3
     with pytest.raises(ValueError, match="model.dtype"):
         load_config(config, ["model.dtype=fp8"])
     broken = tmp_path / "broken_strategy.py"

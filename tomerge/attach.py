@@ -247,6 +247,27 @@ def apply(target: Any, strategy: str | MergeStrategy | Schedule = "tomesd", *, r
     return handle
 
 
+def check_options(strategy: str, *, ratio: float | None = None, backbones: Sequence[str] | None = None,
+                  **options: Any) -> None:
+    """Raises what :func:`apply` would raise for this strategy, ratio and options, without a model:
+    unknown names, unknown options and invalid values (a config's whole grid can be checked before any
+    work). Adapter options are accepted if one of ``backbones`` (default: every registered one) has them.
+
+    Example:
+        >>> tomerge.check_options("tomesd", ratio=0.5, use_rnd=False)      # doctest: +SKIP
+        TypeError: unknown option(s) ['use_rnd'] for strategy 'tomesd'; valid options: [...]
+    """
+    names = list(backbones) if backbones is not None else list_backbones()
+    adapter_fields: set[str] = set()
+    for name in names:
+        adapter_fields |= {f.name for f in dataclasses.fields(backbone_class(name).Options)}
+    if len(names) == 1:  # one family: its option values are checked too
+        cls = backbone_class(names[0])
+        build(cls.Options, {k: v for k, v in options.items() if k in adapter_fields}, what=f"backbone {cls.name!r}")
+    rest = {k: v for k, v in options.items() if k not in adapter_fields and k not in _STATE_OPTIONS}
+    _make_schedule(strategy, ratio, rest, adapter_fields)
+
+
 def remove(target: Any) -> None:
     """Undoes :func:`apply` on a model or pipeline; raises if nothing was applied."""
     for module in _candidate_modules(target):
