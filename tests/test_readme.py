@@ -1,0 +1,119 @@
+"""Every ```python block of README.md runs as written: offline, on the CPU, each in a fresh namespace with an
+empty temporary working directory (so files a snippet saves land there). A block added later is run too.
+
+Substitution rule (the only change made to a snippet's text): real pipeline weights cannot exist in a test, so
+a line of the form
+
+    folder = "/models/stable-diffusion-3-medium-diffusers"   # your local copy
+
+(the name ``folder``, a string, the comment ``# your local copy``) gets instead the path of the tiny
+random-weight pipeline folder of ``tests/local_pipelines.py`` of the family the original path names (see
+``FAMILY_BY_PATH``: "flux" -> flux, "pixart" -> pixart, "xl" -> sdxl, "stable-diffusion-3" or "sd3" -> sd3,
+other "stable-diffusion" -> sd). In a block with such a line, every keyword ``name=<literal>`` whose name is a
+key of ``local_pipelines.CALL_DEFAULTS[family]`` (``num_inference_steps``, ``height``, ``width``,
+``guidance_scale``, ``max_sequence_length``, ...) gets the tiny pipeline's fast value, e.g.
+``num_inference_steps=28`` -> ``2``.
+Nothing else is changed; line numbers in tracebacks are README.md's.
+
+After each block, what it defined is checked where the names say what it is (``baseline``/``merged`` sampled
+images, ``plan`` a bare-tensor plan, ``pipe``/``image`` a pipeline call, ``handle`` a merge handle, files saved
+under a string literal name ending in ``.png``).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from tomerge.attach import _HANDLE_ATTR
+
+README = Path(__file__).parents[1] / "README.md"
+
+FOLDER_LINE = re.compile(  # folder = "<path>"   # your local copy
+    r'^(?P<head>\s*folder\s*=\s*)(?P<q>["\'])(?P<path>[^"\']*)(?P=q)(?P<tail>\s*#\s*your local copy.*)$', re.MULTILINE)
+FAMILY_BY_PATH = (("flux", "flux"), ("pixart", "pixart"), ("xl", "sdxl"), ("stable-diffusion-3", "sd3"),
+                  ("sd3", "sd3"), ("stable-diffusion", "sd"))
+LITERAL = r'(?:-?\d+(?:\.\d*)?(?:e-?\d+)?|True|False|None|"[^"\n]*"|\'[^\'\n]*\')'
+
+
+def python_blocks(text: str) -> list[tuple[int, str]]:
+    """``(first line number, source)`` of every fenced ```python block."""
+    blocks, lines, i = [], text.splitlines(), 0
+    while i < len(lines):
+        if lines[i].strip() == "```python":
+            start, i = i + 2, i + 1
+            body = []
+            while lines[i].strip() != "```":
+                body.append(lines[i])
+                i += 1
+            blocks.append((start, "\n".join(body) + "\n"))
+        i += 1
+    return blocks
+
+
+BLOCKS = python_blocks(README.read_text())
+
+
+def family_of(path: str) -> str:
+    name = path.lower()
+    for key, family in FAMILY_BY_PATH:
+        if key in name:
+            return family
+    raise AssertionError(f"README pipeline path {path!r} names no family of tests/local_pipelines.py")
+
+
+def substitute(source: str) -> tuple[str, str | None]:
+    """The block with the substitution rule applied, and the pipeline family (None: no folder line)."""
+    match = FOLDER_LINE.search(source)
+    if match is None:
+        return source, None
+    import local_pipelines
+
+    family = family_of(match["path"])
+    folder = local_pipelines.pipeline_folder(family)
+    source = FOLDER_LINE.sub(lambda m: f"{m['head']}{str(folder)!r}{m['tail']}", source)
+    for key, value in local_pipelines.CALL_DEFAULTS[family].items():
+        source = re.sub(rf"\b{key}={LITERAL}", f"{key}={value!r}", source)
+    return source, family
+
+
+def test_the_readme_has_the_three_quick_start_snippets():
+    sources = [source for _, source in BLOCKS]
+    assert len(sources) >= 3
+    assert any("load_dit(" in s and "sample(" in s for s in sources)
+    assert any(".plan(" in s for s in sources)
+    assert sum(FOLDER_LINE.search(s) is not None for s in sources) >= 1  # the substitution rule still applies
+    assert "tomerge.list_strategies()" in README.read_text() and "tomerge.list_backbones()" in README.read_text()
+
+
+@pytest.mark.filterwarnings("ignore:`torch_dtype` is deprecated:FutureWarning")  # diffusers 0.42 renames it
+@pytest.mark.parametrize("line, source", BLOCKS, ids=[f"README.md:{line}" for line, _ in BLOCKS])
+def test_readme_snippet_runs(line, source, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    source, family = substitute(source)
+    namespace = {"__name__": "__readme__"}
+    exec(compile("\n" * (line - 1) + source, str(README), "exec"), namespace)
+
+    if "baseline" in namespace and "merged" in namespace:  # the reference DiT, unmerged and merged
+        baseline, merged = namespace["baseline"], namespace["merged"]
+        assert baseline.shape == merged.shape and baseline.shape[1:] == (1, 32, 32)
+        assert baseline.abs().max() <= 1 and merged.abs().max() <= 1
+        assert not torch.equal(merged, baseline)
+    if "plan" in namespace:  # bare tensors
+        plan, x = namespace["plan"], namespace["x"]
+        assert plan.num_removed > 0
+        b, n, c = x.shape
+        assert namespace["y"].shape == (b, n - plan.num_removed, c)
+        assert namespace["x_back"].shape == x.shape
+    if "pipe" in namespace:  # a diffusers pipeline from a local folder
+        assert family is not None, "a pipeline snippet needs the `folder = ...  # your local copy` line"
+        assert namespace["image"].size == (32, 32)
+    if "handle" in namespace:  # merging ran and was removed on exit
+        handle = namespace["handle"]
+        assert handle.stats["tokens_removed"] > 0 and handle.stats["merged_calls"] > 0
+        assert _HANDLE_ATTR not in handle.model.__dict__
+    for name in re.findall(r'["\']([^"\'\n]+\.png)["\']', source):
+        assert (tmp_path / name).is_file(), f"the snippet did not write {name}"
