@@ -5,27 +5,43 @@ Structure-then-Detail Token Merging for Post-training DiT Acceleration", CVPR 20
 (arXiv:2505.11707, code: https://github.com/ICTMCG/SDTM).
 
 "Attend to not attended": late in denoising the model refines detail where it looks, so tokens that
-receive little attention can borrow the computation of a similar, attended token. Per batch element:
+receive little attention can borrow the computation of a similar, attended token. Two variants, per
+batch element:
+
+``variant="attention"`` (the paper, default):
 
 1. Destinations: split the grid into non-overlapping ``k x k`` windows (``K = k * k``). In every full
-   window one token is the destination:
-   * ``variant="attention"`` (paper, default): the token with the highest received attention
-     ``ctx.received_attention [B, N]`` (ties: the first in raster order);
-   * ``variant="streak"`` (authors' 2025 release, which drops attention maps): the token with the
-     longest merge streak ``ctx.streak [B, N]`` (ties: the first; without a streak, the top-left).
-   All other tokens are sources, including those in rows/columns left over when ``H`` or ``W`` is not
-   divisible by ``k``.
+   window the token with the highest received attention ``ctx.received_attention [B, N]`` is the
+   destination (ties: the first in raster order). All other tokens are sources, including those in
+   rows/columns left over when ``H`` or ``W`` is not divisible by ``k``.
 2. Inattentiveness priority ``P = -a / mean(a) + alpha_d * streak / mean(streak)`` (means per sample,
-   eps-safe; the streak term is 0 without ``ctx.streak``; for the streak variant ``a`` is the received
-   attention when given, zeros otherwise).
+   eps-safe; the streak term is 0 without ``ctx.streak``).
 3. The ``r = int(N * ratio)`` sources with the highest priority (ties: raster order) merge into their
    most cosine-similar destination (fp32, eps-normalised features; global over all destinations as in
-   ToMeSD's bipartite step). ``r`` is capped at the number of sources, with a warning.
-   ``local=True`` restricts each source to its own window's destination. Leftover tokens outside full
-   windows have no window, so with ``local=True`` they never merge (they count as unmergeable for the
-   cap).
-4. Merge = mean of a destination and its merged sources; unmerge copies it back. Slots are ordered
-   ``[destinations in window order..., unmerged sources in raster order...]``.
+   ToMeSD's bipartite step).
+
+``variant="streak"`` (the authors' 2025 release, ``FIDM`` in their ``TR_SDTM.py``, which has no
+attention maps):
+
+1. Destinations: in every full window the token with the longest merge streak ``ctx.streak`` (ties:
+   the first; without a streak, the top-left token).
+2. Sources are ranked ToMe-style: every source finds its most cosine-similar destination, and the
+   ``r`` sources with the highest best similarity merge into it (ties: raster order). The streak does
+   not rank sources and ``alpha_d`` is not used (neither is received attention).
+3. ``r`` is rounded down to a multiple of ``round_tokens`` (default 16 for this variant: the release
+   removes ``min(#sources, r) // 16 * 16`` tokens, ``min(3N/4, r) // 16 * 16`` with 2x2 windows).
+
+Common rules:
+
+* ``r`` is capped at the number of sources, with a warning, then rounded down to a multiple of
+  ``round_tokens`` (default: 1, i.e. no rounding, for the paper variant, which states no rounding; 16
+  for the streak variant). As for ``ssm.round_windows``, a positive ``r`` is never rounded down to 0
+  (the release would then merge nothing): it is kept unrounded.
+* ``local=True`` restricts each source to its own window's destination (the streak variant then ranks
+  sources by the similarity to that destination). Leftover tokens outside full windows have no window,
+  so with ``local=True`` they never merge (they count as unmergeable for the cap).
+* Merge = mean of a destination and its merged sources; unmerge copies it back. Slots are ordered
+  ``[destinations in window order..., unmerged sources in raster order...]``.
 
 In the SDTM schedule IDM merges only the MLP input; attention runs at full length, which is where the
 received attention comes from. Everything is vectorised (no loop over tokens or windows, no host sync).
@@ -56,6 +72,7 @@ from tomerge.strategy import MergeStrategy
 from .ssm import EPS, normalized_stat, window_tokens
 
 VARIANTS = ("attention", "streak")
+RELEASE_ROUND_TOKENS = 16  # the authors' release: reduce_num // 16 * 16 (TR_SDTM.py, FIDM)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -64,10 +81,14 @@ class IDM(MergeStrategy):
 
     Args:
         window: window side ``k``; one destination per full ``k x k`` window; at least 2.
-        alpha_d: weight of the streak term of the priority; ``>= 0``.
-        variant: ``"attention"`` (paper: destination = most attended token of the window; needs
-            ``ctx.received_attention``) or ``"streak"`` (released code: longest merge streak).
+        alpha_d: weight of the streak term of the priority (attention variant); ``>= 0``.
+        variant: ``"attention"`` (paper: destination = most attended token of the window, sources by
+            inattentiveness; needs ``ctx.received_attention``) or ``"streak"`` (released code: destination
+            = longest merge streak, sources by similarity to their best destination).
         local: restrict every source to its own window's destination instead of global matching.
+        round_tokens: round the number of removed tokens down to a multiple of this (never a positive
+            count to 0); ``None``: the variant's default (16 for ``"streak"`` as the release, 1 = off for
+            ``"attention"``).
         ratio: default ratio when applied alone (planning uses ``ctx.ratio``).
     """
 
@@ -79,6 +100,7 @@ class IDM(MergeStrategy):
     alpha_d: float = 0.05
     variant: str = "attention"
     local: bool = False
+    round_tokens: int | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -94,6 +116,11 @@ class IDM(MergeStrategy):
             )
         if not isinstance(self.local, bool):
             raise ValueError(f"idm: local must be a bool, got {self.local!r}")
+        if self.round_tokens is None:
+            object.__setattr__(self, "round_tokens", RELEASE_ROUND_TOKENS if self.variant == "streak" else 1)
+        if isinstance(self.round_tokens, bool) or not isinstance(self.round_tokens, int) or self.round_tokens < 1:
+            raise ValueError(
+                f"idm: round_tokens must be an int >= 1 (1 disables rounding) or None, got {self.round_tokens!r}")
 
     @property
     def needs(self) -> frozenset[str]:  # type: ignore[override]
@@ -102,7 +129,7 @@ class IDM(MergeStrategy):
 
     # ------------------------------------------------------------------ pure helpers
     def priority(self, ctx: MergeContext, batch: int, num_tokens: int, device: torch.device) -> Tensor:
-        """Inattentiveness priority ``P = -a / mean(a) + alpha_d * streak / mean(streak)``.
+        """Inattentiveness priority ``P = -a / mean(a) + alpha_d * streak / mean(streak)`` (attention variant).
 
         Args:
             ctx: gives ``received_attention`` and ``streak`` (either may be ``None``: term 0).
@@ -126,6 +153,29 @@ class IDM(MergeStrategy):
         if self.local:
             return num_windows * (self.window * self.window - 1)
         return num_tokens - num_windows
+
+    def num_removed(self, ctx: MergeContext, num_tokens: int, num_windows: int) -> int:
+        """``r = int(N * ratio)``, capped at the number of sources (with a warning), then rounded down to a
+        multiple of ``round_tokens`` unless that gives 0.
+
+        Example:
+            >>> IDM(variant="streak").num_removed(MergeContext(grid=(16, 16), ratio=0.3), 256, 64)  # 76 -> 64
+            64
+        """
+        K = self.window * self.window
+        r = ctx.tokens_to_remove(num_tokens)
+        n_src = self.num_sources(num_tokens, num_windows)
+        if r > n_src:
+            where = "inside full windows " if self.local else ""
+            warnings.warn(
+                f"idm: ratio {ctx.ratio} asks to remove {r} of {num_tokens} tokens, but the grid {ctx.grid} with "
+                f"{self.window}x{self.window} windows has only {n_src} sources {where}(at most 1 - 1/{K} of the "
+                f"tokens); capping r at {n_src}",
+                stacklevel=4,  # the caller of MergeStrategy.plan
+            )
+            r = n_src
+        rounded = r - r % self.round_tokens
+        return rounded if rounded > 0 else r
 
     # ------------------------------------------------------------------ the strategy
     def select_destinations(self, x: Tensor, ctx: MergeContext) -> Tensor:
@@ -155,7 +205,8 @@ class IDM(MergeStrategy):
         return windows[torch.arange(windows.shape[0], device=x.device), best]  # [B, nW]
 
     def merge_matrix(self, x: Tensor, dst: Tensor, ctx: MergeContext) -> MergePlan:
-        """Merges the ``r`` highest-priority sources into their most similar destination.
+        """Merges ``r`` sources into their most similar destination: the highest-priority ones (attention
+        variant) or the most similar ones (streak variant).
 
         Args:
             x: ``[B, N, C]`` token features (similarities in fp32).
@@ -164,22 +215,12 @@ class IDM(MergeStrategy):
             ctx: the merge context.
 
         Returns:
-            A hard :class:`MergePlan` removing ``min(r, #sources)`` tokens (identity when none).
+            A hard :class:`MergePlan` removing :meth:`num_removed` tokens (identity when none).
         """
         B, N, C = x.shape
         K = self.window * self.window
         D = dst.shape[1]
-        r = ctx.tokens_to_remove(N)
-        n_src = self.num_sources(N, D)
-        if r > n_src:
-            where = "inside full windows " if self.local else ""
-            warnings.warn(
-                f"idm: ratio {ctx.ratio} asks to remove {r} of {N} tokens, but the grid {ctx.grid} with "
-                f"{self.window}x{self.window} windows has only {n_src} sources {where}(at most 1 - 1/{K} of the "
-                f"tokens); capping r at {n_src}",
-                stacklevel=4,  # the caller of MergeStrategy.plan
-            )
-            r = n_src
+        r = self.num_removed(ctx, N, D)
         if r == 0:
             return MergePlan.identity(B, N, device=x.device)
 
@@ -191,18 +232,33 @@ class IDM(MergeStrategy):
         if self.local:
             eligible = eligible & (window_of >= 0)
 
-        # Rank by priority (stable: ties in raster order), then move non-eligible tokens to the back.
-        order = torch.sort(self.priority(ctx, B, N, x.device), dim=1, descending=True, stable=True).indices  # [B, N]
-        blocked = (~eligible.gather(1, order)).to(torch.int8)  # [B, N], in priority order
-        order = order.gather(1, torch.sort(blocked, dim=1, stable=True).indices)  # [B, N]
-        merged = order[:, :r]  # [B, r]
-
-        if self.local:
-            merged_into = window_of[merged]  # [B, r], own window = index into dst
+        if self.variant == "streak":
+            # ToMe-style: every token's similarity to its best (or, local, its own window's) destination.
+            every = torch.arange(N, device=x.device)
+            feat, dst_feat = unit_rows(x, every, dst, eps=EPS)  # [B, N, C], [B, D, C] unit rows
+            sim = feat @ dst_feat.transpose(1, 2)  # [B, N, D]
+            if self.local:
+                best_into = window_of.clamp_min(0).expand(B, N)  # [B, N], leftovers are not eligible
+                best_sim = sim.gather(2, best_into.unsqueeze(-1)).squeeze(-1)  # [B, N]
+            else:
+                best_sim, best_into = sim.max(dim=-1)  # [B, N] each, first maximum on ties
+            key = best_sim.masked_fill(~eligible, -torch.inf)  # [B, N]
+            order = torch.sort(key, dim=1, descending=True, stable=True).indices  # [B, N], ties: raster order
+            merged = order[:, :r]  # [B, r]
+            merged_into = best_into.gather(1, merged)  # [B, r]
         else:
-            src_feat, dst_feat = unit_rows(x, merged, dst, eps=EPS)  # [B, r, C], [B, D, C] unit rows
-            merged_into = (src_feat @ dst_feat.transpose(1, 2)).argmax(dim=-1)  # [B, r], first max on ties
+            # Rank by priority (stable: ties in raster order), then move non-eligible tokens to the back.
+            order = torch.sort(self.priority(ctx, B, N, x.device), dim=1, descending=True, stable=True).indices  # [B, N]
+            blocked = (~eligible.gather(1, order)).to(torch.int8)  # [B, N], in priority order
+            order = order.gather(1, torch.sort(blocked, dim=1, stable=True).indices)  # [B, N]
+            merged = order[:, :r]  # [B, r]
+            if self.local:
+                merged_into = window_of[merged]  # [B, r], own window = index into dst
+            else:
+                src_feat, dst_feat = unit_rows(x, merged, dst, eps=EPS)  # [B, r, C], [B, D, C] unit rows
+                merged_into = (src_feat @ dst_feat.transpose(1, 2)).argmax(dim=-1)  # [B, r], first max on ties
 
         taken = is_dst.to(torch.int8).scatter_(1, merged, 1)  # [B, N], 1 = destination or merged
         unmerged = torch.sort(taken, dim=1, stable=True).indices[:, : N - D - r]  # [B, U], raster order
         return MergePlan.from_matching(dst, unmerged, merged, merged_into, N)
+

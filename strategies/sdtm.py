@@ -37,8 +37,10 @@ A :class:`~tomerge.Schedule` combining the two SDTM strategies (strategies.md se
 
 Options of the two strategies are flattened into this schedule (one flat config for logs and sweeps):
 ``window`` (shared ``k x k`` window side), ``alpha_s`` and ``round_windows`` (SSM), ``alpha_d``,
-``idm_variant`` (IDM's ``variant``: ``"attention"`` paper, ``"streak"`` released code) and
-``idm_local`` (IDM's ``local``). Both strategies are built once, in ``__post_init__``, which also
+``idm_variant`` (IDM's ``variant``: ``"attention"`` paper, ``"streak"`` released code),
+``idm_local`` (IDM's ``local``) and ``idm_round_tokens`` (IDM's ``round_tokens``: ``None`` takes the
+variant's default, 16 for ``"streak"`` as the release's ``min(3N/4, r) // 16 * 16``, 1 = none for
+``"attention"``). Both strategies are built once, in ``__post_init__``, which also
 validates their options (errors start with ``ssm:`` / ``idm:``).
 
 Not implemented here:
@@ -150,6 +152,8 @@ class SDTM(Schedule):
         alpha_d: IDM streak weight.
         idm_variant: IDM ``variant``: ``"attention"`` (paper) or ``"streak"`` (released code).
         idm_local: IDM ``local``: merge each source into its own window's destination only.
+        idm_round_tokens: IDM ``round_tokens`` (round the removed count down to a multiple); ``None``: the
+            variant's default (16 for ``"streak"``, 1 for ``"attention"``).
         prompt_reweight: ``a_p`` of prompt reweighting (active only with prompt categories); ``None``: off.
 
     Example:
@@ -177,6 +181,7 @@ class SDTM(Schedule):
     alpha_d: float = 0.05
     idm_variant: str = "attention"
     idm_local: bool = False
+    idm_round_tokens: int | None = None
     prompt_reweight: float | None = 2.0
 
     _ssm: SSM = dataclasses.field(init=False, repr=False, compare=False)
@@ -218,7 +223,7 @@ class SDTM(Schedule):
         set_(self, "_detail", frozenset(self.detail_sublayers))
         set_(self, "_ssm", SSM(window=self.window, alpha_s=self.alpha_s, round_windows=self.round_windows))
         set_(self, "_idm", IDM(window=self.window, alpha_d=self.alpha_d, variant=self.idm_variant,
-                               local=self.idm_local))
+                               local=self.idm_local, round_tokens=self.idm_round_tokens))
 
     # ------------------------------------------------------------------ the rules, as pure functions
     @property

@@ -120,6 +120,109 @@ def test_streak_term_of_the_priority() -> None:
     assert 3 in merged_tokens(IDM(alpha_d=1.0).plan(x, ctx)) - {0, 2, 8, 10}
 
 
+def cosine_case(targets: dict[int, tuple[int, float]], destinations: list[int], N: int = 16) -> torch.Tensor:
+    """Features ``[1, N, D + N]`` (float64) whose cosine similarities are set by hand.
+
+    Destination ``destinations[j]`` is the unit vector ``e_j``; a source ``t`` with ``targets[t] = (j, c)`` is
+    ``c e_j + sqrt(1 - c^2) u_t`` with its own unit direction ``u_t`` orthogonal to everything else, so its
+    cosine similarity is ``c`` to destination ``j`` and 0 to every other destination. Sources not in
+    ``targets`` are ``u_t`` (similarity 0 to every destination)."""
+    D = len(destinations)
+    x = torch.zeros(1, N, D + N, dtype=torch.float64)
+    for j, t in enumerate(destinations):
+        x[0, t, j] = 1.0
+    for t in range(N):
+        if t in destinations:
+            continue
+        j, c = targets.get(t, (0, 0.0))
+        x[0, t, j] = c
+        x[0, t, D + t] = (1 - c * c) ** 0.5
+    return x
+
+
+def similarity_gaps(x: torch.Tensor, dst: list[int], r: int) -> tuple[float, float]:
+    """float64 margins of the streak variant's choices: the gap between the ``r``-th and ``(r + 1)``-th best
+    source similarity, and the smallest gap between a merged source's best and second-best destination."""
+    X = torch.nn.functional.normalize(x[0].double(), dim=-1)  # [N, C]
+    sources = [t for t in range(x.shape[1]) if t not in dst]
+    sim = X[sources] @ X[dst].T  # [S, D]
+    best = sim.max(dim=-1).values  # [S]
+    merged = best.topk(r).indices
+    return float(kth_gap(best, r)), float(kth_gap(sim[merged], 1).min())
+
+
+def test_streak_variant_merges_the_sources_most_similar_to_a_destination() -> None:
+    # The authors' FIDM (TR_SDTM.py, lines 371-386): the streak only picks each window's destination
+    # (lines 319-327); sources are ranked ToMe-style by the cosine similarity to their most similar
+    # destination and the r best merge into it. alpha_d, received attention and the sources' own streaks
+    # play no part.
+    streak = torch.zeros(1, 16)
+    streak[0, [5, 2, 12, 15]] = 5.0  # destinations: the longest streak of w0, w1, w2, w3
+    streak[0, [0, 1, 3]] = 4.0  # long-streak sources (the old priority merged these first) ...
+    # ... built dissimilar to every destination, while four zero-streak sources late in raster order are
+    # built close to a destination of another window: 14 -> 2, 13 -> 5, 11 -> 12, 9 -> 15.
+    targets = {14: (1, 0.995), 13: (0, 0.98), 11: (2, 0.96), 9: (3, 0.93),
+               0: (0, 0.3), 1: (1, 0.2), 3: (2, 0.1), 4: (3, 0.5), 6: (0, 0.45), 7: (1, 0.4), 8: (2, 0.35),
+               10: (3, 0.25)}
+    dst = [5, 2, 12, 15]
+    x = cosine_case(targets, dst)
+    rank_gap, dst_gap = similarity_gaps(x, dst, 4)
+    assert rank_gap > 0.4 and dst_gap > 0.9  # no near ties: the 4th best similarity is 0.93, the 5th 0.5
+    expected = {frozenset(p) for p in [(14, 2), (13, 5), (11, 12), (9, 15)]}
+    a = torch.rand(1, 16, generator=torch.Generator().manual_seed(0))
+    for strategy in (IDM(variant="streak"), IDM(variant="streak", alpha_d=1.0), IDM(variant="streak", alpha_d=0.0)):
+        for ctx in (MergeContext(grid=(4, 4), ratio=0.25, streak=streak),  # r = 4
+                    MergeContext(grid=(4, 4), ratio=0.25, streak=streak, received_attention=a)):
+            plan = strategy.plan(x, ctx)
+            assert plan.num_removed == 4 and plan.dst[0, :4].tolist() == dst
+            assert merged_groups(plan) == expected
+            plan32 = strategy.plan(x.float(), ctx)  # float32 features: the same choices
+            assert torch.equal(plan32.assign, plan.assign)
+
+
+def test_streak_variant_local_ranks_by_the_own_windows_destination() -> None:
+    streak = torch.zeros(1, 16)
+    streak[0, [5, 2, 12, 15]] = 5.0
+    dst = [5, 2, 12, 15]
+    # 14 is the most similar to a destination (2, in another window) but dissimilar to its own (15):
+    # globally it merges first, locally it does not merge at all.
+    targets = {14: (1, 0.99), 4: (0, 0.9), 7: (1, 0.8), 13: (2, 0.7), 10: (3, 0.6), 0: (0, 0.3)}
+    x = cosine_case(targets, dst)
+    ctx = MergeContext(grid=(4, 4), ratio=0.25, streak=streak)  # r = 4
+    local = IDM(variant="streak", local=True).plan(x, ctx)
+    assert merged_groups(local) == {frozenset(p) for p in [(4, 5), (7, 2), (13, 12), (10, 15)]}
+    glob = IDM(variant="streak").plan(x, ctx)
+    assert merged_groups(glob) == {frozenset(p) for p in [(14, 7, 2), (4, 5), (13, 12)]}
+
+
+@pytest.mark.parametrize("ratio, expected", [(0.3, 64), (0.5, 128), (0.2, 48), (0.05, 12)])
+def test_streak_variant_rounds_like_the_release(ratio: float, expected: int) -> None:
+    # The release removes min(#sources, r) // 16 * 16 tokens (TR_SDTM.py, FIDM lines 376-378): with 2x2
+    # windows min(3N/4, r) // 16 * 16. N = 256: r = 76 -> 64, 128 -> 128, 51 -> 48; r = 12 would round to 0
+    # (the release then merges nothing): kept unrounded, as ssm.round_windows does.
+    g = torch.Generator().manual_seed(0)
+    x, streak = torch.randn(2, 256, 8, generator=g), torch.randint(0, 4, (2, 256), generator=g)
+    ctx = MergeContext(grid=(16, 16), ratio=ratio, streak=streak)
+    assert IDM(variant="streak").plan(x, ctx).num_removed == expected
+    assert IDM(variant="streak").round_tokens == 16 and IDM().round_tokens == 1
+
+
+def test_round_tokens_option_and_cap() -> None:
+    g = torch.Generator().manual_seed(1)
+    x, a = torch.randn(1, 256, 8, generator=g), torch.rand(1, 256, generator=g)
+    ctx = MergeContext(grid=(16, 16), ratio=0.3, received_attention=a)  # r = 76
+    assert IDM().plan(x, ctx).num_removed == 76  # the paper variant: r exactly (no rounding stated)
+    assert IDM(round_tokens=16).plan(x, ctx).num_removed == 64
+    assert IDM(variant="streak", round_tokens=1).plan(x, ctx).num_removed == 76
+    assert IDM(variant="streak", round_tokens=5).plan(x, ctx).num_removed == 75
+    # Capped first at the 192 sources (3N/4), then rounded: min(3N/4, r) // 16 * 16.
+    with pytest.warns(UserWarning, match="capping r at 192"):
+        assert IDM(variant="streak").plan(x, MergeContext(grid=(16, 16), ratio=0.9)).num_removed == 192
+    x35 = torch.randn(1, 35, 8, generator=g)  # 5x7: 6 windows, 29 sources
+    with pytest.warns(UserWarning, match="capping r at 29"):
+        assert IDM(variant="streak").plan(x35, MergeContext(grid=(5, 7), ratio=0.9)).num_removed == 16
+
+
 def test_leftover_tokens_are_sources() -> None:
     H, W = 5, 7  # leftovers: row 4 and column 6
     g = torch.Generator().manual_seed(3)
@@ -168,7 +271,7 @@ def random_case(B: int, H: int, W: int, seed: int) -> tuple[torch.Tensor, MergeC
 def test_unmerge_merge_is_exact_for_identical_groups(options: dict) -> None:
     x, ctx = random_case(2, 5, 7, seed=4)
     plan = IDM(**options).plan(x, ctx)
-    assert plan.num_removed == 17
+    assert plan.num_removed == (16 if options.get("variant") == "streak" else 17)  # streak: r rounded to 16
     values = torch.randint(-8, 8, (2, plan.num_slots, 8)).float()
     y = plan.unmerge(values)  # [2, 35, 8], identical within groups; weights 1/3 are inexact: compare to rounding
     for backend in ("index", "dense"):
@@ -191,10 +294,10 @@ def test_low_precision_and_zero_tokens_are_finite(dtype: torch.dtype) -> None:
     x[0, :10] = 0  # zero destinations and sources
     x = x.to(dtype)
     ctx = MergeContext(grid=(5, 7), ratio=0.5, received_attention=torch.zeros(2, 35), streak=torch.zeros(2, 35))
-    for strategy in (IDM(), IDM(local=True), IDM(variant="streak")):
+    for strategy, removed in ((IDM(), 17), (IDM(local=True), 17), (IDM(variant="streak"), 16)):
         plan = strategy.plan(x, ctx)
         out = plan.unmerge(plan.merge(x))
-        assert plan.num_removed == 17 and out.dtype == dtype and torch.isfinite(out).all()
+        assert plan.num_removed == removed and out.dtype == dtype and torch.isfinite(out).all()
         assert torch.isfinite(strategy.priority(ctx, 2, 35, x.device)).all()
 
 
@@ -241,7 +344,7 @@ def test_ratio_zero_is_identity() -> None:
 # ---------------------------------------------------------------------------------------- options
 @pytest.mark.parametrize("options", [
     {"window": 1}, {"window": False}, {"alpha_d": -1.0}, {"alpha_d": float("inf")},
-    {"variant": "attn"}, {"local": "yes"}, {"ratio": -0.1},
+    {"variant": "attn"}, {"local": "yes"}, {"ratio": -0.1}, {"round_tokens": 0}, {"round_tokens": True},
 ])
 def test_invalid_options_raise(options: dict) -> None:
     with pytest.raises(ValueError):

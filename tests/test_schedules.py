@@ -104,6 +104,8 @@ def test_sdtm_forwards_strategy_options_and_builds_them_once():
              structure_sublayers=["mlp", "attn", "crossattn"], detail_sublayers=("crossattn", "mlp"))
     assert (s.ssm.window, s.ssm.alpha_s, s.ssm.round_windows) == (3, 0.1, 1)
     assert (s.idm.window, s.idm.alpha_d, s.idm.variant, s.idm.local) == (3, 0.2, "streak", True)
+    assert s.idm.round_tokens == 16 and SDTM().idm.round_tokens == 1  # the variants' defaults
+    assert SDTM(idm_variant="streak", idm_round_tokens=1).idm.round_tokens == 1
     assert s.idm.needs == frozenset() and SDTM().idm.needs == {"received_attention"}
     assert s.decide(where(0, 0)).sublayers == {"attn", "crossattn", "mlp"}
     assert s.decide(where(49, 0)).sublayers == {"crossattn", "mlp"}
@@ -129,6 +131,7 @@ def test_sdtm_forwards_strategy_options_and_builds_them_once():
     (dict(window=1), "ssm: window"),
     (dict(idm_variant="maps"), "idm: variant"),
     (dict(alpha_d=-1.0), "idm: alpha_d"),
+    (dict(idm_round_tokens=0), "idm: round_tokens"),
 ])
 def test_sdtm_rejects_invalid_options(options, match):
     with pytest.raises(ValueError, match=match):
@@ -281,6 +284,20 @@ def test_sdtm_on_the_unet_records_the_scheduled_decisions(unet, baseline):
     finally:
         handle.remove()
     assert all(torch.equal(a, b) for a, b in zip(run(unet), baseline))  # remove(): bit-identical
+
+
+def test_sdtm_streak_variant_on_the_unet_removes_the_releases_multiple_of_16(unet):
+    # The release's detail phase removes min(3N/4, r) // 16 * 16 tokens (TR_SDTM.py, FIDM lines 376-378).
+    with tomerge.merging(unet, "sdtm", ratio=0.3, deviation=0.2, idm_variant="streak", num_steps=10,
+                         max_downsample=2) as handle:
+        run(unet)
+        detail = [r for r in handle.state.records if r.label == "detail"]
+        assert detail and {r.num_tokens for r in detail} == {64, 256}
+        for r in detail:
+            full = int(r.num_tokens * r.ratio)
+            rounded = min(3 * r.num_tokens // 4, full) // 16 * 16
+            assert r.num_removed == (rounded if rounded > 0 else full)
+        assert any(r.num_removed != int(r.num_tokens * r.ratio) for r in detail)
 
 
 @QUIET
