@@ -5,14 +5,17 @@
 
 Reads what ``tomerge ablate`` wrote (``results.jsonl``, ``images/``, ``maps/``, ``config.yaml``) and writes:
 
-* ``OUT/pareto_<metric>.png``: speed-up (measured, or ``--x flop_speedup``) vs quality, one colour and
-  marker per strategy, ratios annotated, the Pareto front of the merged runs as a line, the baseline
-  marked; ``OUT/pareto.json`` names the runs on each front.
+* ``OUT/pareto_<metric>.png``: speed-up (measured, or ``--x flop_speedup``) vs quality, colour per
+  strategy, marker per run folder (one folder: per strategy), ratios annotated without overlap, the
+  Pareto front of the merged runs as a line, the baseline marked; on the measured axis a bar per run
+  shows the speed-up range its timing repeats allow (``timing_interval``) and noisy runs are hollow;
+  ``OUT/pareto.json`` names the runs on each front.
 * ``OUT/ablation.md`` and ``OUT/ablation.tex`` (booktabs): one row per run, best merged value in bold.
 * per run folder, ``OUT/<folder>/``: ``schedules.png`` (fraction of tokens removed per step, requested
   ratio dashed, phases shaded), ``maps/<run>.png`` (tokens sharing a slot share a colour, unmerged
-  tokens dark, over the run's first image, per kept step and layer), ``grid.png`` (first ``--k``
-  images, baseline row then one row per run).
+  tokens dark, over the run's first image, per kept step and layer), ``grid.png`` (one image per
+  class or prompt, at most ``--k``, or the first ``--k`` with ``--grid-items first``; the same items
+  in every row: baseline row then one row per run, or for prompts one row per prompt).
 
 A W&B offline run directory inside a run folder (``runs/<name>/wandb/offline-run-*``) resolves to
 that run folder; standalone W&B runs are not supported (their binary logs hold no more than the
@@ -38,7 +41,8 @@ from torch import Tensor
 
 from .records import image_grid, merge_map_rgb
 
-__all__ = ["RunData", "load_run", "pareto_front", "ablation_table", "pareto_figure", "schedule_figure",
+__all__ = ["RunData", "load_run", "pareto_front", "ablation_table", "timing_interval", "point_styles",
+           "place_labels", "pareto_plot", "pareto_figure", "schedule_figure",
            "merge_map_figure", "image_grid_figure", "make_figures", "add_arguments", "run"]
 
 # metric -> (axis label, higher is better, paired with the baseline images); keys as in metrics.compute_quality
@@ -58,6 +62,7 @@ COLUMNS = [("ratio", "ratio", "{:g}", None), ("speedup", "speed-up", "{:.2f}", T
 PHASE_COLOURS = {"structure": "tab:blue", "detail": "tab:orange", "protected": "tab:gray", "merge": "tab:green",
                  "skip_step": "tab:gray", "skip_block": "tab:brown", "skip": "tab:gray"}
 MARKERS = "osD^vP*Xh<>p"
+GRID_SELECT = {"distinct": "one image per class or prompt", "first": "the first items"}
 
 
 @dataclasses.dataclass
@@ -82,18 +87,60 @@ class RunData:
         file = self.path / "images" / run / "prompts.jsonl"
         return [json.loads(line) for line in file.read_text().splitlines() if line.strip()] if file.exists() else []
 
-    def images(self, run: str, k: int | None = None) -> Tensor | None:
-        """The first ``k`` images (all: ``None``) ``[n, C, H, W]`` float in [-1, 1], or ``None``."""
+    def items(self, run: str, indices: Sequence[int] | None = None) -> list[dict[str, Any]]:
+        """The run's items with these ``index`` values, in that order (all items: ``None``); an index the
+        run does not have is left out."""
+        items = self.index(run)
+        if indices is None:
+            return items
+        by_index = {item["index"]: item for item in items}
+        return [by_index[i] for i in indices if i in by_index]
+
+    def images(self, run: str, k: int | None = None, indices: Sequence[int] | None = None) -> Tensor | None:
+        """Images ``[n, C, H, W]`` float in [-1, 1], or ``None``: the items with these ``index`` values in
+        that order (``indices``; items the run lacks are left out), else the first ``k`` (all: ``None``)."""
         from .metrics import load_image_files
 
-        files = [self.path / "images" / run / item["file"] for item in self.index(run)[:k]]
+        items = self.items(run, indices) if indices is not None else self.index(run)[:k]
+        files = [self.path / "images" / run / item["file"] for item in items]
         files = [f for f in files if f.exists()]
         return load_image_files(files) if files else None
 
-    def prompts(self, k: int | None = None) -> list[str] | None:
-        """Prompts of the first ``k`` items (text-to-image runs), or ``None`` for class-conditional runs."""
-        items = self.index("baseline")[:k]
+    def prompts(self, k: int | None = None, indices: Sequence[int] | None = None) -> list[str] | None:
+        """Prompts of the baseline's items with these ``index`` values (``indices``), else of its first ``k``
+        items, or ``None`` for class-conditional runs."""
+        items = self.items("baseline", indices) if indices is not None else self.index("baseline")[:k]
         return [item["prompt"] for item in items] if items and "prompt" in items[0] else None
+
+    def grid_items(self, k: int | None = 8, select: str = "distinct") -> list[int]:
+        """Item indices shown by the image grids, the same for every run: of the items every run with
+        images has on disk (in the baseline's order, or the first such run's), ``"distinct"`` takes the
+        first item of each distinct class label or prompt (one image per class, or per prompt when a
+        prompt has several images), ``"first"`` the first items; at most ``k`` (all: ``None``).
+
+        Example: items of classes ``[0, 0, 1, 1, 2, 2]`` (indices 0-5) -> ``[0, 2, 4]`` (``"first"``,
+        ``k=3``: ``[0, 1, 2]``).
+        """
+        if select not in GRID_SELECT:
+            raise ValueError(f"unknown grid selection {select!r}; choose from {sorted(GRID_SELECT)}")
+        order: list[dict[str, Any]] = []
+        present: list[set[int]] = []
+        for r in self.rows:
+            items = [it for it in self.index(r["run"]) if (self.path / "images" / r["run"] / it["file"]).exists()]
+            if items:
+                order = order or items
+                present.append({it["index"] for it in items})
+        common = [it for it in order if all(it["index"] in p for p in present)]
+        if select == "distinct":
+            seen: set[Any] = set()
+            kept = []
+            for it in common:
+                key = ("prompt", it["prompt"]) if "prompt" in it else ("label", it.get("label"))
+                if key not in seen:
+                    seen.add(key)
+                    kept.append(it)
+            common = kept
+        return [it["index"] for it in common[:k]]
 
     def maps(self, run: str) -> dict[str, Tensor]:
         file = self.path / "maps" / f"{run}.safetensors"
@@ -249,31 +296,188 @@ def _short_options(row: dict[str, Any], varying: set[str]) -> str:
     return " ".join(f"{k}={v}" for k, v in sorted((row.get("options") or {}).items()) if k in varying)
 
 
-def pareto_figure(runs: Sequence[RunData], metric: str, stem: Path, x_key: str = "speedup",
-                  formats: Sequence[str] = ("png",)) -> tuple[list[Path], list[str]]:
-    """Speed vs quality of every merged run; returns the files and the ``folder/run`` ids on the front."""
+def timing_interval(row: dict[str, Any]) -> tuple[float, float] | None:
+    """The range of the measured speed-up ``s = t_base / t_merged`` that the timing repeats allow, or
+    ``None`` when the row has no spreads (one repeat, or a row from before they were recorded).
+
+    With ``sb`` and ``sm`` the spreads ``(max - min) / median`` of the baseline and merged repeats
+    (``time_spread_base``, ``time_spread``), each time is taken within ``median * (1 -+ spread / 2)``
+    and the ratio at its extremes (slowest baseline over fastest merged, and the reverse):
+    ``[s (1 - sb/2) / (1 + sm/2), s (1 + sb/2) / (1 - sm/2)]``; the upper end is infinite when ``sm >= 2``.
+
+    Example:
+        >>> lo, hi = timing_interval({"speedup": 2.0, "time_spread_base": 0.1, "time_spread": 0.2})
+        >>> round(lo, 4), round(hi, 4)
+        (1.7273, 2.3333)
+        >>> timing_interval({"speedup": 2.0, "time_spread_base": None, "time_spread": None}) is None
+        True
+    """
+    s, sb, sm = row.get("speedup"), row.get("time_spread_base"), row.get("time_spread")
+    if not (_finite(s) and _finite(sb) and _finite(sm)):
+        return None
+    lo = s * (1 - sb / 2) / (1 + sm / 2)
+    hi = s * (1 + sb / 2) / (1 - sm / 2) if sm < 2 else math.inf
+    return max(lo, 0.0), hi
+
+
+@dataclasses.dataclass(frozen=True)
+class PointStyle:
+    """How a run is drawn in the speed-vs-quality plots."""
+
+    colour: str   # per strategy
+    marker: str   # per run folder when there are several, else per strategy
+    hollow: bool  # timing noisy (``timing_noisy``), on the measured speed-up axis only
+
+
+def point_styles(runs: Sequence[RunData], x_key: str = "speedup") -> dict[tuple[str, str], PointStyle]:
+    """``(folder name, run id) -> PointStyle`` of every merged run: colour per strategy (in order of first
+    appearance over all folders, so every figure agrees), marker per folder when there are several
+    folders (one folder: per strategy, as colour), hollow when the run's timing is noisy and the x axis
+    is the measured speed-up."""
+    strategies = list(dict.fromkeys(r["strategy"] for d in runs for r in d.merged))
+    several = len(runs) > 1
+    styles = {}
+    for j, d in enumerate(runs):
+        for r in d.merged:
+            i = strategies.index(r["strategy"])
+            styles[(d.name, r["run"])] = PointStyle(f"C{i % 10}", MARKERS[(j if several else i) % len(MARKERS)],
+                                                    x_key == "speedup" and bool(r.get("timing_noisy")))
+    return styles
+
+
+LABEL_RADII = (5, 14, 26, 40, 56, 76)  # points from the anchor, nearest first
+LABEL_DIRECTIONS = ((1, 0), (0.7, 0.7), (0.7, -0.7), (-1, 0), (-0.7, 0.7), (-0.7, -0.7), (0, 1), (0, -1))
+LABEL_BOX = {"boxstyle": "round,pad=0.1", "facecolor": "white", "edgecolor": "none", "alpha": 0.75}
+
+
+def _freeze_layout(fig, ax) -> Any:
+    """Draws once (the constrained layout settles), then fixes layout and axis limits; returns the renderer."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    canvas = FigureCanvasAgg(fig)
+    fig.draw_without_rendering()
+    fig.set_layout_engine("none")
+    ax.set_xlim(ax.get_xlim())
+    ax.set_ylim(ax.get_ylim())
+    return canvas.get_renderer()
+
+
+def _overlap(a: tuple[float, float, float, float], b: tuple[float, float, float, float]) -> float:
+    return max(0.0, min(a[2], b[2]) - max(a[0], b[0])) * max(0.0, min(a[3], b[3]) - max(a[1], b[1]))
+
+
+def place_labels(ax, renderer, anchors: Sequence[tuple[float, float]], texts: Sequence[str], fontsize: float = 7,
+                 markers: Sequence[tuple[float, float]] = (), marker_radius_pt: float = 4.0,
+                 bars: Sequence[tuple[float, float, float]] = ()) -> list[Any]:
+    """Annotates ``texts`` at data ``anchors`` without overlap where the axes leave room (deterministic,
+    greedy): the most crowded anchors first, each label takes the first of ``LABEL_RADII`` x
+    ``LABEL_DIRECTIONS`` offsets whose box (the renderer's text extent plus the box padding) overlaps
+    no label placed before, no marker (data points ``markers``) and no bar (``(x0, x1, y)`` in data), and
+    stays inside the axes; when none is free, the one with the least overlap. Labels away from their
+    point get a thin leader line. The layout and axis limits must be fixed (``_freeze_layout``)."""
+    px = ax.figure.dpi / 72
+    frame = ax.get_window_extent(renderer)
+    to_px = ax.transData.transform
+    pad = 0.1 * fontsize * px + 1.0  # the box's padding, and a pixel of air
+    r = marker_radius_pt * px
+    obstacles = [(x - r, y - r, x + r, y + r) for x, y in (to_px(m) for m in markers)]
+    weighted = [(box, 1.0) for box in obstacles]
+    for x0, x1, y in bars:
+        (a, yy), (b, _) = to_px((x0, y)), to_px((x1, y))
+        weighted.append(((a, yy - 1.5 * px, b, yy + 1.5 * px), 0.5))
+    where = [tuple(to_px(a)) for a in anchors]
+    crowd = [sum(math.dist(p, q) < 60 * px for q in where) for p in where]
+    order = sorted(range(len(anchors)), key=lambda i: (-crowd[i], anchors[i][0], anchors[i][1]))
+    placed: list[tuple[float, float, float, float]] = []
+    annotations: list[Any] = [None] * len(anchors)
+    for i in order:
+        probe = ax.text(0, 0, texts[i], fontsize=fontsize)
+        ext = probe.get_window_extent(renderer)
+        probe.remove()
+        w, h = ext.width, ext.height
+        best = None
+        for k, radius in enumerate(LABEL_RADII):
+            for ux, uy in LABEL_DIRECTIONS:
+                ox, oy = where[i][0] + radius * ux * px, where[i][1] + radius * uy * px
+                ha = "left" if ux > 0.3 else "right" if ux < -0.3 else "center"
+                va = "bottom" if uy > 0.3 else "top" if uy < -0.3 else "center"
+                x0 = ox if ha == "left" else ox - w if ha == "right" else ox - w / 2
+                y0 = oy if va == "bottom" else oy - h if va == "top" else oy - h / 2
+                box = (x0 - pad, y0 - pad, x0 + w + pad, y0 + h + pad)
+                area = (box[2] - box[0]) * (box[3] - box[1])
+                inside = _overlap(box, (frame.x0, frame.y0, frame.x1, frame.y1))
+                cost = (sum(_overlap(box, b) for b in placed) + sum(wt * _overlap(box, b) for b, wt in weighted)
+                        + 4 * (area - inside))
+                if best is None or cost < best[0]:
+                    best = (cost, k, (radius * ux, radius * uy), ha, va, box)
+                if cost == 0:
+                    break
+            if best[0] == 0:
+                break
+        _, k, offset, ha, va, box = best
+        leader = {"arrowstyle": "-", "color": "0.45", "linewidth": 0.5, "shrinkA": 0, "shrinkB": 3}
+        ann = ax.annotate(texts[i], anchors[i], xytext=offset, textcoords="offset points", fontsize=fontsize,
+                          zorder=5, bbox=LABEL_BOX, ha=ha, va=va, annotation_clip=False,
+                          arrowprops=leader if k > 0 else None)
+        placed.append(box)
+        annotations[i] = ann
+    return annotations
+
+
+def _point_text(group: list[tuple[str, dict[str, Any]]], several: bool, varying: dict[str, set[str]]) -> str:
+    """The label of the points drawn at one place: ratio and varying options, the strategy when the
+    place holds several, the folders when the place holds several points of several folders."""
+    lines: dict[tuple[str, str], list[str]] = {}
+    for folder, r in group:
+        core = " ".join(t for t in (f"r={r['ratio']:g}", _short_options(r, varying[r["strategy"]])) if t)
+        lines.setdefault((r["strategy"], core), []).append(folder)
+    named = len({s for s, _ in lines}) > 1
+    return "\n".join(" ".join(t for t in (s if named else "", core,
+                                          f"({', '.join(folders)})" if several and len(group) > 1 else "") if t)
+                     for (s, core), folders in lines.items())
+
+
+def pareto_plot(runs: Sequence[RunData], metric: str, x_key: str = "speedup") -> tuple[Any, list[str]]:
+    """The speed-vs-quality figure of every merged run (a matplotlib ``Figure``, layout fixed) and the
+    ``folder/run`` ids on the Pareto front.
+
+    Colour: strategy; marker: run folder when there are several (else strategy); see ``point_styles``.
+    Points at the same place share one label; labels are placed without overlap (``place_labels``). On
+    the measured speed-up axis, a horizontal bar shows the range the timing repeats allow
+    (``timing_interval``: ``[s (1 - sb/2) / (1 + sm/2), s (1 + sb/2) / (1 - sm/2)]``, ``sb``, ``sm`` the
+    baseline's and the merged run's ``(max - min) / median``; rows without spreads get none) and runs
+    whose timing is noisy are hollow.
+    """
+    from matplotlib.lines import Line2D
+
+    from .speed import NOISY_SPREAD
+
     label, higher, paired = METRICS[metric]
     pts = [(d.name, r) for d in runs for r in d.merged if _finite(r.get(x_key)) and _finite(r.get(metric))]
+    styles = point_styles(runs, x_key)
+    several = len(runs) > 1
     fig = _figure(7.5, 4.6)
     ax = fig.add_subplot()
-    strategies = list(dict.fromkeys(r["strategy"] for _, r in pts))
+    strategies = list(dict.fromkeys(r["strategy"] for d in runs for r in d.merged))
+    shown = {r["strategy"] for _, r in pts}
     varying = {s: {k for _, r in pts if r["strategy"] == s for k in (r.get("options") or {})
                    if len({str((q.get("options") or {}).get(k)) for _, q in pts if q["strategy"] == s}) > 1}
-               for s in strategies}
-    coincident = Counter((r[x_key], r[metric]) for _, r in pts)
-    placed: Counter[tuple[float, float]] = Counter()
-    for i, s in enumerate(strategies):
-        mine = [(f, r) for f, r in pts if r["strategy"] == s]
-        ax.scatter([r[x_key] for _, r in mine], [r[metric] for _, r in mine], s=42, color=f"C{i % 10}",
-                   marker=MARKERS[i % len(MARKERS)], label=s, zorder=3, edgecolors="black", linewidths=0.4)
-        for f, r in mine:
-            where = (r[x_key], r[metric])
-            stacked = placed[where]  # coincident points: annotations stacked, named by strategy
-            placed[where] += 1
-            text = " ".join(t for t in (s if coincident[where] > 1 else "", f"r={r['ratio']:g}",
-                                        _short_options(r, varying[s]), f"({f})" if len(runs) > 1 else "") if t)
-            ax.annotate(text, where, xytext=(5, 3 + 10 * stacked), textcoords="offset points", fontsize=7, zorder=5,
-                        bbox={"boxstyle": "round,pad=0.1", "facecolor": "white", "edgecolor": "none", "alpha": 0.75})
+               for s in shown}
+    intervals = {(f, r["run"]): timing_interval(r) for f, r in pts} if x_key == "speedup" else {}
+    finite_hi = [iv[1] for iv in intervals.values() if iv and math.isfinite(iv[1])] + [r[x_key] for _, r in pts]
+    bars = []
+    for f, r in pts:
+        st = styles[(f, r["run"])]
+        x, y = r[x_key], r[metric]
+        iv = intervals.get((f, r["run"]))
+        if iv:
+            lo, hi = iv[0], iv[1] if math.isfinite(iv[1]) else max(finite_hi) * 1.1  # unbounded: to the edge
+            ax.errorbar([x], [y], xerr=[[x - lo], [hi - x]], fmt="none", ecolor=st.colour, elinewidth=1,
+                        capsize=2.5, zorder=2.5, gid=f"{f}/{r['run']}")
+            bars.append((lo, hi, y))
+        ax.scatter([x], [y], s=42, marker=st.marker, zorder=3, gid=f"{f}/{r['run']}",
+                   facecolors="white" if st.hollow else st.colour, edgecolors=st.colour if st.hollow else "black",
+                   linewidths=1.3 if st.hollow else 0.4)
     front = pareto_front([(r[x_key], r[metric]) for _, r in pts], higher)
     if front:
         ax.plot([pts[i][1][x_key] for i in front], [pts[i][1][metric] for i in front], "--", color="black",
@@ -284,15 +488,65 @@ def pareto_figure(runs: Sequence[RunData], metric: str, stem: Path, x_key: str =
     else:
         ax.scatter([1.0] * len(base_fd), base_fd, marker="*", s=160, color="gold", edgecolors="black",
                    linewidths=0.6, zorder=4, label="baseline (unmerged)")
-    ax.set_xlabel(X_AXES[x_key])
+    ax.set_xlabel("measured speed-up s = t_base / t_run (x); bars: range from the timing repeats" if bars
+                  else X_AXES[x_key])
     ax.set_ylabel(label)
     ax.set_title(f"Speed vs quality: {', '.join(d.name for d in runs)}", fontsize=10)
     ax.grid(True, alpha=0.3)
     ax.margins(x=0.12, y=0.1)
+
+    def key(marker: str, face: str, edge: str = "black", width: float = 0.4) -> Line2D:
+        return Line2D([], [], linestyle="none", marker=marker, markersize=6.5, markerfacecolor=face,
+                      markeredgecolor=edge, markeredgewidth=width)
+
+    handles, names, headers = [], [], []
+    if several:
+        headers.append(len(names))
+        handles.append(Line2D([], [], linestyle="none"))
+        names.append("colour: strategy")
+    for i, s in enumerate(strategies):
+        if s in shown:
+            handles.append(key("o" if several else MARKERS[i % len(MARKERS)], f"C{i % 10}"))
+            names.append(s)
+    if several:
+        headers.append(len(names))
+        handles.append(Line2D([], [], linestyle="none"))
+        names.append("marker: run folder")
+        for j, d in enumerate(runs):
+            if any(f == d.name for f, _ in pts):
+                handles.append(key(MARKERS[j % len(MARKERS)], "lightgray"))
+                names.append(d.name)
+    if bars or any(styles[(f, r["run"])].hollow for f, r in pts):
+        handles.append(Line2D([], [], linestyle="none"))
+        headers.append(len(names))
+        names.append("timing repeats")
+    if bars:
+        handles.append(Line2D([], [], color="0.3", linewidth=1, marker="|", markersize=7))
+        names.append("bar: s(1 - sb/2)/(1 + sm/2)\n  to s(1 + sb/2)/(1 - sm/2),\n  sb, sm: (max - min)/median\n"
+                     "  of the baseline's and the\n  run's repeats")
+    if any(styles[(f, r["run"])].hollow for f, r in pts):
+        handles.append(key("o", "white", "0.3", 1.3))
+        names.append(f"hollow: noisy timing\n(repeats differ > {NOISY_SPREAD:.0%})")
+    more, more_names = ax.get_legend_handles_labels()
     if pts or base_fd:
-        fig.legend(loc="outside right upper", fontsize=8, frameon=False)
-    paths = _save(fig, stem, formats)
-    return paths, [f"{pts[i][0]}/{pts[i][1]['run']}" for i in front]
+        legend = fig.legend(handles + more, names + more_names, loc="outside right upper", fontsize=8, frameon=False)
+        for i in headers:
+            legend.get_texts()[i].set_fontweight("bold")
+    renderer = _freeze_layout(fig, ax)
+    groups: dict[tuple[float, float], list[tuple[str, dict[str, Any]]]] = defaultdict(list)
+    for f, r in pts:
+        groups[(r[x_key], r[metric])].append((f, r))
+    markers = list(groups) + [(1.0, b) for b in base_fd if not paired]
+    place_labels(ax, renderer, list(groups), [_point_text(g, several, varying) for g in groups.values()],
+                 markers=markers, bars=bars)
+    return fig, [f"{pts[i][0]}/{pts[i][1]['run']}" for i in front]
+
+
+def pareto_figure(runs: Sequence[RunData], metric: str, stem: Path, x_key: str = "speedup",
+                  formats: Sequence[str] = ("png",)) -> tuple[list[Path], list[str]]:
+    """``pareto_plot`` saved as ``stem.<format>``; returns the files and the ``folder/run`` ids on the front."""
+    fig, front = pareto_plot(runs, metric, x_key)
+    return _save(fig, stem, formats), front
 
 
 def step_profile(records: Sequence[dict[str, Any]]) -> tuple[list[int], list[float], list[float], list[str]]:
@@ -428,23 +682,32 @@ def _wrap(text: str, width: int = 24) -> str:
     return "\n".join(textwrap.wrap(text, width, break_on_hyphens=True)) or text
 
 
-def image_grid_figure(data: RunData, stem: Path, k: int = 8, formats: Sequence[str] = ("png",)) -> list[Path]:
-    """First ``k`` images of the baseline and of every run, same seeds. Class-conditional runs: one
-    labelled row per run. Text-to-image runs: one row per prompt (the prompt under it), one column
-    per run (baseline first)."""
-    runs = [(r["run"], data.images(r["run"], k)) for r in data.rows]
+def image_grid_figure(data: RunData, stem: Path, k: int = 8, formats: Sequence[str] = ("png",),
+                      select: str = "distinct") -> list[Path]:
+    """The same items of the baseline and of every run, same seeds: by default one image per class (the
+    first item of each distinct label) or per prompt, at most ``k``; ``select="first"``: the first ``k``
+    items (see ``RunData.grid_items``). Class-conditional runs: one labelled row per run, the class over
+    each column. Text-to-image runs: one row per prompt (the prompt under it), one column per run
+    (baseline first)."""
+    indices = data.grid_items(k, select)
+    runs = [(r["run"], data.images(r["run"], indices=indices)) for r in data.rows]
     runs = [(name, im) for name, im in runs if im is not None]
     if not runs:
         return []
-    prompts = data.prompts(k)
+    what = "one image per class" if select == "distinct" else f"first {len(indices)} images"
+    prompts = data.prompts(indices=indices)
     if prompts is not None:
-        return _prompt_grid_figure(data, runs, prompts, stem, formats)
+        what = "one image per prompt" if select == "distinct" else f"first {len(indices)} images"
+        return _prompt_grid_figure(data, runs, prompts, stem, formats, what)
+    labels = [item.get("label") for item in data.items("baseline", indices)]
     rows = [(_wrap(name), im) for name, im in runs]
     n = max(im.shape[0] for _, im in rows)
     h, w = rows[0][1].shape[-2:]
     label_w = 0.15 + 0.06 * max(len(line) for name, _ in rows for line in name.splitlines())
     image_w = 0.9 * n * w / h
-    fig = _figure(label_w + image_w, 0.35 + 0.95 * len(rows))
+    titled = len(labels) == n and any(label is not None for label in labels)
+    width = label_w + image_w
+    fig = _figure(width, 0.35 + 0.95 * len(rows) + 0.15 * titled + 0.15 * (width < 5))
     grid = fig.add_gridspec(len(rows), 2, width_ratios=[label_w, image_w])
     for i, (name, im) in enumerate(rows):
         label = fig.add_subplot(grid[i, 0])
@@ -454,13 +717,17 @@ def image_grid_figure(data: RunData, stem: Path, k: int = 8, formats: Sequence[s
         ax.imshow(image_grid(im, columns=n).numpy(), interpolation="nearest")
         for j in range(1, n):  # white separators between images
             ax.axvline(j * w - 0.5, color="white", linewidth=1.5)
+        if i == 0 and titled:  # the class over each column
+            for j, c in enumerate(labels):
+                ax.text((j + 0.5) * w - 0.5, -1, f"class {c}", ha="center", va="bottom", fontsize=7)
         ax.set_axis_off()
-    fig.suptitle(f"{data.name}: first {n} images, same seeds in every row", fontsize=9)
+    fig.suptitle(_wrap(f"{data.name}: {what}, same items and seeds in every row", max(24, int(width / 0.075))),
+                 fontsize=9)
     return _save(fig, stem, formats)
 
 
 def _prompt_grid_figure(data: RunData, runs: list[tuple[str, Tensor]], prompts: list[str], stem: Path,
-                        formats: Sequence[str]) -> list[Path]:
+                        formats: Sequence[str], what: str) -> list[Path]:
     """Rows: prompts (wrapped under the row); columns: baseline, then the runs."""
     n = min(len(prompts), min(im.shape[0] for _, im in runs))
     cols = len(runs)
@@ -478,14 +745,15 @@ def _prompt_grid_figure(data: RunData, runs: list[tuple[str, Tensor]], prompts: 
         text = prompts[i] if len(prompts[i]) <= 160 else prompts[i][:157] + "..."
         axes[i, 0].annotate(_wrap(text, int(28 * cols)), xy=(0, 0), xycoords="axes fraction", xytext=(0, -4),
                             textcoords="offset points", ha="left", va="top", fontsize=7)
-    fig.suptitle(f"{data.name}: same prompt and seed in every row", fontsize=9)
+    fig.suptitle(f"{data.name}: {what}, same prompt and seed in every row", fontsize=9)
     return _save(fig, stem, formats)
 
 
 def make_figures(paths: Sequence[str | Path], out: str | Path, metrics: Sequence[str] | None = None,
                  x_key: str = "speedup", k: int = 8, formats: Sequence[str] = ("png",),
-                 runs: Sequence[str] | None = None) -> list[Path]:
-    """Every figure and table of the given run folders; returns the files written."""
+                 runs: Sequence[str] | None = None, grid_items: str = "distinct") -> list[Path]:
+    """Every figure and table of the given run folders; returns the files written. ``k`` and
+    ``grid_items`` choose the images of the grids (``RunData.grid_items``)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     data = [load_run(p, runs) for p in paths]
@@ -511,7 +779,7 @@ def make_figures(paths: Sequence[str | Path], out: str | Path, metrics: Sequence
         written += schedule_figure(d, out / d.name / "schedules", formats)
         for r in d.merged:
             written += merge_map_figure(d, r["run"], out / d.name / "maps" / r["run"], formats)
-        written += image_grid_figure(d, out / d.name / "grid", k, formats)
+        written += image_grid_figure(d, out / d.name / "grid", k, formats, grid_items)
     return written
 
 
@@ -523,7 +791,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="quality axes of the Pareto plots (default: every metric present)")
     parser.add_argument("--x", dest="x_key", choices=sorted(X_AXES), default="speedup",
                         help="speed axis (default: %(default)s, measured wall-clock)")
-    parser.add_argument("--k", type=int, default=8, help="images per row of the image grids (default: %(default)s)")
+    parser.add_argument("--k", type=int, default=8,
+                        help="at most K images (or prompts) in the image grids (default: %(default)s)")
+    parser.add_argument("--grid-items", choices=sorted(GRID_SELECT), default="distinct",
+                        help="images of the grids, the same items for every run: distinct (default) the first "
+                             "image of each class or prompt, first the first K items")
     parser.add_argument("--formats", nargs="+", default=["png"], choices=["png", "pdf", "svg"],
                         help="figure file formats (default: png)")
     parser.add_argument("--runs", nargs="+", default=None, metavar="GLOB",
@@ -531,7 +803,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    written = make_figures(args.run_dirs, args.out, args.metrics, args.x_key, args.k, args.formats, args.runs)
+    written = make_figures(args.run_dirs, args.out, args.metrics, args.x_key, args.k, args.formats, args.runs,
+                           args.grid_items)
     print(Path(args.out / "ablation.md").read_text())
     print("\n".join(str(p) for p in written))
     return 0

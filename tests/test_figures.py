@@ -27,6 +27,10 @@ RUNS = [
     ("toma-r0.5-merge_every=2", "toma", 0.5, {"merge_every": 2}, 0.90, 36.0, 1.0),
     ("idm-r0.5", "idm", 0.5, {}, 1.20, 25.0, 8.0),        # dominated on both metrics
 ]
+# (baseline, merged) timing spreads, (max - min) / median of the repeats; None: one repeat, no bar
+SPREADS = {"tomesd-r0.5-use_rand=False": (0.02, 0.04), "ssm-r0.5": (0.04, 0.02), "sdtm-r0.5": (0.03, 0.16),
+           "idm-r0.5": (0.12, 0.02), "toma-r0.5-merge_every=2": (None, None)}
+NOISY = 0.10  # speed.NOISY_SPREAD
 
 
 def _label(strategy: str, step: int, layer: int) -> tuple[str, float, int]:
@@ -50,21 +54,30 @@ def _slots(removed: int, gen: torch.Generator) -> torch.Tensor:
     return slots
 
 
-def save_images(folder: Path, run: str, images: torch.Tensor, prompts: list[str] | None = None) -> None:
-    """A run's images as ``tomerge ablate`` writes them: ``images/<run>/`` PNGs and their ``prompts.jsonl``."""
+def save_images(folder: Path, run: str, images: torch.Tensor, prompts: list[str] | None = None,
+                labels: list[int] | None = None) -> None:
+    """A run's images as ``tomerge ablate`` writes them: ``images/<run>/`` PNGs and their ``prompts.jsonl``
+    (class ``labels[i]`` of item ``i``, all 0 by default)."""
     from tomerge.experiments.generate import Item, save_image, write_index
 
     out = folder / "images" / run
     out.mkdir(parents=True)
-    items = [Item(i, i, label=None if prompts else 0, prompt=prompts[i] if prompts else None)
-             for i in range(images.shape[0])]
+    items = [Item(i, i, label=None if prompts else (labels[i] if labels else 0),
+                  prompt=prompts[i] if prompts else None) for i in range(images.shape[0])]
     for item, image in zip(items, images):
         save_image(image, out / item.filename)
     write_index(out, items)
 
 
-def make_run_folder(root: Path, name: str = "synthetic", prompts: list[str] | None = None) -> Path:
+def make_run_folder(root: Path, name: str = "synthetic", prompts: list[str] | None = None,
+                    labels: list[int] | None = None, spreads: dict | None = None, speed_scale: float = 1.0,
+                    psnr_shift: float = 0.0) -> Path:
+    """A run folder as ``tomerge ablate`` writes it, with the rows of ``RUNS`` (speed-ups times
+    ``speed_scale``, PSNR plus ``psnr_shift``), timing spreads ``spreads`` (default ``SPREADS``; runs not
+    in it: 0.01 and 0.01), item class ``labels`` (default all 0) or ``prompts``."""
     from safetensors.torch import save_file
+
+    spreads = SPREADS if spreads is None else spreads
 
     folder = root / name
     (folder / "images").mkdir(parents=True)
@@ -74,14 +87,20 @@ def make_run_folder(root: Path, name: str = "synthetic", prompts: list[str] | No
     rows = [{"run": "baseline", "strategy": "none", "ratio": 0.0, "options": {}, "flops": 1000, "psnr": 100.0,
              "ssim": 1.0, "fd_effnetlite0": 0.0, "versions": {}, "git_commit": None}]
     channels = 3 if prompts else 1
-    save_images(folder, "baseline", torch.rand(N_IMAGES, channels, SIDE, SIDE, generator=gen) * 2 - 1, prompts)
+    save_images(folder, "baseline", torch.rand(N_IMAGES, channels, SIDE, SIDE, generator=gen) * 2 - 1, prompts,
+                labels)
     for run, strategy, ratio, options, speedup, psnr, fd in RUNS:
+        speedup, psnr = speedup * speed_scale, psnr + psnr_shift
+        sb, sm = spreads.get(run, (0.01, 0.01))
+        spread = None if sb is None else max(sb, sm)
         rows.append({"run": run, "strategy": strategy, "ratio": ratio, "options": options, "time_base_s": 1.0,
+                     "time_spread_base": sb, "time_spread": sm, "timing_spread": spread,
+                     "timing_noisy": spread is not None and spread > NOISY, "timing_repeats": 1 if sb is None else 3,
                      "time_s": 1 / speedup, "speedup": speedup, "flops_base": 1000, "flops": 600,
                      "flop_speedup": 1000 / 600, "overhead_ratio": speedup / (1000 / 600), "peak_memory_mb": None,
                      "tokens_removed_mean": 0.4, "psnr": psnr, "ssim": psnr / 40, "fd_effnetlite0": fd,
                      "versions": {}, "git_commit": None})
-        save_images(folder, run, torch.rand(N_IMAGES, channels, SIDE, SIDE, generator=gen) * 2 - 1, prompts)
+        save_images(folder, run, torch.rand(N_IMAGES, channels, SIDE, SIDE, generator=gen) * 2 - 1, prompts, labels)
         records, maps = [], {}
         for step in range(STEPS):
             for layer in range(LAYERS):
@@ -202,3 +221,164 @@ def test_text_to_image_grid_has_one_row_per_prompt(tmp_path):
         assert im.size[0] > im.size[1] > 300
     class_data = figures.load_run(make_run_folder(tmp_path, "classes"))
     assert class_data.prompts() is None
+
+
+# ------------------------------------------------------------------ figures that compare runs (issue 16)
+def _folders(tmp_path: Path, *specs: tuple[str, dict]) -> list:
+    """Loaded run folders named as given, built by ``make_run_folder`` with the given arguments."""
+    return [figures.load_run(make_run_folder(tmp_path / f"root{i}", name, **kw)) for i, (name, kw) in enumerate(specs)]
+
+
+def _marker_path(marker: str):
+    from matplotlib.markers import MarkerStyle
+
+    style = MarkerStyle(marker)
+    return style.get_path().transformed(style.get_transform())
+
+
+def _label_boxes(fig, ax):
+    renderer = fig.canvas.get_renderer()
+    fig.draw(renderer)
+    return [t.get_bbox_patch().get_window_extent(renderer) for t in ax.texts]
+
+
+def _intersecting(boxes) -> list[tuple[int, int]]:
+    def area(a, b):
+        return max(0.0, min(a.x1, b.x1) - max(a.x0, b.x0)) * max(0.0, min(a.y1, b.y1) - max(a.y0, b.y0))
+
+    return [(i, j) for i in range(len(boxes)) for j in range(i + 1, len(boxes)) if area(boxes[i], boxes[j]) > 0]
+
+
+def test_two_folders_marker_per_folder_colour_per_strategy(tmp_path):
+    import numpy as np
+    from matplotlib.colors import to_rgba
+
+    a, b = _folders(tmp_path, ("a", {}), ("b", {"speed_scale": 1.02, "psnr_shift": 0.3, "spreads": {}}))
+    styles = figures.point_styles([a, b])
+    strategies = list(dict.fromkeys(r[1] for r in RUNS))
+    for run, strategy, *_ in RUNS:
+        sa, sb = styles[("a", run)], styles[("b", run)]
+        assert sa.colour == sb.colour == f"C{strategies.index(strategy)}"  # colour: strategy
+        assert (sa.marker, sb.marker) == (figures.MARKERS[0], figures.MARKERS[1])  # marker: folder
+        sm = max(SPREADS.get(run, (0.01, 0.01)), key=lambda v: v or 0)
+        assert sa.hollow == (sm is not None and sm > NOISY) and not sb.hollow  # b: spreads 0.01, never noisy
+    assert {s.hollow for s in styles.values()} == {True, False}
+
+    fig, _ = figures.pareto_plot([a, b], "psnr")
+    ax = fig.axes[0]
+    drawn = {c.get_gid(): c for c in ax.collections if c.get_gid()}
+    assert set(drawn) == {f"{f}/{r[0]}" for f in "ab" for r in RUNS}
+    for (folder, run), st in styles.items():
+        c = drawn[f"{folder}/{run}"]
+        assert np.allclose(c.get_paths()[0].vertices, _marker_path(st.marker).vertices)
+        face = to_rgba("white") if st.hollow else to_rgba(st.colour)
+        assert np.allclose(c.get_facecolor()[0], face)
+        if st.hollow:
+            assert np.allclose(c.get_edgecolor()[0], to_rgba(st.colour))
+    legend = fig.legends[0]
+    entries = dict(zip([t.get_text() for t in legend.get_texts()], legend.legend_handles))
+    for header in ("colour: strategy", "marker: run folder", "timing repeats"):
+        assert header in entries
+    for i, s in enumerate(strategies):
+        assert entries[s].get_marker() == "o" and np.allclose(to_rgba(entries[s].get_markerfacecolor()),
+                                                               to_rgba(f"C{i}"))
+    assert entries["a"].get_marker() == figures.MARKERS[0] and entries["b"].get_marker() == figures.MARKERS[1]
+    assert any(name.startswith("hollow: noisy timing") for name in entries)
+
+    # one folder: marker per strategy as before, no folder entries
+    one = figures.point_styles([a])
+    assert len({one[("a", r[0])].marker for r in RUNS}) == len(strategies)
+    fig, _ = figures.pareto_plot([a], "psnr")
+    names = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert "marker: run folder" not in names and "colour: strategy" not in names
+    # FLOP-ideal axis: timing does not move the points, so no bars and nothing hollow
+    fig, _ = figures.pareto_plot([a, b], "psnr", x_key="flop_speedup")
+    assert not fig.axes[0].containers
+    assert not any(s.hollow for s in figures.point_styles([a, b], "flop_speedup").values())
+
+
+def test_labels_do_not_overlap(tmp_path):
+    """Three folders: two with identical points, one shifted a little (the labels the fixed offset overprinted)."""
+    data = _folders(tmp_path, ("reference", {}), ("reference", {}),
+                    ("reference-quiet", {"speed_scale": 1.015, "psnr_shift": 0.25}))
+    data[1].name = "reference-1"
+    for metric, x_key in (("psnr", "speedup"), ("fd_effnetlite0", "speedup"), ("psnr", "flop_speedup")):
+        fig, _ = figures.pareto_plot(data, metric, x_key)
+        ax = fig.axes[0]
+        places = {(r[x_key], r[metric]) for d in data for r in d.merged}
+        assert len(ax.texts) == len(places)  # one label per place: coincident points share it
+        assert _intersecting(_label_boxes(fig, ax)) == [], (metric, x_key)
+        # the same labels at the old fixed offset (5, 3) points overprint: the case is a real one
+        for t in ax.texts:
+            t.xyann, t.arrowprops, t.arrow_patch = (5, 3), None, None
+            t.set_horizontalalignment("left")
+            t.set_verticalalignment("baseline")
+        assert _intersecting(_label_boxes(fig, ax))
+    # the labels of identical points name every folder they hold
+    fig, _ = figures.pareto_plot(data, "psnr")
+    texts = [t.get_text() for t in fig.axes[0].texts]
+    assert "tomesd r=0.5 (reference, reference-1)\nssm r=0.5 (reference, reference-1)" in texts
+    assert "r=0.75 (reference, reference-1)" in texts and "r=0.75" in texts  # reference-quiet's alone
+
+
+def test_error_bars_show_the_timing_range(tmp_path):
+    (a,) = _folders(tmp_path, ("a", {}))
+    fig, _ = figures.pareto_plot([a], "psnr")
+    ax = fig.axes[0]
+    bars = sorted(tuple(round(float(v), 9) for v in (seg[0][0], seg[1][0], seg[0][1]))
+                  for c in ax.containers for seg in c.lines[2][0].get_segments())
+    expected = []
+    for run, _, _, _, s, psnr, _ in RUNS:
+        sb, sm = SPREADS.get(run, (0.01, 0.01))
+        if sb is not None:
+            expected.append((round(s * (1 - sb / 2) / (1 + sm / 2), 9), round(s * (1 + sb / 2) / (1 - sm / 2), 9),
+                             psnr))
+    assert bars == sorted(expected) and len(bars) == len(RUNS) - 1  # toma: one repeat, no bar
+    assert "timing repeats" in ax.get_xlabel()
+    legend = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert any("s(1 - sb/2)/(1 + sm/2)" in t and "s(1 + sb/2)/(1 - sm/2)" in t for t in legend)
+    assert figures.timing_interval({"speedup": 1.5, "time_spread_base": 0.1, "time_spread": 2.5})[1] == float("inf")
+    assert figures.timing_interval({"speedup": 1.5}) is None
+
+
+def test_grid_shows_one_image_per_class(tmp_path):
+    folder = make_run_folder(tmp_path, "classes", labels=[0, 0, 1, 1, 2, 2])
+    data = figures.load_run(folder)
+    assert data.grid_items(8) == [0, 2, 4] and data.grid_items(2) == [0, 2]
+    assert data.grid_items(3, "first") == [0, 1, 2] and data.grid_items(None, "first") == list(range(N_IMAGES))
+    every = data.images("ssm-r0.5")
+    assert torch.equal(data.images("ssm-r0.5", indices=[4, 0, 2]), every[[4, 0, 2]])
+    calls = []
+    images = data.images
+    data.images = lambda run, k=None, indices=None: calls.append((run, indices)) or images(run, k, indices)
+    written = figures.image_grid_figure(data, tmp_path / "grid")
+    assert written and calls == [(r["run"], [0, 2, 4]) for r in data.rows]  # the same items in every row
+    calls.clear()
+    figures.image_grid_figure(data, tmp_path / "grid_first", k=4, select="first")
+    assert {tuple(i) for _, i in calls} == {(0, 1, 2, 3)}
+    # an item one run lacks is left out for every run: like with like
+    (folder / "images" / "ssm-r0.5" / data.index("ssm-r0.5")[2]["file"]).unlink()
+    assert data.grid_items(8) == [0, 3, 4]
+    with pytest.raises(ValueError, match="unknown grid selection"):
+        data.grid_items(8, "random")
+
+
+def test_grid_shows_one_image_per_prompt(tmp_path):
+    prompts = [f"prompt {i // 2}, a photo of a cat" for i in range(N_IMAGES)]  # two images per prompt
+    data = figures.load_run(make_run_folder(tmp_path, "t2i", prompts=prompts))
+    assert data.grid_items(8) == [0, 2, 4]
+    assert data.prompts(indices=[0, 2, 4]) == [prompts[0], prompts[2], prompts[4]]
+    written = figures.image_grid_figure(data, tmp_path / "grid")
+    from PIL import Image
+
+    with Image.open(written[0]) as im:  # 3 prompt rows of 9 runs: wider than tall
+        assert im.size[0] > im.size[1] > 300
+    assert figures.main([str(data.path), "--out", str(tmp_path / "figs"), "--metrics", "psnr",
+                         "--grid-items", "first", "--k", "2"]) == 0
+
+
+def test_doctests_of_the_module_pass():
+    import doctest
+
+    result = doctest.testmod(figures, optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0 and result.failed == 0
