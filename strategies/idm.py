@@ -42,6 +42,9 @@ Common rules:
   so with ``local=True`` they never merge (they count as unmergeable for the cap).
 * Merge = mean of a destination and its merged sources; unmerge copies it back. Slots are ordered
   ``[destinations in window order..., unmerged sources in raster order...]``.
+* Merge streaks (:meth:`IDM.streak_members`): as in the authors' counter, every destination of a full
+  window counts as merged in this call, with or without sources merged into it, and so does every
+  merged source; unmerged sources do not.
 
 In the SDTM schedule IDM merges only the MLP input; attention runs at full length, which is where the
 received attention comes from. Everything is vectorised (no loop over tokens or windows, no host sync).
@@ -176,6 +179,17 @@ class IDM(MergeStrategy):
             r = n_src
         rounded = r - r % self.round_tokens
         return rounded if rounded > 0 else r
+
+    def streak_members(self, plan: MergePlan, ctx: MergeContext) -> Tensor:
+        """``[B, N]`` bool: the tokens this plan counts as merged for the merge streaks.
+
+        As the authors' counter (``last_independent`` in ``FIDM``): every destination of a full window,
+        whether or not a source merged into it, and every merged source; unmerged sources are not.
+        """
+        D = window_tokens(ctx.grid, self.window, plan.dst.device).shape[0]
+        if plan.is_identity or D == 0:
+            return torch.zeros(plan.dst.shape, dtype=torch.bool, device=plan.dst.device)
+        return plan.slot_of_token < D  # slots 0..D-1 are the destinations' (from_matching order)
 
     # ------------------------------------------------------------------ the strategy
     def select_destinations(self, x: Tensor, ctx: MergeContext) -> Tensor:

@@ -23,7 +23,14 @@ A :class:`~tomerge.Schedule` combining the two SDTM strategies (strategies.md se
   (the authors' ``protect_steps_frequency``, default 3 in their release, so step 0 is protected);
   ``protect_layers`` lists layer indices that are never merged; ``protect_layers_every=k`` protects
   layers with ``layer % k == 0`` and the last layer (the authors' ``protect_layers_frequency``).
-  Protection applies in both phases.
+  Protection applies in both phases. A protected layer (on a step that is not protected) also resets
+  the merge streaks, as the authors' code resets its counter there; a protected step leaves them as
+  they are.
+* **Merge streaks** (``ctx.streak``, read by SSM's persistence prior and the streak IDM's destinations):
+  the authors' counter ``last_independent``: every block call that merges adds 1 to the streak of every
+  token it counts as merged and sets the others to 0. SSM counts all ``K`` tokens of a merged window, IDM
+  every window destination (with or without sources) and every merged source; a call whose ratio asks
+  for no token (``int(N * ratio) == 0``) leaves the counter alone (the authors return before counting).
 * **Decisions.** ``label`` is ``"structure"``, ``"detail"`` or ``"protected"``; plans are computed once
   per block call (no ``cache_key``) and shared by the phase's sublayers.
 * **Prompt reweighting** (strategies.md section 6). ``prompt_reweight=a_p`` (default 2): in the structure
@@ -289,7 +296,10 @@ class SDTM(Schedule):
             ``"detail"``: IDM on ``detail_sublayers``; both at ``ratio_at(where.progress)``.
         """
         if self.is_protected(where):
-            return Decision(strategy=None, label=PROTECTED)
+            # The authors reset their merge counter at protected layers (compute_ratio sets last_independent to
+            # None) but leave it alone on protected steps, whose blocks never reach compute_ratio.
+            step_protected = self.protect_every is not None and where.step % self.protect_every == 0
+            return Decision(strategy=None, label=PROTECTED, reset_streaks=not step_protected)
         ratio = self.ratio_at(where.progress)
         if self.in_structure_phase(where):
             return Decision(self._ssm, ratio, self._structure, label=STRUCTURE)

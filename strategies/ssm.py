@@ -19,7 +19,9 @@ tokens are already alike can share one computation. The algorithm, per batch ele
    matters slightly: the prior weight ``alpha_s`` is relative to the off-diagonal score.)
 3. Persistence prior (``alpha_s``, default 0.05): with ``ctx.streak [B, N]`` (consecutive merge
    decisions in which each token was merged), add ``alpha_s * mean_window(streak / mean(streak))``.
-   Without a streak the prior is 0.
+   Without a streak the prior is 0. The counter is the authors' ``last_independent``, kept by
+   :class:`tomerge.state.MergeState`: all ``K`` tokens of a merged window count as merged, its top-left
+   destination included, and protected layers of the SDTM schedule reset it.
 4. Select the ``n_win = floor(r / (K - 1))`` best windows (``r = int(N * ratio)``), capped at the
    number of full windows (with a warning). Like the authors' code, ``n_win`` is rounded down to a
    multiple of ``round_windows`` (default 16) for kernel efficiency; ``round_windows=1`` disables it.

@@ -44,6 +44,9 @@ class Decision:
         cache_key: plans are cached under this key and reused by later calls with the same key
             (``None``: plan once per block call, shared by its sublayers).
         label: a short name for records and figures (e.g. the phase).
+        reset_streaks: clear the merge streaks (``ctx.streak``) of this call slot before the block runs,
+            so the next merge decision starts counting from 0 (SDTM's protected layers, as the authors'
+            code sets its counter to ``None`` there).
     """
 
     strategy: MergeStrategy | None
@@ -51,6 +54,7 @@ class Decision:
     sublayers: frozenset[str] = frozenset()
     cache_key: Hashable | None = None
     label: str = ""
+    reset_streaks: bool = False
 
     @property
     def merges(self) -> bool:

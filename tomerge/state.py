@@ -152,6 +152,9 @@ class MergeState:
         where = Where(step=self.clock.step, num_steps=self.clock.num_steps, progress=self.clock.progress,
                       layer=layer, num_layers=self.num_layers, block_kind=block_kind, kind_index=kind_index)
         decision = self.schedule.decide(where) if grid is not None else SKIP
+        if decision.reset_streaks:
+            for key in [k for k in self.streaks if k[0] == self.slot]:
+                del self.streaks[key]
         self.call = BlockCall(where, decision, grid, block_input)
         return self.call
 
@@ -194,8 +197,8 @@ class MergeState:
             cache=self.plans,
         )
         plan = strategy.plan(metric, ctx)
-        if self.keep_streaks:
-            self._update_streaks(plan, B, N, metric.device)
+        if self.keep_streaks and ctx.tokens_to_remove(N) > 0:  # a call asked to remove nothing counts nothing
+            self._update_streaks(strategy, plan, ctx, B, metric.device)
         for observe in self.observers:
             observe(call, plan)
         return plan
@@ -217,14 +220,19 @@ class MergeState:
             self.streaks[(self.slot, num_tokens)] = s
         return s
 
-    def _update_streaks(self, plan: MergePlan, batch: int, num_tokens: int, device: torch.device) -> None:
-        if plan.is_identity:
-            merged = torch.zeros(batch, num_tokens, dtype=torch.bool, device=device)
-        else:
-            owner = plan.dst.gather(1, plan.slot_of_token)  # [B, N] representative of each token's slot
-            merged = (owner != torch.arange(num_tokens, device=device)).expand(batch, num_tokens)
-        s = self._streak(batch, num_tokens, device)
-        self.streaks[(self.slot, num_tokens)] = (s + 1) * merged
+    def _update_streaks(self, strategy: Any, plan: MergePlan, ctx: MergeContext, batch: int,
+                        device: torch.device) -> None:
+        """One merge decision: every token the plan counts as merged extends its streak by 1, every other
+        token's streak drops to 0 (the authors' ``last_independent``: add 1 to all, zero the independent ones).
+
+        Which tokens count: ``strategy.streak_members(plan, ctx)`` when the strategy defines it (``idm``: every
+        window destination and every merged source), else :func:`group_members` (every member of a slot holding
+        more than one token, its destination included)."""
+        N = plan.num_tokens
+        members = getattr(strategy, "streak_members", None)
+        merged = members(plan, ctx) if members is not None else group_members(plan)  # [B or 1, N] bool
+        s = self._streak(batch, N, device)
+        self.streaks[(self.slot, N)] = (s + 1) * merged.expand(batch, N)
 
     # ------------------------------------------------------------------ randomness
     def _generator(self, strategy: Any, where: Where, device: torch.device) -> torch.Generator:
@@ -241,3 +249,14 @@ class MergeState:
         gen = torch.Generator(device=device)
         gen.manual_seed((self.seed * 1_000_003 + where.step * 10_007 + where.layer) % (2**63))
         return gen
+
+
+def group_members(plan: MergePlan) -> Tensor:
+    """``[B, N]`` bool: tokens whose slot holds more than one token (destinations included); all False for the
+    identity plan. Soft plans count each token in the slot of its largest unmerge weight."""
+    if plan.is_identity:
+        return torch.zeros(plan.dst.shape, dtype=torch.bool, device=plan.dst.device)
+    slot = plan.slot_of_token  # [B, N]
+    counts = torch.zeros(slot.shape[0], plan.num_slots, dtype=torch.long, device=slot.device)
+    counts.scatter_add_(1, slot, torch.ones_like(slot))  # [B, M] tokens per slot
+    return counts.gather(1, slot) > 1
