@@ -1,6 +1,8 @@
 """tomerge: training-free token merging for diffusion transformers.
 
-Import cost is small: no strategy, backbone, diffusers or timm is imported here.
+Import cost is small: nothing is imported here until it is first used (``tomerge.apply`` imports
+torch and the core; ``tomerge.list_strategies()`` reads entry points only, without torch), and no
+strategy, backbone, diffusers or timm is imported before a strategy or backbone is looked up.
 
 Example:
     >>> import torch, tomerge
@@ -11,12 +13,22 @@ Example:
     True
 """
 
-from .attach import MergeHandle, apply, merging, remove
-from .context import MergeContext
-from .plan import MergePlan
-from .registry import get_strategy, list_backbones, list_strategies, register_backbone, register_strategy
-from .schedule import Constant, Decision, Schedule, Where
-from .strategy import MergeStrategy
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# Public name -> the submodule defining it, imported on first access (PEP 562), so that `import
+# tomerge` (and the `tomerge` command's start-up, whose package is tomerge.experiments) costs no torch.
+_EXPORTS = {
+    "apply": "attach", "remove": "attach", "merging": "attach", "MergeHandle": "attach",
+    "MergeContext": "context", "MergePlan": "plan", "MergeStrategy": "strategy",
+    "Schedule": "schedule", "Constant": "schedule", "Decision": "schedule", "Where": "schedule",
+    "get_strategy": "registry", "list_strategies": "registry", "register_strategy": "registry",
+    "list_backbones": "registry", "register_backbone": "registry",
+}
+_SUBMODULES = ("adapter", "attach", "context", "contract", "plan", "probe", "prompts", "registry", "schedule",
+               "state", "strategy", "strategies", "backbones", "experiments")
 
 __all__ = [
     "apply", "remove", "merging", "MergeHandle",
@@ -24,3 +36,25 @@ __all__ = [
     "get_strategy", "list_strategies", "register_strategy", "list_backbones", "register_backbone",
 ]
 __version__ = "0.1.0"
+
+if TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
+    from .attach import MergeHandle, apply, merging, remove
+    from .context import MergeContext
+    from .plan import MergePlan
+    from .registry import get_strategy, list_backbones, list_strategies, register_backbone, register_strategy
+    from .schedule import Constant, Decision, Schedule, Where
+    from .strategy import MergeStrategy
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+        globals()[name] = value  # later lookups are plain attribute reads
+        return value
+    if name in _SUBMODULES:
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS, *_SUBMODULES})
