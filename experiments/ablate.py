@@ -23,14 +23,14 @@ the end, and W&B gets the same (offline by default).
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import tomerge
 
-from .config import AblationConfig, RunSpec, load_config
+from .cli import user_input
+from .config import AblationConfig, RunSpec, config_help, load_config
 from .generate import GenerateSpec, generate_distributed, generate_local, prepare
 from .records import RunFolder, environment
 from .sources import Item
@@ -200,6 +200,7 @@ def _mean_removed(records: Sequence) -> float:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.epilog = config_help()  # shown as written: the subcommand parsers format descriptions raw
     parser.add_argument("--config", type=Path, default=None,
                         help="YAML config (default: experiments/configs/ablate.yaml, the reference-model grid)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -215,7 +216,8 @@ def run(args: argparse.Namespace) -> int:
         overrides.append(f"wandb={args.wandb}")
     if args.out_dir is not None:
         overrides.append(f"out_dir={args.out_dir}")
-    config = load_config(args.config, overrides, plugins=list(getattr(args, "plugins", None) or []))
+    with user_input():
+        config = load_config(args.config, overrides, plugins=list(getattr(args, "plugins", None) or []))
     folder = run_ablation(config)
     print()
     print(folder.table_path.read_text())
@@ -231,4 +233,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from tomerge.experiments.cli import module_main
+
+    module_main("ablate", main)

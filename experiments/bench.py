@@ -35,20 +35,20 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-
-import torch
-from torch.utils import benchmark
+from typing import TYPE_CHECKING
 
 import tomerge
-from tomerge.contract import make_context
-from tomerge.strategy import MergeStrategy
 
 from .allocator import keep_freed_memory
 from .bench_e2e import TOMESD_PACKAGE, WIDTHS, clock_function, e2e_benchmark
 from .bench_e2e import markdown_table as e2e_table
 from .bench_e2e import pivot_table
+from .cli import UsageError, user_input
+from .sources import DTYPE_NAMES, torch_dtype
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+if TYPE_CHECKING:
+    import torch
+# torch is imported in the functions that time things, so that `tomerge bench --help` loads without it.
 
 
 @dataclass(frozen=True)
@@ -77,15 +77,36 @@ def median_ms(fn: Callable[[], object], min_run_time: float, clock: str = "wall"
     a busy machine it never is, and its stop check re-sorts every block so far (a sub-millisecond kernel on a
     loaded machine kept it going for minutes).
     """
+    import torch
+
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         return _cuda_events_ms(fn, min_run_time)
-    timer = benchmark.Timer(stmt="fn()", globals={"fn": fn}, num_threads=torch.get_num_threads(),
+    timer = _torch_benchmark().Timer(stmt="fn()", globals={"fn": fn}, num_threads=torch.get_num_threads(),
                             timer=clock_function(clock))
     return timer.blocked_autorange(min_run_time=min_run_time).median * 1e3
 
 
+def _torch_benchmark():
+    """``torch.utils.benchmark``, imported without the warning "No CUDA runtime is found, using
+    CUDA_HOME=..." that importing it prints on a CPU machine with a CUDA folder: it imports
+    ``torch.utils.cpp_extension`` (for C++ timing statements, never used here), whose import looks for
+    CUDA and logs that warning."""
+    import logging
+
+    logger = logging.getLogger("torch.utils.cpp_extension")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        from torch.utils import benchmark
+    finally:
+        logger.setLevel(level)
+    return benchmark
+
+
 def _cuda_events_ms(fn: Callable[[], object], min_run_time: float, inner: int = 10) -> float:
     """Median over blocks of ``inner`` back-to-back calls, each block timed with CUDA events."""
+    import torch
+
     for _ in range(3):
         fn()
     times: list[float] = []
@@ -119,6 +140,8 @@ def _tomesd_row(x: torch.Tensor, grid: tuple[int, int], ratio: float, min_run_ti
 
 def _strategy_rows(name: str, x: torch.Tensor, grid: tuple[int, int], ratio: float,
                    backends: Sequence[str], min_run_time: float, clock: str = "wall") -> list[KernelRow]:
+    from tomerge.contract import make_context
+
     strategy = tomerge.get_strategy(name, **({"use_rand": False} if name == "tomesd" else {}))
     ctx = make_context(x, grid, ratio)
     plan = strategy.plan(x, ctx)
@@ -134,7 +157,7 @@ def _strategy_rows(name: str, x: torch.Tensor, grid: tuple[int, int], ratio: flo
 def kernel_benchmark(tokens: Sequence[int] = (1024, 4096), ratios: Sequence[float] = (0.25, 0.5),
                      channels: int = 1536, batch: int = 2, strategies: Sequence[str] | None = None,
                      backends: Sequence[str] = ("index", "dense"), min_run_time: float = 0.5,
-                     progress: bool = True, device: str = "cpu", dtype: torch.dtype = torch.float32,
+                     progress: bool = True, device: str = "cpu", dtype: torch.dtype | None = None,
                      clock: str = "wall") -> list[KernelRow]:
     """Times plan and merge + unmerge for every strategy and the tomesd package.
 
@@ -146,14 +169,18 @@ def kernel_benchmark(tokens: Sequence[int] = (1024, 4096), ratios: Sequence[floa
         backends: backends for hard plans.
         min_run_time: seconds of measurement per timing.
         progress: show a progress bar.
-        device, dtype: where the token tensor lives.
+        device, dtype: where the token tensor lives (``dtype`` default: float32).
         clock: ``"wall"`` or ``"cpu"`` (process CPU time) for CPU timings; CUDA uses CUDA events.
 
     Returns:
         One :class:`KernelRow` per (method, backend, N, ratio).
     """
+    import torch
     from tqdm import tqdm
 
+    from tomerge.strategy import MergeStrategy
+
+    dtype = torch.float32 if dtype is None else dtype
     names = strategies or [n for n in tomerge.list_strategies()
                            if issubclass(tomerge.registry.strategy_class(n), MergeStrategy)]
     configs = [(n, r) for n in tokens for r in ratios]
@@ -163,7 +190,7 @@ def kernel_benchmark(tokens: Sequence[int] = (1024, 4096), ratios: Sequence[floa
         for N, ratio in tqdm(configs, desc="kernels", disable=not progress):
             side = math.isqrt(N)
             if side * side != N:
-                raise ValueError(f"--tokens must be squares, got {N}")
+                raise UsageError(f"--tokens must be squares, got {N}")
             grid = (side, side)
             x = torch.randn(batch, N, channels, device=device).to(dtype)
             rows.append(_tomesd_row(x, grid, ratio, min_run_time, clock))
@@ -199,8 +226,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         choices=[*tomerge.list_strategies(), TOMESD_PACKAGE],
                         help="methods (default: every strategy; --e2e: every strategy and schedule)")
     parser.add_argument("--out", type=Path, default=None, help="write the rows as CSV here (and a .md beside it)")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    parser.add_argument("--device", default=None, help="(default: cuda when available, else cpu)")
+    parser.add_argument("--dtype", choices=sorted(DTYPE_NAMES), default="fp32")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                         help="CPU timings: wall-clock, or process CPU time (robust on a shared machine; use with "
@@ -226,6 +253,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def machine_line() -> str:
+    import torch
+
     proc = platform.processor() or platform.machine()
     if torch.cuda.is_available():
         proc = f"{torch.cuda.get_device_name()}, CUDA {torch.version.cuda}"
@@ -256,7 +285,8 @@ def model_benchmark(config_path: Path, overrides: Sequence[str], plugins: Sequen
     from .ablate import measure, speed_row
     from .config import load_config
 
-    config = load_config(config_path, list(overrides), plugins=list(plugins))
+    with user_input():
+        config = load_config(config_path, list(overrides), plugins=list(plugins))
     source = config.model.load()
     items = config.items()[: config.timing_batch]
     source.check_items(items)
@@ -275,6 +305,10 @@ def run(args: argparse.Namespace) -> int:
     if args.e2e + args.kernels + (args.config is not None) != 1:
         print("tomerge bench: choose one mode, --e2e, --kernels or --config FILE", file=sys.stderr)
         return 2
+    import torch
+
+    if args.device is None:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.threads:
         torch.set_num_threads(args.threads)
     kept = not args.device.startswith("cuda") and args.keep_freed_memory and keep_freed_memory()
@@ -293,7 +327,7 @@ def run(args: argparse.Namespace) -> int:
             return 2
         rows = kernel_benchmark(args.tokens or [1024, 4096], args.ratios or [0.25, 0.5], args.channels, args.batch,
                                 args.strategies, min_run_time=args.min_run_time, device=args.device,
-                                dtype=DTYPES[args.dtype], clock=args.clock)
+                                dtype=torch_dtype(args.dtype), clock=args.clock)
         header = (f"Kernel benchmark, B={args.batch}, C={args.channels}, {args.dtype}, {clock_line(args, kept)} "
                   f"({machine_line()})")
         table = markdown_table(rows)
@@ -305,7 +339,7 @@ def run(args: argparse.Namespace) -> int:
                                                                                              [1024, 4096]),
             ratios=args.ratios or [0.5], depth=args.depth or (1 if quick else 2), batch=args.batch,
             methods=args.strategies, steps=args.steps, repeats=args.repeats or (2 if quick else 3),
-            warmup=args.warmup, quick=quick, text_tokens=args.text_tokens, dtype=DTYPES[args.dtype],
+            warmup=args.warmup, quick=quick, text_tokens=args.text_tokens, dtype=torch_dtype(args.dtype),
             device=args.device, sdpa=args.sdpa, clock=args.clock)
         models = "quick (tiny) models" if quick else "full widths"
         header = (f"End-to-end benchmark, B={args.batch}, {args.dtype}, SDPA {args.sdpa}, {models}, {clock_line(args, kept)} "
@@ -330,4 +364,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from tomerge.experiments.cli import module_main
+
+    module_main("bench", main)

@@ -34,12 +34,15 @@ import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
-
-import torch
-from torch import Tensor, nn
+from typing import TYPE_CHECKING, Any
 
 import tomerge
+
+if TYPE_CHECKING:
+    import torch
+    from torch import Tensor, nn
+# torch and diffusers are imported in the functions that build and time models: `tomerge bench --help`
+# and the constants below load without them.
 
 TOMESD_PACKAGE = "tomesd package"
 WIDTHS = ("sd3", "pixart", "dit", "flux", "unet")
@@ -139,17 +142,21 @@ class Bench:
     depth: int
 
     def call(self, latent: Tensor | None = None, t: float | None = None) -> Tensor:
+        import torch
+
         kw = dict(self.inputs)
         if latent is not None:
             kw[self.latent_key] = latent
         if t is not None:
             ref = kw[self.time_key]
-            kw[self.time_key] = torch.full_like(ref, t) if isinstance(ref, Tensor) else t
+            kw[self.time_key] = torch.full_like(ref, t) if isinstance(ref, torch.Tensor) else t
         out = self.model(kw.pop(self.latent_key), **kw)  # positional, as tomesd's size hook reads args[0]
         return out.sample if hasattr(out, "sample") else out[0]
 
     def sample(self, steps: int) -> Tensor:
         """A ``steps``-step Euler loop from the input latent (velocity = the model output's first channels)."""
+        import torch
+
         x = self.inputs[self.latent_key]
         ts = torch.linspace(self.t_max, 0.0, steps + 1).tolist()
         for t, t_next in zip(ts[:-1], ts[1:]):
@@ -159,7 +166,7 @@ class Bench:
 
 
 def build(width: str, tokens: int, depth: int, batch: int, quick: bool = False,
-          text_tokens: int | None = None, dtype: torch.dtype = torch.float32,
+          text_tokens: int | None = None, dtype: torch.dtype | None = None,
           device: torch.device | str = "cpu", seed: int = 0) -> Bench:
     """A random-weight model of ``width`` whose blocks see exactly ``tokens`` image tokens, with inputs.
 
@@ -170,9 +177,12 @@ def build(width: str, tokens: int, depth: int, batch: int, quick: bool = False,
         batch: ``B``.
         quick: tiny widths instead of the real ones.
         text_tokens: override the width's default text length.
-        dtype, device: where the model runs.
+        dtype, device: where the model runs (``dtype`` default: float32).
         seed: weights and inputs.
     """
+    import torch
+
+    dtype = torch.float32 if dtype is None else dtype
     if width not in WIDTHS:
         raise ValueError(f"unknown width {width!r}; choose from {WIDTHS}")
     side = math.isqrt(tokens)
@@ -189,11 +199,12 @@ def build(width: str, tokens: int, depth: int, batch: int, quick: bool = False,
     model = model.eval()
     keep = ("timestep", "img_ids", "txt_ids")  # stay fp32 (positions, timesteps)
     inputs = {k: v.to(device=device, dtype=dtype if v.is_floating_point() and k not in keep else v.dtype)
-              if isinstance(v, Tensor) else v for k, v in inputs.items()}
+              if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
     return Bench(width, model, inputs, latent_key, time_key, t_max, spec, depth)
 
 
 def _sd3(spec: WidthSpec, side: int, depth: int, batch: int, g: torch.Generator):
+    import torch
     from diffusers import SD3Transformer2DModel
 
     head_dim = spec.hidden // spec.heads
@@ -210,6 +221,7 @@ def _sd3(spec: WidthSpec, side: int, depth: int, batch: int, g: torch.Generator)
 
 
 def _pixart(spec: WidthSpec, side: int, depth: int, batch: int, g: torch.Generator):
+    import torch
     from diffusers import PixArtTransformer2DModel
 
     model = PixArtTransformer2DModel(
@@ -238,6 +250,7 @@ def _contiguous_patch_embedding(model: nn.Module) -> None:
 
 
 def _dit(spec: WidthSpec, side: int, depth: int, batch: int, g: torch.Generator):
+    import torch
     from diffusers import DiTTransformer2DModel
 
     model = DiTTransformer2DModel(
@@ -250,6 +263,7 @@ def _dit(spec: WidthSpec, side: int, depth: int, batch: int, g: torch.Generator)
 
 
 def _flux(spec: WidthSpec, side: int, depth: int, batch: int, g: torch.Generator):
+    import torch
     from diffusers import FluxTransformer2DModel
 
     head_dim = spec.hidden // spec.heads
@@ -270,6 +284,7 @@ def _flux(spec: WidthSpec, side: int, depth: int, batch: int, g: torch.Generator
 
 
 def _unet(spec: WidthSpec, side: int, depth: int, batch: int, g: torch.Generator):
+    import torch
     from diffusers import UNet2DConditionModel
 
     base = spec.hidden
@@ -318,6 +333,7 @@ def _cpu_sdpa_flops(query, key, value, *args, out_shape=None, **kwargs) -> int:
 
 def count_flops(fn: Callable[[], object]) -> int:
     """FLOPs of ``fn()``; the CPU flash-attention kernel (unknown to ``FlopCounterMode``) counted like the GPU ones."""
+    import torch
     from torch.utils.flop_counter import FlopCounterMode
 
     mapping = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_sdpa_flops}
@@ -336,6 +352,8 @@ def time_once(fn: Callable[[], object], threads: int, clock: str = "wall") -> fl
     what a first call after a switch pays (plan caches, allocator growth) is paid by that call.
     CUDA: CUDA events around the call, after a synchronise (the GPU time of everything ``fn`` queues).
     """
+    import torch
+
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         fn()
         fn()
@@ -405,7 +423,7 @@ def e2e_benchmark(widths: Sequence[str] = ("sd3", "pixart", "flux", "unet"), tok
                   ratios: Sequence[float] = (0.5,), depth: int = 2, batch: int = 2,
                   methods: Sequence[str] | None = None, steps: int = 0, repeats: int = 5, warmup: int = 1,
                   quick: bool = False, text_tokens: int | None = None, threads: int | None = None,
-                  dtype: torch.dtype = torch.float32, device: str = "cpu", sdpa: str = "default",
+                  dtype: torch.dtype | None = None, device: str = "cpu", sdpa: str = "default",
                   clock: str = "wall", progress: bool = True) -> list[E2ERow]:
     """Baseline vs every method on every (width, N, ratio): one forward, and a ``steps``-step loop if ``steps``.
 
@@ -421,7 +439,7 @@ def e2e_benchmark(widths: Sequence[str] = ("sd3", "pixart", "flux", "unet"), tok
         quick: tiny models (seconds).
         text_tokens: override each width's text length.
         threads: torch threads (default: torch's current count).
-        dtype, device: where the models run.
+        dtype, device: where the models run (``dtype`` default: float32).
         sdpa: attention backend for every call (``"default"``, ``"flash"``, ``"efficient"``, ``"cudnn"``,
             ``"math"``); on CPU ``"flash"`` is the CPU flash kernel that runs by default anyway.
         clock: ``"wall"`` or ``"cpu"`` (process CPU time; see :func:`time_once`); CUDA always uses events.
@@ -430,6 +448,7 @@ def e2e_benchmark(widths: Sequence[str] = ("sd3", "pixart", "flux", "unet"), tok
     Returns:
         One :class:`E2ERow` per (width, N, ratio, mode, method).
     """
+    import torch
     from tqdm import tqdm
 
     threads = threads or torch.get_num_threads()

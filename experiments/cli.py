@@ -1,18 +1,39 @@
 """The `tomerge` command line. Each subcommand lives in its own module with `add_arguments(parser)`
 and `run(args) -> exit code`; this file only wires them together.
 
+Start-up: only the module of the subcommand being run is imported (``tomerge --help`` imports none),
+and the subcommand modules import torch, diffusers, Lightning and the like in the functions that
+use them, so ``--help`` answers without loading them.
+
 `--plugin MODULE_OR_FILE` (repeatable, before or after the subcommand) imports a module or a `.py`
 file first (see `tomerge.experiments.plugins`), before the parser is built, so the strategies it
 registers are valid `--strategy` choices. Subcommands find the list, in command-line order, in
 `args.plugins` (to load the same plugins in worker processes). Spell the option in full: an
-abbreviated `--plug` is accepted by argparse but loaded only after the parser is built."""
+abbreviated `--plug` is accepted by argparse but loaded only after the parser is built.
+
+Errors (:func:`report_errors`): a mistake of the user's prints ``tomerge COMMAND: error: MESSAGE`` and
+exits with 2, without a traceback. That is
+
+* a :class:`UserError` anywhere: :class:`UsageError` (a bad value, a refused request),
+  ``ConfigError`` (every problem of a config, one per line), ``MissingWeightsError``, ``PluginError``;
+* a ``FileNotFoundError`` anywhere (a missing input file, folder or checkpoint);
+* a ``ValueError``, ``TypeError`` or ``KeyError`` raised inside a :func:`user_input` block: the
+  subcommands read and check their configs and arguments in one.
+
+Anything else is a bug: its traceback is printed with a line asking to report it, exit code 1.
+Ctrl-C prints one line (what is kept, and that rerunning the same command resumes where it
+resumes), exit code 130. ``--debug`` (before or after the subcommand) lets every exception through
+with its full traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import sys
-from collections.abc import Sequence
+import traceback
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 SUBCOMMANDS = {
     "ablate": ("tomerge.experiments.ablate", "run a strategy x ratio grid against the unmerged baseline",
@@ -29,23 +50,100 @@ SUBCOMMANDS = {
                         "example: tomerge train-reference --max-steps 4000 --out-dir checkpoints/reference"),
 }
 
+# What an interrupted command leaves behind (printed after "interrupted; ").
+INTERRUPTED = {
+    "ablate": "finished runs and images are kept, rerun the same command to resume",
+    "generate": "finished images are kept, rerun the same command to resume",
+    "train-reference": "the last checkpoint is kept, rerun the same command with --resume to continue",
+}
 
 PLUGIN_HELP = ("import a module (my_pkg.strategies) or a .py file (path/to/my_strategy.py) first, so the "
                "strategies and backbones it registers can be used (repeatable; a file's folder is not added "
                "to sys.path)")
+DEBUG_HELP = "show the full traceback of every error (user errors are otherwise reported in one line)"
 
 
-def _add_plugin_option(parser: argparse.ArgumentParser, dest: str) -> None:
-    parser.add_argument("--plugin", dest=dest, action="append", default=[], metavar="MODULE_OR_FILE",
+# ------------------------------------------------------------------------------------ errors
+class UserError(Exception):
+    """An error the user fixes (a config, an argument, a file): the command line reports its message in
+    one line (no traceback) and exits with 2. ``ConfigError``, ``MissingWeightsError`` and
+    ``PluginError`` are user errors too."""
+
+
+class UsageError(UserError, ValueError):
+    """A bad value or a refused request (a ``ValueError``), e.g. an output folder holding images made
+    with other settings."""
+
+
+@contextlib.contextmanager
+def user_input() -> Iterator[None]:
+    """Marks config and argument handling: a ``ValueError``, ``TypeError`` or ``KeyError`` raised inside
+    is the user's, re-raised as :class:`UsageError` (the original chained; user errors pass unchanged).
+
+    Example:
+        >>> with user_input():                             # doctest: +SKIP
+        ...     config = load_config(args.config, args.overrides)
+    """
+    try:
+        yield
+    except UserError:
+        raise
+    except (ValueError, TypeError, KeyError) as err:
+        message = err.args[0] if isinstance(err, KeyError) and len(err.args) == 1 else str(err)
+        raise UsageError(str(message)) from err
+
+
+def is_user_error(err: BaseException) -> bool:
+    """Whether ``err`` is reported in one line (see the module docstring)."""
+    return isinstance(err, (UserError, FileNotFoundError))
+
+
+def report_errors(command: str, call: Callable[[], int], debug: bool = False) -> int:
+    """``call()``'s exit code, with errors reported as the module docstring says (``debug``: re-raised)."""
+    prog = f"tomerge {command}" if command else "tomerge"
+    try:
+        return call()
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        kept = INTERRUPTED.get(command)
+        print(f"\n{prog}: interrupted{f'; {kept}' if kept else ''}", file=sys.stderr)
+        return 130
+    except Exception as err:
+        if debug:
+            raise
+        if is_user_error(err):
+            print(f"{prog}: error: {err}", file=sys.stderr)
+            return 2
+        traceback.print_exc()
+        print(f"{prog}: internal error ({type(err).__name__}): this is a bug in tomerge or in a plugin; please "
+              "report it with the traceback above and the command line (--debug shows every traceback)",
+              file=sys.stderr)
+        return 1
+
+
+def module_main(command: str, main: Callable[[], int]) -> None:
+    """``python -m tomerge.experiments.MODULE``: ``main()`` with errors reported as by ``tomerge`` (whose
+    ``--debug`` shows the tracebacks)."""
+    sys.exit(report_errors(command, main))
+
+
+# ------------------------------------------------------------------------------------ parser
+def _add_common_options(parser: argparse.ArgumentParser, plugins_dest: str, debug_dest: str) -> None:
+    parser.add_argument("--plugin", dest=plugins_dest, action="append", default=[], metavar="MODULE_OR_FILE",
                         help=PLUGIN_HELP)
+    parser.add_argument("--debug", dest=debug_dest, action="store_true", help=DEBUG_HELP)
+
+
+def _before_separator(argv: Sequence[str]) -> list[str]:
+    args = list(argv)
+    return args[: args.index("--")] if "--" in args else args
 
 
 def plugin_specs(argv: Sequence[str]) -> list[str]:
     """The values of every ``--plugin X`` / ``--plugin=X`` in ``argv`` (anywhere before ``--``), in order."""
-    specs, args = [], list(argv)
+    specs, args = [], _before_separator(argv)
     for i, arg in enumerate(args):
-        if arg == "--":
-            break
         if arg == "--plugin" and i + 1 < len(args):
             specs.append(args[i + 1])
         elif arg.startswith("--plugin="):
@@ -53,35 +151,66 @@ def plugin_specs(argv: Sequence[str]) -> list[str]:
     return specs
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _debug_flag(argv: Sequence[str]) -> bool:
+    return "--debug" in _before_separator(argv)
+
+
+def first_positional(argv: Sequence[str]) -> str | None:
+    """The first positional argument of ``argv`` (skipping ``--plugin X``, also abbreviated as argparse
+    allows, ``--plug X``): the subcommand when it is one."""
+    args = _before_separator(argv)
+    i = 0
+    while i < len(args):
+        if len(args[i]) > 2 and "--plugin".startswith(args[i]):
+            i += 2
+        elif args[i].startswith("-"):
+            i += 1
+        else:
+            return args[i]
+    return None
+
+
+def build_parser(commands: Iterable[str] | None = None) -> argparse.ArgumentParser:
+    """The ``tomerge`` parser. Only the subcommands in ``commands`` (default: all) get their arguments,
+    which imports their modules; the others are listed with their help line."""
+    full = set(SUBCOMMANDS) if commands is None else set(commands)
     parser = argparse.ArgumentParser(prog="tomerge", description="Training-free token merging for diffusion "
                                      "transformers: experiments, benchmarks and figures.")
-    _add_plugin_option(parser, "plugins")
+    _add_common_options(parser, "plugins", "debug")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module, help_text, example) in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=f"{help_text}\n\n{example}",
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         p.set_defaults(_module=module)
-        importlib.import_module(module).add_arguments(p)
-        # Its own dest: a subparser's default would overwrite the list given before the subcommand.
-        _add_plugin_option(p, "subcommand_plugins")
+        if name in full:
+            importlib.import_module(module).add_arguments(p)
+        # Their own dests: a subparser's default would overwrite the values given before the subcommand.
+        _add_common_options(p, "subcommand_plugins", "subcommand_debug")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from .plugins import PluginError, load_plugins
-
     argv = list(sys.argv[1:] if argv is None else argv)
-    try:
+    first, debug = first_positional(argv), _debug_flag(argv)
+    commands = [first] if first in SUBCOMMANDS else []  # none for `tomerge --help` (or a typo argparse reports)
+
+    def parse() -> argparse.Namespace:
+        from .plugins import load_plugins
+
         load_plugins(plugin_specs(argv))  # before the parser: subcommands build choices from the registry
-        args = build_parser().parse_args(argv)
+        args = build_parser(commands).parse_args(argv)
         args.plugins = [*args.plugins, *args.subcommand_plugins]
-        del args.subcommand_plugins
+        args.debug = args.debug or args.subcommand_debug
+        del args.subcommand_plugins, args.subcommand_debug
         load_plugins(args.plugins)  # a no-op unless an abbreviated --plug escaped plugin_specs
-    except PluginError as err:
-        print(f"tomerge: error: {err}", file=sys.stderr)
-        return 2
-    return importlib.import_module(args._module).run(args)
+        return args
+
+    parsed: list[argparse.Namespace] = []
+    code = report_errors("", lambda: parsed.append(parse()) or 0, debug=debug)  # plugin errors: "tomerge: error:"
+    if not parsed:
+        return code
+    args = parsed[0]
+    return report_errors(args.command, lambda: importlib.import_module(args._module).run(args), debug=args.debug)
 
 
 if __name__ == "__main__":

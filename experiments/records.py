@@ -18,13 +18,15 @@ import os
 import subprocess
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 import yaml
-from torch import Tensor
 
+from .cli import UsageError
 from .config import AblationConfig
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 # (key, title); a column is shown when some row has a value for it
 TABLE_COLUMNS = [("run", "run"), ("ratio", "ratio"), ("speedup", "speed-up"), ("flop_speedup", "FLOP-ideal"),
@@ -38,6 +40,8 @@ GRID_IMAGES = 20  # images in a run's grid PNG and logged to W&B
 def environment() -> dict[str, Any]:
     """Package versions and the git commit, recorded with every result row."""
     import importlib.metadata as md
+
+    import torch
 
     versions = {}
     for name in ("torch", "diffusers", "timm", "tomerge"):
@@ -56,6 +60,8 @@ def environment() -> dict[str, Any]:
 
 def image_grid(images: Tensor, columns: int = 10) -> Tensor:
     """``[n, C, H, W]`` in [-1, 1] -> a ``[H', W', 3]`` uint8 grid."""
+    import torch
+
     n, c, h, w = images.shape
     rows = -(-n // columns)
     canvas = torch.zeros(rows * columns, c, h, w)
@@ -89,7 +95,7 @@ class RunFolder:
             previous = yaml.safe_load(saved.read_text())
             changed = sorted(k for k, v in config.to_dict().items() if previous.get(k) != _plain(v))
             if set(changed) - {"grid", "wandb", "out_dir", "plugins"}:
-                raise ValueError(f"{path} holds an ablation with another config (changed: {changed}); "
+                raise UsageError(f"{path} holds an ablation with another config (changed: {changed}); "
                                  "use another name (--set name=...) or delete the folder")
         saved.write_text(current)
         rows = []
@@ -257,6 +263,8 @@ class WandbLogger:
 
 def merge_map_rgb(slots: Tensor, grid: tuple[int, int] | None = None, scale: int = 8) -> Tensor:
     """Colours tokens by slot (tokens sharing a slot share a colour): ``[N]`` -> ``[H*s, W*s, 3]`` uint8."""
+    import torch
+
     n = slots.numel()
     side = int(round(n ** 0.5))
     H, W = grid if grid is not None else (side, n // side)

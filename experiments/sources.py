@@ -29,16 +29,34 @@ import inspect
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from torch import Tensor, nn
+from .cli import UsageError
 
+if TYPE_CHECKING:
+    import torch
+    from torch import Tensor, nn
 
-__all__ = ["Item", "ModelSpec", "check_call", "ReferenceSource", "PipelineSource", "CALL_DEFAULTS", "DTYPES"]
+# torch is imported where a model is loaded or run, so that configs (and `tomerge ... --help`) load without it.
+
+__all__ = ["Item", "ModelSpec", "check_call", "ReferenceSource", "PipelineSource", "CALL_DEFAULTS", "DTYPES",
+           "DTYPE_NAMES", "torch_dtype"]
 
 REFERENCE_CHECKPOINT = Path(__file__).parent / "reference" / "dit_reference.safetensors"
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+DTYPE_NAMES = ("fp32", "fp16", "bf16")
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """``"fp32"`` / ``"fp16"`` / ``"bf16"`` -> the torch dtype."""
+    import torch
+
+    return {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[name]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "DTYPES":  # name -> torch dtype, built on first use (imports torch)
+        return {n: torch_dtype(n) for n in DTYPE_NAMES}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 # Pipeline-call arguments per backbone family, on top of which `call:` applies. They are the released
 # pipelines' own defaults made explicit (diffusers 0.42), so that every result row records them; the
@@ -93,6 +111,8 @@ class Item:
 
 
 def _cpu_generator(seed: int) -> torch.Generator:
+    import torch
+
     return torch.Generator("cpu").manual_seed(int(seed))
 
 
@@ -120,8 +140,8 @@ class ModelSpec:
     def __post_init__(self) -> None:
         if self.kind not in ("reference", "pipeline"):
             raise ValueError(f"model kind must be reference or pipeline, got {self.kind!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"model.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in DTYPE_NAMES:
+            raise ValueError(f"model.dtype must be one of {sorted(DTYPE_NAMES)}, got {self.dtype!r}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"model.device must be cpu or cuda, got {self.device!r}")
         if not isinstance(self.call, dict):
@@ -224,7 +244,7 @@ class ReferenceSource:
         spec.check()
         path = Path(spec.path) if spec.path else REFERENCE_CHECKPOINT
         self.checkpoint = path
-        self.model = load_dit(path, map_location=spec.device).eval().to(DTYPES[spec.dtype])
+        self.model = load_dit(path, map_location=spec.device).eval().to(torch_dtype(spec.dtype))
         self.call = {**ModelSpec.REFERENCE_CALL, **spec.call}
 
     @property
@@ -247,13 +267,15 @@ class ReferenceSource:
     def check_items(self, items: Sequence[Item]) -> None:
         n = self.model.config.num_classes
         if any(i.label is None for i in items):
-            raise ValueError("the reference DiT is class-conditional: give class labels, not prompts")
+            raise UsageError("the reference DiT is class-conditional: give class labels, not prompts")
         bad = sorted({i.label for i in items if not 0 <= i.label < n})
         if bad:
-            raise ValueError(f"class ids {bad} outside the model's classes 0..{n - 1}")
+            raise UsageError(f"class ids {bad} outside the model's classes 0..{n - 1}")
 
     def generate(self, batch: Sequence[Item]) -> Tensor:
         """Images ``[B, C, H, W]`` in ``[-1, 1]`` (float32, CPU)."""
+        import torch
+
         from .sampling import sample
 
         c = self.model.config
@@ -271,11 +293,12 @@ class PipelineSource:
 
     def __init__(self, spec: ModelSpec) -> None:
         from diffusers import DiffusionPipeline
+        from torch import nn
 
         self.spec = spec
         spec.check()
         folder = Path(spec.path).expanduser()
-        dtype = DTYPES[spec.dtype]
+        dtype = torch_dtype(spec.dtype)
         with warnings.catch_warnings():  # diffusers 0.42 renames torch_dtype; older releases know only it
             warnings.filterwarnings("ignore", message="`torch_dtype` is deprecated", category=FutureWarning)
             self.pipe = DiffusionPipeline.from_pretrained(str(folder), torch_dtype=dtype, local_files_only=True)
@@ -305,6 +328,8 @@ class PipelineSource:
 
     @property
     def denoiser(self) -> nn.Module:
+        from torch import nn
+
         for attr in ("transformer", "unet"):
             module = getattr(self.pipe, attr, None)
             if isinstance(module, nn.Module):
@@ -323,7 +348,7 @@ class PipelineSource:
 
     def check_items(self, items: Sequence[Item]) -> None:
         if any(i.prompt is None for i in items):
-            raise ValueError(f"{type(self.pipe).__name__} is a text-to-image pipeline: give prompts (`prompts:`)")
+            raise UsageError(f"{type(self.pipe).__name__} is a text-to-image pipeline: give prompts (`prompts:`)")
 
     def generate(self, batch: Sequence[Item]) -> Tensor:
         """Images ``[B, 3, H, W]`` in ``[-1, 1]`` (float32, CPU)."""

@@ -13,10 +13,11 @@ import dataclasses
 import statistics
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from torch import nn
+if TYPE_CHECKING:
+    from torch import nn
+# torch is imported in the functions (it is loaded whenever they run), so importing this module is cheap.
 
 __all__ = ["NOISY_SPREAD", "Timing", "DenoiserProbe", "count_denoiser_flops", "time_alternating"]
 
@@ -25,6 +26,8 @@ NOISY_SPREAD = 0.10
 
 
 def _synchronize() -> None:
+    import torch
+
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()
 
@@ -57,6 +60,8 @@ class DenoiserProbe:
 
     def _mark(self) -> Any:
         if self._cuda:
+            import torch
+
             event = torch.cuda.Event(enable_timing=True)
             event.record()
             return event
@@ -72,6 +77,8 @@ class DenoiserProbe:
     def seconds(self) -> float:
         """Total time inside the denoiser (synchronises CUDA first)."""
         if self._cuda:
+            import torch
+
             torch.cuda.synchronize()
             return sum(a.elapsed_time(b) for a, b in self._intervals) / 1000.0
         return sum(b - a for a, b in self._intervals)
@@ -133,6 +140,8 @@ class Timing:
 
 @contextlib.contextmanager
 def _peak_memory(timing: Timing) -> Iterator[None]:
+    import torch
+
     on_cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
     if on_cuda:
         torch.cuda.reset_peak_memory_stats()

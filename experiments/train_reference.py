@@ -31,13 +31,16 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from torch import Tensor
+from tomerge.experiments.cli import user_input
 
-from tomerge.backbones.native_dit import DiT, DiTConfig, save_dit
-from tomerge.experiments.data import DEFAULT_FASHION_MNIST_ROOT
+if TYPE_CHECKING:
+    import torch
+    from torch import Tensor
+
+    from tomerge.backbones.native_dit import DiT, DiTConfig
+# torch, the model (timm), the data and Lightning are imported where they are used: `--help` needs none.
 
 __all__ = ["add_arguments", "run", "main", "export_checkpoint", "build_module"]
 
@@ -47,8 +50,10 @@ EMA_EXPORT_NAME = "dit_reference_ema.safetensors"
 # ------------------------------------------------------------------------------------ arguments
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the ``train-reference`` options to ``parser`` (used by ``tomerge train-reference``)."""
-    parser.add_argument("--data-root", default=DEFAULT_FASHION_MNIST_ROOT,
-                        help="folder with the Fashion-MNIST IDX files (gzipped or raw) (default: %(default)s)")
+    parser.add_argument("--data-root", default=None,
+                        help="folder with the Fashion-MNIST IDX files (gzipped or raw) (default: where the Debian "
+                             "package dataset-fashion-mnist installs them, tomerge.experiments.data."
+                             "DEFAULT_FASHION_MNIST_ROOT)")
     parser.add_argument("--out-dir", default="checkpoints/reference",
                         help="checkpoints, logs and exports go here (default: %(default)s)")
     parser.add_argument("--preset", default="reference", help="DiTConfig preset (default: %(default)s)")
@@ -92,6 +97,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def _config_from_args(args: argparse.Namespace) -> DiTConfig:
+    from tomerge.backbones.native_dit import DiTConfig
+
     overrides = {k: v for k, v in (("hidden_size", args.hidden_size), ("depth", args.depth),
                                    ("num_heads", args.num_heads)) if v is not None}
     return DiTConfig.preset(args.preset, **overrides)
@@ -111,6 +118,9 @@ def _module_class():
     if _MODULE_CLASS is not None:
         return _MODULE_CLASS
     import pytorch_lightning as pl
+    import torch
+
+    from tomerge.backbones.native_dit import DiT, DiTConfig
 
     class ReferenceDiT(pl.LightningModule):
         """Rectified-flow training of a native DiT with an EMA copy (``self.ema``)."""
@@ -210,6 +220,8 @@ def _module_class():
 # ----------------------------------------------------------------------------------------- export
 def _write_export(ema: DiT, steps: int, loss: float, path: Path, hparams: dict, data: str, source: str) -> dict:
     """EMA weights -> ``path`` (safetensors, config in the header) and ``path.with_suffix('.json')``."""
+    from tomerge.backbones.native_dit import save_dit
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     info = {
@@ -254,6 +266,10 @@ def export_checkpoint(ckpt: str | os.PathLike, out_path: str | os.PathLike) -> d
     ckpt = Path(ckpt)
     if not ckpt.is_file():
         raise FileNotFoundError(f"checkpoint {ckpt} does not exist; train first or pass --resume CKPT")
+    import torch
+
+    from tomerge.backbones.native_dit import DiT, DiTConfig
+
     state = torch.load(ckpt, map_location="cpu", weights_only=True)
     hparams = dict(state["hyper_parameters"])
     config = DiTConfig.from_dict(hparams["config"])
@@ -285,6 +301,8 @@ def _wandb_logger(args: argparse.Namespace, out_dir: Path, config: DiTConfig):
 
 def run(args: argparse.Namespace) -> int:
     """Train (or, with ``--export``, export) as described in the module docstring. Returns 0."""
+    import torch
+
     torch.set_num_threads(max(1, args.threads))
     out_dir = Path(args.out_dir)
     if args.export:
@@ -300,16 +318,18 @@ def run(args: argparse.Namespace) -> int:
     from pytorch_lightning.loggers import CSVLogger
     from torch.utils.data import DataLoader
 
-    from tomerge.experiments.data import FashionMNIST
+    from tomerge.experiments.data import DEFAULT_FASHION_MNIST_ROOT, FashionMNIST
 
-    config = _config_from_args(args)
-    dataset = FashionMNIST(args.data_root, split="train", limit=args.limit_images)
-    if len(dataset) < args.batch_size:
-        raise ValueError(f"{len(dataset)} images are fewer than --batch-size {args.batch_size}")
+    with user_input():
+        config = _config_from_args(args)
+        data_root = args.data_root or DEFAULT_FASHION_MNIST_ROOT
+        dataset = FashionMNIST(data_root, split="train", limit=args.limit_images)
+        if len(dataset) < args.batch_size:
+            raise ValueError(f"{len(dataset)} images are fewer than --batch-size {args.batch_size}")
     pl.seed_everything(args.seed, workers=True)
     loader = DataLoader(dataset, batch_size=args.batch_size, shuffle=True, drop_last=True, num_workers=0)
     out_dir.mkdir(parents=True, exist_ok=True)
-    data = f"Fashion-MNIST train ({len(dataset)} images, 28x28 padded to 32x32) from {args.data_root}"
+    data = f"Fashion-MNIST train ({len(dataset)} images, 28x28 padded to 32x32) from {data_root}"
     module = build_module(config, lr=args.lr, weight_decay=args.weight_decay, warmup_steps=args.warmup_steps,
                           ema_decay=args.ema_decay, t_sampling=args.t_sampling, data=data)
 
@@ -370,4 +390,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from tomerge.experiments.cli import module_main
+
+    module_main("train-reference", main)
