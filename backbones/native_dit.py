@@ -420,7 +420,13 @@ def load_dit(path: str | os.PathLike, config: DiTConfig | None = None, map_locat
         The model in eval mode.
 
     Example:
-        >>> model = load_dit("checkpoints/reference/dit_reference.safetensors")  # doctest: +SKIP
+        The bundled reference model, ``experiments/reference/dit_reference.safetensors`` (installed with
+        the package; its path is ``tomerge.experiments.sources.REFERENCE_CHECKPOINT``):
+
+        >>> from tomerge.experiments.sources import REFERENCE_CHECKPOINT
+        >>> model = load_dit(REFERENCE_CHECKPOINT)
+        >>> model.config.num_classes, model.config.image_hw
+        (10, (32, 32))
     """
     path = os.fspath(path)
     if not os.path.isfile(path):

@@ -7,7 +7,8 @@ class) inputs in one forward call: ``[cond; uncond]``.
 
 Example:
     >>> from tomerge.backbones.native_dit import load_dit
-    >>> model = load_dit("checkpoints/reference/dit_reference.safetensors")          # doctest: +SKIP
+    >>> from tomerge.experiments.sources import REFERENCE_CHECKPOINT   # the bundled reference DiT
+    >>> model = load_dit(REFERENCE_CHECKPOINT)                                       # doctest: +SKIP
     >>> g = torch.Generator().manual_seed(0)
     >>> images = sample(model, torch.arange(10), num_steps=20, cfg_scale=2.0, generator=g)  # doctest: +SKIP
 """
