@@ -42,6 +42,14 @@ Common rules:
   so with ``local=True`` they never merge (they count as unmergeable for the cap).
 * Merge = mean of a destination and its merged sources; unmerge copies it back. Slots are ordered
   ``[destinations in window order..., unmerged sources in raster order...]``.
+* Plan input (``plan_from``, :attr:`IDM.metric`). The authors plan the detail phase from the attention
+  input, the ``norm1`` output (``compute_merge(norm_hidden_states, ...)``, ``TR_SDTM.py`` line 745),
+  although only the MLP is merged. tomerge's hooks plan at the first merged sublayer (or from the
+  block's input), so with attention unmerged they never see that tensor; attached IDM therefore plans
+  from the block's input hidden states by default (``"block_input"``), which on the reference DiT gives
+  plans closer to the ``norm1``-planned ones than the MLP input does (docs/strategies.md);
+  ``"sublayer"`` plans from the MLP input (tomerge before issue 13). On bare tensors
+  (:meth:`MergeStrategy.plan`) the plan is of the tensor given.
 * Merge streaks (:meth:`IDM.streak_members`): as in the authors' counter, every destination of a full
   window counts as merged in this call, with or without sources merged into it, and so does every
   merged source; unmerged sources do not.
@@ -75,6 +83,7 @@ from tomerge.strategy import MergeStrategy
 from .ssm import EPS, normalized_stat, window_tokens
 
 VARIANTS = ("attention", "streak")
+PLAN_FROM = ("sublayer", "block_input")
 RELEASE_ROUND_TOKENS = 16  # the authors' release: reduce_num // 16 * 16 (TR_SDTM.py, FIDM)
 
 
@@ -92,6 +101,10 @@ class IDM(MergeStrategy):
         round_tokens: round the number of removed tokens down to a multiple of this (never a positive
             count to 0); ``None``: the variant's default (16 for ``"streak"`` as the release, 1 = off for
             ``"attention"``).
+        plan_from: the tensor attached hooks plan from (:attr:`metric`): ``"block_input"`` (default: the
+            block's input hidden states, before its norm; the closest the hooks reach to the authors' ``norm1``
+            output when attention is not merged) or ``"sublayer"`` (the input of the first merged sublayer:
+            the MLP input when only the MLP is merged).
         ratio: default ratio when applied alone (planning uses ``ctx.ratio``).
     """
 
@@ -104,6 +117,7 @@ class IDM(MergeStrategy):
     variant: str = "attention"
     local: bool = False
     round_tokens: int | None = None
+    plan_from: str = "block_input"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -124,11 +138,18 @@ class IDM(MergeStrategy):
         if isinstance(self.round_tokens, bool) or not isinstance(self.round_tokens, int) or self.round_tokens < 1:
             raise ValueError(
                 f"idm: round_tokens must be an int >= 1 (1 disables rounding) or None, got {self.round_tokens!r}")
+        if self.plan_from not in PLAN_FROM:
+            raise ValueError(f"idm: plan_from must be one of {PLAN_FROM}, got {self.plan_from!r}")
 
     @property
     def needs(self) -> frozenset[str]:  # type: ignore[override]
         """``{"received_attention"}`` for the attention variant, nothing for the streak variant."""
         return frozenset({"received_attention"}) if self.variant == "attention" else frozenset()
+
+    @property
+    def metric(self) -> str:  # type: ignore[override]
+        """The tensor attached hooks plan from (:attr:`MergeStrategy.metric`): ``plan_from``."""
+        return self.plan_from
 
     # ------------------------------------------------------------------ pure helpers
     def priority(self, ctx: MergeContext, batch: int, num_tokens: int, device: torch.device) -> Tensor:

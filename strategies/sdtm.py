@@ -47,7 +47,9 @@ Options of the two strategies are flattened into this schedule (one flat config 
 ``idm_variant`` (IDM's ``variant``: ``"attention"`` paper, ``"streak"`` released code),
 ``idm_local`` (IDM's ``local``) and ``idm_round_tokens`` (IDM's ``round_tokens``: ``None`` takes the
 variant's default, 16 for ``"streak"`` as the release's ``min(3N/4, r) // 16 * 16``, 1 = none for
-``"attention"``). Both strategies are built once, in ``__post_init__``, which also
+``"attention"``) and ``idm_plan_from`` (IDM's ``plan_from``: the detail phase plans from the block's input
+by default, the closest tensor the hooks reach to the authors' ``norm1`` output; ``"sublayer"``: from the
+MLP input). Both strategies are built once, in ``__post_init__``, which also
 validates their options (errors start with ``ssm:`` / ``idm:``).
 
 Not implemented here:
@@ -159,6 +161,8 @@ class SDTM(Schedule):
         alpha_d: IDM streak weight.
         idm_variant: IDM ``variant``: ``"attention"`` (paper) or ``"streak"`` (released code).
         idm_local: IDM ``local``: merge each source into its own window's destination only.
+        idm_plan_from: IDM ``plan_from``: ``"block_input"`` (the block's input, the closest reachable to the
+            authors' ``norm1`` output) or ``"sublayer"`` (the MLP input).
         idm_round_tokens: IDM ``round_tokens`` (round the removed count down to a multiple); ``None``: the
             variant's default (16 for ``"streak"``, 1 for ``"attention"``).
         prompt_reweight: ``a_p`` of prompt reweighting (active only with prompt categories); ``None``: off.
@@ -189,6 +193,7 @@ class SDTM(Schedule):
     idm_variant: str = "attention"
     idm_local: bool = False
     idm_round_tokens: int | None = None
+    idm_plan_from: str = "block_input"
     prompt_reweight: float | None = 2.0
 
     _ssm: SSM = dataclasses.field(init=False, repr=False, compare=False)
@@ -230,7 +235,8 @@ class SDTM(Schedule):
         set_(self, "_detail", frozenset(self.detail_sublayers))
         set_(self, "_ssm", SSM(window=self.window, alpha_s=self.alpha_s, round_windows=self.round_windows))
         set_(self, "_idm", IDM(window=self.window, alpha_d=self.alpha_d, variant=self.idm_variant,
-                               local=self.idm_local, round_tokens=self.idm_round_tokens))
+                               local=self.idm_local, round_tokens=self.idm_round_tokens,
+                               plan_from=self.idm_plan_from))
 
     # ------------------------------------------------------------------ the rules, as pure functions
     @property

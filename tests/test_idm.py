@@ -258,6 +258,53 @@ def test_missing_received_attention_raises() -> None:
         IDM().select_destinations(x, MergeContext(grid=(4, 4), ratio=0.5))
 
 
+def tiny_dit():
+    from tomerge.backbones.native_dit import DiT, DiTConfig
+    model = DiT(DiTConfig(input_size=16, patch_size=2, in_channels=1, hidden_size=32, depth=2, num_heads=2,
+                          num_classes=10, learn_sigma=False))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # non-zero adaLN: the MLP input is not a plain norm of the block input
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    return model.eval()
+
+
+@pytest.mark.parametrize("schedule", [
+    dict(strategy="idm", variant="streak", ratio=0.5),
+    dict(strategy="idm", ratio=0.5),
+    dict(strategy="sdtm", ratio=0.3, switch=0.0, idm_variant="streak"),
+    dict(strategy="sdtm", ratio=0.3, switch=0.0),
+])
+def test_detail_plans_come_from_the_block_input_when_only_the_mlp_merges(monkeypatch, schedule) -> None:
+    # The authors plan the detail phase from the attention input (norm1 output, TR_SDTM.py line 745) while
+    # merging only the MLP input (line 777). Attention being unmerged, tomerge's hooks cannot see that tensor
+    # and plan from the closest one they can reach, the block's input (before norm1), not the MLP input.
+    model = tiny_dit()
+    block_inputs, attn_inputs, mlp_inputs, planned = {}, {}, {}, []
+    hooks = []
+    for i, block in enumerate(model.blocks):
+        hooks.append(block.register_forward_pre_hook(lambda m, a, i=i: block_inputs.__setitem__(i, a[0])))
+        hooks.append(block.attn.register_forward_pre_hook(lambda m, a, i=i: attn_inputs.__setitem__(i, a[0])))
+        hooks.append(block.mlp.register_forward_pre_hook(lambda m, a, i=i: mlp_inputs.__setitem__(i, a[0])))
+    original = IDM.plan
+    monkeypatch.setattr(IDM, "plan", lambda self, x, ctx: planned.append((ctx.layer, x)) or original(self, x, ctx))
+    schedule = dict(schedule)
+    name = schedule.pop("strategy")
+    x, t, y = torch.randn(2, 1, 16, 16), torch.tensor([0.3, 0.3]), torch.tensor([1, 2])
+    with tomerge.merging(model, name, num_steps=2, **schedule) as handle, torch.no_grad():
+        model(x, t, y)
+        model(x, t - 0.2, y)  # step 1: the detail phase of sdtm (p = 1 > switch = 0)
+        detail = [r for r in handle.state.records if r.label in ("idm", "detail")]
+    for hook in hooks:
+        hook.remove()
+    assert detail and all(r.num_removed > 0 and r.sublayers == ("mlp",) for r in detail)
+    assert len(planned) == len(detail)
+    for layer, metric in planned[-2:]:  # the last call's plans (its block inputs were captured last)
+        assert metric is block_inputs[layer]
+        assert not torch.allclose(metric, mlp_inputs[layer]) and not torch.allclose(metric, attn_inputs[layer])
+    assert IDM().metric == "block_input" and IDM(plan_from="sublayer").metric == "sublayer"
+
+
 # ---------------------------------------------------------------------------------------- invariants
 def random_case(B: int, H: int, W: int, seed: int) -> tuple[torch.Tensor, MergeContext]:
     g = torch.Generator().manual_seed(seed)
@@ -345,6 +392,7 @@ def test_ratio_zero_is_identity() -> None:
 @pytest.mark.parametrize("options", [
     {"window": 1}, {"window": False}, {"alpha_d": -1.0}, {"alpha_d": float("inf")},
     {"variant": "attn"}, {"local": "yes"}, {"ratio": -0.1}, {"round_tokens": 0}, {"round_tokens": True},
+    {"plan_from": "norm1"},
 ])
 def test_invalid_options_raise(options: dict) -> None:
     with pytest.raises(ValueError):
