@@ -33,13 +33,15 @@ import sys
 from collections import Counter, defaultdict
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 import yaml
-from torch import Tensor
 
+from .cli import UsageError
 from .records import image_grid, merge_map_rgb
+
+if TYPE_CHECKING:  # torch is imported where images are drawn: `tomerge figures --help` stays fast
+    from torch import Tensor
 
 __all__ = ["RunData", "load_run", "pareto_front", "ablation_table", "timing_interval", "point_styles",
            "place_labels", "pareto_plot", "pareto_figure", "schedule_figure",
@@ -122,7 +124,7 @@ class RunData:
         ``k=3``: ``[0, 1, 2]``).
         """
         if select not in GRID_SELECT:
-            raise ValueError(f"unknown grid selection {select!r}; choose from {sorted(GRID_SELECT)}")
+            raise UsageError(f"unknown grid selection {select!r}; choose from {sorted(GRID_SELECT)}")
         order: list[dict[str, Any]] = []
         present: list[set[int]] = []
         for r in self.rows:
@@ -631,6 +633,8 @@ def _overlay(slots: Tensor, image: Tensor | None, alpha: float) -> Tensor:
     if image is None:
         return colours
     img = _rgb(image)  # [H, W, 3]
+    import torch
+
     up = torch.nn.functional.interpolate(colours.permute(2, 0, 1)[None], size=hw, mode="nearest")[0]  # [3, H, W]
     return ((1 - alpha) * img + alpha * up.permute(1, 2, 0)).clamp(0, 1)  # unmerged (black) tokens: dimmed image
 
@@ -669,7 +673,7 @@ def merge_map_figure(data: RunData, run: str, stem: Path, formats: Sequence[str]
             slots = maps[key].long()
             ax = axes[r, c + extra]
             ax.imshow(_overlay(slots, image, alpha).numpy(), interpolation="nearest")
-            removed = slots.numel() - int(torch.unique(slots).numel())
+            removed = slots.numel() - int(slots.unique().numel())
             name = f"{step}, layer {int(parsed[key][2])}" if parsed[key] else key
             ax.set_title(f"{name}\n-{removed}/{slots.numel()} tokens", fontsize=7)
     fig.suptitle(f"{run}: tokens sharing a slot share a colour; unmerged tokens dark", fontsize=8)
@@ -770,7 +774,7 @@ def make_figures(paths: Sequence[str | Path], out: str | Path, metrics: Sequence
     available = [m for m in METRICS if any(_finite(r.get(m)) for d in data for r in d.merged)]
     for metric in metrics or available:
         if metric not in METRICS:
-            raise ValueError(f"unknown metric {metric!r}; choose from {sorted(METRICS)}")
+            raise UsageError(f"unknown metric {metric!r}; choose from {sorted(METRICS)}")
         files, fronts[metric] = pareto_figure(data, metric, out / f"pareto_{metric}", x_key, formats)
         written += files
     (out / "pareto.json").write_text(json.dumps({"x": x_key, "fronts": fronts}, indent=2))

@@ -16,7 +16,7 @@ Examples:
     python -m tomerge.experiments.train_reference --out-dir checkpoints/reference --max-steps 100000 --resume
     # export the EMA weights of the newest checkpoint (no training)
     python -m tomerge.experiments.train_reference --out-dir checkpoints/reference \\
-        --export checkpoints/reference/dit_reference.safetensors
+        --export checkpoints/reference/dit_reference.safetensors   # then copy it to experiments/reference/ to ship it
     # smoke test on a handful of images
     python -m tomerge.experiments.train_reference --out-dir /tmp/ref --limit-images 64 --max-steps 5 --wandb disabled
 """

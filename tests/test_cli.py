@@ -123,7 +123,7 @@ def test_help_imports_no_subcommand_module_and_no_torch():
         "from tomerge.experiments import cli\n"
         "seen = {}\n"
         "for argv in (['--help'], ['ablate', '--help'], ['generate', '--help'], ['bench', '--help'],\n"
-        "             ['train-reference', '--help']):\n"
+        "             ['train-reference', '--help'], ['figures', '--help']):\n"
         "    try:\n"
         "        cli.main(argv)\n"
         "    except SystemExit:\n"

@@ -382,3 +382,14 @@ def test_doctests_of_the_module_pass():
 
     result = doctest.testmod(figures, optionflags=doctest.ELLIPSIS)
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_an_unknown_metric_is_a_user_error(tmp_path, capsys):
+    from tomerge.experiments.cli import UsageError, main
+
+    folder = make_run_folder(tmp_path)
+    with pytest.raises(SystemExit) as exit_:  # argparse's choices: one line, exit 2
+        main(["figures", str(folder), "--out", str(tmp_path / "figs"), "--metrics", "psnrr"])
+    assert exit_.value.code == 2 and "invalid choice: 'psnrr'" in capsys.readouterr().err
+    with pytest.raises(UsageError, match="unknown metric 'psnrr'"):  # the Python API says the same
+        figures.make_figures([folder], tmp_path / "figs", metrics=["psnrr"])
