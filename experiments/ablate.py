@@ -75,9 +75,11 @@ def measure(source: Any, config: AblationConfig, timing_items: Sequence[Item], r
     """FLOPs of the denoiser for the timing batch (with the run's merging), the merge maps of its first
     image and every block call's decision record."""
     call = lambda: source.generate(timing_items)  # noqa: E731
+    n = len(timing_items)
     if run is None:
         flops, calls = count_denoiser_flops(source.denoiser, call)
-        return {"flops": flops, "denoiser_calls": calls, "maps": {}, "records": []}
+        return {"flops": flops, "flops_per_image": flops / n, "denoiser_calls_per_image": calls / n,
+                "maps": {}, "records": []}
     maps: dict[str, Any] = {}
     with _merging(source, run) as handle:
         def keep_map(block_call, plan) -> None:
@@ -89,7 +91,8 @@ def measure(source: Any, config: AblationConfig, timing_items: Sequence[Item], r
         handle.state.observers.append(keep_map)
         flops, calls = count_denoiser_flops(source.denoiser, call)
         records = list(handle.state.records)
-    return {"flops": flops, "denoiser_calls": calls, "maps": maps, "records": records}
+    return {"flops": flops, "flops_per_image": flops / n, "denoiser_calls_per_image": calls / n, "maps": maps,
+            "records": records}
 
 
 def speed_row(source: Any, config: AblationConfig, timing_items: Sequence[Item], run: RunSpec) -> dict[str, Any]:
@@ -109,41 +112,38 @@ def speed_row(source: Any, config: AblationConfig, timing_items: Sequence[Item],
     }
 
 
-class QualityFeatures:
-    """The quality scorer of a run folder: EfficientNet-Lite0 features of the baseline images and of the
-    real reference images, computed once (``features.safetensors``) and reused by every run, plus the
-    optional CLIP score and FID models of ``metrics:``.
+def quality_scorer(folder: RunFolder, config: AblationConfig, baseline_files: Sequence[Path],
+                   prompts: Sequence[str] | None):
+    """The run folder's :class:`~tomerge.experiments.metrics.ImageSetQuality`: EfficientNet-Lite0
+    features of the baseline images and of the real reference images are computed once
+    (``features.safetensors``) and reused by every run, with the optional CLIP score and FID of
+    ``metrics:``.
 
     Reference images: ``metrics.reference_images`` (a folder), else for the reference DiT
     ``fd_reference_images`` Fashion-MNIST test images (0: none).
     """
+    from .metrics import FeatureExtractor, ImageSetQuality, image_files
 
-    def __init__(self, folder: RunFolder, config: AblationConfig, baseline_files: Sequence[Path],
-                 prompts: Sequence[str] | None) -> None:
-        from .metrics import ImageSetQuality, image_files
+    m = config.metrics
+    cached = folder.load_tensors("features") or {}
+    reference = cached.get("reference")
+    if reference is None and m.reference_images is None and config.fd_reference_images \
+            and config.model.kind == "reference":
+        from .data import FashionMNIST
 
-        m = config.metrics
-        cached = folder.load_tensors("features") or {}
-        reference_files = (image_files(m.reference_images, m.reference_limit) if m.reference_images else None)
-        scorer = ImageSetQuality(baseline_files, prompts=prompts, baseline_features=cached.get("baseline"),
-                                 reference_features=cached.get("reference"),
-                                 reference_files=reference_files,
-                                 clip_model=m.clip_model, fid_weights=m.fid_weights, batch_size=m.batch_size,
-                                 device=config.model.device)
-        cached["baseline"] = scorer.baseline_features
-        if scorer.reference_features is None and m.reference_images is None and config.fd_reference_images \
-                and config.model.kind == "reference":
-            from .data import FashionMNIST
-
-            real = FashionMNIST(config.data_root, split="test", limit=config.fd_reference_images)
-            scorer.reference_features = scorer.extract(real.images.float().div(127.5).sub(1.0).unsqueeze(1))
-        if scorer.reference_features is not None:
-            cached["reference"] = scorer.reference_features
-        folder.save_tensors("features", cached)
-        self.scorer = scorer
-
-    def score(self, files: Sequence[Path]) -> dict[str, float]:
-        return self.scorer.score(files)
+        real = FashionMNIST(config.data_root, split="test", limit=config.fd_reference_images)
+        extract = FeatureExtractor(device=config.model.device, batch_size=m.batch_size)
+        reference = extract(real.images.float().div(127.5).sub(1.0).unsqueeze(1))  # [n, 1, H, W] -> [n, 1280]
+    reference_files = image_files(m.reference_images, m.reference_limit) if m.reference_images else None
+    scorer = ImageSetQuality(baseline_files, prompts=prompts, baseline_features=cached.get("baseline"),
+                             reference_features=reference, reference_files=reference_files,
+                             clip_model=m.clip_model, fid_weights=m.fid_weights, batch_size=m.batch_size,
+                             device=config.model.device)
+    cached["baseline"] = scorer.baseline_features
+    if scorer.reference_features is not None:
+        cached["reference"] = scorer.reference_features
+    folder.save_tensors("features", cached)
+    return scorer
 
 
 def run_ablation(config: AblationConfig, progress: bool = True) -> RunFolder:
@@ -160,13 +160,11 @@ def run_ablation(config: AblationConfig, progress: bool = True) -> RunFolder:
     prompts = [i.prompt for i in items] if source.conditioning == "prompt" else None
 
     baseline_files = produce_images(folder, "baseline", _spec(config, None), items, source, config, progress)
-    quality = QualityFeatures(folder, config, baseline_files, prompts)
+    quality = quality_scorer(folder, config, baseline_files, prompts)
     if not folder.has("baseline"):
         measured = measure(source, config, timing_items, None)
         row = {"run": "baseline", "strategy": "none", "ratio": 0.0, "options": {},
-               "flops": measured["flops"], "flops_per_image": measured["flops"] / len(timing_items),
-               "denoiser_calls_per_image": measured["denoiser_calls"] / len(timing_items),
-               **quality.score(baseline_files), **env}
+               **_counts(measured), **quality.score(baseline_files), **env}
         folder.save_grid("baseline", baseline_files)
         folder.append(row)
         logger.row(row, images=baseline_files, prompts=prompts)
@@ -179,9 +177,7 @@ def run_ablation(config: AblationConfig, progress: bool = True) -> RunFolder:
         row = {
             "run": run.run_id, "strategy": run.strategy, "ratio": run.ratio, "options": run.options,
             **speed_row(source, config, timing_items, run),
-            "flops_base": flops_base, "flops": measured["flops"], "flop_speedup": flops_base / measured["flops"],
-            "flops_per_image": measured["flops"] / len(timing_items),
-            "denoiser_calls_per_image": measured["denoiser_calls"] / len(timing_items),
+            "flops_base": flops_base, **_counts(measured), "flop_speedup": flops_base / measured["flops"],
             "tokens_removed_mean": _mean_removed(measured["records"]), **quality.score(files), **env,
         }
         row["overhead_ratio"] = row["speedup"] / row["flop_speedup"]
@@ -192,6 +188,11 @@ def run_ablation(config: AblationConfig, progress: bool = True) -> RunFolder:
     folder.finish()
     logger.finish(folder)
     return folder
+
+
+def _counts(measured: dict[str, Any]) -> dict[str, float]:
+    """The FLOP and call counts of :func:`measure` that go into a result row."""
+    return {k: measured[k] for k in ("flops", "flops_per_image", "denoiser_calls_per_image")}
 
 
 def _mean_removed(records: Sequence) -> float:
