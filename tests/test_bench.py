@@ -127,11 +127,11 @@ def test_keep_freed_memory_stops_page_faults_of_large_tensors():
         return int(out.stdout.strip().splitlines()[-1])
 
     pages = (64 << 20) // 4096
-    default = faults("default")
-    assert default > pages // 2  # every 64 MiB result is a fresh mmap, faulted in page by page
-    # The freed block is reused. Not to zero faults: this VM's kernel runs DAMON proactive reclaim, which
-    # takes back part of an idle kept block between iterations (measured 10-40% of its pages here).
-    assert faults("keep") < default // 2
+    assert faults("default") > pages // 2  # every 64 MiB result is a fresh mmap, faulted in page by page
+    # The freed block is reused. This VM's kernel runs DAMON proactive reclaim, which at times takes back
+    # part of an idle kept block (measured 0, 10% or 40% of its pages from run to run), so the best of
+    # three processes is what the allocator setting itself does.
+    assert min(faults("keep") for _ in range(3)) < pages // 20
 
 
 def test_keep_freed_memory_rejects_limits_mallopt_cannot_take():
