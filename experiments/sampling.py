@@ -6,7 +6,7 @@ predicts the velocity ``v = noise - x0`` (``dx_t/dt``). Sampling integrates from
 class) inputs in one forward call: ``[cond; uncond]``.
 
 Example:
-    >>> from tomerge.backbones.native_dit import load_dit
+    >>> from tomerge.backbones.timm_dit import load_dit
     >>> from tomerge.experiments.sources import REFERENCE_CHECKPOINT   # the bundled reference DiT
     >>> model = load_dit(REFERENCE_CHECKPOINT)                                       # doctest: +SKIP
     >>> g = torch.Generator().manual_seed(0)

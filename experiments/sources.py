@@ -238,7 +238,7 @@ class ReferenceSource:
     conditioning = "class"
 
     def __init__(self, spec: ModelSpec) -> None:
-        from tomerge.backbones.native_dit import load_dit
+        from tomerge.backbones.timm_dit import load_dit
 
         self.spec = spec
         spec.check()

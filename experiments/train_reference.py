@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     import torch
     from torch import Tensor
 
-    from tomerge.backbones.native_dit import DiT, DiTConfig
+    from tomerge.backbones.timm_dit import DiT, DiTConfig
 # torch, the model (timm), the data and Lightning are imported where they are used: `--help` needs none.
 
 __all__ = ["add_arguments", "run", "main", "export_checkpoint", "build_module"]
@@ -97,7 +97,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def _config_from_args(args: argparse.Namespace) -> DiTConfig:
-    from tomerge.backbones.native_dit import DiTConfig
+    from tomerge.backbones.timm_dit import DiTConfig
 
     overrides = {k: v for k, v in (("hidden_size", args.hidden_size), ("depth", args.depth),
                                    ("num_heads", args.num_heads)) if v is not None}
@@ -120,7 +120,7 @@ def _module_class():
     import pytorch_lightning as pl
     import torch
 
-    from tomerge.backbones.native_dit import DiT, DiTConfig
+    from tomerge.backbones.timm_dit import DiT, DiTConfig
 
     class ReferenceDiT(pl.LightningModule):
         """Rectified-flow training of a native DiT with an EMA copy (``self.ema``)."""
@@ -220,7 +220,7 @@ def _module_class():
 # ----------------------------------------------------------------------------------------- export
 def _write_export(ema: DiT, steps: int, loss: float, path: Path, hparams: dict, data: str, source: str) -> dict:
     """EMA weights -> ``path`` (safetensors, config in the header) and ``path.with_suffix('.json')``."""
-    from tomerge.backbones.native_dit import save_dit
+    from tomerge.backbones.timm_dit import save_dit
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -268,7 +268,7 @@ def export_checkpoint(ckpt: str | os.PathLike, out_path: str | os.PathLike) -> d
         raise FileNotFoundError(f"checkpoint {ckpt} does not exist; train first or pass --resume CKPT")
     import torch
 
-    from tomerge.backbones.native_dit import DiT, DiTConfig
+    from tomerge.backbones.timm_dit import DiT, DiTConfig
 
     state = torch.load(ckpt, map_location="cpu", weights_only=True)
     hparams = dict(state["hyper_parameters"])
@@ -360,7 +360,7 @@ def run(args: argparse.Namespace) -> int:
     if ckpt is not None:
         print(f"resuming from {ckpt}", flush=True)
     elif args.init_from:
-        from tomerge.backbones.native_dit import load_dit
+        from tomerge.backbones.timm_dit import load_dit
 
         weights = load_dit(args.init_from, config=config).state_dict()
         module.model.load_state_dict(weights)

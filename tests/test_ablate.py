@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tomerge.backbones.native_dit import DiT, DiTConfig, save_dit
+from tomerge.backbones.timm_dit import DiT, DiTConfig, save_dit
 from tomerge.experiments.ablate import run_ablation
 from tomerge.experiments.config import load_config
 from tomerge.experiments.data import write_idx

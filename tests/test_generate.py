@@ -21,7 +21,7 @@ COMMON = ["--classes", *map(str, CLASSES), "--per-class", str(PER_CLASS), "--see
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
-    from tomerge.backbones.native_dit import DiT, DiTConfig, save_dit
+    from tomerge.backbones.timm_dit import DiT, DiTConfig, save_dit
 
     torch.manual_seed(0)
     model = DiT(DiTConfig(input_size=8, patch_size=2, in_channels=1, hidden_size=32, depth=2, num_heads=2,

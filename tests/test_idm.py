@@ -259,7 +259,7 @@ def test_missing_received_attention_raises() -> None:
 
 
 def tiny_dit():
-    from tomerge.backbones.native_dit import DiT, DiTConfig
+    from tomerge.backbones.timm_dit import DiT, DiTConfig
     model = DiT(DiTConfig(input_size=16, patch_size=2, in_channels=1, hidden_size=32, depth=2, num_heads=2,
                           num_classes=10, learn_sigma=False))
     g = torch.Generator().manual_seed(0)

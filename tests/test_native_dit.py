@@ -9,7 +9,7 @@ import struct
 import pytest
 import torch
 
-from tomerge.backbones.native_dit import DiT, DiTConfig, get_2d_sincos_pos_embed, load_dit, save_dit
+from tomerge.backbones.timm_dit import DiT, DiTConfig, get_2d_sincos_pos_embed, load_dit, save_dit
 from tomerge.experiments.data import FashionMNIST, read_idx, write_idx
 from tomerge.experiments.sampling import sample
 

@@ -106,7 +106,7 @@ def tiny_dit_transformer(seed: int = 0) -> nn.Module:
 
 def tiny_native_dit(seed: int = 0) -> nn.Module:
     """Native DiT, 8 x 8 tokens, with random non-zero weights (the DiT init zeroes adaLN and the output)."""
-    from tomerge.backbones.native_dit import DiT, DiTConfig
+    from tomerge.backbones.timm_dit import DiT, DiTConfig
 
     model = DiT(DiTConfig(input_size=16, patch_size=2, in_channels=4, hidden_size=32, depth=2, num_heads=2,
                           num_classes=10, learn_sigma=False)).eval()

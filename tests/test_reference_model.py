@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from tomerge.backbones.native_dit import load_dit
+from tomerge.backbones.timm_dit import load_dit
 from tomerge.experiments.config import REFERENCE_CHECKPOINT
 from tomerge.experiments.sampling import sample
 
