@@ -1,6 +1,7 @@
 """Helpers shared by the adapters of diffusers models: finding the model in a pipeline, call
-arguments, patch grids, feed-forward chunking, the base adapter of patchified transformers, and the
-received-attention probe of their `Attention` module."""
+arguments (:func:`call_arg`, also used by the ``native_dit`` adapter), patch grids, feed-forward
+chunking, the base adapter of patchified transformers, and the received-attention probe of their
+`Attention` module (fused q/k/v projections: :func:`fused_part`)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Any, ClassVar
 from torch import Tensor, nn
 
 from tomerge.adapter import BackboneAdapter, BlockSpec, MergePoint, class_names
-from tomerge.probe import received_attention, split_heads, strided_queries
+from tomerge.probe import attention_probe, received_self_attention
 from tomerge.state import MergeState
 
 
@@ -30,45 +31,22 @@ def probe_self_attention(block: BlockSpec, point: MergePoint, state: MergeState,
     Hooks the query/key projections (``to_q``/``to_k``, or ``to_qkv`` after
     ``fuse_qkv_projections()``) and the q/k norms, which run after them and so overwrite the capture,
     to keep what the processor computes anyway; after the attention runs at full length, stores
-    ``received_attention`` for the block's layer. Calls where the attention itself was merged are
-    not recorded (the keys are slots, not tokens).
+    ``received_attention`` for the block's layer (:func:`~tomerge.probe.attention_probe`). Calls where
+    the attention itself was merged are not recorded (the keys are slots, not tokens).
     """
     attn = point.module
-    captured: dict[str, Tensor] = {}
+    fused = getattr(attn, "to_qkv", None)
+    sources = [("q", attn.to_q, None), ("k", attn.to_k, None),
+               ("q", fused, fused_part(0)), ("k", fused, fused_part(1)),
+               ("q", getattr(attn, "norm_q", None), None), ("k", getattr(attn, "norm_k", None), None)]
+    return attention_probe(state, block.layer, attn, sources, lambda captured, grid: received_self_attention(
+        captured, grid, attn.heads, attn.scale, max_queries))
 
-    def wanted() -> bool:
-        call = state.call
-        return call is not None and call.where.layer == block.layer and call.decision.merges
 
-    def keep(name: str):
-        def hook(module: nn.Module, args: tuple, output: Tensor) -> None:
-            if wanted():
-                captured[name] = output
-        return hook
-
-    def keep_fused(module: nn.Module, args: tuple, output: Tensor) -> None:
-        if wanted():
-            captured["q"], captured["k"], _ = output.chunk(3, dim=-1)  # 3 x [B, N, H*d]
-
-    def compute(module: nn.Module, args: tuple, output: Any) -> None:
-        q, k = captured.pop("q", None), captured.pop("k", None)
-        if q is None or k is None or not wanted():
-            return
-        q = strided_queries(split_heads(q, attn.heads), max_queries)  # [B, H, Q, d]
-        k = split_heads(k, attn.heads)  # [B, H, N, d]
-        H, W = state.call.grid
-        if k.shape[2] != H * W:  # the attention ran on merged slots
-            return
-        state.store_attention(block.layer, received_attention(q, k, attn.scale))
-
-    hooks = [attn.to_q.register_forward_hook(keep("q")), attn.to_k.register_forward_hook(keep("k"))]
-    if getattr(attn, "to_qkv", None) is not None:
-        hooks.append(attn.to_qkv.register_forward_hook(keep_fused))
-    for name, norm in (("q", getattr(attn, "norm_q", None)), ("k", getattr(attn, "norm_k", None))):
-        if norm is not None:
-            hooks.append(norm.register_forward_hook(keep(name)))
-    hooks.append(attn.register_forward_hook(compute))
-    return hooks
+def fused_part(part: int):
+    """``pick`` of a fused ``[B, L, 3 H*d]`` q/k/v projection output for :func:`~tomerge.probe.attention_probe`:
+    its ``part``-th third (0: q, 1: k)."""
+    return lambda output: output.chunk(3, dim=-1)[part]  # [B, L, H*d]
 
 
 def call_arg(args: tuple, kwargs: dict, name: str, index: int) -> Any:

@@ -55,23 +55,16 @@ from torch import Tensor, nn
 
 from tomerge.adapter import BackboneAdapter, BlockSpec, MergePoint, TextKeys, class_names
 from tomerge.plan import MergePlan
-from tomerge.probe import received_attention
+from tomerge.probe import attention_probe, received_attention
 from tomerge.state import MergeState
 
-from ._diffusers import submodel
+from ._diffusers import call_arg, submodel
 
 _EPS = 1e-12
 _PROBE_CHUNK = 64  # text queries per probe matmul (bounds the [B, heads, chunk, T + N] logits)
 
 
 # ---------------------------------------------------------------------- call arguments
-def _arg(args: tuple, kwargs: dict, name: str, index: int) -> Any:
-    """The argument ``name`` of a call, given by keyword or as positional ``index`` (``None`` if absent)."""
-    if name in kwargs:
-        return kwargs[name]
-    return args[index] if len(args) > index else None
-
-
 def _with_arg(args: tuple, kwargs: dict, name: str, index: int, value: Any) -> tuple[tuple, dict]:
     """``(args, kwargs)`` with the argument ``name`` (keyword or positional ``index``) set to ``value``."""
     if name not in kwargs and len(args) > index:
@@ -168,8 +161,8 @@ class FluxBlockSpec(BlockSpec):
     lengths: CallLengths = dataclasses.field(default_factory=CallLengths, kw_only=True)
 
     def block_input(self, args: tuple, kwargs: dict) -> Tensor:
-        x = _arg(args, kwargs, "hidden_states", 0)  # [B, N, C] image tokens
-        text = _arg(args, kwargs, "encoder_hidden_states", 1)  # [B, T, C]
+        x = call_arg(args, kwargs, "hidden_states", 0)  # [B, N, C] image tokens
+        text = call_arg(args, kwargs, "encoder_hidden_states", 1)  # [B, T, C]
         self.lengths.text = int(text.shape[1]) if text is not None else 0
         self.lengths.image = int(x.shape[1])
         self.lengths.merged = None
@@ -185,7 +178,7 @@ class DoubleAttentionPoint(MergePoint):
 
     def merge_input(self, args: tuple, kwargs: dict, x: Tensor, plan: MergePlan) -> tuple[tuple, dict]:
         _check_no_mask(args, kwargs)
-        text = _arg(args, kwargs, "encoder_hidden_states", 1)  # [B, T, C]
+        text = call_arg(args, kwargs, "encoder_hidden_states", 1)  # [B, T, C]
         args, kwargs = super().merge_input(args, kwargs, x, plan)
         return _merge_rotary(args, kwargs, plan, 0 if text is None else int(text.shape[1]))
 
@@ -279,14 +272,14 @@ class SingleAttentionPoint(SingleStreamPoint):
 
 
 def _check_no_mask(args: tuple, kwargs: dict) -> None:
-    if _arg(args, kwargs, "attention_mask", 2) is not None:
+    if call_arg(args, kwargs, "attention_mask", 2) is not None:
         raise ValueError("tomerge flux: an attention_mask over the full sequence cannot be used with merged image "
                          "tokens; drop it from joint_attention_kwargs or run without merging")
 
 
 def _merge_rotary(args: tuple, kwargs: dict, plan: MergePlan, text_len: int) -> tuple[tuple, dict]:
     """Replaces the attention call's ``image_rotary_emb`` by the table of the merged sequence."""
-    freqs = _arg(args, kwargs, "image_rotary_emb", 3)
+    freqs = call_arg(args, kwargs, "image_rotary_emb", 3)
     if freqs is None:
         return args, kwargs
     if freqs[0].shape[0] != text_len + plan.num_tokens:
@@ -366,15 +359,15 @@ class FluxAdapter(BackboneAdapter):
         return specs
 
     def on_model_call(self, args: tuple, kwargs: dict) -> Tensor | float | None:
-        x = _arg(args, kwargs, "hidden_states", 0)  # [B, N, C_in] packed latent
-        img_ids = _arg(args, kwargs, "img_ids", 4)
+        x = call_arg(args, kwargs, "hidden_states", 0)  # [B, N, C_in] packed latent
+        img_ids = call_arg(args, kwargs, "img_ids", 4)
         self.grid_size = grid_from_ids(img_ids) if img_ids is not None else None
         if self.grid_size is None and not self._warned_ids:
             self._warned_ids = True
             warnings.warn(
                 f"tomerge flux: the img_ids of this call ({x.shape[1]} image tokens) are not one raster-ordered "
                 "H x W grid (e.g. FLUX Kontext's reference-image tokens); its blocks are not merged", stacklevel=2)
-        return _arg(args, kwargs, "timestep", 3)
+        return call_arg(args, kwargs, "timestep", 3)
 
     def grid(self, block: BlockSpec, num_tokens: int) -> tuple[int, int] | None:
         if self.grid_size is None or self.grid_size[0] * self.grid_size[1] != num_tokens:
@@ -384,7 +377,7 @@ class FluxAdapter(BackboneAdapter):
     def text_keys(self, block: BlockSpec, point: MergePoint) -> TextKeys | None:
         if isinstance(point, DoubleAttentionPoint):
             def text_len(args: tuple, kwargs: dict) -> int:
-                text = _arg(args, kwargs, "encoder_hidden_states", 1)  # [B, T, C]
+                text = call_arg(args, kwargs, "encoder_hidden_states", 1)  # [B, T, C]
                 return 0 if text is None else int(text.shape[1])
         elif isinstance(point, SingleAttentionPoint):
             def text_len(args: tuple, kwargs: dict) -> int:
@@ -420,44 +413,31 @@ def probe_flux_attention(block: BlockSpec, attn: nn.Module, state: MergeState) -
         Hook handles: ``attn`` pre-hook (RoPE table, text length), q/k norm output hooks (the processor's
         q/k, ``[B, L, heads, d]``), ``attn`` hook. Calls whose attention ran merged are not recorded.
     """
-    captured: dict[str, Any] = {}
     double = getattr(attn, "added_kv_proj_dim", None) is not None
     names = ({"k": "norm_k", "q_txt": "norm_added_q", "k_txt": "norm_added_k"} if double  # captured <- module
              else {"q": "norm_q", "k": "norm_k"})
+    sources = [(name, getattr(attn, module), None) for name, module in names.items()]  # [B, L, heads, d]
 
-    def wanted() -> bool:
-        call = state.call
-        return call is not None and call.where.layer == block.layer and call.decision.merges
+    def before(args: tuple, kwargs: dict) -> dict[str, Any]:
+        if double:
+            text = call_arg(args, kwargs, "encoder_hidden_states", 1)
+            T = 0 if text is None else int(text.shape[1])
+        else:
+            T = getattr(block, "lengths", CallLengths()).text or 0
+        return {"freqs": call_arg(args, kwargs, "image_rotary_emb", 3), "T": T}
 
-    def before(module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if wanted():
-            captured["freqs"] = _arg(args, kwargs, "image_rotary_emb", 3)
-            if double:
-                text = _arg(args, kwargs, "encoder_hidden_states", 1)
-                captured["T"] = 0 if text is None else int(text.shape[1])
-            else:
-                captured["T"] = getattr(block, "lengths", CallLengths()).text or 0
-
-    def keep(name: str):
-        def hook(module: nn.Module, args: tuple, output: Tensor) -> None:
-            if wanted():
-                captured[name] = output  # [B, L, heads, d]
-        return hook
-
-    def compute(module: nn.Module, args: tuple, output: Any) -> None:
-        got = dict(captured)
-        captured.clear()
-        T, (H, W) = got.get("T", 0), state.call.grid
-        if not wanted() or T == 0 or not all(n in got for n in names):
-            return  # no text queries: nothing recorded (idm then says it lacks received attention)
+    def compute(got: dict[str, Any], grid: tuple[int, int]) -> Tensor | None:
+        T, (H, W) = got.get("T", 0), grid
+        if T == 0 or not all(n in got for n in names):
+            return None  # no text queries: nothing recorded (idm then says it lacks received attention)
         if double:
             if got["k"].shape[1] != H * W:
-                return  # the attention ran merged
+                return None  # the attention ran merged
             q_txt = got["q_txt"]  # [B, T, h, d]
             k = torch.cat([got["k_txt"], got["k"]], dim=1)  # [B, T + N, h, d]
         else:
             if got["k"].shape[1] != T + H * W:
-                return
+                return None
             q_txt, k = got["q"][:, :T], got["k"]  # [B, T, h, d], [B, T + N, h, d]
         freqs = got.get("freqs")
         if freqs is not None:
@@ -465,13 +445,9 @@ def probe_flux_attention(block: BlockSpec, attn: nn.Module, state: MergeState) -
 
             q_txt = apply_rotary_emb(q_txt, (freqs[0][:T], freqs[1][:T]), sequence_dim=1)
             k = apply_rotary_emb(k, freqs, sequence_dim=1)
-        a = _received_by_image(q_txt.transpose(1, 2), k.transpose(1, 2), k.shape[-1] ** -0.5, T)  # [B, N]
-        state.store_attention(block.layer, a)
+        return _received_by_image(q_txt.transpose(1, 2), k.transpose(1, 2), k.shape[-1] ** -0.5, T)  # [B, N]
 
-    handles = [attn.register_forward_pre_hook(before, with_kwargs=True)]
-    handles += [getattr(attn, module).register_forward_hook(keep(name)) for name, module in names.items()]
-    handles.append(attn.register_forward_hook(compute))
-    return handles
+    return attention_probe(state, block.layer, attn, sources, compute, before=before)
 
 
 def _received_by_image(q: Tensor, k: Tensor, scale: float, text_len: int) -> Tensor:

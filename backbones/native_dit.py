@@ -15,8 +15,10 @@ from typing import Any, ClassVar
 from torch import Tensor, nn
 
 from tomerge.adapter import BackboneAdapter, BlockSpec, MergePoint, class_names
-from tomerge.probe import received_attention, split_heads, strided_queries
+from tomerge.probe import attention_probe, received_self_attention
 from tomerge.state import MergeState
+
+from ._diffusers import call_arg
 
 
 class NativeDiTAdapter(BackboneAdapter):
@@ -44,11 +46,11 @@ class NativeDiTAdapter(BackboneAdapter):
                 for i, block in enumerate(self.model.blocks) if "DiTBlock" in class_names(block)]
 
     def on_model_call(self, args: tuple, kwargs: dict) -> Tensor | float | None:
-        x = kwargs["x"] if "x" in kwargs else args[0]  # [B, C, H, W]
+        x = call_arg(args, kwargs, "x", 0)  # [B, C, H, W]
         p = self.model.x_embedder.patch_size
         p = p if isinstance(p, int) else p[0]
         self.token_grid = (x.shape[-2] // p, x.shape[-1] // p)
-        return kwargs["t"] if "t" in kwargs else (args[1] if len(args) > 1 else None)
+        return call_arg(args, kwargs, "t", 1)
 
     def grid(self, block: BlockSpec, num_tokens: int) -> tuple[int, int] | None:
         if self.token_grid is None or self.token_grid[0] * self.token_grid[1] != num_tokens:
@@ -60,37 +62,15 @@ class NativeDiTAdapter(BackboneAdapter):
         """Captures q/k from timm ``Attention`` (``qkv`` output, or ``q_norm``/``k_norm`` outputs)."""
         attn = point.module
         heads = attn.num_heads
-        captured: dict[str, Tensor] = {}
 
-        def wanted() -> bool:
-            call = state.call
-            return call is not None and call.where.layer == block.layer and call.decision.merges
-
-        def keep_qkv(module: nn.Module, args: tuple, out: Tensor) -> None:
-            if wanted():
+        def qkv_part(part: int):
+            def pick(out: Tensor) -> Tensor:
                 B, N, _ = out.shape
-                q, k, _ = out.view(B, N, 3, heads, -1).permute(2, 0, 3, 1, 4)  # 3 x [B, H, N, d]
-                captured.setdefault("q", q)
-                captured.setdefault("k", k)
+                return out.view(B, N, 3, heads, -1).permute(2, 0, 3, 1, 4)[part]  # [B, H, N, d]
+            return pick
 
-        def keep(name: str):
-            def hook(module: nn.Module, args: tuple, out: Tensor) -> None:
-                if wanted():
-                    captured[name] = out  # [B, H, N, d], after the norm: overrides the raw projection
-            return hook
-
-        def compute(module: nn.Module, args: tuple, out: Any) -> None:
-            q, k = captured.pop("q", None), captured.pop("k", None)
-            if q is None or k is None or not wanted():
-                return
-            H, W = state.call.grid
-            if k.shape[2] != H * W:  # attention ran on merged slots
-                return
-            q = strided_queries(split_heads(q, heads), max_queries)  # [B, H, Q, d]
-            state.store_attention(block.layer, received_attention(q, split_heads(k, heads), attn.scale))
-
-        hooks = [attn.qkv.register_forward_hook(keep_qkv)]
-        if not isinstance(attn.q_norm, nn.Identity):
-            hooks += [attn.q_norm.register_forward_hook(keep("q")), attn.k_norm.register_forward_hook(keep("k"))]
-        hooks.append(attn.register_forward_hook(compute))
-        return hooks
+        normed = not isinstance(attn.q_norm, nn.Identity)  # q_norm/k_norm run after qkv: their output wins
+        sources = [("q", attn.qkv, qkv_part(0)), ("k", attn.qkv, qkv_part(1)),
+                   ("q", attn.q_norm if normed else None, None), ("k", attn.k_norm if normed else None, None)]
+        return attention_probe(state, block.layer, attn, sources, lambda captured, grid: received_self_attention(
+            captured, grid, heads, attn.scale, max_queries))

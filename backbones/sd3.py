@@ -42,10 +42,10 @@ import torch
 from torch import Tensor, nn
 
 from tomerge.adapter import BlockSpec, MergePoint, TextKeys
-from tomerge.probe import received_attention, split_heads
+from tomerge.probe import attention_probe, received_attention, split_heads
 from tomerge.state import MergeState
 
-from ._diffusers import PatchifiedAdapter, call_arg
+from ._diffusers import PatchifiedAdapter, call_arg, fused_part
 
 _EPS = 1e-12
 
@@ -148,38 +148,25 @@ def probe_joint_attention(block: BlockSpec, attn: nn.Module, state: MergeState) 
     """
     # Each captured name is written by the projection and then overwritten by its norm, which runs
     # after it (last writer wins); the fused projections give slices of their output.
-    sources: list[tuple[str, nn.Module | None, int | None]] = [
+    fused, fused_txt = getattr(attn, "to_qkv", None), getattr(attn, "to_added_qkv", None)
+    sources = [
         ("k_img", attn.to_k, None), ("k_img", getattr(attn, "norm_k", None), None),
         ("q_txt", getattr(attn, "add_q_proj", None), None), ("q_txt", getattr(attn, "norm_added_q", None), None),
         ("k_txt", getattr(attn, "add_k_proj", None), None), ("k_txt", getattr(attn, "norm_added_k", None), None),
-        ("k_img", getattr(attn, "to_qkv", None), 1),
-        ("q_txt", getattr(attn, "to_added_qkv", None), 0), ("k_txt", getattr(attn, "to_added_qkv", None), 1),
+        ("k_img", fused, fused_part(1)), ("q_txt", fused_txt, fused_part(0)), ("k_txt", fused_txt, fused_part(1)),
     ]
-    captured: dict[str, Tensor] = {}
 
-    def wanted() -> bool:
-        call = state.call
-        return call is not None and call.where.layer == block.layer and call.decision.merges
-
-    def keep(name: str, part: int | None):
-        def hook(module: nn.Module, args: tuple, output: Tensor) -> None:
-            if wanted():
-                captured[name] = output if part is None else output.chunk(3, dim=-1)[part]  # [B, L, H*d]
-        return hook
-
-    def compute(module: nn.Module, args: tuple, output: Any) -> None:
-        k_img, q_txt, k_txt = (captured.pop(n, None) for n in ("k_img", "q_txt", "k_txt"))
-        if k_img is None or q_txt is None or k_txt is None or not wanted():
-            return
-        H, W = state.call.grid
+    def compute(captured: dict[str, Tensor], grid: tuple[int, int]) -> Tensor | None:
+        k_img, q_txt, k_txt = (captured.get(n) for n in ("k_img", "q_txt", "k_txt"))
+        if k_img is None or q_txt is None or k_txt is None:
+            return None
+        H, W = grid
         k_img = split_heads(k_img, attn.heads)  # [B, h, N, d]
         if k_img.shape[2] != H * W:  # the attention ran on merged slots
-            return
+            return None
         q = split_heads(q_txt, attn.heads)  # [B, h, T, d]
         k = torch.cat([k_img, split_heads(k_txt, attn.heads).to(k_img.dtype)], dim=2)  # [B, h, N + T, d]
         a = received_attention(q, k, attn.scale)[:, : H * W]  # [B, N]: text -> image share of the softmax
-        state.store_attention(block.layer, a / a.sum(-1, keepdim=True).clamp_min(_EPS))
+        return a / a.sum(-1, keepdim=True).clamp_min(_EPS)
 
-    handles = [module.register_forward_hook(keep(name, part)) for name, module, part in sources if module is not None]
-    handles.append(attn.register_forward_hook(compute))
-    return handles
+    return attention_probe(state, block.layer, attn, sources, compute)

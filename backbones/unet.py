@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from tomerge.adapter import BackboneAdapter, BlockSpec, MergePoint, class_names
 from tomerge.state import MergeState
 
-from ._diffusers import check_ff_chunking, probe_self_attention, submodel
+from ._diffusers import call_arg, check_ff_chunking, probe_self_attention, submodel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,9 +77,9 @@ class UNetAdapter(BackboneAdapter):
         return ordered + [m for m in self.model.modules() if id(m) not in seen]
 
     def on_model_call(self, args: tuple, kwargs: dict) -> Tensor | float | None:
-        sample = kwargs["sample"] if "sample" in kwargs else args[0]
+        sample = call_arg(args, kwargs, "sample", 0)  # [B, C, H0, W0]
         self.latent_size = (sample.shape[-2], sample.shape[-1])
-        return kwargs["timestep"] if "timestep" in kwargs else (args[1] if len(args) > 1 else None)
+        return call_arg(args, kwargs, "timestep", 1)
 
     def grid(self, block: BlockSpec, num_tokens: int) -> tuple[int, int] | None:
         if self.latent_size is None:

@@ -4,12 +4,26 @@ IDM ranks tokens by the attention they receive. The adapter captures the queries
 block's attention already computed (hooks on the projection submodules, so the attention itself keeps
 its fused kernel) and this module turns them into ``a [B, N]``: the softmax attention to every key,
 averaged over heads and over a probe set of at most ``max_queries`` strided queries.
+
+:func:`attention_probe` installs those hooks for any adapter: it captures the named projection outputs
+during the block's merged calls and, after the attention ran, stores what the adapter's ``compute``
+makes of them. :func:`received_self_attention` is that ``compute`` for a plain self-attention.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
+
 import torch
-from torch import Tensor
+from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from .state import MergeState
+
+#: ``(name, module, pick)``: a forward hook on ``module`` captures ``pick(output)`` (the output itself when
+#: ``pick`` is ``None``) as ``name``; a ``None`` module is skipped.
+Source = tuple[str, nn.Module | None, Callable[[Any], Tensor] | None]
 
 
 def split_heads(t: Tensor, heads: int) -> Tensor:
@@ -50,3 +64,81 @@ def received_attention(q: Tensor, k: Tensor, scale: float) -> Tensor:
     probs = logits.exp_()  # [B, H, Q, N] unnormalised softmax
     weight = probs.sum(dim=-1).reciprocal_().div_(H * Q)  # [B, H, Q]: normalisation and the mean's 1 / (H Q)
     return (weight.view(B, 1, H * Q) @ probs.view(B, H * Q, -1)).squeeze(1)  # [B, N]
+
+
+def attention_probe(state: MergeState, layer: int, attn: nn.Module, sources: Iterable[Source],
+                    compute: Callable[[dict[str, Any], tuple[int, int]], Tensor | None],
+                    before: Callable[[tuple, dict], dict[str, Any]] | None = None) -> list[Any]:
+    """Hooks recording the attention the image tokens of block ``layer`` receive in its attention ``attn``.
+
+    Only the block's calls that merge (``state.call`` at ``layer`` with a merging decision) are
+    recorded. In those, the forward hooks of ``sources`` capture the q/k the attention computes anyway
+    (a name captured twice keeps the later output: a norm after its projection); after ``attn`` ran,
+    ``compute(captured, grid)`` turns them into ``a [B, N]`` for ``state.store_attention(layer, a)``, or
+    returns ``None`` to record nothing (the attention ran on merged slots, or a capture is missing).
+    The captures are cleared after every call of ``attn``.
+
+    Args:
+        state: the merge state (``state.call``: the block call in progress).
+        layer: the block's layer, which keys the record.
+        attn: the attention module; its forward hook computes the record.
+        sources: ``(name, module, pick)`` captures (see :data:`Source`).
+        compute: ``(captured, (H, W)) -> [B, N] or None``.
+        before: optional ``(args, kwargs) -> {name: value}``, a forward pre-hook of ``attn`` capturing
+            from its call's arguments (e.g. a rotary table or the text length).
+
+    Returns:
+        The hook handles: ``before``'s pre-hook (if any), the source hooks, the hook on ``attn``.
+    """
+    captured: dict[str, Any] = {}
+
+    def wanted() -> bool:
+        call = state.call
+        return call is not None and call.where.layer == layer and call.decision.merges
+
+    def keep(name: str, pick: Callable[[Any], Tensor] | None):
+        def hook(module: nn.Module, args: tuple, output: Any) -> None:
+            if wanted():
+                captured[name] = output if pick is None else pick(output)
+        return hook
+
+    def read_call(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if wanted():
+            captured.update(before(args, kwargs))
+
+    def record(module: nn.Module, args: tuple, output: Any) -> None:
+        got = dict(captured)
+        captured.clear()
+        if not wanted():
+            return
+        a = compute(got, state.call.grid)
+        if a is not None:
+            state.store_attention(layer, a)
+
+    handles = [attn.register_forward_pre_hook(read_call, with_kwargs=True)] if before is not None else []
+    handles += [module.register_forward_hook(keep(name, pick)) for name, module, pick in sources if module is not None]
+    handles.append(attn.register_forward_hook(record))
+    return handles
+
+
+def received_self_attention(captured: dict[str, Any], grid: tuple[int, int], heads: int, scale: float,
+                            max_queries: int = 64) -> Tensor | None:
+    """The ``compute`` of :func:`attention_probe` for a self-attention: ``received_attention`` of at most
+    ``max_queries`` strided queries ``captured["q"]`` against all keys ``captured["k"]``.
+
+    Args:
+        captured: ``"q"`` and ``"k"``, each ``[B, N, H*d]`` or ``[B, H, N, d]``.
+        grid: ``(H, W)`` of the block call; keys of another length (merged slots) give ``None``.
+        heads: attention heads; ``scale``: the logit scale.
+
+    Returns:
+        ``[B, N]`` fp32, or ``None`` when a capture is missing or the attention ran merged.
+    """
+    q, k = captured.get("q"), captured.get("k")
+    if q is None or k is None:
+        return None
+    k = split_heads(k, heads)  # [B, H, N, d]
+    if k.shape[2] != grid[0] * grid[1]:  # the attention ran on merged slots
+        return None
+    q = strided_queries(split_heads(q, heads), max_queries)  # [B, H, Q, d]
+    return received_attention(q, k, scale)
