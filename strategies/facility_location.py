@@ -72,7 +72,7 @@ class FacilityLocation(MergeStrategy):
         temperature: ``tau`` of ``softmax(L / tau)``; small means practically hard assignments.
         mask_selected: never pick a chosen destination again (the authors' code does not mask).
         shared_destinations: select on batch element 0 and share the destinations (as the authors do).
-        unmerge: ``"transpose"`` (``U = A^T``) or ``"pinv"`` (``U = pinv(W)`` per tile).
+        unmerge_matrix: ``"transpose"`` (``U = A^T``) or ``"pinv"`` (``U = pinv(W)`` per tile).
         ratio: default ratio when applied without one (planning uses ``ctx.ratio``).
 
     Example:
@@ -89,7 +89,7 @@ class FacilityLocation(MergeStrategy):
     temperature: float = 1e-3
     mask_selected: bool = True
     shared_destinations: bool = False
-    unmerge: str = "transpose"
+    unmerge_matrix: str = "transpose"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -108,8 +108,8 @@ class FacilityLocation(MergeStrategy):
         for flag in ("mask_selected", "shared_destinations"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
-        if self.unmerge not in UNMERGES:
-            raise ValueError(f"unmerge must be one of {UNMERGES}, got {self.unmerge!r}")
+        if self.unmerge_matrix not in UNMERGES:
+            raise ValueError(f"unmerge_matrix must be one of {UNMERGES}, got {self.unmerge_matrix!r}")
 
     # ------------------------------------------------------------------ layout
     def tile_side(self, grid: tuple[int, int]) -> int:
@@ -147,13 +147,14 @@ class FacilityLocation(MergeStrategy):
         return pos.reshape(nty * ntx, t * t)  # [T, s]
 
     # ------------------------------------------------------------------ the algorithm
-    def plan(self, x: Tensor, ctx: MergeContext) -> MergePlan:
+    def plan(self, x: Tensor, ctx: MergeContext, destinations: Tensor | None = None) -> MergePlan:
         """:meth:`select_destinations` then :meth:`merge_matrix`, with the tile similarities computed once and
-        shared by both (a subclass that overrides either method gets the plain template)."""
+        shared by both (a subclass that overrides either method gets the plain template, and so does a call
+        with kept ``destinations``)."""
         cls = type(self)
-        if (cls.select_destinations is not FacilityLocation.select_destinations
+        if (destinations is not None or cls.select_destinations is not FacilityLocation.select_destinations
                 or cls.merge_matrix is not FacilityLocation.merge_matrix):
-            return super().plan(x, ctx)
+            return super().plan(x, ctx, destinations)
         B, N, _ = ctx.check_tokens(x)
         if ctx.tokens_to_remove(N) == 0:
             return MergePlan.identity(B, N, device=x.device)
@@ -259,7 +260,7 @@ class FacilityLocation(MergeStrategy):
         A = torch.softmax(L / self.temperature, dim=-2)  # [B, T, d, s], each column sums to 1
         A = A * (layout != N).to(A.dtype).view(1, T, 1, s)  # padding columns get zero weight
         W = A / A.sum(-1, keepdim=True).clamp_min(torch.finfo(A.dtype).tiny)  # [B, T, d, s]
-        if self.unmerge == "pinv":
+        if self.unmerge_matrix == "pinv":
             U = torch.linalg.pinv(W)  # [B, T, s, d]
         else:
             U = A.transpose(-1, -2)  # [B, T, s, d]

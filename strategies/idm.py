@@ -50,7 +50,7 @@ Common rules:
   plans closer to the ``norm1``-planned ones than the MLP input does (docs/strategies.md);
   ``"sublayer"`` plans from the MLP input (tomerge before issue 13). On bare tensors
   (:meth:`MergeStrategy.plan`) the plan is of the tensor given.
-* Merge streaks (:meth:`IDM.streak_members`): as in the authors' counter, every destination of a full
+* Merge streaks (:meth:`IDM.merged_tokens`, also what a feature cache blends): as in the authors' counter, every destination of a full
   window counts as merged in this call, with or without sources merged into it, and so does every
   merged source; unmerged sources do not.
 
@@ -201,11 +201,12 @@ class IDM(MergeStrategy):
         rounded = r - r % self.round_tokens
         return rounded if rounded > 0 else r
 
-    def streak_members(self, plan: MergePlan, ctx: MergeContext) -> Tensor:
-        """``[B, N]`` bool: the tokens this plan counts as merged for the merge streaks.
+    def merged_tokens(self, plan: MergePlan, ctx: MergeContext) -> Tensor:
+        """``[B, N]`` bool: the tokens this plan counts as merged (merge streaks, feature cache).
 
-        As the authors' counter (``last_independent`` in ``FIDM``): every destination of a full window,
-        whether or not a source merged into it, and every merged source; unmerged sources are not.
+        As the authors' ``FIDM`` (its counter ``last_independent`` and its cache blend both take these):
+        every destination of a full window, whether or not a source merged into it, and every merged
+        source; unmerged sources are not.
         """
         D = window_tokens(ctx.grid, self.window, plan.dst.device).shape[0]
         if plan.is_identity or D == 0:

@@ -13,6 +13,8 @@ A :class:`~tomerge.Schedule` combining the two SDTM strategies (strategies.md se
   authors' absolute rule ``step <= switch_step`` (their ``step_current <= switch_step``: the
   switch step itself is still a structure step). With 50 steps, ``switch=0.4`` gives 20 structure
   steps (0..19), the authors' ``switch_step=20`` gives 21 (0..20).
+  ``order="detail_first"`` swaps the phases (IDM up to the switch, SSM after it: the paper's order ablation);
+  ``switch=1`` with either order runs one strategy throughout (SSM only / IDM only).
 * **Ratio.** ``r(p) = (ratio - dev) + 2 * dev * cos(p * pi / 2)`` (``curve="cosine"``, the authors'
   code): from ``ratio + dev`` at the first step to ``ratio - dev`` at the last. ``curve="linear"``:
   ``(ratio + dev) - 2 * dev * p``; ``curve="constant"``: ``ratio`` (``deviation`` must be 0).
@@ -52,12 +54,20 @@ by default, the closest tensor the hooks reach to the authors' ``norm1`` output;
 MLP input). Both strategies are built once, in ``__post_init__``, which also
 validates their options (errors start with ``ssm:`` / ``idm:``).
 
-Not implemented here:
-    * The authors' feature cache (``mcw`` / ``cache_weight``, 0.1 in their release): on unmerge, the
-      merged tokens' outputs are blended with the outputs cached at the last protected step (or every
-      step, ``cache_each_step``). It is a feature cache, not merging, and needs the unmerge hook to
-      know the plan's merged positions and a per-(layer, sublayer) output cache, i.e. a core change
-      in ``tomerge/attach.py``; a schedule alone cannot do it.
+* **Feature cache** (``cache_weight=w``, the authors' ``mcw``; off by default). It is a feature cache, not
+  merging: every protected step stores the full-length output of each merge point of the phases'
+  sublayers (per layer, sublayer and call slot); where a later merged call unmerges a sublayer's output,
+  the tokens the phase's strategy counts as merged (SSM: every token of a merged window; IDM: every
+  window destination and every merged source) get ``w * output + (1 - w) * cached``; the other tokens keep
+  their output. It needs ``protect_every`` (the cache is filled on protected steps). Deviation: the hooks
+  see a sublayer's output before the block's gate (``gate_msa``/``gate_mlp``), so the cached output is
+  gated by the current step's gate rather than by the gate of the step it was computed at, as in the
+  authors' code. Their ``cache_each_step`` (store after every merged call too) is hard-coded off in their
+  release and not offered.
+
+Presets (registered names; every option can still be overridden):
+    * ``sdtm_release``: :class:`SDTMRelease`, what the authors' ``sample.py`` runs with ``TR_SDTM.py``.
+    * ``sdtm_paper``: :class:`SDTMPaper`, the method as the paper describes it.
 
 Example:
     >>> from tomerge.schedule import Where
@@ -83,6 +93,7 @@ from .idm import IDM
 from .ssm import SSM
 
 CURVES = ("cosine", "linear", "constant")
+ORDERS = ("structure_first", "detail_first")
 MAX_RATIO = 0.99  # upper clamp of the scheduled ratio
 STRUCTURE, DETAIL, PROTECTED = "structure", "detail", "protected"
 
@@ -150,6 +161,8 @@ class SDTM(Schedule):
         switch: last progress of the structure phase, in ``[0, 1]`` (``p <= switch`` is structure).
         switch_step: absolute last structure step (``step <= switch_step``); overrides ``switch``.
         curve: ``"cosine"`` (authors), ``"linear"`` or ``"constant"``.
+        order: ``"structure_first"`` (SDTM) or ``"detail_first"`` (the paper's reversed-order ablation: IDM
+            up to the switch, SSM after it).
         protect_every: run the full block on steps with ``step % k == 0``; ``None``: off.
         protect_layers: layer indices (the adapter's block positions) never merged.
         protect_layers_every: protect layers with ``layer % k == 0`` and the last layer; ``None``: off.
@@ -166,6 +179,8 @@ class SDTM(Schedule):
         idm_round_tokens: IDM ``round_tokens`` (round the removed count down to a multiple); ``None``: the
             variant's default (16 for ``"streak"``, 1 for ``"attention"``).
         prompt_reweight: ``a_p`` of prompt reweighting (active only with prompt categories); ``None``: off.
+        cache_weight: ``w`` of the feature cache (the authors' ``mcw``), in ``[0, 1]``; ``None``: off. Needs
+            ``protect_every``.
 
     Example:
         >>> import tomerge
@@ -181,6 +196,7 @@ class SDTM(Schedule):
     switch: float = 0.4
     switch_step: int | None = None
     curve: str = "cosine"
+    order: str = "structure_first"
     protect_every: int | None = None
     protect_layers: tuple[int, ...] = ()
     protect_layers_every: int | None = None
@@ -195,11 +211,13 @@ class SDTM(Schedule):
     idm_round_tokens: int | None = None
     idm_plan_from: str = "block_input"
     prompt_reweight: float | None = 2.0
+    cache_weight: float | None = None
 
     _ssm: SSM = dataclasses.field(init=False, repr=False, compare=False)
     _idm: IDM = dataclasses.field(init=False, repr=False, compare=False)
     _structure: frozenset[str] = dataclasses.field(init=False, repr=False, compare=False)
     _detail: frozenset[str] = dataclasses.field(init=False, repr=False, compare=False)
+    _cached: frozenset[str] = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         what = "sdtm"
@@ -216,12 +234,19 @@ class SDTM(Schedule):
         check_int(self.switch_step, "switch_step", 0, what, optional=True)
         if self.curve not in CURVES:
             raise ValueError(f"{what}: curve must be one of {CURVES}, got {self.curve!r}")
+        if self.order not in ORDERS:
+            raise ValueError(f"{what}: order must be one of {ORDERS}, got {self.order!r}")
         if self.curve == "constant" and dev != 0:
             raise ValueError(f"{what}: curve='constant' uses ratio alone; set deviation=0 (got {dev})")
         check_int(self.protect_every, "protect_every", 1, what, optional=True)
         if self.prompt_reweight is not None:
             check_number(self.prompt_reweight, "prompt_reweight", what, low=1e-6)
         check_int(self.protect_layers_every, "protect_layers_every", 1, what, optional=True)
+        if self.cache_weight is not None:
+            check_number(self.cache_weight, "cache_weight", what, 0.0, 1.0)
+            if self.protect_every is None:
+                raise ValueError(f"{what}: cache_weight blends merged outputs with the outputs cached on protected "
+                                 "steps, but protect_every is None (no step is protected); set protect_every")
         if isinstance(self.protect_layers, (str, bytes)) or not isinstance(self.protect_layers, Iterable):
             raise ValueError(f"{what}: protect_layers must be a tuple of layer indices, got {self.protect_layers!r}")
         layers = tuple(sorted(set(self.protect_layers)))
@@ -233,6 +258,7 @@ class SDTM(Schedule):
         set_(self, "detail_sublayers", check_sublayers(self.detail_sublayers, "detail_sublayers", what))
         set_(self, "_structure", frozenset(self.structure_sublayers))
         set_(self, "_detail", frozenset(self.detail_sublayers))
+        set_(self, "_cached", self._structure | self._detail if self.cache_weight is not None else frozenset())
         set_(self, "_ssm", SSM(window=self.window, alpha_s=self.alpha_s, round_windows=self.round_windows))
         set_(self, "_idm", IDM(window=self.window, alpha_d=self.alpha_d, variant=self.idm_variant,
                                local=self.idm_local, round_tokens=self.idm_round_tokens,
@@ -268,10 +294,13 @@ class SDTM(Schedule):
         return min(max(r, 0.0), MAX_RATIO)
 
     def in_structure_phase(self, where: Where) -> bool:
-        """``step <= switch_step`` when ``switch_step`` is set, else ``progress <= switch``."""
+        """Whether the call is in the first phase (``step <= switch_step`` when ``switch_step`` is set, else
+        ``progress <= switch``) with ``order="structure_first"``, or in the second with ``"detail_first"``."""
         if self.switch_step is not None:
-            return where.step <= self.switch_step
-        return where.progress <= self.switch
+            first = where.step <= self.switch_step
+        else:
+            first = where.progress <= self.switch
+        return first if self.order == "structure_first" else not first
 
     def is_protected(self, where: Where) -> bool:
         """Whether the block call runs unmerged (protected step or layer).
@@ -304,12 +333,14 @@ class SDTM(Schedule):
         if self.is_protected(where):
             # The authors reset their merge counter at protected layers (compute_ratio sets last_independent to
             # None) but leave it alone on protected steps, whose blocks never reach compute_ratio.
+            # Protected steps fill the feature cache (when on); protected layers do not, as in the authors' code.
             step_protected = self.protect_every is not None and where.step % self.protect_every == 0
-            return Decision(strategy=None, label=PROTECTED, reset_streaks=not step_protected)
+            return Decision(strategy=None, label=PROTECTED, reset_streaks=not step_protected,
+                            cache_outputs=self._cached if step_protected else frozenset())
         ratio = self.ratio_at(where.progress)
         if self.in_structure_phase(where):
-            return Decision(self._ssm, ratio, self._structure, label=STRUCTURE)
-        return Decision(self._idm, ratio, self._detail, label=DETAIL)
+            return Decision(self._ssm, ratio, self._structure, label=STRUCTURE, cache_weight=self.cache_weight)
+        return Decision(self._idm, ratio, self._detail, label=DETAIL, cache_weight=self.cache_weight)
 
     @property
     def reweights_prompts(self) -> bool:
@@ -334,3 +365,46 @@ class SDTM(Schedule):
     def to_dict(self) -> dict[str, Any]:
         """The schedule's name and options (flat; the built strategies are derived, not logged)."""
         return {k: v for k, v in super().to_dict().items() if not k.startswith("_")}
+
+
+# ---------------------------------------------------------------------- presets
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SDTMRelease(SDTM):
+    """``sdtm_release``: SDTM* as the authors' code runs it (``sample.py`` defaults with ``TR_SDTM.py``, commit
+    dfaf461): ``ratio=0.3, deviation=0.2`` on the cosine curve, ``switch_step=20`` (of their 50 steps), every
+    3rd step protected (``protect_steps_frequency=3``; layers: ``-1``, none), ``2x2`` windows,
+    ``a_s = a_d = 0.05``, detail merging by merge streaks (``FIDM``: ``idm_variant="streak"`` with its
+    ``// 16 * 16`` token count), the feature cache at ``mcw = 0.1``, and no prompt reweighting (``a_p`` is
+    passed in but never read by the released code).
+
+    Remaining differences: where streaks tie (after a protected layer reset them), the authors draw the
+    window destination at random (``use_rand``), tomerge takes the top-left token; see also the feature-cache
+    gate deviation in the module docstring.
+    """
+
+    name: ClassVar[str] = "sdtm_release"
+
+    deviation: float = 0.2
+    switch_step: int | None = 20
+    protect_every: int | None = 3
+    idm_variant: str = "streak"
+    prompt_reweight: float | None = None
+    cache_weight: float | None = 0.1
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SDTMPaper(SDTM):
+    """``sdtm_paper``: SDTM* as the paper describes the method (Fang et al., CVPR 2025, section 3): ``ratio=0.3,
+    deviation=0.2`` on the cosine curve, the structure phase up to 40% of the steps (step 20 of 50), detail
+    merging by received attention (``idm_variant="attention"``, weight ``a_d = 0.05``), no rounding of the
+    window or token counts (the release's multiples of 16 are an implementation detail),
+    prompt reweighting with ``a_p = 2`` (active when prompt categories are given), no protected steps and no
+    feature cache (neither is part of the described method).
+    """
+
+    name: ClassVar[str] = "sdtm_paper"
+
+    deviation: float = 0.2
+    round_windows: int = 1
+    idm_variant: str = "attention"
+    prompt_reweight: float | None = 2.0

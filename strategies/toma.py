@@ -12,9 +12,14 @@ its kind (see *Block position* below):
   unmerged (label ``"skip_step"``). The authors' Flux run merges every 3rd step.
 * **Reuse.** A plan (destinations and merge/unmerge matrices) is cached under
   ``Decision.cache_key = ("toma", kind, group, s // recompute_every)`` with
-  ``group = (i - skip_first) // group_size``: it is computed by the first call of a group in a window
-  of ``recompute_every`` steps and reused by every later call with the same key (the other blocks of
-  the group, the later merge steps of the window). The state keeps plans per call slot (the n-th model
+  ``group = (i - skip_first) // group_size`` (``group_size=None``: one group per block kind, ``group = 0``,
+  as the authors' Flux scheduler shares one plan per block type): it is computed by the first call of a
+  group in a window of ``recompute_every`` steps and reused by every later call with the same key (the
+  other blocks of the group, the later merge steps of the window).
+* **Destinations refreshed less often** (``destinations_every=d``, a multiple of ``recompute_every=e``; the
+  paper's separate intervals): destinations are kept under ``Decision.destinations_key = ("toma", kind,
+  group, "destinations", s // d)``; a call whose plan is not cached but whose destinations are recomputes
+  only the merge matrices from them. ``None``: destinations are recomputed with the matrices (``d = e``). The state keeps plans per call slot (the n-th model
   call of a step), so with split guidance each branch reuses its own plans and the result equals batched
   guidance. Groups are runs of ``group_size`` consecutive merged blocks of one kind, counted from the
   first merged block. The state recomputes (and re-caches) a plan whose token count or batch size
@@ -29,12 +34,11 @@ the first kind of a multi-kind model; for Flux's single-stream blocks it is only
 core provides ``kind_index`` (a schedule is frozen and stateless, so it cannot count blocks itself).
 
 Facility-location options are forwarded under their own names (``locality``, ``num_tiles``,
-``tile_size``, ``temperature``, ``mask_selected``, ``shared_destinations``, ``unmerge``) and
+``tile_size``, ``temperature``, ``mask_selected``, ``shared_destinations``, ``unmerge_matrix``) and
 validated by building the strategy once in ``__post_init__``.
 
-Not implemented: ToMA's separate refresh of the merge matrices every ``e`` steps while destinations are
-kept for ``d`` steps. Here the whole plan is recomputed every ``recompute_every`` steps (``e = d``);
-a separate ``e`` needs a destination cache distinct from the plan cache in ``MergeState``.
+Presets (registered names; every option can still be overridden):
+    * ``toma_release``: :class:`ToMARelease`, the authors' Flux run (``run_flux.py``).
 
 Example:
     >>> from tomerge.schedule import Where
@@ -83,10 +87,16 @@ class ToMA(Schedule):
         ratio: fraction of tokens removed on merged calls, in ``[0, 1)``.
         skip_first: the first ``k`` blocks of each block kind run unmerged.
         merge_every: merge only on steps with ``step % merge_every == 0``.
-        recompute_every: destinations and matrices are recomputed every this many steps.
-        group_size: consecutive merged blocks of one kind sharing one plan.
+        recompute_every: merge matrices (and destinations, unless ``destinations_every``) are recomputed every
+            this many steps.
+        destinations_every: destinations are recomputed every this many steps (a multiple of
+            ``recompute_every``); ``None``: with the matrices.
+        group_size: consecutive merged blocks of one kind sharing one plan; ``None``: every merged block of the
+            kind shares one.
         sublayers: where the plan is applied (default attention and MLP).
-        locality, num_tiles, tile_size, temperature, mask_selected, shared_destinations, unmerge:
+        kind_sublayers: ``((block_kind, sublayers), ...)`` overriding ``sublayers`` for those block kinds
+            (the authors' Flux run merges only the attention of double-stream blocks: ``(("double", ("attn",)),)``).
+        locality, num_tiles, tile_size, temperature, mask_selected, shared_destinations, unmerge_matrix:
             :class:`~tomerge.strategies.facility_location.FacilityLocation` options.
 
     Example:
@@ -100,18 +110,21 @@ class ToMA(Schedule):
     skip_first: int = 0
     merge_every: int = 1
     recompute_every: int = 1
-    group_size: int = 1
+    destinations_every: int | None = None
+    group_size: int | None = None
     sublayers: tuple[str, ...] = ("attn", "mlp")
+    kind_sublayers: tuple[tuple[str, tuple[str, ...]], ...] = ()
     locality: str = "tiles"
     num_tiles: int = 64
     tile_size: int | None = None
     temperature: float = 1e-3
     mask_selected: bool = True
     shared_destinations: bool = False
-    unmerge: str = "transpose"
+    unmerge_matrix: str = "transpose"
 
     _facility: FacilityLocation = dataclasses.field(init=False, repr=False, compare=False)
     _sublayers: frozenset[str] = dataclasses.field(init=False, repr=False, compare=False)
+    _by_kind: dict[str, frozenset[str]] = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         what = "toma"
@@ -122,15 +135,29 @@ class ToMA(Schedule):
         check_int(self.skip_first, "skip_first", 0, what)
         check_int(self.merge_every, "merge_every", 1, what)
         check_int(self.recompute_every, "recompute_every", 1, what)
-        check_int(self.group_size, "group_size", 1, what)
+        check_int(self.group_size, "group_size", 1, what, optional=True)
+        check_int(self.destinations_every, "destinations_every", 1, what, optional=True)
+        if self.destinations_every is not None and self.destinations_every % self.recompute_every != 0:
+            raise ValueError(f"{what}: destinations_every ({self.destinations_every}) must be a multiple of "
+                             f"recompute_every ({self.recompute_every}): new destinations need new matrices")
         set_ = object.__setattr__  # frozen: derived fields are built once, here
         set_(self, "sublayers", check_sublayers(self.sublayers, "sublayers", what))
         set_(self, "_sublayers", frozenset(self.sublayers))
+        pairs = self.kind_sublayers.items() if isinstance(self.kind_sublayers, dict) else self.kind_sublayers
+        try:
+            by_kind = {kind: check_sublayers(names, f"kind_sublayers[{kind!r}]", what) for kind, names in pairs}
+        except (TypeError, ValueError) as err:
+            if isinstance(err, ValueError) and str(err).startswith(what):
+                raise
+            raise ValueError(f"{what}: kind_sublayers must be pairs (block_kind, sublayers), got "
+                             f"{self.kind_sublayers!r}") from None
+        set_(self, "kind_sublayers", tuple(sorted(by_kind.items())))
+        set_(self, "_by_kind", {kind: frozenset(names) for kind, names in by_kind.items()})
         try:
             facility = FacilityLocation(
                 locality=self.locality, num_tiles=self.num_tiles, tile_size=self.tile_size,
                 temperature=self.temperature, mask_selected=self.mask_selected,
-                shared_destinations=self.shared_destinations, unmerge=self.unmerge)
+                shared_destinations=self.shared_destinations, unmerge_matrix=self.unmerge_matrix)
         except ValueError as err:
             raise ValueError(f"{what}: {err}") from None
         set_(self, "_facility", facility)
@@ -139,6 +166,11 @@ class ToMA(Schedule):
     def facility(self) -> FacilityLocation:
         """The facility-location strategy (built once)."""
         return self._facility
+
+    def group(self, where: Where) -> int:
+        """The plan-sharing group of a merged block call: ``(i - skip_first) // group_size``, or 0 when
+        ``group_size`` is ``None``."""
+        return 0 if self.group_size is None else (kind_position(where) - self.skip_first) // self.group_size
 
     def cache_key(self, where: Where) -> Hashable:
         """``("toma", kind, group, step // recompute_every)`` for a merged block call.
@@ -149,8 +181,14 @@ class ToMA(Schedule):
         Returns:
             The key the plan of this call is cached under.
         """
-        group = (kind_position(where) - self.skip_first) // self.group_size
-        return ("toma", where.block_kind, group, where.step // self.recompute_every)
+        return ("toma", where.block_kind, self.group(where), where.step // self.recompute_every)
+
+    def destinations_key(self, where: Where) -> Hashable | None:
+        """``("toma", kind, group, "destinations", step // destinations_every)``, or ``None`` when destinations
+        are recomputed with the matrices."""
+        if self.destinations_every is None:
+            return None
+        return ("toma", where.block_kind, self.group(where), "destinations", where.step // self.destinations_every)
 
     # ------------------------------------------------------------------ Schedule
     def decide(self, where: Where) -> Decision:
@@ -167,7 +205,9 @@ class ToMA(Schedule):
             return Decision(strategy=None, label=SKIP_BLOCK)
         if where.step % self.merge_every != 0:
             return Decision(strategy=None, label=SKIP_STEP)
-        return Decision(self._facility, self.ratio, self._sublayers, cache_key=self.cache_key(where), label=MERGE)
+        sublayers = self._by_kind.get(where.block_kind, self._sublayers)
+        return Decision(self._facility, self.ratio, sublayers, cache_key=self.cache_key(where),
+                        destinations_key=self.destinations_key(where), label=MERGE)
 
     def strategies(self) -> tuple[MergeStrategy, ...]:
         return (self._facility,)
@@ -175,3 +215,26 @@ class ToMA(Schedule):
     def to_dict(self) -> dict[str, Any]:
         """The schedule's name and options (flat; the built strategy is derived, not logged)."""
         return {k: v for k, v in super().to_dict().items() if not k.startswith("_")}
+
+
+# ---------------------------------------------------------------------- presets
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ToMARelease(ToMA):
+    """``toma_release``: ToMA as the authors' ``run_flux.py`` runs it on Flux (``config/flux.yaml``,
+    ``config/config.yaml``): ratio 0.5, 256 tiles, the first 5 double- and 5 single-stream blocks unmerged,
+    merging on every 3rd step (``merge_step = range(0, steps, 3)``), one plan per block kind, computed at its
+    first merged block and shared by the others (``FluxScheduler``), destinations and matrices recomputed at
+    every merged step (``dst_recompute_timesteps = attn_recompute_timesteps = every step``), destinations
+    selected on batch element 0 and shared, chosen candidates not masked, attention and MLP merged in
+    single-stream blocks but only the attention in double-stream ones.
+    """
+
+    name: ClassVar[str] = "toma_release"
+
+    skip_first: int = 5
+    merge_every: int = 3
+    group_size: int | None = None
+    num_tiles: int = 256
+    mask_selected: bool = False
+    shared_destinations: bool = True
+    kind_sublayers: tuple[tuple[str, tuple[str, ...]], ...] = (("double", ("attn",)),)

@@ -197,3 +197,34 @@ def test_unet_blocks_are_numbered_in_execution_order(unet):
         forward(unet, unet_inputs())
         layers = [r.layer for r in handle.state.records]
     assert layers == list(range(handle.state.num_layers))  # down, mid, up: the order they run in
+
+
+def test_the_hooks_unmerge_with_the_strategys_own_unmerge(unet):
+    """``MergeStrategy.unmerge`` is what the hooks call: an override sees every merged sublayer output."""
+    from tomerge.strategies.ssm import SSM
+
+    seen: list[tuple[int, int]] = []
+
+    @dataclasses.dataclass(frozen=True, kw_only=True)
+    class Doubling(SSM):
+        def unmerge(self, y, plan):
+            seen.append((y.shape[1], plan.num_tokens))
+            return 2 * plan.unmerge(y)
+
+    inputs = unet_inputs()
+    with tomerge.merging(unet, SSM(round_windows=1), ratio=0.5, max_downsample=2):
+        plain = forward(unet, inputs)
+    with tomerge.merging(unet, Doubling(round_windows=1), ratio=0.5, max_downsample=2) as handle:
+        doubled = forward(unet, inputs)
+        merged_calls = sum(len(r.sublayers) for r in handle.state.records if r.num_removed)
+    assert len(seen) == merged_calls > 0 and all(m < n for m, n in seen)
+    assert not torch.allclose(plain, doubled)
+
+
+def test_an_option_may_not_hide_a_method_the_core_calls():
+    from tomerge.strategies.ssm import SSM
+
+    with pytest.raises(TypeError, match="unmerge"):
+        @dataclasses.dataclass(frozen=True, kw_only=True)
+        class Hiding(SSM):
+            unmerge: str = "pinv"

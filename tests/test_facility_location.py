@@ -240,14 +240,14 @@ def test_pinv_unmerge() -> None:
     labels = _four_clusters(B=2)
     x = _clustered(labels)
     ctx = MergeContext(grid=(4, 4), ratio=0.75)
-    hard_pinv = FacilityLocation(tile_size=4, unmerge="pinv").plan(x, ctx)
+    hard_pinv = FacilityLocation(tile_size=4, unmerge_matrix="pinv").plan(x, ctx)
     hard_t = FacilityLocation(tile_size=4).plan(x, ctx)
     eye = torch.eye(4).expand(2, 1, 4, 4)
     assert torch.allclose(hard_pinv.merge_weights @ hard_pinv.unmerge_weights, eye, atol=1e-5)
     assert torch.allclose(hard_pinv.unmerge_weights, hard_t.unmerge_weights, atol=1e-5)  # pinv(W) = A^T if hard
     # soft assignment: pinv still inverts W on the slots, the raw transpose does not
     soft = torch.randn(2, 16, 8, generator=_gen(7))
-    soft_pinv = FacilityLocation(tile_size=4, unmerge="pinv", temperature=0.5).plan(soft, ctx)
+    soft_pinv = FacilityLocation(tile_size=4, unmerge_matrix="pinv", temperature=0.5).plan(soft, ctx)
     soft_t = FacilityLocation(tile_size=4, temperature=0.5).plan(soft, ctx)
     assert torch.allclose(soft_pinv.merge_weights @ soft_pinv.unmerge_weights, eye, atol=1e-4)
     assert not torch.allclose(soft_t.merge_weights @ soft_t.unmerge_weights, eye, atol=1e-2)
@@ -281,7 +281,7 @@ def test_low_precision_and_zero_tokens_are_finite(dtype: torch.dtype) -> None:
     x[0, 9:12] = 0
     x[0, 18:21] = 0
     x[1] = 0  # an all-zero sample
-    for fl in (FacilityLocation(tile_size=3), FacilityLocation(tile_size=4, unmerge="pinv"),
+    for fl in (FacilityLocation(tile_size=3), FacilityLocation(tile_size=4, unmerge_matrix="pinv"),
                FacilityLocation(locality="stripes", num_tiles=6, mask_selected=False)):
         plan = fl.plan(x, MergeContext(grid=(7, 9), ratio=0.5))
         assert plan.dst.max() < 63
@@ -332,7 +332,7 @@ def test_ratio_zero_is_identity_and_registry() -> None:
     ({"temperature": float("nan")}, "temperature"),
     ({"mask_selected": 1}, "mask_selected"),
     ({"shared_destinations": "yes"}, "shared_destinations"),
-    ({"unmerge": "inverse"}, "unmerge"),
+    ({"unmerge_matrix": "inverse"}, "unmerge_matrix"),
     ({"ratio": 1.0}, "ratio"),
 ])
 def test_invalid_options_raise(options: dict, match: str) -> None:

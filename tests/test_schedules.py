@@ -192,7 +192,7 @@ def test_toma_merges_only_every_m_steps():
 
 
 def test_toma_cache_keys_change_exactly_every_d_steps():
-    s = ToMA(recompute_every=4)
+    s = ToMA(recompute_every=4, group_size=1)
     for layer in range(LAYERS):
         keys = [s.decide(where(t, layer)).cache_key for t in range(STEPS)]
         changes = [t for t in range(1, STEPS) if keys[t] != keys[t - 1]]
@@ -219,7 +219,7 @@ def test_toma_shares_keys_within_groups_of_consecutive_blocks_of_one_kind():
     (dict(ratio=1.0), "ratio"), (dict(skip_first=-1), "skip_first"), (dict(merge_every=0), "merge_every"),
     (dict(recompute_every=0), "recompute_every"), (dict(group_size=0), "group_size"),
     (dict(sublayers=("attn", "x")), "sublayers"), (dict(locality="rows"), "locality"),
-    (dict(num_tiles=0), "num_tiles"), (dict(unmerge="inverse"), "unmerge"),
+    (dict(num_tiles=0), "num_tiles"), (dict(unmerge_matrix="inverse"), "unmerge_matrix"),
 ])
 def test_toma_rejects_invalid_options(options, match):
     with pytest.raises(ValueError, match=match):
@@ -370,3 +370,110 @@ def test_toma_with_ratio_zero_and_after_remove_is_bit_identical(unet, baseline):
     assert any(not torch.equal(a, b) for a, b in zip(run(unet), baseline))
     handle.remove()
     assert all(torch.equal(a, b) for a, b in zip(run(unet), baseline))
+
+
+# ====================================================================== toma: reuse options, presets
+def test_toma_shares_one_plan_per_block_kind_by_default():
+    """The authors' FluxScheduler keeps one plan per block type, computed at its first merged block: the default
+    ``group_size=None`` gives every merged block of a kind one key (so ``toma`` is not ``facility_location``)."""
+    s = ToMA(skip_first=1, recompute_every=2)
+    for w in flux_like(num_steps=6):
+        d = s.decide(w)
+        assert d.cache_key == (None if w.kind_index < 1 else ("toma", w.block_kind, 0, w.step // 2))
+
+
+def test_toma_destination_keys_change_every_d_steps_and_d_is_a_multiple_of_e():
+    s = ToMA(recompute_every=2, destinations_every=6)
+    keys = [s.decide(where(t, 3)) for t in range(STEPS)]
+    assert [t for t in range(1, STEPS) if keys[t].destinations_key != keys[t - 1].destinations_key] \
+        == list(range(6, STEPS, 6))
+    assert [t for t in range(1, STEPS) if keys[t].cache_key != keys[t - 1].cache_key] == list(range(2, STEPS, 2))
+    assert ToMA().decide(where(0, 0)).destinations_key is None
+    with pytest.raises(ValueError, match="multiple of recompute_every"):
+        ToMA(recompute_every=2, destinations_every=3)
+
+
+def test_toma_kept_destinations_recompute_only_the_merge_matrices(monkeypatch):
+    """Within a window of ``destinations_every`` steps a new plan reuses the first plan's destinations with
+    merge weights from the current tokens: it is ``plan(x_now, destinations=first.dst)``."""
+    from tomerge.state import MergeState
+
+    selected: list[int] = []  # one entry per greedy selection (the fused plan and select_destinations run it)
+    original = FacilityLocation._greedy
+    monkeypatch.setattr(FacilityLocation, "_greedy", lambda self, *a: selected.append(len(selected)) or original(self, *a))
+    schedule = ToMA(ratio=0.5, num_tiles=4, recompute_every=1, destinations_every=2, group_size=None,
+                    mask_selected=True)
+    state = MergeState(schedule, num_layers=1)
+    g = torch.Generator().manual_seed(0)
+    plans, tokens = [], []
+    for step in range(4):
+        x = torch.randn(2, 64, 8, generator=g, dtype=torch.float64)
+        state.begin_model_call(float(900 - 100 * step))
+        call = state.begin_block(0, "block", (8, 8), x)
+        plans.append(state.plan_for(call, x))
+        tokens.append(x)
+        state.end_block()
+    assert len(selected) == 2  # destinations chosen at steps 0 and 2 only
+    for step in (1, 3):
+        kept, plan = plans[step - 1], plans[step]
+        assert torch.equal(plan.dst, kept.dst)
+        ctx = tomerge.MergeContext(grid=(8, 8), ratio=0.5, step=step)
+        direct = schedule.facility.plan(tokens[step], ctx, destinations=kept.dst)
+        assert torch.equal(plan.merge_weights, direct.merge_weights)
+        assert not torch.equal(plan.merge_weights, kept.merge_weights)  # weights follow the new tokens
+    assert not torch.equal(plans[2].dst, plans[1].dst)  # a new window selects anew
+
+
+def test_toma_kind_sublayers_override_the_sublayers_of_one_block_kind():
+    s = ToMA(kind_sublayers=(("joint", ("attn",)),))
+    for w in flux_like(num_steps=2):
+        assert s.decide(w).sublayers == ({"attn"} if w.block_kind == "joint" else {"attn", "mlp"})
+    with pytest.raises(ValueError, match="kind_sublayers"):
+        ToMA(kind_sublayers=(("joint", ("x",)),))
+
+
+def test_presets_hold_the_authors_released_settings():
+    """Values read from the authors' code: SDTM ``sample.py`` argparse defaults (ratio 0.3, deviation 0.2,
+    switch step 20, mcw 0.1, protect steps every 3, layers -1) with ``TR_SDTM.py`` (FIDM, a_p never read);
+    ToMA ``run_flux.py`` / ``config/*.yaml`` / ``FluxScheduler`` (ratio 0.5, 256 tiles, merge steps
+    ``range(0, 35, 3)``, recompute every step, the first 5 blocks of each type unmerged, one plan per type)."""
+    release = tomerge.get_strategy("sdtm_release")
+    assert (release.ratio, release.deviation, release.switch_step, release.curve) == (0.3, 0.2, 20, "cosine")
+    assert (release.protect_every, release.protect_layers_every, release.cache_weight) == (3, None, 0.1)
+    assert (release.idm_variant, release.idm.round_tokens, release.ssm.round_windows) == ("streak", 16, 16)
+    assert (release.window, release.alpha_s, release.alpha_d, release.prompt_reweight) == (2, 0.05, 0.05, None)
+    assert release.to_dict()["schedule"] == "sdtm_release"
+    paper = tomerge.get_strategy("sdtm_paper", ratio=0.4)  # presets take overrides
+    assert (paper.ratio, paper.deviation, paper.idm_variant, paper.cache_weight, paper.protect_every) \
+        == (0.4, 0.2, "attention", None, None)
+    toma = tomerge.get_strategy("toma_release")
+    assert (toma.ratio, toma.num_tiles, toma.skip_first, toma.merge_every, toma.recompute_every) == (0.5, 256, 5, 3, 1)
+    assert (toma.group_size, toma.shared_destinations, toma.mask_selected) == (None, True, False)
+    assert toma.decide(KindWhere(0, 35, 0.0, 7, 57, "double", 7)).sublayers == {"attn"}
+    assert toma.decide(KindWhere(0, 35, 0.0, 30, 57, "single", 11)).sublayers == {"attn", "mlp"}
+
+
+def test_sdtm_detail_first_swaps_the_phases_at_the_same_switch():
+    first, swapped = SDTM(switch=0.4), SDTM(switch=0.4, order="detail_first")
+    for w in trajectory():
+        a, b = first.decide(w), swapped.decide(w)
+        assert (a.label, b.label) in (("structure", "detail"), ("detail", "structure"))
+        assert a.ratio == b.ratio and (b.strategy is swapped.ssm) == (b.label == "structure")
+    with pytest.raises(ValueError, match="order"):
+        SDTM(order="reversed")
+
+
+def test_constant_merges_only_inside_its_progress_window(unet):
+    from tomerge.schedule import Constant
+
+    s = Constant(strategy=SSM(), ratio=0.5, merge_from=0.5, merge_until=0.8)
+    for w in trajectory():
+        d = s.decide(w)
+        assert d.merges == (0.5 <= w.progress <= 0.8) and (d.label == "skip_step") != d.merges
+    with tomerge.merging(unet, "ssm", ratio=0.5, merge_until=0.4, num_steps=10, max_downsample=2) as handle:
+        run(unet)
+        merged_steps = {r.step for r in handle.state.records if r.num_removed}
+    assert merged_steps == {0, 1, 2, 3}  # progress s / 9 <= 0.4
+    for options in (dict(merge_from=1.5), dict(merge_from=0.6, merge_until=0.5), dict(merge_until=True)):
+        with pytest.raises(ValueError, match="merge_"):
+            Constant(strategy=SSM(), ratio=0.5, **options)

@@ -49,6 +49,7 @@ class MergePoint:
         return (x, *args[1:]), kwargs
 
     def get_output(self, out: Any) -> Tensor:
+        """The image tokens of the submodule's output (merged ``[B, M, C']`` or full length ``[B, N, C']``)."""
         return out if self.output is None else out[self.output]
 
     def merge_input(self, args: tuple, kwargs: dict, x: Tensor, plan: MergePlan) -> tuple[tuple, dict]:
@@ -61,10 +62,6 @@ class MergePoint:
         the same block call (its decision merges ``sublayers``), consumes it and unmerges (the default:
         no, every point unmerges its own output). The later point then receives merged tokens."""
         return False
-
-    def unmerge_output(self, out: Any, plan: MergePlan) -> Any:
-        """The output with its image tokens unmerged."""
-        return self.set_output(out, plan.unmerge(self.get_output(out)))
 
     def set_output(self, out: Any, y: Tensor) -> Any:
         if self.output is None:

@@ -24,7 +24,7 @@ from .state import MergeState, TrajectoryClock
 from .strategy import MergeStrategy
 
 _HANDLE_ATTR = "_tomerge_handle"
-_SUBLAYER_FLAGS = ("merge_attn", "merge_crossattn", "merge_mlp")
+_CONSTANT_OPTIONS = ("merge_attn", "merge_crossattn", "merge_mlp", "merge_from", "merge_until")  # Constant's options
 _STATE_OPTIONS = ("seed", "num_steps", "prompt_categories")
 
 
@@ -180,10 +180,21 @@ class MergeHandle:
     def _point_post(self, point: MergePoint):
         def hook(module: nn.Module, args: tuple, output: Any):
             call = self.state.call
-            plan = call.active.pop(id(point), None) if call is not None else None
-            if plan is None or point.keeps_merged(call.decision.sublayers):
-                return None  # not merged here, or a later point of the block unmerges
-            return point.unmerge_output(output, plan)
+            if call is None:
+                return None
+            decision = call.decision
+            plan = call.active.pop(id(point), None)
+            if plan is None:  # ran at full length
+                if point.kind in decision.cache_outputs:
+                    self.state.store_output(point, point.get_output(output))
+                return None
+            if point.keeps_merged(decision.sublayers):
+                return None  # a later point of the block consumes the merged output and unmerges
+            y = decision.strategy.unmerge(point.get_output(output), plan)  # [B, M, C'] -> [B, N, C']
+            y = self.state.blend_cached(call, point, y)
+            if point.kind in decision.cache_outputs:
+                self.state.store_output(point, y)
+            return point.set_output(output, y)
         return hook
 
 
@@ -198,7 +209,7 @@ def apply(target: Any, strategy: str | MergeStrategy | Schedule = "tomesd", *, r
         ratio: fraction of tokens removed (for a strategy: required unless the instance has one).
         backbone: adapter name; found from the model's classes when ``None``.
         **options: strategy options, the adapter's options, ``merge_attn`` / ``merge_crossattn`` /
-            ``merge_mlp``, ``seed`` (per-(step, layer) generators), ``num_steps`` and ``prompt_categories``
+            ``merge_mlp`` and ``merge_from`` / ``merge_until`` (see :class:`~tomerge.schedule.Constant`), ``seed`` (per-(step, layer) generators), ``num_steps`` and ``prompt_categories``
             (see :meth:`MergeHandle.set_prompt_categories`). Unknown names raise.
 
     Returns:
@@ -317,7 +328,7 @@ def _make_schedule(strategy: str | MergeStrategy | Schedule, ratio: float | None
             if ratio is not None:
                 options["ratio"] = ratio
             return build(cls, options, what=f"schedule {strategy!r}")
-        flags = {k: options.pop(k) for k in _SUBLAYER_FLAGS if k in options}
+        flags = {k: options.pop(k) for k in _CONSTANT_OPTIONS if k in options}
         instance = _build_strategy(cls, options, adapter_fields, strategy)
         return _constant(instance, ratio, flags)
     if isinstance(strategy, Schedule):
@@ -326,16 +337,16 @@ def _make_schedule(strategy: str | MergeStrategy | Schedule, ratio: float | None
                             "Schedule when you build it, not into apply()")
         return strategy
     if isinstance(strategy, MergeStrategy):
-        flags = {k: options.pop(k) for k in _SUBLAYER_FLAGS if k in options}
+        flags = {k: options.pop(k) for k in _CONSTANT_OPTIONS if k in options}
         if options:
             raise TypeError(f"options {sorted(options)} go into the strategy when you build it, not into apply(); "
-                            f"apply() takes ratio, {', '.join(_SUBLAYER_FLAGS + _STATE_OPTIONS)} and adapter options")
+                            f"apply() takes ratio, {', '.join(_CONSTANT_OPTIONS + _STATE_OPTIONS)} and adapter options")
         return _constant(strategy, ratio, flags)
     raise TypeError(f"strategy must be a name, a MergeStrategy or a Schedule, got {type(strategy).__name__}")
 
 
 def _build_strategy(cls: type, options: dict[str, Any], adapter_fields: set[str], name: str) -> MergeStrategy:
-    valid = {f.name for f in dataclasses.fields(cls)} | set(_SUBLAYER_FLAGS) | set(_STATE_OPTIONS) | adapter_fields
+    valid = {f.name for f in dataclasses.fields(cls)} | set(_CONSTANT_OPTIONS) | set(_STATE_OPTIONS) | adapter_fields
     unknown = sorted(set(options) - {f.name for f in dataclasses.fields(cls)})
     if unknown:
         raise TypeError(f"unknown option(s) {unknown} for strategy {name!r}; valid options: {sorted(valid)}")

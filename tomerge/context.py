@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -25,7 +24,6 @@ class MergeContext:
         received_attention: ``[B, N]`` attention each image token received (recorded by the
             adapter's probe, or given by hand).
         streak: ``[B, N]`` number of consecutive merge decisions in which each token was merged.
-        cache: scratch space for plan reuse, owned by the caller.
 
     Example:
         >>> ctx = MergeContext(grid=(32, 32), ratio=0.5)
@@ -44,7 +42,6 @@ class MergeContext:
     generator: torch.Generator | None = None
     received_attention: Tensor | None = None
     streak: Tensor | None = None
-    cache: dict[Any, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if (not isinstance(self.grid, (tuple, list)) or len(self.grid) != 2

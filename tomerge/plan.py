@@ -170,6 +170,16 @@ class MergePlan:
         slots = local + torch.arange(T, device=local.device).view(1, T, 1) * d  # [B, T, s]
         return self._untile(slots.unsqueeze(-1)).squeeze(-1)  # [B, N]
 
+    def merged_tokens(self) -> Tensor:
+        """``[B, N]`` bool: tokens whose slot holds more than one token, destinations included (all False for
+        the identity plan). Soft plans count each token in the slot of its largest unmerge weight."""
+        if self.is_identity:
+            return torch.zeros(self.dst.shape, dtype=torch.bool, device=self.dst.device)
+        slot = self.slot_of_token  # [B, N]
+        counts = torch.zeros(slot.shape[0], self.num_slots, dtype=torch.long, device=slot.device)
+        counts.scatter_add_(1, slot, torch.ones_like(slot))  # [B, M] tokens per slot
+        return counts.gather(1, slot) > 1
+
     @property
     def sizes(self) -> Tensor:
         """``[B, M]`` tokens per slot (for soft plans: the summed unmerge weight of each slot)."""

@@ -43,18 +43,29 @@ class Decision:
         sublayers: where the plan is applied: a subset of ``{"attn", "crossattn", "mlp"}``.
         cache_key: plans are cached under this key and reused by later calls with the same key
             (``None``: plan once per block call, shared by its sublayers).
+        destinations_key: destinations are kept under this key and reused by later calls with the same key
+            whose plan is not cached: only the merge matrix is recomputed (``strategy.plan(x, ctx,
+            destinations=...)``; ToMA's separate refresh intervals). ``None``: destinations are not kept.
         label: a short name for records and figures (e.g. the phase).
         reset_streaks: clear the merge streaks (``ctx.streak``) of this call slot before the block runs,
             so the next merge decision starts counting from 0 (SDTM's protected layers, as the authors'
             code sets its counter to ``None`` there).
+        cache_outputs: sublayer kinds whose full-length outputs this block call stores in the feature cache
+            (one entry per merge point of the block and call slot, replacing the previous one).
+        cache_weight: ``w`` of the feature cache: where this call unmerges a sublayer's output, the tokens the
+            strategy counts as merged (``strategy.merged_tokens``) get ``w * output + (1 - w) * cached``, the
+            output this merge point stored last; other tokens keep their output. ``None``: no blending.
     """
 
     strategy: MergeStrategy | None
     ratio: float = 0.0
     sublayers: frozenset[str] = frozenset()
     cache_key: Hashable | None = None
+    destinations_key: Hashable | None = None
     label: str = ""
     reset_streaks: bool = False
+    cache_outputs: frozenset[str] = frozenset()
+    cache_weight: float | None = None
 
     @property
     def merges(self) -> bool:
@@ -117,6 +128,8 @@ class Constant(Schedule):
         strategy: the strategy.
         ratio: fraction of tokens removed, in ``[0, 1)``.
         merge_attn, merge_crossattn, merge_mlp: override the strategy's default sublayers.
+        merge_from, merge_until: merge only block calls with ``merge_from <= progress <= merge_until``
+            (``progress = step / (num_steps - 1)``); the others run unmerged (label ``"skip_step"``).
 
     Example:
         >>> import tomerge
@@ -131,17 +144,28 @@ class Constant(Schedule):
     merge_attn: bool | None = None
     merge_crossattn: bool | None = None
     merge_mlp: bool | None = None
+    merge_from: float = 0.0
+    merge_until: float = 1.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.strategy, MergeStrategy):
             raise TypeError(f"strategy must be a MergeStrategy, got {type(self.strategy).__name__}")
         check_ratio(self.ratio)
+        for name in ("merge_from", "merge_until"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+                raise ValueError(f"{name} must be a progress in [0, 1], got {value!r}")
+        if self.merge_from > self.merge_until:
+            raise ValueError(f"merge_from ({self.merge_from}) is after merge_until ({self.merge_until}): "
+                             "no call would merge")
 
     @property
     def sublayers(self) -> frozenset[str]:
         return resolve_sublayers(self.strategy, self.merge_attn, self.merge_crossattn, self.merge_mlp)
 
     def decide(self, where: Where) -> Decision:
+        if not self.merge_from <= where.progress <= self.merge_until:
+            return Decision(strategy=None, label="skip_step")
         return Decision(self.strategy, self.ratio, self.sublayers, label=self.strategy.name)
 
     def strategies(self) -> tuple[MergeStrategy, ...]:

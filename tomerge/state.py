@@ -1,8 +1,8 @@
 """`MergeState`: everything one application of tomerge remembers between calls.
 
 One object per :func:`tomerge.apply`, never module attributes: the trajectory clock (step index from
-distinct timestep values), the block call in progress, cached plans, merge streaks, received
-attention, random generators, and a record of every decision.
+distinct timestep values), the block call in progress, cached plans and destinations, merge streaks,
+received attention, the feature cache, random generators, and a record of every decision.
 """
 
 from __future__ import annotations
@@ -81,6 +81,7 @@ class BlockCall:
     grid: tuple[int, int] | None
     block_input: Tensor | None
     plan: MergePlan | None = None
+    merged: Tensor | None = None  # [B or 1, N] bool: the plan's merged tokens, when streaks or the cache need them
     active: dict[int, MergePlan] = dataclasses.field(default_factory=dict)  # merge point id -> plan
 
 
@@ -120,12 +121,14 @@ class MergeState:
         self.max_records = max_records
         self.records: list[Record] = []
         self.call: BlockCall | None = None
-        self.plans: dict[Hashable, MergePlan] = {}
-        # Plans and streaks are kept per call slot: the index of the model call among the calls of the
-        # current step (split guidance: 0 = first branch, 1 = second; batched guidance: always 0), so
-        # split guidance reuses and counts exactly as the batched call does for each sample.
+        # Plans, destinations, streaks and cached outputs are kept per call slot: the index of the model call
+        # among the calls of the current step (split guidance: 0 = first branch, 1 = second; batched guidance:
+        # always 0), so split guidance reuses and counts exactly as the batched call does for each sample.
         self.slot = 0
+        self.plans: dict[Hashable, tuple[MergePlan, Tensor | None]] = {}  # (slot, cache_key) -> (plan, merged)
+        self.destinations: dict[Hashable, tuple[int, Tensor]] = {}  # (slot, destinations_key) -> (N, [B, M] dst)
         self.streaks: dict[tuple[int, int], Tensor] = {}  # (slot, N) -> [B, N] consecutive merges of each token
+        self.outputs: dict[tuple[int, Hashable], Tensor] = {}  # (slot, merge point) -> [B, N, C'] feature cache
         self.attention: dict[int, Tensor] = {}  # layer -> [B, N] received attention, latest full-length call
         self.prompt_categories: Any = None  # tomerge.prompts.PromptCategories: text-token labels, or None
         self._forked: dict[torch.device, torch.Generator] = {}
@@ -139,9 +142,8 @@ class MergeState:
     def begin_model_call(self, timestep: Tensor | float | None) -> None:
         previous = (self.clock.trajectory, self.clock.current)
         if self.clock.observe(timestep):
-            self.plans.clear()
-            self.streaks.clear()
-            self.attention.clear()
+            for per_trajectory in (self.plans, self.destinations, self.streaks, self.attention, self.outputs):
+                per_trajectory.clear()
         same_step = timestep is not None and previous[1] is not None \
             and (self.clock.trajectory, self.clock.current) == previous
         self.slot = self.slot + 1 if same_step else 0
@@ -171,22 +173,26 @@ class MergeState:
             ))
 
     def plan_for(self, call: BlockCall, metric: Tensor) -> MergePlan:
-        """The plan of this block call: cached under the decision's key, else computed once."""
+        """The plan of this block call: cached under the decision's key, else computed once (from kept
+        destinations when the decision's ``destinations_key`` holds some that fit)."""
         if call.plan is not None:
             return call.plan
         key = call.decision.cache_key
-        plan = self.plans.get((self.slot, key)) if key is not None else None
-        if plan is None or plan.num_tokens != metric.shape[1] or plan.batch_size not in (1, metric.shape[0]):
-            plan = self._compute(call, metric)
+        cached = self.plans.get((self.slot, key)) if key is not None else None
+        if cached is None or not _fits(cached[0].num_tokens, cached[0].dst, metric):
+            cached = self._compute(call, metric)
             if key is not None:
-                self.plans[(self.slot, key)] = plan
-        call.plan = plan
-        return plan
+                self.plans[(self.slot, key)] = cached
+        call.plan, call.merged = cached
+        return call.plan
 
-    def _compute(self, call: BlockCall, metric: Tensor) -> MergePlan:
+    def _compute(self, call: BlockCall, metric: Tensor) -> tuple[MergePlan, Tensor | None]:
         strategy = call.decision.strategy
         assert strategy is not None and call.grid is not None  # guaranteed by begin_block/decide
         B, N = metric.shape[:2]
+        dst_key = call.decision.destinations_key
+        kept = self.destinations.get((self.slot, dst_key)) if dst_key is not None else None
+        kept = kept[1] if kept is not None and _fits(*kept, metric) else None
         ctx = MergeContext(
             grid=call.grid, ratio=call.decision.ratio, progress=call.where.progress, step=call.where.step,
             num_steps=call.where.num_steps, layer=call.where.layer, num_layers=call.where.num_layers,
@@ -194,14 +200,40 @@ class MergeState:
             generator=self._generator(strategy, call.where, metric.device) if strategy.uses_generator else None,
             received_attention=self._latest_attention(call.where.layer, B, N),
             streak=self._streak(B, N, metric.device) if strategy.uses_streak else None,
-            cache=self.plans,
         )
-        plan = strategy.plan(metric, ctx)
+        plan = strategy.plan(metric, ctx) if kept is None else strategy.plan(metric, ctx, destinations=kept)
+        if dst_key is not None and kept is None and not plan.is_identity:
+            self.destinations[(self.slot, dst_key)] = (N, plan.dst)
+        merged = None
+        if self.keep_streaks or call.decision.cache_weight is not None:
+            merged = strategy.merged_tokens(plan, ctx)  # [B or 1, N] bool
         if self.keep_streaks and ctx.tokens_to_remove(N) > 0:  # a call asked to remove nothing counts nothing
-            self._update_streaks(strategy, plan, ctx, B, metric.device)
+            self._update_streaks(merged, B, N, metric.device)
         for observe in self.observers:
             observe(call, plan)
-        return plan
+        return plan, merged
+
+    # ------------------------------------------------------------------ the feature cache
+    def store_output(self, point: Hashable, output: Tensor) -> None:
+        """Keeps ``output [B, N, C']`` as the cached output of merge ``point`` in this call slot."""
+        self.outputs[(self.slot, point)] = output.detach()
+
+    def blend_cached(self, call: BlockCall, point: Hashable, output: Tensor) -> Tensor:
+        """``output [B, N, C']`` (a merge point's unmerged output) with the tokens ``call``'s plan counts as
+        merged replaced by ``w * output + (1 - w) * cached`` (``w = call.decision.cache_weight``); unchanged
+        without a weight, without a cached output of this point, or when the cached one has another shape
+        (it is then dropped: it came from a call of another size)."""
+        w = call.decision.cache_weight
+        if w is None or call.merged is None:
+            return output
+        cached = self.outputs.get((self.slot, point))
+        if cached is None:
+            return output
+        if cached.shape != output.shape:
+            del self.outputs[(self.slot, point)]
+            return output
+        blended = torch.lerp(cached.to(output.dtype), output, w)  # [B, N, C'] = w * output + (1 - w) * cached
+        return torch.where(call.merged.unsqueeze(-1), blended, output)  # [B, N, C']
 
     # ------------------------------------------------------------------ per-token statistics
     def store_attention(self, layer: int, received: Tensor) -> None:
@@ -220,19 +252,12 @@ class MergeState:
             self.streaks[(self.slot, num_tokens)] = s
         return s
 
-    def _update_streaks(self, strategy: Any, plan: MergePlan, ctx: MergeContext, batch: int,
-                        device: torch.device) -> None:
-        """One merge decision: every token the plan counts as merged extends its streak by 1, every other
-        token's streak drops to 0 (the authors' ``last_independent``: add 1 to all, zero the independent ones).
-
-        Which tokens count: ``strategy.streak_members(plan, ctx)`` when the strategy defines it (``idm``: every
-        window destination and every merged source), else :func:`group_members` (every member of a slot holding
-        more than one token, its destination included)."""
-        N = plan.num_tokens
-        members = getattr(strategy, "streak_members", None)
-        merged = members(plan, ctx) if members is not None else group_members(plan)  # [B or 1, N] bool
-        s = self._streak(batch, N, device)
-        self.streaks[(self.slot, N)] = (s + 1) * merged.expand(batch, N)
+    def _update_streaks(self, merged: Tensor, batch: int, num_tokens: int, device: torch.device) -> None:
+        """One merge decision: every token the plan counts as merged (``merged [B or 1, N]``, from
+        ``strategy.merged_tokens``) extends its streak by 1, every other token's streak drops to 0 (the
+        authors' ``last_independent``: add 1 to all, zero the independent ones)."""
+        s = self._streak(batch, num_tokens, device)
+        self.streaks[(self.slot, num_tokens)] = (s + 1) * merged.expand(batch, num_tokens)
 
     # ------------------------------------------------------------------ randomness
     def _generator(self, strategy: Any, where: Where, device: torch.device) -> torch.Generator:
@@ -251,12 +276,7 @@ class MergeState:
         return gen
 
 
-def group_members(plan: MergePlan) -> Tensor:
-    """``[B, N]`` bool: tokens whose slot holds more than one token (destinations included); all False for the
-    identity plan. Soft plans count each token in the slot of its largest unmerge weight."""
-    if plan.is_identity:
-        return torch.zeros(plan.dst.shape, dtype=torch.bool, device=plan.dst.device)
-    slot = plan.slot_of_token  # [B, N]
-    counts = torch.zeros(slot.shape[0], plan.num_slots, dtype=torch.long, device=slot.device)
-    counts.scatter_add_(1, slot, torch.ones_like(slot))  # [B, M] tokens per slot
-    return counts.gather(1, slot) > 1
+def _fits(num_tokens: int, dst: Tensor, metric: Tensor) -> bool:
+    """Whether a kept plan or kept destinations (``dst [B or 1, M]`` over ``num_tokens`` tokens) can serve the
+    tokens ``metric [B, N, C]``: same ``N`` and batch (or one shared row); a call of another size plans anew."""
+    return num_tokens == metric.shape[1] and dst.shape[0] in (1, metric.shape[0])

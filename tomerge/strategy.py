@@ -37,6 +37,7 @@ from .context import MergeContext, check_ratio
 from .plan import MergePlan
 
 SUBLAYERS = ("attn", "crossattn", "mlp")
+INTERFACE = ("select_destinations", "merge_matrix", "unmerge", "merged_tokens", "plan")  # what the core calls
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -69,6 +70,13 @@ class MergeStrategy(abc.ABC):
 
     ratio: float | None = None
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        hidden = sorted(set(cls.__dict__.get("__annotations__", {})) & set(INTERFACE))
+        if hidden:  # a dataclass field of that name would replace the method the hooks call
+            raise TypeError(f"{cls.__qualname__}: option(s) {hidden} would hide the MergeStrategy method(s) of "
+                            "the same name; rename the option")
+
     def __post_init__(self) -> None:
         if self.ratio is not None:
             check_ratio(self.ratio)
@@ -83,11 +91,25 @@ class MergeStrategy(abc.ABC):
         """Maps every token onto the slots; returns the plan."""
 
     def unmerge(self, y: Tensor, plan: MergePlan) -> Tensor:
-        """``[B, M, C'] -> [B, N, C']``; default: ``plan.unmerge(y)``."""
+        """``[B, M, C'] -> [B, N, C']``: what the hooks call on a merged sublayer's output; default
+        ``plan.unmerge(y)``."""
         return plan.unmerge(y)
 
-    def plan(self, x: Tensor, ctx: MergeContext) -> MergePlan:
+    def merged_tokens(self, plan: MergePlan, ctx: MergeContext) -> Tensor:
+        """``[B, N]`` bool: the tokens this plan counts as merged. The merge streaks (``ctx.streak``) extend
+        theirs and reset the others', and a schedule's feature cache (``Decision.cache_weight``) blends their
+        outputs. Default: :meth:`MergePlan.merged_tokens` (every member of a slot of two or more tokens)."""
+        return plan.merged_tokens()
+
+    def plan(self, x: Tensor, ctx: MergeContext, destinations: Tensor | None = None) -> MergePlan:
         """Plans the merge of ``x [B, N, C]``: validates, then destinations, then the merge matrix.
+
+        Args:
+            x: ``[B, N, C]`` tokens.
+            ctx: the merge context.
+            destinations: ``[B, M]`` destinations kept from an earlier plan (``plan.dst``: a schedule that
+                refreshes destinations less often than merge matrices); :meth:`select_destinations` is then
+                skipped.
 
         Returns the identity plan when ``ctx`` asks to remove no token.
         """
@@ -102,7 +124,7 @@ class MergeStrategy(abc.ABC):
             )
         if self.uses_generator and ctx.generator is None:
             raise ValueError(f"strategy {self.name!r} draws random numbers: pass MergeContext(generator=...)")
-        dst = self.select_destinations(x, ctx)
+        dst = self.select_destinations(x, ctx) if destinations is None else destinations
         return self.merge_matrix(x, dst, ctx)
 
     # ------------------------------------------------------------------ options
