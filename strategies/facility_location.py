@@ -53,6 +53,7 @@ import torch
 from torch import Tensor
 
 from tomerge.context import MergeContext
+from tomerge.options import check_bool, check_choice, check_int, check_number
 from tomerge.plan import MergePlan, take_rows
 from tomerge.strategy import MergeStrategy
 
@@ -93,23 +94,16 @@ class FacilityLocation(MergeStrategy):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.locality not in LOCALITIES:
-            raise ValueError(f"locality must be one of {LOCALITIES}, got {self.locality!r}")
-        if isinstance(self.num_tiles, bool) or not isinstance(self.num_tiles, int) or self.num_tiles < 1:
-            raise ValueError(f"num_tiles must be a positive int, got {self.num_tiles!r}")
-        if self.tile_size is not None:
-            if isinstance(self.tile_size, bool) or not isinstance(self.tile_size, int) or self.tile_size < 1:
-                raise ValueError(f"tile_size must be a positive int or None, got {self.tile_size!r}")
-            if self.locality != "tiles":
-                raise ValueError("tile_size is the side of square tiles; for stripes set num_tiles instead")
-        if (isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float))
-                or not math.isfinite(self.temperature) or self.temperature <= 0):
-            raise ValueError(f"temperature must be a finite number > 0, got {self.temperature!r}")
-        for flag in ("mask_selected", "shared_destinations"):
-            if not isinstance(getattr(self, flag), bool):
-                raise ValueError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
-        if self.unmerge_matrix not in UNMERGES:
-            raise ValueError(f"unmerge_matrix must be one of {UNMERGES}, got {self.unmerge_matrix!r}")
+        what = "facility_location"
+        check_choice(self.locality, "locality", what, LOCALITIES)
+        check_int(self.num_tiles, "num_tiles", what, low=1)
+        check_int(self.tile_size, "tile_size", what, low=1, optional=True)
+        if self.tile_size is not None and self.locality != "tiles":
+            raise ValueError(f"{what}: tile_size is the side of square tiles; for stripes set num_tiles instead")
+        check_number(self.temperature, "temperature", what, low=0, low_open=True)
+        check_bool(self.mask_selected, "mask_selected", what)
+        check_bool(self.shared_destinations, "shared_destinations", what)
+        check_choice(self.unmerge_matrix, "unmerge_matrix", what, UNMERGES)
 
     # ------------------------------------------------------------------ layout
     def tile_side(self, grid: tuple[int, int]) -> int:

@@ -69,7 +69,6 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import math
 import warnings
 from typing import ClassVar
 
@@ -77,6 +76,7 @@ import torch
 from torch import Tensor
 
 from tomerge.context import MergeContext
+from tomerge.options import check_bool, check_choice, check_int, check_number
 from tomerge.plan import MergePlan, unit_rows
 from tomerge.strategy import MergeStrategy
 
@@ -121,25 +121,16 @@ class IDM(MergeStrategy):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 2:
-            raise ValueError(f"idm: window must be an int >= 2 (k x k windows), got {self.window!r}")
-        if (isinstance(self.alpha_d, bool) or not isinstance(self.alpha_d, (int, float))
-                or not math.isfinite(self.alpha_d) or self.alpha_d < 0):
-            raise ValueError(f"idm: alpha_d must be a finite number >= 0 (0 ignores streaks), got {self.alpha_d!r}")
-        if self.variant not in VARIANTS:
-            raise ValueError(
-                f"idm: variant must be one of {VARIANTS} ('attention' = paper, 'streak' = authors' released "
-                f"code), got {self.variant!r}"
-            )
-        if not isinstance(self.local, bool):
-            raise ValueError(f"idm: local must be a bool, got {self.local!r}")
-        if self.round_tokens is None:
+        what = "idm"
+        check_int(self.window, "window", what, low=2, note="k x k windows")
+        check_number(self.alpha_d, "alpha_d", what, low=0, note="0 ignores streaks")
+        check_choice(self.variant, "variant", what, VARIANTS,
+                     note="'attention' = paper, 'streak' = authors' released code")
+        check_bool(self.local, "local", what)
+        check_int(self.round_tokens, "round_tokens", what, low=1, optional=True, note="1 disables rounding")
+        if self.round_tokens is None:  # the variant's default
             object.__setattr__(self, "round_tokens", RELEASE_ROUND_TOKENS if self.variant == "streak" else 1)
-        if isinstance(self.round_tokens, bool) or not isinstance(self.round_tokens, int) or self.round_tokens < 1:
-            raise ValueError(
-                f"idm: round_tokens must be an int >= 1 (1 disables rounding) or None, got {self.round_tokens!r}")
-        if self.plan_from not in PLAN_FROM:
-            raise ValueError(f"idm: plan_from must be one of {PLAN_FROM}, got {self.plan_from!r}")
+        check_choice(self.plan_from, "plan_from", what, PLAN_FROM)
 
     @property
     def needs(self) -> frozenset[str]:  # type: ignore[override]

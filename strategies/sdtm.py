@@ -85,9 +85,9 @@ import math
 from collections.abc import Iterable
 from typing import Any, ClassVar
 
-from tomerge.context import check_ratio
+from tomerge.options import check_choice, check_int, check_number, check_ratio_option, check_sublayers
 from tomerge.schedule import Decision, Schedule, Where
-from tomerge.strategy import SUBLAYERS, MergeStrategy
+from tomerge.strategy import MergeStrategy
 
 from .idm import IDM
 from .ssm import SSM
@@ -96,58 +96,6 @@ CURVES = ("cosine", "linear", "constant")
 ORDERS = ("structure_first", "detail_first")
 MAX_RATIO = 0.99  # upper clamp of the scheduled ratio
 STRUCTURE, DETAIL, PROTECTED = "structure", "detail", "protected"
-
-
-# ---------------------------------------------------------------------- option checks (shared with toma.py)
-def check_int(value: Any, name: str, minimum: int, what: str, optional: bool = False) -> int | None:
-    """Raises unless ``value`` is an int ``>= minimum`` (or ``None`` when ``optional``).
-
-    Args:
-        value: the option's value.
-        name: the option's name, for the message.
-        minimum: smallest allowed value.
-        what: the schedule's name, prefixed to the message.
-        optional: accept ``None``.
-
-    Returns:
-        ``value`` unchanged.
-    """
-    if value is None and optional:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        none = " or None" if optional else ""
-        raise ValueError(f"{what}: {name} must be an int >= {minimum}{none}, got {value!r}")
-    return value
-
-
-def check_number(value: Any, name: str, what: str, low: float = 0.0, high: float = math.inf) -> float:
-    """Raises unless ``value`` is a finite number in ``[low, high]``; returns it as a float."""
-    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
-            or not low <= value <= high):
-        raise ValueError(f"{what}: {name} must be a finite number in [{low}, {high}], got {value!r}")
-    return float(value)
-
-
-def check_sublayers(value: Any, name: str, what: str) -> tuple[str, ...]:
-    """Validates a non-empty collection of sublayer names.
-
-    Args:
-        value: a tuple/list/set of names from ``("attn", "crossattn", "mlp")``.
-        name: the option's name, for the message.
-        what: the schedule's name, prefixed to the message.
-
-    Returns:
-        The names as a sorted tuple (hashable, stable in logs).
-    """
-    if isinstance(value, str) or not isinstance(value, Iterable):
-        raise ValueError(f"{what}: {name} must be a tuple of sublayer names from {SUBLAYERS}, got {value!r}")
-    names = tuple(sorted(set(value)))
-    unknown = [n for n in names if n not in SUBLAYERS]
-    if unknown or not names:
-        raise ValueError(
-            f"{what}: {name} must be a non-empty tuple of sublayer names from {SUBLAYERS}, got {value!r} "
-            "(to run a phase unmerged, protect its steps or move the switch instead)")
-    return names
 
 
 # ---------------------------------------------------------------------- the schedule
@@ -221,41 +169,35 @@ class SDTM(Schedule):
 
     def __post_init__(self) -> None:
         what = "sdtm"
-        try:
-            check_ratio(self.ratio)
-        except ValueError as err:
-            raise ValueError(f"{what}: {err}") from None
-        dev = check_number(self.deviation, "deviation", what)
+        check_ratio_option(self.ratio, what)
+        dev = check_number(self.deviation, "deviation", what, low=0)
         if self.ratio - dev < 0 or self.ratio + dev >= 1:
             raise ValueError(
                 f"{what}: ratio +- deviation must stay in [0, 1), got ratio={self.ratio}, deviation={dev} "
                 f"(range [{self.ratio - dev:g}, {self.ratio + dev:g}])")
-        check_number(self.switch, "switch", what, 0.0, 1.0)
-        check_int(self.switch_step, "switch_step", 0, what, optional=True)
-        if self.curve not in CURVES:
-            raise ValueError(f"{what}: curve must be one of {CURVES}, got {self.curve!r}")
-        if self.order not in ORDERS:
-            raise ValueError(f"{what}: order must be one of {ORDERS}, got {self.order!r}")
+        check_number(self.switch, "switch", what, low=0, high=1)
+        check_int(self.switch_step, "switch_step", what, low=0, optional=True)
+        check_choice(self.curve, "curve", what, CURVES)
+        check_choice(self.order, "order", what, ORDERS)
         if self.curve == "constant" and dev != 0:
             raise ValueError(f"{what}: curve='constant' uses ratio alone; set deviation=0 (got {dev})")
-        check_int(self.protect_every, "protect_every", 1, what, optional=True)
-        if self.prompt_reweight is not None:
-            check_number(self.prompt_reweight, "prompt_reweight", what, low=1e-6)
-        check_int(self.protect_layers_every, "protect_layers_every", 1, what, optional=True)
-        if self.cache_weight is not None:
-            check_number(self.cache_weight, "cache_weight", what, 0.0, 1.0)
-            if self.protect_every is None:
-                raise ValueError(f"{what}: cache_weight blends merged outputs with the outputs cached on protected "
-                                 "steps, but protect_every is None (no step is protected); set protect_every")
+        check_int(self.protect_every, "protect_every", what, low=1, optional=True)
+        check_number(self.prompt_reweight, "prompt_reweight", what, low=1e-6, optional=True)
+        check_int(self.protect_layers_every, "protect_layers_every", what, low=1, optional=True)
+        check_number(self.cache_weight, "cache_weight", what, low=0, high=1, optional=True)
+        if self.cache_weight is not None and self.protect_every is None:
+            raise ValueError(f"{what}: cache_weight blends merged outputs with the outputs cached on protected "
+                             "steps, but protect_every is None (no step is protected); set protect_every")
         if isinstance(self.protect_layers, (str, bytes)) or not isinstance(self.protect_layers, Iterable):
             raise ValueError(f"{what}: protect_layers must be a tuple of layer indices, got {self.protect_layers!r}")
         layers = tuple(sorted(set(self.protect_layers)))
         for layer in layers:
-            check_int(layer, "every entry of protect_layers", 0, what)
+            check_int(layer, "every entry of protect_layers", what, low=0)
         set_ = object.__setattr__  # frozen: normalise lists from configs to tuples once, here
         set_(self, "protect_layers", layers)
-        set_(self, "structure_sublayers", check_sublayers(self.structure_sublayers, "structure_sublayers", what))
-        set_(self, "detail_sublayers", check_sublayers(self.detail_sublayers, "detail_sublayers", what))
+        for option in ("structure_sublayers", "detail_sublayers"):
+            set_(self, option, check_sublayers(getattr(self, option), option, what,
+                                               note="to run a phase unmerged, protect its steps or move the switch"))
         set_(self, "_structure", frozenset(self.structure_sublayers))
         set_(self, "_detail", frozenset(self.detail_sublayers))
         set_(self, "_cached", self._structure | self._detail if self.cache_weight is not None else frozenset())

@@ -50,7 +50,6 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import math
 import warnings
 from typing import ClassVar
 
@@ -58,6 +57,7 @@ import torch
 from torch import Tensor
 
 from tomerge.context import MergeContext
+from tomerge.options import check_int, check_number
 from tomerge.plan import MergePlan, unit_rows
 from tomerge.strategy import MergeStrategy
 
@@ -126,15 +126,9 @@ class SSM(MergeStrategy):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 2:
-            raise ValueError(f"ssm: window must be an int >= 2 (k x k windows), got {self.window!r}")
-        if (isinstance(self.alpha_s, bool) or not isinstance(self.alpha_s, (int, float))
-                or not math.isfinite(self.alpha_s) or self.alpha_s < 0):
-            raise ValueError(f"ssm: alpha_s must be a finite number >= 0 (0 disables the prior), got {self.alpha_s!r}")
-        if isinstance(self.round_windows, bool) or not isinstance(self.round_windows, int) or self.round_windows < 1:
-            raise ValueError(
-                f"ssm: round_windows must be an int >= 1 (1 disables rounding), got {self.round_windows!r}"
-            )
+        check_int(self.window, "window", "ssm", low=2, note="k x k windows")
+        check_number(self.alpha_s, "alpha_s", "ssm", low=0, note="0 disables the prior")
+        check_int(self.round_windows, "round_windows", "ssm", low=1, note="1 disables rounding")
 
     @property
     def window_size(self) -> int:

@@ -56,12 +56,11 @@ import dataclasses
 from collections.abc import Hashable
 from typing import Any, ClassVar
 
-from tomerge.context import check_ratio
+from tomerge.options import check_int, check_ratio_option, check_sublayers
 from tomerge.schedule import Decision, Schedule, Where
 from tomerge.strategy import MergeStrategy
 
 from .facility_location import FacilityLocation
-from .sdtm import check_int, check_sublayers
 
 MERGE, SKIP_BLOCK, SKIP_STEP = "merge", "skip_block", "skip_step"
 
@@ -128,15 +127,12 @@ class ToMA(Schedule):
 
     def __post_init__(self) -> None:
         what = "toma"
-        try:
-            check_ratio(self.ratio)
-        except ValueError as err:
-            raise ValueError(f"{what}: {err}") from None
-        check_int(self.skip_first, "skip_first", 0, what)
-        check_int(self.merge_every, "merge_every", 1, what)
-        check_int(self.recompute_every, "recompute_every", 1, what)
-        check_int(self.group_size, "group_size", 1, what, optional=True)
-        check_int(self.destinations_every, "destinations_every", 1, what, optional=True)
+        check_ratio_option(self.ratio, what)
+        check_int(self.skip_first, "skip_first", what, low=0)
+        check_int(self.merge_every, "merge_every", what, low=1)
+        check_int(self.recompute_every, "recompute_every", what, low=1)
+        check_int(self.group_size, "group_size", what, low=1, optional=True)
+        check_int(self.destinations_every, "destinations_every", what, low=1, optional=True)
         if self.destinations_every is not None and self.destinations_every % self.recompute_every != 0:
             raise ValueError(f"{what}: destinations_every ({self.destinations_every}) must be a multiple of "
                              f"recompute_every ({self.recompute_every}): new destinations need new matrices")
@@ -153,14 +149,10 @@ class ToMA(Schedule):
                              f"{self.kind_sublayers!r}") from None
         set_(self, "kind_sublayers", tuple(sorted(by_kind.items())))
         set_(self, "_by_kind", {kind: frozenset(names) for kind, names in by_kind.items()})
-        try:
-            facility = FacilityLocation(
-                locality=self.locality, num_tiles=self.num_tiles, tile_size=self.tile_size,
-                temperature=self.temperature, mask_selected=self.mask_selected,
-                shared_destinations=self.shared_destinations, unmerge_matrix=self.unmerge_matrix)
-        except ValueError as err:
-            raise ValueError(f"{what}: {err}") from None
-        set_(self, "_facility", facility)
+        set_(self, "_facility", FacilityLocation(  # validates the forwarded options ("facility_location: ...")
+            locality=self.locality, num_tiles=self.num_tiles, tile_size=self.tile_size,
+            temperature=self.temperature, mask_selected=self.mask_selected,
+            shared_destinations=self.shared_destinations, unmerge_matrix=self.unmerge_matrix))
 
     @property
     def facility(self) -> FacilityLocation:

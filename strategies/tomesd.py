@@ -27,7 +27,10 @@ import torch
 from torch import Tensor
 
 from tomerge import MergeContext, MergePlan, MergeStrategy
+from tomerge.options import check_choice, check_int
 from tomerge.plan import unit_rows
+
+RNGS = ("fork_global", "per_step_layer")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -59,10 +62,13 @@ class ToMeSD(MergeStrategy):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.sx < 1 or self.sy < 1 or self.sx * self.sy < 2:
-            raise ValueError(f"sx and sy must be >= 1 with sx * sy >= 2, got sx={self.sx}, sy={self.sy}")
-        if self.rng not in ("fork_global", "per_step_layer"):
-            raise ValueError(f"rng must be 'fork_global' or 'per_step_layer', got {self.rng!r}")
+        what = "tomesd"
+        check_int(self.sx, "sx", what, low=1)
+        check_int(self.sy, "sy", what, low=1)
+        if self.sx * self.sy < 2:
+            raise ValueError(f"{what}: sx and sy must be >= 1 with sx * sy >= 2 (a cell of one token merges "
+                             f"nothing), got sx={self.sx}, sy={self.sy}")
+        check_choice(self.rng, "rng", what, RNGS)
 
     @property
     def uses_generator(self) -> bool:  # type: ignore[override]

@@ -314,12 +314,10 @@ def test_batch_equals_per_sample() -> None:
 
 
 # ---------------------------------------------------------------------------------------- options
-def test_ratio_zero_is_identity_and_registry() -> None:
-    x = torch.randn(2, 16, 4, generator=_gen(13))
-    plan = FacilityLocation(tile_size=2).plan(x, MergeContext(grid=(4, 4), ratio=0.0))
-    assert plan.is_identity and plan.merge(x) is x
+def test_registry() -> None:
     assert "facility_location" in tomerge.list_strategies()
-    assert isinstance(tomerge.get_strategy("facility_location", num_tiles=16), FacilityLocation)
+    s = tomerge.get_strategy("facility_location", num_tiles=16)
+    assert isinstance(s, FacilityLocation) and s.num_tiles == 16
 
 
 @pytest.mark.parametrize("options,match", [

@@ -326,15 +326,6 @@ def test_unmerge_merge_is_exact_for_identical_groups(options: dict) -> None:
         torch.testing.assert_close(p.unmerge(p.merge(y)), y, rtol=0, atol=1e-5)
 
 
-def test_dense_and_index_backends_agree() -> None:
-    x, ctx = random_case(3, 6, 8, seed=5)
-    plan = IDM().plan(x, ctx)
-    idx, dense = plan.with_backend("index"), plan.with_backend("dense")
-    torch.testing.assert_close(idx.merge(x), dense.merge(x))
-    y = torch.randn(3, plan.num_slots, 5)
-    torch.testing.assert_close(idx.unmerge(y), dense.unmerge(y))
-
-
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_low_precision_and_zero_tokens_are_finite(dtype: torch.dtype) -> None:
     x, _ = random_case(2, 5, 7, seed=6)
@@ -381,11 +372,6 @@ def test_batch_equals_per_sample() -> None:
         assert torch.equal(batch.assign[b], single.assign[0])
         assert torch.equal(batch.dst[b], single.dst[0])
         torch.testing.assert_close(batch.merge(x)[b], single.merge(x[b:b + 1])[0])
-
-
-def test_ratio_zero_is_identity() -> None:
-    x, a = torch.randn(2, 16, 4), torch.rand(2, 16)
-    assert IDM().plan(x, MergeContext(grid=(4, 4), ratio=0.0, received_attention=a)).is_identity
 
 
 # ---------------------------------------------------------------------------------------- options

@@ -177,15 +177,6 @@ def test_unmerge_merge_is_exact_for_identical_groups() -> None:
         assert torch.equal(p.unmerge(p.merge(y)), y)
 
 
-def test_dense_and_index_backends_agree() -> None:
-    x = torch.randn(3, 48, 8, generator=torch.Generator().manual_seed(8))
-    plan = SSM(round_windows=1).plan(x, MergeContext(grid=(6, 8), ratio=0.5))
-    idx, dense = plan.with_backend("index"), plan.with_backend("dense")
-    torch.testing.assert_close(idx.merge(x), dense.merge(x))
-    y = torch.randn(3, plan.num_slots, 5)
-    torch.testing.assert_close(idx.unmerge(y), dense.unmerge(y))
-
-
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_low_precision_and_zero_tokens_are_finite(dtype: torch.dtype) -> None:
     x = torch.randn(2, 35, 8, generator=torch.Generator().manual_seed(9))
