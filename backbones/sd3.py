@@ -25,7 +25,7 @@ and text queries the processor computes anyway, so the attention keeps its fused
 queries' softmax over all keys (image and text, as in the model) is averaged over heads and text
 queries, restricted to the image keys and renormalised to sum to 1 per sample.
 
-Prompt reweighting (``sdtm`` with prompt categories, :mod:`tomerge.prompts`): the text tokens are the last
+Prompt reweighting (``sdtm`` with text labels, :mod:`tomerge.strategies.sdtm_prompts` and :mod:`tomerge.text_bias`): the text tokens are the last
 ``T`` keys of the joint attention ``attn`` (``T`` from its ``encoder_hidden_states``); the image queries
 get the text-key bias inside its SDPA call. The text sequence of ``StableDiffusion3Pipeline`` is 77 CLIP
 tokens then ``max_sequence_length`` T5 tokens: :func:`text_tokens` lists them for a categorizer.
@@ -109,7 +109,7 @@ def text_tokens(pipe: Any, prompt: str, max_sequence_length: int = 256) -> list[
 
     The pipeline concatenates the CLIP tokens (``tokenizer``, padded to its 77) and the T5 tokens
     (``tokenizer_3``, padded to ``max_sequence_length``; without T5 they are zero embeddings, listed
-    as ``"<pad>"``). Feed the result to a :class:`~tomerge.prompts.PromptCategorizer`.
+    as ``"<pad>"``). Feed the result to a :class:`~tomerge.strategies.sdtm_prompts.PromptCategorizer`.
 
     Args:
         pipe: the pipeline (its tokenizers are used; no model runs).

@@ -2,10 +2,10 @@
 
 glibc's ``malloc`` serves blocks above its mmap threshold (at most 32 MiB by default) with a fresh
 ``mmap`` and returns them on ``free``. A ``[2, 4096, 1152]`` fp32 activation is 36 MiB, so on CPU every
-such tensor of a forward is page-faulted in anew: about 9,200 minor faults, ~10-20 ms on this machine,
-often more than the arithmetic of the op that fills it (an add of two such tensors: 24 ms with the
-faults, ~12 ms without). The cost is per full-length tensor, so it is the same for the unmerged and the
-merged model, but it is a larger share of the merged one and hides what merging saves.
+such tensor of a forward is page-faulted in anew: about 9,200 minor faults, often more time than the
+arithmetic of the op that fills it (measured in docs/benchmarks.md). The cost is per full-length tensor, so
+it is the same for the unmerged and the merged model, but it is a larger share of the merged one and hides
+what merging saves.
 
 ``keep_freed_memory()`` raises the mmap and trim thresholds with ``mallopt`` so freed blocks are reused;
 the same effect as starting the process with ``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_``, or

@@ -35,12 +35,13 @@ A :class:`~tomerge.Schedule` combining the two SDTM strategies (strategies.md se
   for no token (``int(N * ratio) == 0``) leaves the counter alone (the authors return before counting).
 * **Decisions.** ``label`` is ``"structure"``, ``"detail"`` or ``"protected"``; plans are computed once
   per block call (no ``cache_key``) and shared by the phase's sublayers.
-* **Prompt reweighting** (strategies.md section 6). ``prompt_reweight=a_p`` (default 2): in the structure
+* **Prompt reweighting** (docs/schedules.md). ``prompt_reweight=a_p`` (default 2): in the structure
   phase the attention of image queries to text tokens labelled ``"structure"`` is multiplied by ``a_p``,
   in the detail phase to ``"detail"`` tokens (an exact ``log(a_p)`` logit bias that keeps the fused SDPA
-  kernel, :mod:`tomerge.prompts`). It needs labels: ``tomerge.apply(..., prompt_categories=rows)`` or
-  ``handle.set_prompt_categories(rows)``; without them nothing is reweighted, and models without text
-  tokens in their attention (UNet, PixArt, DiT) refuse labels. The phase follows ``in_structure_phase``
+  kernel: the core's :mod:`tomerge.text_bias`, fed by :meth:`SDTM.text_key_bias`; the categories and
+  categorizers are in :mod:`tomerge.strategies.sdtm_prompts`). It needs labels:
+  ``tomerge.apply(..., text_labels=rows)`` or ``handle.set_text_labels(rows)``; without them nothing is
+  reweighted, and models without text tokens in their attention (UNet, PixArt, DiT) refuse labels. The phase follows ``in_structure_phase``
   on every step and layer, protected ones included (protection is about merging, not about the prompt).
   ``prompt_reweight=None`` or ``1`` turns it off.
 
@@ -85,11 +86,15 @@ import math
 from collections.abc import Iterable
 from typing import Any, ClassVar
 
+import torch
+from torch import Tensor
+
 from tomerge.options import check_choice, check_int, check_number, check_ratio_option, check_sublayers
 from tomerge.schedule import Decision, Schedule, Where
 from tomerge.strategy import MergeStrategy
 
 from .idm import IDM
+from .sdtm_prompts import PromptCategories
 from .ssm import SSM
 
 CURVES = ("cosine", "linear", "constant")
@@ -284,10 +289,18 @@ class SDTM(Schedule):
             return Decision(self._ssm, ratio, self._structure, label=STRUCTURE, cache_weight=self.cache_weight)
         return Decision(self._idm, ratio, self._detail, label=DETAIL, cache_weight=self.cache_weight)
 
-    @property
-    def reweights_prompts(self) -> bool:
-        """True unless ``prompt_reweight`` is ``None``."""
-        return self.prompt_reweight is not None
+    # ------------------------------------------------------------------ prompt reweighting (the core's text-key bias)
+    def prepare_text_labels(self, labels: Any) -> PromptCategories:
+        """The prompt categories (one label list per prompt, see :class:`~.sdtm_prompts.PromptCategories`).
+
+        Raises:
+            TypeError: ``prompt_reweight`` is ``None`` (reweighting is off).
+            ValueError: invalid labels.
+        """
+        if self.prompt_reweight is None:
+            raise TypeError(f"schedule {self.name!r} with prompt_reweight=None takes no text labels; set "
+                            "prompt_reweight=a_p to reweight prompt tokens")
+        return PromptCategories(labels)
 
     def prompt_reweighting(self, where: Where) -> tuple[str, float] | None:
         """``("structure" | "detail", a_p)`` by the phase of ``where``; ``None`` when off or ``a_p == 1``.
@@ -299,6 +312,14 @@ class SDTM(Schedule):
         if self.prompt_reweight is None or self.prompt_reweight == 1.0:
             return None
         return (STRUCTURE if self.in_structure_phase(where) else DETAIL), float(self.prompt_reweight)
+
+    def text_key_bias(self, where: Where, labels: PromptCategories, batch: int, text_len: int,
+                      device: torch.device) -> Tensor | None:
+        """``log(a_p)`` on the text keys of this phase's category (:meth:`prompt_reweighting`), ``[B, T]``."""
+        reweighting = self.prompt_reweighting(where)
+        if reweighting is None:
+            return None
+        return labels.bias(reweighting[0], reweighting[1], batch, text_len, device)
 
     def strategies(self) -> tuple[MergeStrategy, ...]:
         """``(ssm, idm)``: the adapter records what either needs (IDM: received attention)."""

@@ -17,8 +17,9 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
 import tomerge
-from tomerge.prompts import (JSONLabelsCategorizer, PromptCategories, PromptCategorizer, WordListCategorizer,
-                             bias_text_keys, group_words, key_bias_attention, token_bias)
+from tomerge.strategies.sdtm_prompts import (JSONLabelsCategorizer, PromptCategories, PromptCategorizer,
+                                             WordListCategorizer, group_words, token_bias)
+from tomerge.text_bias import bias_text_keys, key_bias_attention
 
 S, D, N = "structure", "detail", "none"
 
@@ -58,7 +59,7 @@ def test_word_list_categorizer_custom_lists_and_conflicts():
 def test_shipped_word_lists_are_package_data():
     import importlib.resources
 
-    data = json.loads((importlib.resources.files("tomerge") / "data" / "prompt_words.json").read_text())
+    data = json.loads((importlib.resources.files("tomerge.strategies") / "data" / "prompt_words.json").read_text())
     words = [w for c in (S, D) for group in data[c].values() for w in group]
     assert len(words) > 300 and len(set(words)) == len(words)
 
@@ -215,18 +216,18 @@ def test_sd3_reweighting_a_p_one_is_identity_two_changes_remove_restores(sd3):
     before = run(sd3, inputs)
     with tomerge.merging(sd3, "sdtm", ratio=0.5, num_steps=10) as handle:
         merged = run(sd3, inputs)
-    with tomerge.merging(sd3, "sdtm", ratio=0.5, num_steps=10, prompt_reweight=1.0, prompt_categories=[LABELS]):
+    with tomerge.merging(sd3, "sdtm", ratio=0.5, num_steps=10, prompt_reweight=1.0, text_labels=[LABELS]):
         assert torch.equal(run(sd3, inputs), merged)
-    with tomerge.merging(sd3, "sdtm", ratio=0.5, num_steps=10, prompt_categories=[LABELS]) as handle:
-        handle.set_prompt_categories(None)  # off again (its hooks stay, idle): same as never given
+    with tomerge.merging(sd3, "sdtm", ratio=0.5, num_steps=10, text_labels=[LABELS]) as handle:
+        handle.set_text_labels(None)  # off again (its hooks stay, idle): same as never given
         assert torch.equal(run(sd3, inputs), merged)
-    handle = tomerge.apply(sd3, "sdtm", ratio=0.5, num_steps=10, prompt_categories=[LABELS])
+    handle = tomerge.apply(sd3, "sdtm", ratio=0.5, num_steps=10, text_labels=[LABELS])
     reweighted = run(sd3, inputs)
     assert torch.isfinite(reweighted).all() and (reweighted - merged).abs().max() > 1e-4
     handle.remove()
     assert torch.equal(run(sd3, inputs), before) and no_hooks_left(sd3)
     # without merging (ratio 0) the reweighting alone still changes the output
-    with tomerge.merging(sd3, "sdtm", ratio=0.0, num_steps=10, prompt_categories=[LABELS]):
+    with tomerge.merging(sd3, "sdtm", ratio=0.0, num_steps=10, text_labels=[LABELS]):
         assert (run(sd3, inputs) - before).abs().max() > 1e-4
     assert torch.equal(run(sd3, inputs), before)
 
@@ -236,7 +237,7 @@ def test_sd3_phase_picks_the_category(sd3):
     structure_step, detail_step = sd3_inputs(t=900.0), sd3_inputs(t=100.0)
     outs = {}
     for cats in (None, only_detail):
-        with tomerge.merging(sd3, "sdtm", ratio=0.0, prompt_categories=cats and [cats]) as handle:
+        with tomerge.merging(sd3, "sdtm", ratio=0.0, text_labels=cats and [cats]) as handle:
             outs[cats is None, "s"] = run(sd3, structure_step)  # first call: progress 0, structure phase
             outs[cats is None, "d"] = run(sd3, detail_step)  # t decreases, no step count: progress 0.9
             phases = {r.step: r.label for r in handle.state.records}
@@ -326,19 +327,19 @@ def test_sd3_guidance_rows_and_errors(sd3):
     inputs = sd3_inputs()
     with tomerge.merging(sd3, "sdtm", ratio=0.0) as handle:
         plain = run(sd3, inputs)
-        handle.set_prompt_categories([[N] * TEXT, LABELS])  # [negative, prompt]
+        handle.set_text_labels([[N] * TEXT, LABELS])  # [negative, prompt]
         out = run(sd3, inputs)
         torch.testing.assert_close(out[0], plain[0], rtol=0, atol=1e-5)  # unlabelled negative: unchanged
         assert (out[1] - plain[1]).abs().max() > 1e-4
-        handle.set_prompt_categories([LABELS[:5]])
+        handle.set_text_labels([LABELS[:5]])
         with pytest.raises(ValueError, match="model attends to 7"):
             run(sd3, inputs)
         with pytest.raises(ValueError, match="not one of"):
-            handle.set_prompt_categories([["object"] * TEXT])
-    with pytest.raises(TypeError, match="does not reweight prompts"):
-        tomerge.apply(sd3, "tomesd", ratio=0.5, prompt_categories=[LABELS])
-    with pytest.raises(TypeError, match="does not reweight prompts"):
-        tomerge.apply(sd3, "sdtm", ratio=0.5, prompt_reweight=None, prompt_categories=[LABELS])
+            handle.set_text_labels([["object"] * TEXT])
+    with pytest.raises(TypeError, match="takes no text labels"):
+        tomerge.apply(sd3, "tomesd", ratio=0.5, text_labels=[LABELS])
+    with pytest.raises(TypeError, match="takes no text labels"):
+        tomerge.apply(sd3, "sdtm", ratio=0.5, prompt_reweight=None, text_labels=[LABELS])
     assert no_hooks_left(sd3)
 
 
@@ -360,7 +361,7 @@ def test_sd3_processor_without_torch_sdpa_raises(sd3):
 
     attn.set_processor(MathProcessor())
     try:
-        with tomerge.merging(sd3, "sdtm", ratio=0.0, prompt_categories=[LABELS]):
+        with tomerge.merging(sd3, "sdtm", ratio=0.0, text_labels=[LABELS]):
             with pytest.raises(RuntimeError, match="scaled_dot_product_attention"):
                 run(sd3, sd3_inputs())
     finally:
@@ -375,7 +376,7 @@ def test_models_without_text_tokens_refuse_categories():
     dit = DiTTransformer2DModel(num_attention_heads=2, attention_head_dim=8, in_channels=4, num_layers=1,
                                 sample_size=8, patch_size=1, num_embeds_ada_norm=10).eval()
     with pytest.raises(ValueError, match="no text tokens"):
-        tomerge.apply(dit, "sdtm", ratio=0.3, prompt_categories=[[S]])
+        tomerge.apply(dit, "sdtm", ratio=0.3, text_labels=[[S]])
     assert no_hooks_left(dit)
     with tomerge.merging(dit, "sdtm", ratio=0.3):  # no categories: sdtm runs as before
         pass
@@ -420,10 +421,10 @@ def test_flux_reweighting_a_p_one_is_identity_two_changes_remove_restores():
     with tomerge.merging(flux, "sdtm", ratio=0.5, num_steps=10) as handle:
         merged = run(flux, inputs)
         assert {b.kind for b in handle.adapter.blocks()} == {"double", "single"}
-    with tomerge.merging(flux, "sdtm", ratio=0.5, num_steps=10, prompt_reweight=1.0, prompt_categories=[LABELS]):
+    with tomerge.merging(flux, "sdtm", ratio=0.5, num_steps=10, prompt_reweight=1.0, text_labels=[LABELS]):
         assert torch.equal(run(flux, inputs), merged)
     calls = []
-    with tomerge.merging(flux, "sdtm", ratio=0.5, num_steps=10, prompt_categories=[LABELS]):
+    with tomerge.merging(flux, "sdtm", ratio=0.5, num_steps=10, text_labels=[LABELS]):
         hooks = [blk.attn.register_forward_pre_hook(lambda m, a: calls.append(m)) for blk in
                  (flux.transformer_blocks[0], flux.single_transformer_blocks[0])]
         reweighted = run(flux, inputs)

@@ -27,8 +27,8 @@ _EXPORTS = {
     "get_strategy": "registry", "list_strategies": "registry", "register_strategy": "registry",
     "list_backbones": "registry", "register_backbone": "registry",
 }
-_SUBMODULES = ("adapter", "attach", "context", "contract", "plan", "probe", "prompts", "registry", "schedule",
-               "state", "strategy", "strategies", "backbones", "experiments")
+_SUBMODULES = ("adapter", "attach", "context", "contract", "plan", "probe", "registry", "schedule",
+               "state", "strategy", "text_bias", "strategies", "backbones", "experiments")
 
 __all__ = [
     "apply", "remove", "merging", "MergeHandle",

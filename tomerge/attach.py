@@ -17,15 +17,15 @@ from torch import nn
 
 from .adapter import BackboneAdapter, BlockSpec, MergePoint
 from .context import check_ratio
-from .prompts import PromptCategories, bias_text_keys
 from .registry import backbone_class, build, list_backbones, strategy_class
 from .schedule import Constant, Schedule
 from .state import MergeState, TrajectoryClock
 from .strategy import MergeStrategy
+from .text_bias import bias_text_keys
 
 _HANDLE_ATTR = "_tomerge_handle"
 _CONSTANT_OPTIONS = ("merge_attn", "merge_crossattn", "merge_mlp", "merge_from", "merge_until")  # Constant's options
-_STATE_OPTIONS = ("seed", "num_steps", "prompt_categories")
+_STATE_OPTIONS = ("seed", "num_steps", "text_labels")
 
 
 class MergeHandle:
@@ -41,7 +41,7 @@ class MergeHandle:
         self.model, self.adapter, self.schedule, self.state = model, adapter, schedule, state
         self._hooks: list[Any] = []
         self._blocks: list[BlockSpec] = []
-        self._text_hooks = False  # prompt-reweighting hooks installed (on the first set_prompt_categories)
+        self._text_hooks = False  # text-key bias hooks installed (on the first set_text_labels)
         self._blocks_with_grid = 0  # blocks of the current model call the adapter could merge
         self._warned_nothing = False
 
@@ -70,32 +70,27 @@ class MergeHandle:
             if self.model.__dict__.get(_HANDLE_ATTR) is self:
                 del self.model.__dict__[_HANDLE_ATTR]
 
-    def set_prompt_categories(self, categories: Sequence[Sequence[str]] | None) -> None:
-        """Sets the text-token labels of prompt reweighting (strategies.md section 6); ``None`` turns it off.
-
-        Args:
-            categories: one label list per prompt (``"structure"``, ``"detail"``, ``"none"`` for every text
-                token the model attends to, e.g. from a :class:`tomerge.prompts.PromptCategorizer`); rows map
-                onto the batch as :class:`tomerge.prompts.PromptCategories` says (classifier-free guidance:
-                the negative prompts' rows first; one row applies to every sample).
+    def set_text_labels(self, labels: Any) -> None:
+        """Sets the text-token labels the schedule's text-key bias reads (:meth:`Schedule.text_key_bias`);
+        ``None`` turns the bias off. For ``sdtm`` (prompt reweighting): one label list per prompt
+        (``"structure"``, ``"detail"``, ``"none"`` for every text token the model attends to, e.g. from
+        :class:`tomerge.strategies.sdtm_prompts.WordListCategorizer`; classifier-free guidance: the negative
+        prompts' rows first; one row applies to every sample).
 
         Raises:
-            TypeError: the schedule does not reweight prompts (e.g. ``sdtm`` built with ``prompt_reweight=None``).
+            TypeError: the schedule takes no labels (e.g. ``sdtm`` built with ``prompt_reweight=None``).
             ValueError: invalid labels, or a model without text tokens in its attention.
 
         Example:
             >>> handle = tomerge.apply(pipe, "sdtm", ratio=0.3)                    # doctest: +SKIP
-            >>> handle.set_prompt_categories([negative_labels, labels])            # doctest: +SKIP
+            >>> handle.set_text_labels([negative_labels, labels])                  # doctest: +SKIP
         """
-        if categories is None:
-            self.state.prompt_categories = None
+        if labels is None:
+            self.state.text_labels = None
             return
         if not self._hooks:
             raise RuntimeError("this tomerge handle was removed; apply again")
-        if not self.schedule.reweights_prompts:
-            raise TypeError(f"schedule {self.schedule.name!r} does not reweight prompts; prompt categories need "
-                            "e.g. sdtm with prompt_reweight=a_p")
-        rows = PromptCategories(categories)
+        prepared = self.schedule.prepare_text_labels(labels)
         if not self._text_hooks:
             hooks: list[Any] = []
             for block in self._blocks:
@@ -104,21 +99,18 @@ class MergeHandle:
                     if keys is not None:
                         hooks += bias_text_keys(keys, self._text_bias)
             if not hooks:
-                raise ValueError(f"the {self.adapter.name!r} backbone has no text tokens in its attention: prompt "
-                                 "reweighting needs a joint text-image attention (sd3, flux)")
+                raise ValueError(f"the {self.adapter.name!r} backbone has no text tokens in its attention: a text-key "
+                                 "bias (e.g. SDTM's prompt reweighting) needs a joint text-image attention (sd3, flux)")
             self._hooks.extend(hooks)
             self._text_hooks = True
-        self.state.prompt_categories = rows
+        self.state.text_labels = prepared
 
     def _text_bias(self, batch: int, text_len: int, device: Any) -> Any:
         """The ``[B, T]`` text-key bias of the block call in progress, or ``None``."""
-        categories, call = self.state.prompt_categories, self.state.call
-        if categories is None or call is None:
+        labels, call = self.state.text_labels, self.state.call
+        if labels is None or call is None:
             return None
-        reweighting = self.schedule.prompt_reweighting(call.where)
-        if reweighting is None:
-            return None
-        return categories.bias(reweighting[0], reweighting[1], batch, text_len, device)
+        return self.schedule.text_key_bias(call.where, labels, batch, text_len, device)
 
     # ------------------------------------------------------------------ hooks
     def _attach(self, blocks: list[BlockSpec]) -> None:
@@ -209,8 +201,9 @@ def apply(target: Any, strategy: str | MergeStrategy | Schedule = "tomesd", *, r
         ratio: fraction of tokens removed (for a strategy: required unless the instance has one).
         backbone: adapter name; found from the model's classes when ``None``.
         **options: strategy options, the adapter's options, ``merge_attn`` / ``merge_crossattn`` /
-            ``merge_mlp`` and ``merge_from`` / ``merge_until`` (see :class:`~tomerge.schedule.Constant`), ``seed`` (per-(step, layer) generators), ``num_steps`` and ``prompt_categories``
-            (see :meth:`MergeHandle.set_prompt_categories`). Unknown names raise.
+            ``merge_mlp`` and ``merge_from`` / ``merge_until`` (see :class:`~tomerge.schedule.Constant`),
+            ``seed`` (per-(step, layer) generators), ``num_steps`` and ``text_labels`` (see
+            :meth:`MergeHandle.set_text_labels`). Unknown names raise.
 
     Returns:
         A :class:`MergeHandle`; ``handle.remove()`` or :func:`remove` undoes everything.
@@ -249,8 +242,8 @@ def apply(target: Any, strategy: str | MergeStrategy | Schedule = "tomesd", *, r
     handle = MergeHandle(model, adapter, schedule, state)
     try:
         handle._attach(blocks)
-        if state_opts.get("prompt_categories") is not None:
-            handle.set_prompt_categories(state_opts["prompt_categories"])
+        if state_opts.get("text_labels") is not None:
+            handle.set_text_labels(state_opts["text_labels"])
     except BaseException:
         handle.remove()
         raise

@@ -1,4 +1,5 @@
-"""The invariants every strategy must pass (strategies.md section 7), as reusable checks.
+"""The invariants every strategy must pass, as reusable checks (docs/writing-a-strategy.md, "Rules the contract
+enforces").
 
 The project's contract test runs :func:`check_strategy` over every registered strategy, so a newly
 registered one is tested automatically; a researcher can call it in their own tests too:

@@ -12,6 +12,9 @@ import dataclasses
 from collections.abc import Hashable
 from typing import Any, ClassVar
 
+import torch
+from torch import Tensor
+
 from .context import check_ratio
 from .strategy import SUBLAYERS, MergeStrategy
 
@@ -92,14 +95,23 @@ class Schedule(abc.ABC):
     def strategies(self) -> tuple[MergeStrategy, ...]:
         """Every strategy the schedule may pick (adapters record what they need)."""
 
-    @property
-    def reweights_prompts(self) -> bool:
-        """Whether :meth:`prompt_reweighting` may return a reweighting (prompt categories are accepted)."""
-        return False
+    # ------------------------------------------------------------------ extension: a text-key bias
+    def prepare_text_labels(self, labels: Any) -> Any:
+        """Validates the text-token labels a user gives (``tomerge.apply(..., text_labels=...)`` or
+        ``handle.set_text_labels``) and returns what :meth:`text_key_bias` receives. Schedules that bias no text
+        keys (the default) refuse labels.
 
-    def prompt_reweighting(self, where: Where) -> tuple[str, float] | None:
-        """``(category, a_p)``: multiply the attention of image queries to text tokens of ``category`` by
-        ``a_p`` in this block call; ``None``: no prompt reweighting (the default)."""
+        Raises:
+            TypeError: this schedule takes no text labels.
+        """
+        raise TypeError(f"schedule {self.name!r} takes no text labels (it biases no text keys); "
+                        "text labels are for e.g. sdtm with prompt_reweight=a_p")
+
+    def text_key_bias(self, where: Where, labels: Any, batch: int, text_len: int,
+                      device: torch.device) -> Tensor | None:
+        """``[B, T]`` additive logit bias on the text keys of image queries in the joint attention of this block
+        call (``labels``: what :meth:`prepare_text_labels` returned); ``None``: no bias (the default). The core
+        applies it exactly and keeps the fused attention kernel (:mod:`tomerge.text_bias`)."""
         return None
 
     def to_dict(self) -> dict[str, Any]:

@@ -130,7 +130,7 @@ class MergeState:
         self.streaks: dict[tuple[int, int], Tensor] = {}  # (slot, N) -> [B, N] consecutive merges of each token
         self.outputs: dict[tuple[int, Hashable], Tensor] = {}  # (slot, merge point) -> [B, N, C'] feature cache
         self.attention: dict[int, Tensor] = {}  # layer -> [B, N] received attention, latest full-length call
-        self.prompt_categories: Any = None  # tomerge.prompts.PromptCategories: text-token labels, or None
+        self.text_labels: Any = None  # what schedule.prepare_text_labels returned (e.g. SDTM's prompt categories)
         self._forked: dict[torch.device, torch.Generator] = {}
         # Called with (block call, new plan) whenever a plan is computed: merge maps, probes, logging.
         self.observers: list[Callable[[BlockCall, MergePlan], None]] = []
