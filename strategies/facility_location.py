@@ -82,7 +82,6 @@ class FacilityLocation(MergeStrategy):
     """
 
     name: ClassVar[str] = "facility_location"
-    default_sublayers: ClassVar[frozenset[str]] = frozenset({"attn", "mlp"})
 
     locality: str = "tiles"
     num_tiles: int = 64

@@ -109,8 +109,6 @@ class IDM(MergeStrategy):
     """
 
     name: ClassVar[str] = "idm"
-    default_sublayers: ClassVar[frozenset[str]] = frozenset({"mlp"})
-    uses_streak: ClassVar[bool] = True
 
     window: int = 2
     alpha_d: float = 0.05
@@ -133,12 +131,20 @@ class IDM(MergeStrategy):
         check_choice(self.plan_from, "plan_from", what, PLAN_FROM)
 
     @property
-    def needs(self) -> frozenset[str]:  # type: ignore[override]
+    def default_sublayers(self) -> frozenset[str]:
+        return frozenset({"mlp"})
+
+    @property
+    def uses_streak(self) -> bool:
+        return True
+
+    @property
+    def needs(self) -> frozenset[str]:
         """``{"received_attention"}`` for the attention variant, nothing for the streak variant."""
         return frozenset({"received_attention"}) if self.variant == "attention" else frozenset()
 
     @property
-    def metric(self) -> str:  # type: ignore[override]
+    def metric(self) -> str:
         """The tensor attached hooks plan from (:attr:`MergeStrategy.metric`): ``plan_from``."""
         return self.plan_from
 

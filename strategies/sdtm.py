@@ -4,7 +4,7 @@ Reference: H. Fang, S. Tang, J. Cao, E. Zhang, F. Tang, T.-Y. Lee, "Attend to No
 Structure-then-Detail Token Merging for Post-training DiT Acceleration", CVPR 2025
 (arXiv:2505.11707, code: https://github.com/ICTMCG/SDTM).
 
-A :class:`~tomerge.Schedule` combining the two SDTM strategies (strategies.md section 5):
+A :class:`~tomerge.Schedule` combining the two SDTM strategies (docs/schedules.md):
 
 * **Phases.** The structure phase runs :class:`~tomerge.strategies.ssm.SSM` on the attention and
   MLP inputs while ``p <= switch`` (``p = step / (num_steps - 1)``); the detail phase runs
@@ -357,7 +357,8 @@ class SDTMRelease(SDTM):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SDTMPaper(SDTM):
-    """``sdtm_paper``: SDTM* as the paper describes the method (Fang et al., CVPR 2025, section 3): ``ratio=0.3,
+    """``sdtm_paper``: SDTM* as the paper describes the method (Fang et al., CVPR 2025; the method as the
+    project's spec summarises it, the paper's body was not readable here): ``ratio=0.3,
     deviation=0.2`` on the cosine curve, the structure phase up to 40% of the steps (step 20 of 50), detail
     merging by received attention (``idm_variant="attention"``, weight ``a_d = 0.05``), no rounding of the
     window or token counts (the release's multiples of 16 are an implementation detail),

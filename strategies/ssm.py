@@ -117,12 +117,14 @@ class SSM(MergeStrategy):
     """
 
     name: ClassVar[str] = "ssm"
-    default_sublayers: ClassVar[frozenset[str]] = frozenset({"attn", "mlp"})
-    uses_streak: ClassVar[bool] = True
 
     window: int = 2
     alpha_s: float = 0.05
     round_windows: int = 16
+
+    @property
+    def uses_streak(self) -> bool:
+        return True
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -3,7 +3,7 @@
 Reference: W. Lu et al., "ToMA: Token Merge with Attention for Diffusion Models", ICML 2025.
 
 A :class:`~tomerge.Schedule` around :class:`~tomerge.strategies.facility_location.FacilityLocation`
-(strategies.md sections 4 and 5). For a block call at step ``s`` whose block is the ``i``-th block of
+(docs/strategies.md, docs/schedules.md). For a block call at step ``s`` whose block is the ``i``-th block of
 its kind (see *Block position* below):
 
 * **Skipped blocks.** ``i < skip_first``: the block runs unmerged (label ``"skip_block"``). The count

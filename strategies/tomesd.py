@@ -52,8 +52,6 @@ class ToMeSD(MergeStrategy):
     """
 
     name: ClassVar[str] = "tomesd"
-    default_sublayers: ClassVar[frozenset[str]] = frozenset({"attn"})
-    metric: ClassVar[str] = "block_input"
 
     sx: int = 2
     sy: int = 2
@@ -71,11 +69,23 @@ class ToMeSD(MergeStrategy):
         check_choice(self.rng, "rng", what, RNGS)
 
     @property
-    def uses_generator(self) -> bool:  # type: ignore[override]
+    def default_sublayers(self) -> frozenset[str]:
+        return frozenset({"attn"})
+
+    @property
+    def metric(self) -> str:
+        return "block_input"
+
+    @property
+    def uses_generator(self) -> bool:
         return self.use_rand
 
     @property
-    def batch_independent(self) -> bool:  # type: ignore[override]
+    def generator_policy(self) -> str:
+        return self.rng
+
+    @property
+    def batch_independent(self) -> bool:
         return not self.use_rand  # one random layout is drawn for the whole batch
 
     def select_destinations(self, x: Tensor, ctx: MergeContext) -> Tensor:

@@ -228,3 +228,23 @@ def test_an_option_may_not_hide_a_method_the_core_calls():
         @dataclasses.dataclass(frozen=True, kw_only=True)
         class Hiding(SSM):
             unmerge: str = "pinv"
+
+
+def test_capabilities_are_properties_an_option_may_not_hide_but_a_constant_may_set():
+    from typing import ClassVar
+
+    from tomerge.strategies.ssm import SSM
+    from tomerge.strategies.tomesd import ToMeSD
+
+    with pytest.raises(TypeError, match="needs"):
+        @dataclasses.dataclass(frozen=True, kw_only=True)
+        class Hiding(SSM):
+            needs: frozenset = frozenset()
+
+    @dataclasses.dataclass(frozen=True, kw_only=True)
+    class Constant(SSM):
+        batch_independent: ClassVar[bool] = False
+
+    assert Constant().batch_independent is False and SSM().batch_independent is True
+    assert ToMeSD().generator_policy == "fork_global" and ToMeSD(rng="per_step_layer").generator_policy == "per_step_layer"
+    assert SSM().generator_policy == "per_step_layer"

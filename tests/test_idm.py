@@ -388,4 +388,4 @@ def test_invalid_options_raise(options: dict) -> None:
 def test_registry_and_class_attributes() -> None:
     s = tomerge.get_strategy("idm", variant="streak", local=True, alpha_d=0.1, window=3)
     assert isinstance(s, IDM) and (s.variant, s.local, s.alpha_d, s.window) == ("streak", True, 0.1, 3)
-    assert IDM.name == "idm" and IDM.uses_streak and IDM.default_sublayers == {"mlp"}
+    assert IDM.name == "idm" and IDM().uses_streak and IDM().default_sublayers == {"mlp"}

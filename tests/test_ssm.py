@@ -224,5 +224,5 @@ def test_invalid_options_raise(options: dict) -> None:
 def test_registry_and_class_attributes() -> None:
     s = tomerge.get_strategy("ssm", window=3, alpha_s=0.1, round_windows=4)
     assert isinstance(s, SSM) and (s.window, s.alpha_s, s.round_windows) == (3, 0.1, 4)
-    assert SSM.name == "ssm" and SSM.uses_streak and SSM.default_sublayers == {"attn", "mlp"}
+    assert SSM.name == "ssm" and SSM().uses_streak and SSM().default_sublayers == {"attn", "mlp"}
     assert s.needs == frozenset()

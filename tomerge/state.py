@@ -261,10 +261,10 @@ class MergeState:
 
     # ------------------------------------------------------------------ randomness
     def _generator(self, strategy: Any, where: Where, device: torch.device) -> torch.Generator:
-        """``rng="fork_global"`` (ToMeSD's): one generator forked from the global RNG at first use,
-        advanced by each draw. Otherwise one generator per (step, layer), so split and batched
-        guidance see the same layout."""
-        if getattr(strategy, "rng", "per_step_layer") == "fork_global":
+        """The strategy's :attr:`~tomerge.MergeStrategy.generator_policy`: ``"fork_global"`` (ToMeSD's): one
+        generator forked from the global RNG at first use, advanced by each draw; ``"per_step_layer"``: one
+        generator per (step, layer), so split and batched guidance see the same layout."""
+        if strategy.generator_policy == "fork_global":
             gen = self._forked.get(device)
             if gen is None:
                 gen = torch.Generator(device=device)

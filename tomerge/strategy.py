@@ -38,22 +38,19 @@ from .plan import MergePlan
 
 SUBLAYERS = ("attn", "crossattn", "mlp")
 INTERFACE = ("select_destinations", "merge_matrix", "unmerge", "merged_tokens", "plan")  # what the core calls
+CAPABILITIES = ("default_sublayers", "metric", "needs", "uses_generator", "generator_policy", "uses_streak",
+                "batch_independent")  # what the core reads (properties)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MergeStrategy(abc.ABC):
     """Base class of every merging strategy (see the module docstring for a complete example).
 
-    Class attributes a strategy may override:
-        name: registry name (set by :func:`tomerge.register_strategy` if missing).
-        default_sublayers: where it merges when applied alone: a subset of ``{"attn", "crossattn", "mlp"}``.
-        metric: ``"sublayer"`` (plan from the normalised tokens entering the first merged sublayer)
-            or ``"block_input"`` (plan from the block's input hidden states, as ToMeSD does).
-        needs: per-token statistics the adapter must record: ``{"received_attention"}``.
-        uses_generator: whether :attr:`MergeContext.generator` must be provided.
-        uses_streak: whether the adapter should keep merge streaks (``ctx.streak``) for it.
-        batch_independent: whether each sample's plan depends on that sample alone (the contract
-            test then checks that a batch plans like its samples one by one).
+    Class attribute: ``name``, the registry name (set by :func:`tomerge.register_strategy` if missing).
+
+    Capabilities the core reads are read-only properties (override them; they may depend on the options):
+    :attr:`default_sublayers`, :attr:`metric`, :attr:`needs`, :attr:`uses_generator`,
+    :attr:`generator_policy`, :attr:`uses_streak`, :attr:`batch_independent`.
 
     Field:
         ratio: the default ratio when the strategy is applied without one; planning always uses
@@ -61,25 +58,61 @@ class MergeStrategy(abc.ABC):
     """
 
     name: ClassVar[str] = ""
-    default_sublayers: ClassVar[frozenset[str]] = frozenset({"attn", "mlp"})
-    metric: ClassVar[str] = "sublayer"
-    needs: ClassVar[frozenset[str]] = frozenset()
-    uses_generator: ClassVar[bool] = False
-    uses_streak: ClassVar[bool] = False
-    batch_independent: ClassVar[bool] = True
 
     ratio: float | None = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        hidden = sorted(set(cls.__dict__.get("__annotations__", {})) & set(INTERFACE))
-        if hidden:  # a dataclass field of that name would replace the method the hooks call
-            raise TypeError(f"{cls.__qualname__}: option(s) {hidden} would hide the MergeStrategy method(s) of "
-                            "the same name; rename the option")
+        fields = {name for name, kind in cls.__dict__.get("__annotations__", {}).items()
+                  if "ClassVar" not in str(kind)}  # ClassVar annotations are constants, not options
+        hidden = sorted(fields & set(INTERFACE + CAPABILITIES))
+        if hidden:  # a dataclass field of that name would replace what the core calls or reads
+            raise TypeError(f"{cls.__qualname__}: option(s) {hidden} would hide the MergeStrategy method(s) or "
+                            "capabilities of the same name; rename the option")
 
     def __post_init__(self) -> None:
         if self.ratio is not None:
             check_ratio(self.ratio)
+
+    # ------------------------------------------------------------------ capabilities
+    @property
+    def default_sublayers(self) -> frozenset[str]:
+        """Where it merges when applied alone: a subset of ``{"attn", "crossattn", "mlp"}``."""
+        return frozenset({"attn", "mlp"})
+
+    @property
+    def metric(self) -> str:
+        """What the plan is computed from: ``"sublayer"`` (the normalised tokens entering the first merged
+        sublayer) or ``"block_input"`` (the block's input hidden states, as ToMeSD does)."""
+        return "sublayer"
+
+    @property
+    def needs(self) -> frozenset[str]:
+        """Per-token statistics the adapter must record: a subset of ``{"received_attention"}``."""
+        return frozenset()
+
+    @property
+    def uses_generator(self) -> bool:
+        """Whether :attr:`MergeContext.generator` must be provided."""
+        return False
+
+    @property
+    def generator_policy(self) -> str:
+        """Which generator the state provides: ``"per_step_layer"`` (one per (step, layer), from the apply's
+        ``seed``: split and batched guidance see the same draws) or ``"fork_global"`` (one generator forked
+        from the global RNG at first use and advanced by each draw, as the ``tomesd`` package)."""
+        return "per_step_layer"
+
+    @property
+    def uses_streak(self) -> bool:
+        """Whether the state keeps merge streaks (``ctx.streak``) for it."""
+        return False
+
+    @property
+    def batch_independent(self) -> bool:
+        """Whether each sample's plan depends on that sample alone (the contract test then checks that a batch
+        plans like its samples one by one)."""
+        return True
 
     # ------------------------------------------------------------------ the algorithm
     @abc.abstractmethod
