@@ -322,7 +322,8 @@ def _make_schedule(strategy: str | MergeStrategy | Schedule, ratio: float | None
                 options["ratio"] = ratio
             return build(cls, options, what=f"schedule {strategy!r}")
         flags = {k: options.pop(k) for k in _CONSTANT_OPTIONS if k in options}
-        instance = _build_strategy(cls, options, adapter_fields, strategy)
+        instance = build(cls, options, what=f"strategy {strategy!r}",
+                         also_valid={*_CONSTANT_OPTIONS, *_STATE_OPTIONS, *adapter_fields})
         return _constant(instance, ratio, flags)
     if isinstance(strategy, Schedule):
         if options or ratio is not None:
@@ -336,14 +337,6 @@ def _make_schedule(strategy: str | MergeStrategy | Schedule, ratio: float | None
                             f"apply() takes ratio, {', '.join(_CONSTANT_OPTIONS + _STATE_OPTIONS)} and adapter options")
         return _constant(strategy, ratio, flags)
     raise TypeError(f"strategy must be a name, a MergeStrategy or a Schedule, got {type(strategy).__name__}")
-
-
-def _build_strategy(cls: type, options: dict[str, Any], adapter_fields: set[str], name: str) -> MergeStrategy:
-    valid = {f.name for f in dataclasses.fields(cls)} | set(_CONSTANT_OPTIONS) | set(_STATE_OPTIONS) | adapter_fields
-    unknown = sorted(set(options) - {f.name for f in dataclasses.fields(cls)})
-    if unknown:
-        raise TypeError(f"unknown option(s) {unknown} for strategy {name!r}; valid options: {sorted(valid)}")
-    return cls(**options)
 
 
 def _constant(strategy: MergeStrategy, ratio: float | None, flags: dict[str, bool]) -> Constant:

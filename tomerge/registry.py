@@ -25,6 +25,7 @@ import dataclasses
 import sys
 from importlib.metadata import EntryPoint, entry_points
 from pathlib import Path
+from collections.abc import Iterable
 from typing import Any, Callable, TypeVar
 
 T = TypeVar("T", bound=type)
@@ -205,10 +206,11 @@ def get_strategy(name: str, **options: Any) -> Any:
     return build(cls, options, what=f"strategy {name!r}")
 
 
-def build(cls: type, options: dict[str, Any], what: str) -> Any:
-    """``cls(**options)`` for a dataclass, with an error naming unknown options and the valid ones."""
-    valid = {f.name for f in dataclasses.fields(cls) if f.init}
-    unknown = sorted(set(options) - valid)
+def build(cls: type, options: dict[str, Any], what: str, also_valid: Iterable[str] = ()) -> Any:
+    """``cls(**options)`` for a dataclass, with an error naming unknown options and the valid ones (``also_valid``:
+    names the caller takes itself, listed with them, e.g. ``apply()``'s own options)."""
+    fields = {f.name for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(options) - fields)
     if unknown:
-        raise TypeError(f"unknown option(s) {unknown} for {what}; valid options: {sorted(valid)}")
+        raise TypeError(f"unknown option(s) {unknown} for {what}; valid options: {sorted(fields | set(also_valid))}")
     return cls(**options)
