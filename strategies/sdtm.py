@@ -57,7 +57,7 @@ validates their options (errors start with ``ssm:`` / ``idm:``).
 
 * **Feature cache** (``cache_weight=w``, the authors' ``mcw``; off by default). It is a feature cache, not
   merging: every protected step stores the full-length output of each merge point of the phases'
-  sublayers (per layer, sublayer and call slot); where a later merged call unmerges a sublayer's output,
+  sublayers (per layer, sublayer and call index); where a later merged call unmerges a sublayer's output,
   the tokens the phase's strategy counts as merged (SSM: every token of a merged window; IDM: every
   window destination and every merged source) get ``w * output + (1 - w) * cached``; the other tokens keep
   their output. It needs ``protect_every`` (the cache is filled on protected steps). Deviation: the hooks

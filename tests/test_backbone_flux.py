@@ -108,7 +108,7 @@ def test_finds_the_transformer_of_a_pipeline_and_lists_double_then_single_blocks
         assert [s.kind for s in specs] == ["double", "double", "single", "single"]
         assert [s.module for s in specs] == [*flux.transformer_blocks, *flux.single_transformer_blocks]
         single = specs[2]
-        assert [(p.kind, p.module) for p in single.points] == [
+        assert [(p.sublayer, p.module) for p in single.points] == [
             ("attn", single.module.proj_mlp), ("attn", single.module.attn), ("mlp", single.module.proj_out)]
     assert no_hooks_left(flux)
 

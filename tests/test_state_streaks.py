@@ -56,7 +56,7 @@ def block_call(state: MergeState, layer: int, x: torch.Tensor) -> None:
 
 def streak(state: MergeState) -> list[int]:
     """The counter of sample 0 (an absent counter is all zeros: the next call starts from 0)."""
-    s = state.streaks.get((state.slot, N))
+    s = state.streaks.get((state.call_index, N))
     return [0] * N if s is None else [int(v) for v in s[0].tolist()]
 
 

@@ -29,13 +29,13 @@ class MergePoint:
     """A submodule whose image-token input is merged and whose output is unmerged.
 
     Args:
-        kind: ``"attn"``, ``"crossattn"`` or ``"mlp"`` (the sublayer a :class:`Decision` names).
+        sublayer: ``"attn"``, ``"crossattn"`` or ``"mlp"`` (the sublayer a :class:`Decision` names).
         module: the submodule.
         arg: keyword of the image tokens in the submodule's call (also found as first positional).
         output: index of the image tokens in a tuple output, or ``None`` for a tensor output.
     """
 
-    kind: str
+    sublayer: str
     module: nn.Module
     arg: str = "hidden_states"
     output: int | None = None
@@ -73,7 +73,7 @@ class MergePoint:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class BlockSpec:
-    """One block: its module, position, kind and merge points."""
+    """One block: its module, position, block kind (the adapter's name for its type) and merge points."""
 
     module: nn.Module
     layer: int

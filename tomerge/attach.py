@@ -129,7 +129,7 @@ class MergeHandle:
                 add(point.module.register_forward_hook(self._point_post(point)))
             if "received_attention" in self.state.needs:
                 for point in block.points:
-                    if point.kind == "attn":
+                    if point.sublayer == "attn":
                         self._hooks.extend(self.adapter.probe(block, point, self.state))
 
     def _model_pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -158,7 +158,7 @@ class MergeHandle:
     def _point_pre(self, point: MergePoint):
         def hook(module: nn.Module, args: tuple, kwargs: dict):
             call = self.state.call
-            if call is None or point.kind not in call.decision.sublayers or call.decision.strategy is None:
+            if call is None or point.sublayer not in call.decision.sublayers or call.decision.strategy is None:
                 return None
             x = point.get_input(args, kwargs)
             metric = call.block_input if call.decision.strategy.metric == "block_input" else x
@@ -177,14 +177,14 @@ class MergeHandle:
             decision = call.decision
             plan = call.active.pop(id(point), None)
             if plan is None:  # ran at full length
-                if point.kind in decision.cache_outputs:
+                if point.sublayer in decision.cache_outputs:
                     self.state.store_output(point, point.get_output(output))
                 return None
             if point.keeps_merged(decision.sublayers):
                 return None  # a later point of the block consumes the merged output and unmerges
             y = decision.strategy.unmerge(point.get_output(output), plan)  # [B, M, C'] -> [B, N, C']
             y = self.state.blend_cached(call, point, y)
-            if point.kind in decision.cache_outputs:
+            if point.sublayer in decision.cache_outputs:
                 self.state.store_output(point, y)
             return point.set_output(output, y)
         return hook

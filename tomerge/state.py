@@ -121,14 +121,14 @@ class MergeState:
         self.max_records = max_records
         self.records: list[Record] = []
         self.call: BlockCall | None = None
-        # Plans, destinations, streaks and cached outputs are kept per call slot: the index of the model call
+        # Plans, destinations, streaks and cached outputs are kept per call index: the index of the model call
         # among the calls of the current step (split guidance: 0 = first branch, 1 = second; batched guidance:
         # always 0), so split guidance reuses and counts exactly as the batched call does for each sample.
-        self.slot = 0
-        self.plans: dict[Hashable, tuple[MergePlan, Tensor | None]] = {}  # (slot, cache_key) -> (plan, merged)
-        self.destinations: dict[Hashable, tuple[int, Tensor]] = {}  # (slot, destinations_key) -> (N, [B, M] dst)
-        self.streaks: dict[tuple[int, int], Tensor] = {}  # (slot, N) -> [B, N] consecutive merges of each token
-        self.outputs: dict[tuple[int, Hashable], Tensor] = {}  # (slot, merge point) -> [B, N, C'] feature cache
+        self.call_index = 0
+        self.plans: dict[Hashable, tuple[MergePlan, Tensor | None]] = {}  # (call index, cache_key) -> (plan, merged)
+        self.destinations: dict[Hashable, tuple[int, Tensor]] = {}  # (call index, destinations_key) -> (N, [B, M] dst)
+        self.streaks: dict[tuple[int, int], Tensor] = {}  # (call index, N) -> [B, N] consecutive merges of each token
+        self.outputs: dict[tuple[int, Hashable], Tensor] = {}  # (call index, merge point) -> [B, N, C'] feature cache
         self.attention: dict[int, Tensor] = {}  # layer -> [B, N] received attention, latest full-length call
         self.text_labels: Any = None  # what schedule.prepare_text_labels returned (e.g. SDTM's prompt categories)
         self._forked: dict[torch.device, torch.Generator] = {}
@@ -146,7 +146,7 @@ class MergeState:
                 per_trajectory.clear()
         same_step = timestep is not None and previous[1] is not None \
             and (self.clock.trajectory, self.clock.current) == previous
-        self.slot = self.slot + 1 if same_step else 0
+        self.call_index = self.call_index + 1 if same_step else 0
 
     # ------------------------------------------------------------------ block calls
     def begin_block(self, layer: int, block_kind: str, grid: tuple[int, int] | None,
@@ -155,7 +155,7 @@ class MergeState:
                       layer=layer, num_layers=self.num_layers, block_kind=block_kind, kind_index=kind_index)
         decision = self.schedule.decide(where) if grid is not None else SKIP
         if decision.reset_streaks:
-            for key in [k for k in self.streaks if k[0] == self.slot]:
+            for key in [k for k in self.streaks if k[0] == self.call_index]:
                 del self.streaks[key]
         self.call = BlockCall(where, decision, grid, block_input)
         return self.call
@@ -178,11 +178,11 @@ class MergeState:
         if call.plan is not None:
             return call.plan
         key = call.decision.cache_key
-        cached = self.plans.get((self.slot, key)) if key is not None else None
+        cached = self.plans.get((self.call_index, key)) if key is not None else None
         if cached is None or not _fits(cached[0].num_tokens, cached[0].dst, metric):
             cached = self._compute(call, metric)
             if key is not None:
-                self.plans[(self.slot, key)] = cached
+                self.plans[(self.call_index, key)] = cached
         call.plan, call.merged = cached
         return call.plan
 
@@ -191,7 +191,7 @@ class MergeState:
         assert strategy is not None and call.grid is not None  # guaranteed by begin_block/decide
         B, N = metric.shape[:2]
         dst_key = call.decision.destinations_key
-        kept = self.destinations.get((self.slot, dst_key)) if dst_key is not None else None
+        kept = self.destinations.get((self.call_index, dst_key)) if dst_key is not None else None
         kept = kept[1] if kept is not None and _fits(*kept, metric) else None
         ctx = MergeContext(
             grid=call.grid, ratio=call.decision.ratio, progress=call.where.progress, step=call.where.step,
@@ -203,7 +203,7 @@ class MergeState:
         )
         plan = strategy.plan(metric, ctx) if kept is None else strategy.plan(metric, ctx, destinations=kept)
         if dst_key is not None and kept is None and not plan.is_identity:
-            self.destinations[(self.slot, dst_key)] = (N, plan.dst)
+            self.destinations[(self.call_index, dst_key)] = (N, plan.dst)
         merged = None
         if self.keep_streaks or call.decision.cache_weight is not None:
             merged = strategy.merged_tokens(plan, ctx)  # [B or 1, N] bool
@@ -215,8 +215,8 @@ class MergeState:
 
     # ------------------------------------------------------------------ the feature cache
     def store_output(self, point: Hashable, output: Tensor) -> None:
-        """Keeps ``output [B, N, C']`` as the cached output of merge ``point`` in this call slot."""
-        self.outputs[(self.slot, point)] = output.detach()
+        """Keeps ``output [B, N, C']`` as the cached output of merge ``point`` for this call index."""
+        self.outputs[(self.call_index, point)] = output.detach()
 
     def blend_cached(self, call: BlockCall, point: Hashable, output: Tensor) -> Tensor:
         """``output [B, N, C']`` (a merge point's unmerged output) with the tokens ``call``'s plan counts as
@@ -226,11 +226,11 @@ class MergeState:
         w = call.decision.cache_weight
         if w is None or call.merged is None:
             return output
-        cached = self.outputs.get((self.slot, point))
+        cached = self.outputs.get((self.call_index, point))
         if cached is None:
             return output
         if cached.shape != output.shape:
-            del self.outputs[(self.slot, point)]
+            del self.outputs[(self.call_index, point)]
             return output
         blended = torch.lerp(cached.to(output.dtype), output, w)  # [B, N, C'] = w * output + (1 - w) * cached
         return torch.where(call.merged.unsqueeze(-1), blended, output)  # [B, N, C']
@@ -246,10 +246,10 @@ class MergeState:
         return a
 
     def _streak(self, batch: int, num_tokens: int, device: torch.device) -> Tensor:
-        s = self.streaks.get((self.slot, num_tokens))
+        s = self.streaks.get((self.call_index, num_tokens))
         if s is None or s.shape[0] != batch:
             s = torch.zeros(batch, num_tokens, device=device)
-            self.streaks[(self.slot, num_tokens)] = s
+            self.streaks[(self.call_index, num_tokens)] = s
         return s
 
     def _update_streaks(self, merged: Tensor, batch: int, num_tokens: int, device: torch.device) -> None:
@@ -257,7 +257,7 @@ class MergeState:
         ``strategy.merged_tokens``) extends its streak by 1, every other token's streak drops to 0 (the
         authors' ``last_independent``: add 1 to all, zero the independent ones)."""
         s = self._streak(batch, num_tokens, device)
-        self.streaks[(self.slot, num_tokens)] = (s + 1) * merged.expand(batch, num_tokens)
+        self.streaks[(self.call_index, num_tokens)] = (s + 1) * merged.expand(batch, num_tokens)
 
     # ------------------------------------------------------------------ randomness
     def _generator(self, strategy: Any, where: Where, device: torch.device) -> torch.Generator:
