@@ -34,8 +34,9 @@ computes (hooks on ``norm_q``/``norm_k``/``norm_added_q``/``norm_added_k``, RoPE
 does), all text queries against all keys, restricted to the image keys and renormalised per sample.
 
 Prompt reweighting (``sdtm`` with text labels, :mod:`tomerge.strategies.sdtm_prompts` and
-:mod:`tomerge.text_bias`): the text tokens are the first ``T`` keys of every joint attention (double: ``T`` from the attention's ``encoder_hidden_states``; single:
-the block call's text length); the image queries get the text-key bias inside its SDPA call, which
+:mod:`tomerge.text_bias`): the text tokens are the first ``T`` keys of every joint attention (double: ``T``
+from the attention's ``encoder_hidden_states``; single: the block call's text length); the image queries get
+the text-key bias inside its SDPA call, which
 needs diffusers' native attention backend. ``FluxPipeline``'s text sequence is its T5 tokens, padded to
 ``max_sequence_length``: :func:`text_tokens` lists them for a categorizer.
 

@@ -26,8 +26,9 @@ queries' softmax over all keys (image and text, as in the model) is averaged ove
 queries, restricted to the image keys and renormalised to sum to 1 per sample.
 
 Prompt reweighting (``sdtm`` with text labels, :mod:`tomerge.strategies.sdtm_prompts` and
-:mod:`tomerge.text_bias`): the text tokens are the last ``T`` keys of the joint attention ``attn`` (``T`` from its ``encoder_hidden_states``); the image queries
-get the text-key bias inside its SDPA call. The text sequence of ``StableDiffusion3Pipeline`` is 77 CLIP
+:mod:`tomerge.text_bias`): the text tokens are the last ``T`` keys of the joint attention ``attn`` (``T`` from
+its ``encoder_hidden_states``); the image queries get the text-key bias inside its SDPA call. The text
+sequence of ``StableDiffusion3Pipeline`` is 77 CLIP
 tokens then ``max_sequence_length`` T5 tokens: :func:`text_tokens` lists them for a categorizer.
 
 Feed-forward chunking is not supported (apply raises; disable it first).

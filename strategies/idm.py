@@ -51,8 +51,8 @@ Common rules:
   ``"sublayer"`` plans from the MLP input (tomerge before issue 13). On bare tensors
   (:meth:`MergeStrategy.plan`) the plan is of the tensor given.
 * Merge streaks (:meth:`IDM.merged_tokens`, also what a feature cache blends): as in the authors' counter,
-  every destination of a full window counts as merged in this call, with or without sources merged into it, and so does every
-  merged source; unmerged sources do not.
+  every destination of a full window counts as merged in this call, with or without sources merged into it,
+  and so does every merged source; unmerged sources do not.
 
 In the SDTM schedule IDM merges only the MLP input; attention runs at full length, which is where the
 received attention comes from. Everything is vectorised (no loop over tokens or windows, no host sync).

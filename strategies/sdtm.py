@@ -41,9 +41,9 @@ A :class:`~tomerge.Schedule` combining the two SDTM strategies (docs/schedules.m
   kernel: the core's :mod:`tomerge.text_bias`, fed by :meth:`SDTM.text_key_bias`; the categories and
   categorizers are in :mod:`tomerge.strategies.sdtm_prompts`). It needs labels:
   ``tomerge.apply(..., text_labels=rows)`` or ``handle.set_text_labels(rows)``; without them nothing is
-  reweighted, and models without text tokens in their attention (UNet, PixArt, DiT) refuse labels. The
-  phase follows ``in_structure_phase`` on every step and layer, protected ones included (protection is about merging, not about the prompt).
-  ``prompt_reweight=None`` or ``1`` turns it off.
+  reweighted, and models without text tokens in their attention (UNet, PixArt, DiT) refuse labels. The phase
+  follows ``in_structure_phase`` on every step and layer, protected ones included (protection is about
+  merging, not about the prompt). ``prompt_reweight=None`` or ``1`` turns it off.
 
 Options of the two strategies are flattened into this schedule (one flat config for logs and sweeps):
 ``window`` (shared ``k x k`` window side), ``alpha_s`` and ``round_windows`` (SSM), ``alpha_d``,

@@ -22,8 +22,9 @@ its kind (see *Block position* below):
   only the merge matrices from them. ``None``: destinations are recomputed with the matrices (``d = e``).
   The state keeps plans per call index (the n-th model call of a step), so with split guidance each
   branch reuses its own plans and the result equals batched guidance. Groups are runs of ``group_size``
-  consecutive merged blocks of one kind, counted from the first merged block. The state recomputes (and re-caches) a plan whose token count or batch size
-  does not fit the call, so group sharing only pays off where the blocks of a group have the same
+  consecutive merged blocks of one kind, counted from the first merged block. The state recomputes (and
+  re-caches) a plan whose token count or batch size does not fit the call, so group sharing only pays off
+  where the blocks of a group have the same
   resolution (a transformer stack; not UNet levels). Plans are cleared when a new trajectory starts.
 
 Block position: ``Where.layer`` is the adapter's global block index and ``Where.block_kind`` names the

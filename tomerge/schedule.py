@@ -51,8 +51,8 @@ class Decision:
             destinations=...)``; ToMA's separate refresh intervals). ``None``: destinations are not kept.
         label: a short name for records and figures (e.g. the phase).
         reset_streaks: clear the merge streaks (``ctx.streak``) of this call index (the n-th model call of the
-            step) before the block runs, so the next merge decision starts counting from 0 (SDTM's protected layers, as the authors'
-            code sets its counter to ``None`` there).
+            step) before the block runs, so the next merge decision starts counting from 0 (SDTM's protected
+            layers, as the authors' code sets its counter to ``None`` there).
         cache_outputs: sublayer kinds whose full-length outputs this block call stores in the feature cache
             (one entry per merge point of the block and call index, replacing the previous one).
         cache_weight: ``w`` of the feature cache: where this call unmerges a sublayer's output, the tokens the
