@@ -42,6 +42,8 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
+from tomerge.options import check_number
+
 STRUCTURE, DETAIL, NONE = "structure", "detail", "none"
 CATEGORIES = (STRUCTURE, DETAIL, NONE)
 PHASES = (STRUCTURE, DETAIL)
@@ -241,13 +243,6 @@ class JSONLabelsCategorizer:
 
 
 # ---------------------------------------------------------------------- biases
-def check_reweight(a_p: Any, what: str = "prompt_reweight") -> float:
-    """Raises unless ``a_p`` is a finite number ``> 0``; returns it as a float."""
-    if isinstance(a_p, bool) or not isinstance(a_p, (int, float)) or not math.isfinite(a_p) or a_p <= 0:
-        raise ValueError(f"{what} (a_p) must be a finite number > 0, got {a_p!r}")
-    return float(a_p)
-
-
 def token_bias(categories: Sequence[str], phase: str, a_p: float = 2.0) -> Tensor:
     """The additive logit bias of one prompt's tokens in a phase.
 
@@ -261,7 +256,7 @@ def token_bias(categories: Sequence[str], phase: str, a_p: float = 2.0) -> Tenso
     """
     if phase not in PHASES:
         raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
-    log_a = math.log(check_reweight(a_p))
+    log_a = math.log(check_number(a_p, "a_p", "token_bias", low=0.0, low_open=True))
     return torch.tensor([log_a if _check_label(c, f"token {i}") == phase else 0.0 for i, c in enumerate(categories)],
                         dtype=torch.float32)
 

@@ -54,7 +54,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterable
 from typing import Any, ClassVar
 
 from tomerge.options import check_int, check_ratio_option, check_sublayers
@@ -141,13 +141,11 @@ class ToMA(Schedule):
         set_(self, "sublayers", check_sublayers(self.sublayers, "sublayers", what))
         set_(self, "_sublayers", frozenset(self.sublayers))
         pairs = self.kind_sublayers.items() if isinstance(self.kind_sublayers, dict) else self.kind_sublayers
-        try:
-            by_kind = {kind: check_sublayers(names, f"kind_sublayers[{kind!r}]", what) for kind, names in pairs}
-        except (TypeError, ValueError) as err:
-            if isinstance(err, ValueError) and str(err).startswith(what):
-                raise
+        if (isinstance(pairs, (str, bytes)) or not isinstance(pairs, Iterable)
+                or not all(isinstance(p, (tuple, list)) and len(p) == 2 and isinstance(p[0], str) for p in pairs)):
             raise ValueError(f"{what}: kind_sublayers must be pairs (block_kind, sublayers), got "
-                             f"{self.kind_sublayers!r}") from None
+                             f"{self.kind_sublayers!r}")
+        by_kind = {kind: check_sublayers(names, f"kind_sublayers[{kind!r}]", what) for kind, names in pairs}
         set_(self, "kind_sublayers", tuple(sorted(by_kind.items())))
         set_(self, "_by_kind", {kind: frozenset(names) for kind, names in by_kind.items()})
         set_(self, "_facility", FacilityLocation(  # validates the forwarded options ("facility_location: ...")

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from .context import check_ratio
+from .options import check_number
 from .strategy import SUBLAYERS, MergeStrategy
 
 
@@ -53,7 +54,7 @@ class Decision:
         reset_streaks: clear the merge streaks (``ctx.streak``) of this call index (the n-th model call of the
             step) before the block runs, so the next merge decision starts counting from 0 (SDTM's protected
             layers, as the authors' code sets its counter to ``None`` there).
-        cache_outputs: sublayer kinds whose full-length outputs this block call stores in the feature cache
+        cache_outputs: the sublayers (e.g. ``{"attn", "mlp"}``) whose full-length outputs this block call stores in the feature cache
             (one entry per merge point of the block and call index, replacing the previous one).
         cache_weight: ``w`` of the feature cache: where this call unmerges a sublayer's output, the tokens the
             strategy counts as merged (``strategy.merged_tokens``) get ``w * output + (1 - w) * cached``, the
@@ -164,9 +165,7 @@ class Constant(Schedule):
             raise TypeError(f"strategy must be a MergeStrategy, got {type(self.strategy).__name__}")
         check_ratio(self.ratio)
         for name in ("merge_from", "merge_until"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
-                raise ValueError(f"{name} must be a progress in [0, 1], got {value!r}")
+            check_number(getattr(self, name), name, self.name, low=0.0, high=1.0, note="a progress")
         if self.merge_from > self.merge_until:
             raise ValueError(f"merge_from ({self.merge_from}) is after merge_until ({self.merge_until}): "
                              "no call would merge")
