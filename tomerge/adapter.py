@@ -63,6 +63,16 @@ class MergePoint:
         no, every point unmerges its own output). The later point then receives merged tokens."""
         return False
 
+    def enter_block(self, merges: bool) -> None:
+        """Called before every call of this point's block; ``merges``: the call's decision merges this
+        point's sublayer. Override to adjust the block for a merged call (e.g. suspend feed-forward
+        chunking, which would hand this point chunks instead of the whole sequence); the default does
+        nothing."""
+
+    def exit_block(self) -> None:
+        """Called after every call of this point's block (also when it raised): undo what
+        :meth:`enter_block` changed."""
+
     def set_output(self, out: Any, y: Tensor) -> Any:
         if self.output is None:
             return y

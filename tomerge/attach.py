@@ -123,7 +123,7 @@ class MergeHandle:
             kind_index = kind_counts.get(block.kind, 0)
             kind_counts[block.kind] = kind_index + 1
             add(block.module.register_forward_pre_hook(self._block_pre(block, kind_index), with_kwargs=True))
-            add(block.module.register_forward_hook(self._block_post))
+            add(block.module.register_forward_hook(self._block_post(block), always_call=True))
             for point in block.points:
                 add(point.module.register_forward_pre_hook(self._point_pre(point), with_kwargs=True))
                 add(point.module.register_forward_hook(self._point_post(point)))
@@ -148,12 +148,21 @@ class MergeHandle:
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
             x = block.block_input(args, kwargs)
             grid = self.adapter.grid(block, x.shape[1])
-            self.state.begin_block(block.layer, block.kind, grid, x, kind_index=kind_index)
+            call = self.state.begin_block(block.layer, block.kind, grid, x, kind_index=kind_index)
             self._blocks_with_grid += grid is not None
+            merging = call.decision.strategy is not None
+            for point in block.points:
+                point.enter_block(merging and point.sublayer in call.decision.sublayers)
         return hook
 
-    def _block_post(self, module: nn.Module, args: tuple, output: Any) -> None:
-        self.state.end_block()
+    def _block_post(self, block: BlockSpec):
+        def hook(module: nn.Module, args: tuple, output: Any) -> None:
+            try:
+                for point in block.points:
+                    point.exit_block()
+            finally:
+                self.state.end_block()
+        return hook
 
     def _point_pre(self, point: MergePoint):
         def hook(module: nn.Module, args: tuple, kwargs: dict):
