@@ -2,10 +2,45 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+Grid = tuple[int, ...]
+"""A token grid in raster order: ``(H, W)`` for images, ``(T, H, W)`` for video (frames x height x width; token
+``(t, h, w)`` is at index ``(t * H + h) * W + w``). A 2-D grid is one frame (``T = 1``)."""
+
+
+def check_grid(grid: object) -> Grid:
+    """Raises unless ``grid`` is ``(H, W)`` or ``(T, H, W)`` of positive ints; returns it as a tuple.
+
+    Example:
+        >>> check_grid([2, 4, 4])
+        (2, 4, 4)
+        >>> check_grid((4, 0))
+        Traceback (most recent call last):
+            ...
+        ValueError: grid must be (H, W) or (T, H, W) with positive ints, got (4, 0)
+    """
+    if (not isinstance(grid, (tuple, list)) or len(grid) not in (2, 3)
+            or not all(isinstance(g, int) and not isinstance(g, bool) and g > 0 for g in grid)):
+        raise ValueError(f"grid must be (H, W) or (T, H, W) with positive ints, got {grid!r}")
+    return tuple(int(g) for g in grid)
+
+
+def grid_frames(grid: Grid) -> tuple[int, int, int]:
+    """``(T, H, W)`` of a 2-D or 3-D grid (``T = 1`` for ``(H, W)``), for code that handles both alike.
+
+    Example:
+        >>> grid_frames((4, 6)), grid_frames((2, 4, 6))
+        ((1, 4, 6), (2, 4, 6))
+    """
+    if len(grid) == 2:
+        return 1, grid[0], grid[1]
+    T, H, W = grid
+    return T, H, W
 
 
 @dataclass
@@ -13,7 +48,10 @@ class MergeContext:
     """What a strategy may use to plan the merge of one block's image tokens.
 
     Args:
-        grid: ``(H, W)`` token grid, raster order; ``H * W`` must equal the token count ``N``.
+        grid: ``(H, W)`` token grid, or ``(T, H, W)`` for video (frames x height x width), raster order
+            (token ``(t, h, w)`` at ``(t * H + h) * W + w``); the product must equal the token count ``N``.
+            Every built-in strategy handles both; what its windows, cells or tiles become in 3-D is in
+            docs/strategies.md ("3-D (video) token grids"). A 2-D grid is one frame.
         ratio: fraction of tokens to remove, in ``[0, 1)``; a strategy removes ``int(N * ratio)``
             (or fewer, if its structure caps it: it then warns).
         progress: position in the denoising trajectory, 0 (pure noise) to 1 (last step).
@@ -29,9 +67,12 @@ class MergeContext:
         >>> ctx = MergeContext(grid=(32, 32), ratio=0.5)
         >>> ctx.tokens_to_remove(1024)
         512
+        >>> video = MergeContext(grid=(4, 16, 16), ratio=0.5)
+        >>> video.num_tokens, video.frames, video.frame_tokens
+        (1024, 4, 256)
     """
 
-    grid: tuple[int, int]
+    grid: Grid
     ratio: float
     progress: float = 0.0
     step: int = 0
@@ -44,17 +85,35 @@ class MergeContext:
     streak: Tensor | None = None
 
     def __post_init__(self) -> None:
-        if (not isinstance(self.grid, (tuple, list)) or len(self.grid) != 2
-                or not all(isinstance(g, int) and g > 0 for g in self.grid)):
-            raise ValueError(f"grid must be (H, W) with positive ints, got {self.grid!r}")
-        self.grid = (int(self.grid[0]), int(self.grid[1]))
+        self.grid = check_grid(self.grid)
         check_ratio(self.ratio)
         if not 0.0 <= float(self.progress) <= 1.0:
             raise ValueError(f"progress must be in [0, 1], got {self.progress}")
 
     @property
     def num_tokens(self) -> int:
-        return self.grid[0] * self.grid[1]
+        """``N``: ``H * W``, or ``T * H * W``."""
+        return math.prod(self.grid)
+
+    @property
+    def frames(self) -> int:
+        """``T``, the number of frames (1 for a 2-D grid)."""
+        return grid_frames(self.grid)[0]
+
+    @property
+    def height(self) -> int:
+        """``H``, token rows per frame."""
+        return grid_frames(self.grid)[1]
+
+    @property
+    def width(self) -> int:
+        """``W``, token columns per frame."""
+        return grid_frames(self.grid)[2]
+
+    @property
+    def frame_tokens(self) -> int:
+        """``H * W``, the tokens of one frame (the offset from a token to the same position one frame later)."""
+        return self.height * self.width
 
     def tokens_to_remove(self, num_tokens: int) -> int:
         """``r = int(N * ratio)``, the number of tokens the context asks to remove."""
