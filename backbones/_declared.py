@@ -1,0 +1,550 @@
+"""Declared adapters: a model family described by class attributes instead of hand-written hooks.
+
+Most current diffusion transformers are built from the same few pieces: a list (or two) of blocks, and
+in each block an attention whose image tokens are passed alone or inside a joint ``[text, image]``
+sequence, perhaps a cross-attention to text, and a feed-forward; rotary positions arrive as an argument of
+the attention call. :class:`DeclaredAdapter` turns a declaration of those pieces into merge points:
+
+* :class:`Kind`: one block type: the model attribute holding the blocks (``container``), their class
+  names, the block's text argument (its length ``T`` splits joint sequences), whether the block input is
+  itself a joint sequence (FLUX.2's single-stream blocks get ``[text, image]`` with ``T`` from the model
+  call), which side text is on in joint sequences, and its :class:`Site` s.
+* :class:`Site`: one merge point: sublayer, submodule path in the block, the tokens' argument, the output
+  element, the token layout (``"image"``: image tokens only; ``"joint"``: a joint sequence whose image
+  part is merged; ``"conv"``: a channels-first ``[B, C, H, W]`` input of a 1x1 convolution), how the
+  call's rotary table (:class:`Rope`) and attention mask are adjusted, and whether its output stays merged
+  for a later site of the same block (parallel attention + MLP blocks).
+
+A new family that fits is a subclass with a few class attributes (see ``backbones/wan.py``); what does not
+fit (the grid of a packed latent, a timestep scale) is a method override. ``docs/backbones/adding-a-family.md``
+walks through it.
+
+Rotary tables (:class:`Rope` ``layout``), gathered per slot with the plan's representatives ``plan.dst
+[B, M]`` (a merged slot takes the position of the token that represents it; one row of destinations gives
+a plain table shared by the batch):
+
+* ``"rows"``: ``(cos, sin)``, each ``[R + N, d]`` with ``R`` text rows first (``R = 0``: image rows only),
+  applied by diffusers' ``apply_rotary_emb(..., sequence_dim=1)``; per-sample tables are passed as
+  :class:`~tomerge.backbones.flux.BatchedRotaryTable` (FLUX.1/2, HunyuanVideo).
+* ``"batched"``: ``(cos, sin)``, each ``[B or 1, N, d]``, broadcast against ``[B, N, d]`` q/k (LTX-Video).
+* ``"wan"``: ``(cos, sin)``, each ``[1, N, 1, d]`` (Wan): gathered to ``[B, M, 1, d]``.
+* ``"qwen"``: ``(image, text)`` complex tables ``[N, d/2]``, ``[T, d/2]`` (Qwen-Image): the image table
+  is gathered; per-sample ones go as :class:`BatchedComplexTable`, which Qwen's ``apply_rotary_emb_qwen``
+  broadcasts per sample.
+
+Attention masks (:class:`Site` ``mask``): ``None``: a mask on a merged call raises (it would cover the
+unmerged sequence); ``"pass"``: passed through (text-only masks, or biases over text keys, that broadcast
+over any number of queries or that the processor pads itself); ``"keys"``: a key mask ``[B, 1, 1, L]`` or
+``[B, L]`` over the joint sequence (text on the kind's ``joint`` side), whose image columns are gathered
+per slot (HunyuanVideo).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+from typing import Any, ClassVar, Literal
+
+import torch
+from torch import Tensor, nn
+
+from tomerge.adapter import BackboneAdapter, BlockSpec, MergePoint, TextKeys, class_names
+from tomerge.plan import MergePlan
+
+from ._diffusers import call_arg, check_ff_chunking, submodel
+from .flux import BatchedRotaryTable, gather_rotary
+
+Side = Literal["first", "last"]
+
+
+# ---------------------------------------------------------------------- declarations
+@dataclasses.dataclass(frozen=True)
+class Rope:
+    """The rotary argument of a merge point's call.
+
+    Args:
+        arg: its keyword; ``index``: its position when given positionally.
+        layout: ``"rows"``, ``"batched"``, ``"wan"`` or ``"qwen"`` (see the module docstring).
+    """
+
+    arg: str = "image_rotary_emb"
+    index: int = 3
+    layout: Literal["rows", "batched", "wan", "qwen"] = "rows"
+
+
+@dataclasses.dataclass(frozen=True)
+class Site:
+    """One merge point of a block kind (see the module docstring).
+
+    Args:
+        sublayer: ``"attn"``, ``"crossattn"`` or ``"mlp"``.
+        path: the submodule, a dotted path from the block (``"attn"``, ``"ff.conv_inverted"``). A missing
+            submodule (or ``None``, e.g. a block without ``attn2``) has no merge point.
+        arg, index: keyword and position of the tokens in the submodule's call.
+        output: index of the image tokens in a tuple output; ``None``: a tensor output.
+        tokens: ``"image"``, ``"joint"`` or ``"conv"``.
+        rope: the call's rotary table, gathered for the merged tokens; ``None``: none.
+        mask: ``None``, ``"pass"`` or ``"keys"``; ``mask_arg``, ``mask_index``: the mask's keyword/position.
+        stays_merged_with: the output stays merged when the block call also merges this sublayer (a later
+            site of the block reads it, passes it through and unmerges).
+        text_keys: the submodule is a joint text-image attention whose text is its ``encoder_hidden_states``
+            (prompt reweighting can bias its text keys).
+    """
+
+    sublayer: str
+    path: str
+    arg: str = "hidden_states"
+    index: int = 0
+    output: int | None = None
+    tokens: Literal["image", "joint", "conv"] = "image"
+    rope: Rope | None = None
+    mask: Literal["pass", "keys"] | None = None
+    mask_arg: str = "attention_mask"
+    mask_index: int = 2
+    stays_merged_with: str | None = None
+    text_keys: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Kind:
+    """One block type of a family.
+
+    Args:
+        name: the block kind (``Where.block_kind``, what schedules see).
+        container: model attribute of the ``nn.ModuleList`` of these blocks.
+        classes: class names of the blocks (the adapter's ``block_names``).
+        sites: the merge points.
+        arg, index: keyword/position of the block's token input.
+        text_arg, text_index: the block's text argument (its length is ``T`` of joint sequences); ``None``.
+        joint_input: the block input is itself a joint sequence with text on this side, ``T`` taken from the
+            model call's text (``DeclaredAdapter.model_text``); ``None``: the block input is image tokens.
+        joint: the side of text in the block's joint sequences (``"joint"`` sites, ``"keys"`` masks).
+    """
+
+    name: str
+    container: str
+    classes: tuple[str, ...]
+    sites: tuple[Site, ...]
+    arg: str = "hidden_states"
+    index: int = 0
+    text_arg: str | None = None
+    text_index: int = 1
+    joint_input: Side | None = None
+    joint: Side = "first"
+
+
+# ---------------------------------------------------------------------- runtime
+@dataclasses.dataclass
+class BlockCall:
+    """The block call in progress, shared by its points: text and image lengths, the last merge."""
+
+    text: int | None = None
+    image: int | None = None
+    merged: tuple[Tensor, MergePlan, Tensor] | None = None  # (input view, plan, merged): reused for the same input
+    shapes: dict[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)  # conv points: [H, W] of the input
+    merging: dict[str, bool] = dataclasses.field(default_factory=dict)  # sublayer -> this call merges it
+    kept: set[str] = dataclasses.field(default_factory=set)  # sublayers whose sites get an already merged input
+
+    def reset(self) -> None:
+        self.text = self.image = self.merged = None
+        self.shapes.clear()
+        self.merging.clear()
+        self.kept.clear()
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class DeclaredBlock(BlockSpec):
+    """A block of a declared kind; reading its input also records the call's text and image lengths."""
+
+    decl: Kind = dataclasses.field(kw_only=True)
+    info: BlockCall = dataclasses.field(kw_only=True)
+    model_text: Any = dataclasses.field(kw_only=True)  # () -> T of the model call (joint_input kinds)
+
+    def block_input(self, args: tuple, kwargs: dict) -> Tensor:
+        self.info.reset()
+        x = call_arg(args, kwargs, self.decl.arg, self.decl.index)  # [B, N, C] (or [B, T + N, C])
+        if self.decl.joint_input is not None:
+            T = self.model_text()
+            if T is None or x.shape[1] < T:
+                raise RuntimeError(f"tomerge: the {self.decl.name!r} block input {tuple(x.shape)} is a joint sequence, "
+                                   f"but the model call's text length is {T}")
+            self.info.text = T
+            x = x[:, T:] if self.decl.joint_input == "first" else x[:, : x.shape[1] - T]
+        elif self.decl.text_arg is not None:
+            text = call_arg(args, kwargs, self.decl.text_arg, self.decl.text_index)
+            self.info.text = int(text.shape[1]) if isinstance(text, Tensor) else 0
+        self.info.image = int(x.shape[1])
+        return x
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class DeclaredPoint(MergePoint):
+    """The merge point of a :class:`Site` (see the module docstring)."""
+
+    site: Site = dataclasses.field(kw_only=True)
+    info: BlockCall = dataclasses.field(kw_only=True)
+    joint: Side = dataclasses.field(default="first", kw_only=True)
+
+    # -------------------------------------------------------------- the tokens
+    def _raw(self, args: tuple, kwargs: dict) -> Tensor:
+        return call_arg(args, kwargs, self.arg, self.site.index)
+
+    def _text(self, joint: Tensor) -> int:
+        T = self.info.text
+        if T is None or joint.shape[1] < T:
+            raise RuntimeError(f"tomerge: {type(self.module).__name__} got {tuple(joint.shape)}, expected a joint "
+                               f"sequence with T={T} text and N={self.info.image} image tokens of this block call")
+        return T
+
+    def _image_part(self, joint: Tensor) -> Tensor:
+        T = self._text(joint)
+        return joint[:, T:] if self.joint == "first" else joint[:, : joint.shape[1] - T]
+
+    def _with_image(self, joint: Tensor, x: Tensor) -> Tensor:
+        T = self._text(joint)
+        if self.joint == "first":
+            return torch.cat([joint[:, :T], x], dim=1)
+        return torch.cat([x, joint[:, joint.shape[1] - T:]], dim=1)
+
+    def get_input(self, args: tuple, kwargs: dict) -> Tensor:
+        raw = self._raw(args, kwargs)
+        if self.site.tokens == "joint":
+            return self._image_part(raw)  # [B, N, C] (or [B, M, C] when an earlier site kept it merged)
+        if self.site.tokens == "conv":
+            self.info.shapes[id(self)] = tuple(raw.shape[2:])
+            return raw.flatten(2).transpose(1, 2)  # [B, C, H, W] -> [B, H*W, C]
+        return raw
+
+    def set_input(self, args: tuple, kwargs: dict, x: Tensor) -> tuple[tuple, dict]:
+        if self.site.tokens == "joint":
+            x = self._with_image(self._raw(args, kwargs), x)
+        elif self.site.tokens == "conv":
+            x = x.transpose(1, 2).unsqueeze(-1)  # [B, M, C] -> [B, C, M, 1]: a 1x1 convolution takes any layout
+        return with_arg(args, kwargs, self.arg, self.site.index, x)
+
+    def enter_block(self, merges: bool) -> None:
+        self.info.merging[self.sublayer] = self.info.merging.get(self.sublayer, False) or merges
+
+    def merge_input(self, args: tuple, kwargs: dict, x: Tensor, plan: MergePlan) -> tuple[tuple, dict]:
+        if self.sublayer in self.info.kept:  # an earlier site of this block call kept its output merged for it
+            if x.shape[1] != plan.num_slots:
+                raise RuntimeError(f"tomerge: {type(self.module).__name__} expected {plan.num_slots} merged image tokens, "
+                                   f"got {x.shape[1]}")
+            return args, kwargs
+        later = self.site.stays_merged_with
+        if later is not None and self.info.merging.get(later, False):
+            self.info.kept.add(later)  # keeps_merged() will leave this site's output merged
+        if x.shape[1] != plan.num_tokens:
+            raise RuntimeError(f"tomerge: {type(self.module).__name__} got {x.shape[1]} image tokens, the block call's "
+                               f"plan has {plan.num_tokens}")
+        args, kwargs = self.set_input(args, kwargs, self._merged(x, plan))
+        args, kwargs = self._merge_mask(args, kwargs, plan)
+        if self.site.rope is not None:
+            args, kwargs = self._merge_rope(args, kwargs, plan)
+        return args, kwargs
+
+    def _merged(self, x: Tensor, plan: MergePlan) -> Tensor:
+        """``plan.merge(x)``, computed once for sites that read the same tensor (the cache holds the input, so
+        its memory cannot be reused by another tensor while the block call runs)."""
+        cached = self.info.merged
+        if (cached is not None and cached[1] is plan and cached[0].data_ptr() == x.data_ptr()
+                and cached[0].shape == x.shape and cached[0].stride() == x.stride()
+                and cached[0].dtype == x.dtype and cached[0]._version == x._version):
+            return cached[2]
+        merged = plan.merge(x)
+        self.info.merged = (x, plan, merged)
+        return merged
+
+    def keeps_merged(self, sublayers: frozenset[str]) -> bool:
+        return self.site.stays_merged_with is not None and self.site.stays_merged_with in sublayers
+
+    def get_output(self, out: Any) -> Tensor:
+        y = out if self.output is None else out[self.output]
+        if self.site.tokens == "joint":
+            return self._image_part(y)
+        if self.site.tokens == "conv":
+            return y.flatten(2).transpose(1, 2)  # [B, C', M, 1] -> [B, M, C']
+        return y
+
+    def set_output(self, out: Any, y: Tensor) -> Any:
+        if self.site.tokens == "joint":
+            y = self._with_image(out if self.output is None else out[self.output], y)
+        elif self.site.tokens == "conv":
+            y = y.transpose(1, 2).unflatten(2, self.info.shapes[id(self)])  # [B, N, C'] -> [B, C', H, W]
+        return super().set_output(out, y)
+
+    # -------------------------------------------------------------- what follows the tokens
+    def _merge_mask(self, args: tuple, kwargs: dict, plan: MergePlan) -> tuple[tuple, dict]:
+        mask = call_arg(args, kwargs, self.site.mask_arg, self.site.mask_index)
+        if mask is None or self.site.mask == "pass":
+            return args, kwargs
+        if self.site.mask != "keys":
+            raise ValueError(f"tomerge: {type(self.module).__name__} got an attention mask ({self.site.mask_arg}) over "
+                             "the unmerged sequence, which merged image tokens cannot use; run without the mask or "
+                             "without merging")
+        return with_arg(args, kwargs, self.site.mask_arg, self.site.mask_index,
+                        gather_key_mask(mask, plan.dst, plan.num_tokens, text_side=self.joint))
+
+    def _merge_rope(self, args: tuple, kwargs: dict, plan: MergePlan) -> tuple[tuple, dict]:
+        rope = self.site.rope
+        freqs = call_arg(args, kwargs, rope.arg, rope.index)
+        if freqs is None:
+            return args, kwargs
+        return with_arg(args, kwargs, rope.arg, rope.index, gather_rope(freqs, plan.dst, plan.num_tokens, rope.layout))
+
+
+# ---------------------------------------------------------------------- gathers
+def with_arg(args: tuple, kwargs: dict, name: str, index: int, value: Any) -> tuple[tuple, dict]:
+    """``(args, kwargs)`` with the argument ``name`` (keyword, or positional ``index``) set to ``value``."""
+    if name not in kwargs and len(args) > index:
+        return (*args[:index], value, *args[index + 1:]), kwargs
+    return args, {**kwargs, name: value}
+
+
+def _rows(t: Tensor, dst: Tensor, dim: int) -> Tensor:
+    """``t`` with its ``dim`` axis (the tokens) indexed per sample by ``dst [B', M]``; a leading axis of size 1
+    (or none, ``dim == 0``) is shared by the samples. Returns ``[B', M, ...]`` (``dim == 0``: ``[M, ...]`` when
+    ``B' == 1``)."""
+    index = dst.to(t.device)
+    if dim == 0:
+        return t[index[0]] if index.shape[0] == 1 else t[index]  # [M, ...] or [B', M, ...]
+    if t.shape[0] == 1:
+        return t[0][index]  # [B', M, ...]
+    batch = torch.arange(t.shape[0], device=t.device)[:, None]  # [B, 1]
+    return t[batch, index.expand(t.shape[0], -1)]  # [B, M, ...]
+
+
+def gather_rope(freqs: Any, dst: Tensor, num_tokens: int, layout: str) -> Any:
+    """The rotary argument of a merged call (see the module docstring's layouts).
+
+    Args:
+        freqs: the call's rotary argument.
+        dst: ``[B, M]`` (or ``[1, M]``) token position representing each slot (``plan.dst``).
+        num_tokens: ``N``, the image tokens of the unmerged call.
+        layout: ``"rows"``, ``"batched"``, ``"wan"`` or ``"qwen"``.
+
+    Example:
+        >>> cos = torch.arange(4.0).view(1, 4, 1, 1)                      # wan layout, N = 4
+        >>> c, _ = gather_rope((cos, cos), torch.tensor([[3, 0], [1, 2]]), 4, "wan")
+        >>> c.flatten(1).tolist()
+        [[3.0, 0.0], [1.0, 2.0]]
+    """
+    if layout == "rows":
+        rows = freqs[0].shape[0]
+        if rows < num_tokens:
+            raise ValueError(f"tomerge: the rotary table has {rows} rows for {num_tokens} image tokens")
+        return gather_rotary(freqs, dst, rows - num_tokens)  # text rows first, kept
+    if layout in ("batched", "wan"):
+        out = []
+        for t in freqs:
+            if t.dim() < 3 or t.shape[1] != num_tokens:
+                raise ValueError(f"tomerge: a {layout!r} rotary table must be [B or 1, N={num_tokens}, ...], got "
+                                 f"{tuple(t.shape)}")
+            out.append(_rows(t, dst, 1))  # [B', M, d] or [B', M, 1, d]
+        return tuple(out)
+    if layout == "qwen":
+        image, text = freqs
+        if image.shape[0] != num_tokens:
+            raise ValueError(f"tomerge: the image rotary table has {image.shape[0]} rows for {num_tokens} image tokens")
+        gathered = _rows(image, dst, 0)  # [M, d/2] or [B, M, d/2]
+        return (gathered if gathered.dim() == image.dim() else BatchedComplexTable(gathered), text)
+    raise ValueError(f"unknown rotary layout {layout!r}")
+
+
+class BatchedComplexTable:
+    """A per-sample Qwen-Image rotary table ``[B, M, d/2]`` (complex): Qwen's ``apply_rotary_emb_qwen`` calls
+    ``freqs.unsqueeze(1)`` on an ``[S, d/2]`` table to broadcast over ``[B, S, heads, d/2]``; here that gives
+    ``[B, M, 1, d/2]``. Any other use raises, so a processor that uses the table differently fails loudly.
+
+    Example:
+        >>> BatchedComplexTable(torch.zeros(2, 5, 4, dtype=torch.complex64)).unsqueeze(1).shape
+        torch.Size([2, 5, 1, 4])
+    """
+
+    def __init__(self, table: Tensor) -> None:
+        if table.dim() != 3:
+            raise ValueError(f"a batched complex rotary table is [B, M, d], got {tuple(table.shape)}")
+        self.table = table
+
+    def unsqueeze(self, dim: int) -> Tensor:
+        if dim != 1:
+            raise TypeError(f"tomerge: the per-sample rotary table was unsqueezed at {dim}; only apply_rotary_emb_qwen's "
+                            "unsqueeze(1) is supported")
+        return self.table[:, :, None, :]
+
+    def __getattr__(self, name: str) -> Any:
+        raise AttributeError(f"tomerge: the per-sample rotary table [B, M, d] has no {name!r}; an attention processor "
+                             "that uses the rotary table other than through apply_rotary_emb_qwen cannot run merged")
+
+
+def gather_key_mask(mask: Tensor, dst: Tensor, num_tokens: int, text_side: Side) -> Tensor:
+    """A key mask over a joint sequence, its ``N`` image columns gathered per slot (text columns kept).
+
+    Args:
+        mask: ``[B, ..., L]`` with ``L = T + N`` (text on ``text_side``), e.g. ``[B, 1, 1, L]``.
+        dst: ``[B, M]`` or ``[1, M]`` representatives.
+        num_tokens: ``N``.
+
+    Returns:
+        ``[B, ..., T + M]``.
+
+    Example:
+        >>> m = torch.tensor([[True, False, True, True, False]])            # 3 image, then 2 text columns
+        >>> gather_key_mask(m, torch.tensor([[2, 1]]), 3, "last").tolist()
+        [[True, False, True, False]]
+    """
+    L = mask.shape[-1]
+    T = L - num_tokens
+    if T < 0:
+        raise ValueError(f"tomerge: an attention mask over {L} keys cannot cover {num_tokens} image tokens")
+    image, text = (mask[..., T:], mask[..., :T]) if text_side == "first" else (mask[..., :num_tokens], mask[..., num_tokens:])
+    index = dst.to(mask.device)
+    if index.shape[0] == 1:
+        gathered = image[..., index[0]]
+    else:
+        shape = (mask.shape[0],) + (1,) * (mask.dim() - 2) + (index.shape[1],)
+        gathered = torch.gather(image, -1, index.view(shape).expand(*image.shape[:-1], index.shape[1]))
+    return torch.cat([text, gathered] if text_side == "first" else [gathered, text], dim=-1)
+
+
+def latent_grid(sample: Tensor, patch: tuple[int, ...]) -> tuple[int, ...]:
+    """The token grid of a patchified latent ``[B, C, H, W]`` or ``[B, C, F, H, W]``: each size floor-divided
+    by its patch size (``patch``: one per spatial/temporal axis, as ``(p_h, p_w)`` or ``(p_t, p_h, p_w)``).
+
+    Example:
+        >>> latent_grid(torch.zeros(1, 4, 5, 12, 18), (1, 2, 2))
+        (5, 6, 9)
+    """
+    sizes = sample.shape[2:]
+    if len(sizes) != len(patch):
+        raise ValueError(f"a latent {tuple(sample.shape)} needs {len(sizes)} patch sizes, got {patch}")
+    return tuple(int(s) // int(p) for s, p in zip(sizes, patch))
+
+
+# ---------------------------------------------------------------------- the adapter
+class DeclaredAdapter(BackboneAdapter):
+    """Base of the declared adapters (see the module docstring).
+
+    Class attributes (besides ``name`` and ``t_max``):
+        model_class: class name of the transformer (found as the model or a pipeline's ``.transformer``).
+        kinds: the block kinds, in execution order.
+        timestep_arg, timestep_index: the model's timestep argument.
+        text_arg, text_index: the model's text argument (its length is :attr:`model_text`, for
+            ``joint_input`` kinds).
+        latent_arg, latent_index: the model's latent argument (:meth:`call_grid`'s default reads its shape).
+        patch_attrs: config attributes giving the patch size per axis of the latent (one attribute may hold
+            a tuple, e.g. Wan's ``patch_size = (1, 2, 2)``; a single int for a 2-D latent is used for both axes).
+    """
+
+    model_class: ClassVar[str] = ""
+    kinds: ClassVar[tuple[Kind, ...]] = ()
+    timestep_arg: ClassVar[str] = "timestep"
+    timestep_index: ClassVar[int] = 1
+    text_arg: ClassVar[str] = "encoder_hidden_states"
+    text_index: ClassVar[int] = 1
+    latent_arg: ClassVar[str] = "hidden_states"
+    latent_index: ClassVar[int] = 0
+    patch_attrs: ClassVar[tuple[str, ...]] = ("patch_size",)
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.kinds and not cls.__dict__.get("block_names"):
+            cls.block_names = tuple(dict.fromkeys(name for kind in cls.kinds for name in kind.classes))
+
+    def __init__(self, model: nn.Module, options: Any) -> None:
+        super().__init__(model, options)
+        self.grid_size: tuple[int, ...] | None = None
+        self.model_text: int | None = None
+        self._warned_grid = False
+
+    @classmethod
+    def find_model(cls, obj: Any) -> nn.Module | None:
+        """The transformer: ``obj`` itself or a pipeline's ``obj.transformer``."""
+        return submodel(obj, "transformer", cls.model_class)
+
+    # -------------------------------------------------------------- blocks
+    def block_modules(self) -> list[tuple[Kind, nn.Module]]:
+        found = []
+        for kind in self.kinds:
+            for module in getattr(self.model, kind.container, None) or ():
+                if any(name in class_names(module) for name in kind.classes):
+                    found.append((kind, module))
+        return found
+
+    def blocks(self) -> list[BlockSpec]:
+        specs: list[BlockSpec] = []
+        for kind, module in self.block_modules():
+            info = BlockCall()
+            points = []
+            for site in kind.sites:
+                sub = _submodule(module, site.path)
+                if sub is not None:
+                    points.append(DeclaredPoint(site.sublayer, sub, arg=site.arg, output=site.output, site=site,
+                                                info=info, joint=kind.joint))
+            specs.append(DeclaredBlock(module, layer=len(specs), kind=kind.name, points=tuple(points), arg=kind.arg,
+                                       decl=kind, info=info, model_text=lambda: self.model_text))
+        return specs
+
+    def check(self) -> None:
+        check_ff_chunking([module for _, module in self.block_modules()])
+
+    # -------------------------------------------------------------- calls
+    def on_model_call(self, args: tuple, kwargs: dict) -> Tensor | float | None:
+        text = call_arg(args, kwargs, self.text_arg, self.text_index)
+        self.model_text = int(text.shape[1]) if isinstance(text, Tensor) else None
+        self.grid_size = self.call_grid(args, kwargs)
+        if self.grid_size is None and not self._warned_grid:
+            self._warned_grid = True
+            warnings.warn(f"tomerge {self.name}: the token grid of this {type(self.model).__name__} call is unknown "
+                          f"({self.unknown_grid_reason()}); its blocks are not merged", stacklevel=3)
+        return self.call_timestep(args, kwargs)
+
+    def call_timestep(self, args: tuple, kwargs: dict) -> Tensor | float | None:
+        """The call's timestep; per-token timesteps (``[B, N]``: conditioning frames at 0) give their largest."""
+        t = call_arg(args, kwargs, self.timestep_arg, self.timestep_index)
+        if isinstance(t, Tensor) and t.dim() > 1:
+            return t.flatten(1).amax(dim=1)
+        return t
+
+    def patch(self) -> tuple[int, ...]:
+        """The patch size per axis of the latent, from :attr:`patch_attrs`."""
+        sizes: list[int] = []
+        for attr in self.patch_attrs:
+            value = getattr(self.model.config, attr)
+            sizes.extend(int(v) for v in value) if isinstance(value, (tuple, list)) else sizes.append(int(value))
+        return tuple(sizes)
+
+    def call_grid(self, args: tuple, kwargs: dict) -> tuple[int, ...] | None:
+        """The image-token grid of a model call (default: the latent's sizes divided by the patch sizes)."""
+        sample = call_arg(args, kwargs, self.latent_arg, self.latent_index)
+        patch = self.patch()
+        if sample.dim() == 4 and len(patch) == 1:
+            patch = patch * 2
+        return latent_grid(sample, patch)
+
+    def unknown_grid_reason(self) -> str:
+        return "its inputs do not describe one raster-ordered grid"
+
+    def grid(self, block: BlockSpec, num_tokens: int) -> tuple[int, ...] | None:
+        check_ff_chunking([block.module])
+        if self.grid_size is None or math.prod(self.grid_size) != num_tokens:
+            return None
+        return self.grid_size
+
+    def text_keys(self, block: BlockSpec, point: MergePoint) -> TextKeys | None:
+        if not isinstance(point, DeclaredPoint) or not point.site.text_keys:
+            return None
+
+        def text_len(args: tuple, kwargs: dict) -> int:
+            text = call_arg(args, kwargs, "encoder_hidden_states", 1)
+            return 0 if text is None else int(text.shape[1])
+        return TextKeys(point.module, text_len=text_len, text_first=point.joint == "first")
+
+
+def _submodule(module: nn.Module, path: str) -> nn.Module | None:
+    for part in path.split("."):
+        module = getattr(module, part, None)
+        if module is None:
+            return None
+    return module if isinstance(module, nn.Module) else None

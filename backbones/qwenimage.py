@@ -1,0 +1,52 @@
+"""`qwenimage`: Qwen-Image (diffusers `QwenImageTransformer2DModel`), MMDiT double-stream blocks.
+
+Facts from the installed diffusers (0.42.1, ``models/transformers/transformer_qwenimage.py``):
+
+* Every ``QwenImageTransformerBlock`` (kind ``"joint"``, in ``transformer_blocks``) runs ``attn(hidden_states=
+  img_modulated, encoder_hidden_states=txt_modulated, encoder_hidden_states_mask=..., image_rotary_emb=
+  (img_freqs, txt_freqs))``; the processor projects image and text separately, applies RoPE to each with its
+  own complex table, attends over ``[text, image]`` and returns ``(image, text)``; then ``img_mlp`` on the
+  image stream (``txt_mlp`` on the text). Merge points: ``attn`` (``"attn"``; the image table ``[N, d/2]``
+  gathered per slot, the text table kept) and ``img_mlp`` (``"mlp"``).
+* The text mask ``encoder_hidden_states_mask`` is joined inside the processor with an all-true image mask of
+  the (merged) image length: nothing to adjust. An ``attention_mask`` is refused by the processor itself.
+* Grid: ``img_shapes`` (per sample a list of ``(frames, h, w)``); the call is merged when every sample has one
+  image of one frame with ``h * w`` tokens (Qwen-Image-Edit's extra reference images are not merged: a
+  warning). The pipeline calls the model with ``timestep / 1000`` (``t_max = 1``).
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from ._declared import DeclaredAdapter, Kind, Rope, Site
+from ._diffusers import call_arg
+
+
+class QwenImageAdapter(DeclaredAdapter):
+    """Adapter for diffusers `QwenImageTransformer2DModel` (Qwen-Image, Qwen-Image-2512); see the module docstring."""
+
+    name: ClassVar[str] = "qwenimage"
+    model_class: ClassVar[str] = "QwenImageTransformer2DModel"
+    t_max: ClassVar[float] = 1.0
+    timestep_index: ClassVar[int] = 3  # forward(hidden_states, encoder_hidden_states, mask, timestep, img_shapes)
+    kinds: ClassVar[tuple[Kind, ...]] = (
+        Kind("joint", "transformer_blocks", ("QwenImageTransformerBlock",), (
+            Site("attn", "attn", output=0, rope=Rope("image_rotary_emb", 3, "qwen"), mask_index=3),
+            Site("mlp", "img_mlp"),
+        )),
+    )
+
+    def call_grid(self, args: tuple, kwargs: dict) -> tuple[int, ...] | None:
+        shapes = call_arg(args, kwargs, "img_shapes", 4)
+        if not shapes:
+            return None
+        per_sample = [list(s) if isinstance(s, (list, tuple)) and s and isinstance(s[0], (list, tuple)) else [s]
+                      for s in shapes]
+        first = per_sample[0]
+        if any(s != first for s in per_sample) or len(first) != 1 or len(first[0]) != 3 or int(first[0][0]) != 1:
+            return None
+        return int(first[0][1]), int(first[0][2])
+
+    def unknown_grid_reason(self) -> str:
+        return "img_shapes is not one single-frame image per sample, e.g. Qwen-Image-Edit's reference images"

@@ -1,0 +1,48 @@
+"""`sana`: SANA (diffusers `SanaTransformer2DModel`): linear-attention DiT with a convolutional MLP.
+
+Facts from the installed diffusers (0.42.1, ``models/transformers/sana_transformer.py``):
+
+* Every ``SanaTransformerBlock`` (kind ``"sana"``, in ``transformer_blocks``) runs ``attn1(norm1(x) * (1 +
+  scale) + shift)`` (ReLU linear attention, ``SanaLinearAttnProcessor2_0``), ``attn2(x, encoder_hidden_states,
+  attention_mask=encoder_attention_mask)`` (softmax cross-attention to the Gemma text, no norm before it), and
+  ``ff``, a ``GLUMBConv``: the modulated tokens reshaped to ``[B, C, H, W]``, a 1x1 ``conv_inverted`` (to 2 x
+  2.5 C channels), SiLU, a 3x3 depthwise ``conv_depth``, the gate, and a 1x1 ``conv_point``.
+* Merge points: ``attn1`` (``"attn"``), ``attn2`` (``"crossattn"``, image queries; off unless
+  ``merge_crossattn=True``; the text mask is a bias over the keys and broadcasts), and in the MLP the two 1x1
+  convolutions ``ff.conv_inverted`` and ``ff.conv_point`` (``"mlp"``): their ``[B, C, H, W]`` input is read as
+  ``H * W`` tokens, merged and passed as ``[B, C, M, 1]`` (a 1x1 convolution is a per-token linear map), and
+  the output is unmerged back to ``[B, C', H, W]``. The 3x3 depthwise convolution between them mixes
+  neighbours, so it runs on the full grid (a small share of the MLP: ``9 * 5C`` multiply-adds per token
+  against ``7.5 C^2``).
+* No positional embedding in the blocks (SANA uses none, or an absolute one at the patch embedding): no
+  positional work. Grid: the latent ``(H0 // p, W0 // p)``. The pipeline calls the model with the scheduler's
+  timestep times ``config.timestep_scale`` (``t_max = 1000 * timestep_scale``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from torch import nn
+
+from ._declared import DeclaredAdapter, Kind, Site
+
+
+class SanaAdapter(DeclaredAdapter):
+    """Adapter for diffusers `SanaTransformer2DModel` (SANA, SANA 1.5); see the module docstring."""
+
+    name: ClassVar[str] = "sana"
+    model_class: ClassVar[str] = "SanaTransformer2DModel"
+    timestep_index: ClassVar[int] = 2  # forward(hidden_states, encoder_hidden_states, timestep, ...)
+    kinds: ClassVar[tuple[Kind, ...]] = (
+        Kind("sana", "transformer_blocks", ("SanaTransformerBlock",), (
+            Site("attn", "attn1"),
+            Site("crossattn", "attn2", mask="pass"),
+            Site("mlp", "ff.conv_inverted", arg="input", tokens="conv"),
+            Site("mlp", "ff.conv_point", arg="input", tokens="conv"),
+        )),
+    )
+
+    def __init__(self, model: nn.Module, options: Any) -> None:
+        super().__init__(model, options)
+        self.t_max = 1000.0 * float(getattr(model.config, "timestep_scale", 1.0) or 1.0)
