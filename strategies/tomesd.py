@@ -6,6 +6,12 @@ Algorithm, on the block's input hidden states ``x [B, N, C]`` on an ``H x W`` gr
 1. Split the grid into ``sy x sx`` cells; one position per full cell is a destination: drawn
    uniformly (one draw shared by the batch) or, with ``use_rand=False`` (or an odd batch, as in
    tomesd), the top-left one. Leftover rows/columns are sources.
+   On a ``(T, H, W)`` video grid (docs/strategies.md, "3-D (video) token grids") the cells are
+   ``st x sy x sx`` boxes: with ``st=1`` (default) every frame has the cells of a 2-D grid and the
+   same destinations (one draw for the clip, as for the batch: frame ``t``'s are frame 0's plus
+   ``t * H * W``); with ``st > 1`` one destination per box of ``st`` frames, drawn among its
+   ``st * sy * sx`` positions. Leftover frames are sources, like leftover rows. Matching (step 3)
+   stays global over the clip: a source may merge into a destination of another frame.
 2. ``r = int(N * ratio)``, capped at the number of sources (with a warning).
 3. Every source finds its most cosine-similar destination; the ``r`` sources with the highest
    similarity merge into it, the rest keep their own slot.
@@ -39,6 +45,9 @@ class ToMeSD(MergeStrategy):
 
     Args:
         sx, sy: destination stride in x and y (one destination per ``sy x sx`` cell).
+        st: destination stride in time on a ``(T, H, W)`` grid (one destination per ``st x sy x sx`` box);
+            1 (default): every frame has the cells of a 2-D grid, the same in every frame. A 2-D grid is
+            one frame, so it needs ``st=1``.
         use_rand: draw each cell's destination at random (else its top-left token).
         rng: ``"fork_global"`` (as tomesd: a generator forked from the global RNG at first use,
             advanced by every draw) or ``"per_step_layer"`` (a fresh generator per step and layer,
@@ -55,6 +64,7 @@ class ToMeSD(MergeStrategy):
 
     sx: int = 2
     sy: int = 2
+    st: int = 1
     use_rand: bool = True
     rng: str = "fork_global"
 
@@ -63,9 +73,10 @@ class ToMeSD(MergeStrategy):
         what = "tomesd"
         check_int(self.sx, "sx", what, low=1)
         check_int(self.sy, "sy", what, low=1)
-        if self.sx * self.sy < 2:
-            raise ValueError(f"{what}: sx and sy must be >= 1 with sx * sy >= 2 (a cell of one token merges "
-                             f"nothing), got sx={self.sx}, sy={self.sy}")
+        check_int(self.st, "st", what, low=1, note="frames per cell on a (T, H, W) grid")
+        if self.st * self.sx * self.sy < 2:
+            raise ValueError(f"{what}: sx and sy (and st) must be >= 1 with st * sy * sx >= 2 (a cell of one "
+                             f"token merges nothing), got sx={self.sx}, sy={self.sy}, st={self.st}")
         check_choice(self.rng, "rng", what, RNGS)
 
     @property
@@ -90,21 +101,33 @@ class ToMeSD(MergeStrategy):
 
     def select_destinations(self, x: Tensor, ctx: MergeContext) -> Tensor:
         B = x.shape[0]
-        H, W = ctx.grid
+        T, H, W = ctx.frames, ctx.height, ctx.width
         rows, cols = H // self.sy, W // self.sx
         if rows == 0 or cols == 0:
             raise ValueError(f"grid {ctx.grid} is smaller than one {self.sy}x{self.sx} cell")
+        depth = T // self.st  # cells along time
+        if depth == 0:
+            raise ValueError(f"grid {ctx.grid} has {T} frame(s), fewer than one cell of st={self.st} frames "
+                             "(a 2-D grid is one frame)")
+        # One offset per cell inside its st x sy x sx box. With st=1 one 2-D draw serves every frame (the same
+        # draw, and generator use, as a 2-D grid); with st > 1 every box draws its own.
+        draws = 1 if self.st == 1 else depth
         if self.use_rand and B % 2 == 0:  # tomesd: an odd batch cannot hold cond/uncond pairs
             gen = ctx.generator
-            offset = torch.randint(self.sy * self.sx, size=(rows, cols, 1), device=gen.device, generator=gen)
-            offset = offset.to(x.device).squeeze(-1)  # [rows, cols] index inside each cell
+            size = (rows, cols, 1) if self.st == 1 else (draws, rows, cols, 1)
+            offset = torch.randint(self.st * self.sy * self.sx, size=size, device=gen.device, generator=gen)
+            offset = offset.to(x.device).view(draws, rows, cols)  # [draws, rows, cols] index inside each cell
         else:
-            offset = torch.zeros(rows, cols, dtype=torch.long, device=x.device)
-        cell_y = torch.arange(rows, device=x.device).view(rows, 1) * self.sy
-        cell_x = torch.arange(cols, device=x.device).view(1, cols) * self.sx
-        y = cell_y + offset // self.sx  # [rows, cols]
-        xx = cell_x + offset % self.sx  # [rows, cols]
-        return (y * W + xx).flatten().expand(B, rows * cols)  # [B, D], raster order
+            offset = torch.zeros(draws, rows, cols, dtype=torch.long, device=x.device)
+        cell_t = torch.arange(depth, device=x.device).view(depth, 1, 1) * self.st
+        cell_y = torch.arange(rows, device=x.device).view(1, rows, 1) * self.sy
+        cell_x = torch.arange(cols, device=x.device).view(1, 1, cols) * self.sx
+        area = self.sy * self.sx  # positions of one frame of a cell
+        t = cell_t + offset // area  # [depth, rows, cols] (offset broadcasts over frames when st=1)
+        y = cell_y + offset % area // self.sx  # [depth or 1, rows, cols]
+        xx = cell_x + offset % self.sx  # [depth or 1, rows, cols]
+        D = depth * rows * cols
+        return ((t * H + y) * W + xx).flatten().expand(B, D)  # [B, D], raster order (frame, row, column)
 
     def merge_matrix(self, x: Tensor, dst: Tensor, ctx: MergeContext) -> MergePlan:
         B, N, _ = x.shape
@@ -119,7 +142,7 @@ class ToMeSD(MergeStrategy):
         if r > S:
             warnings.warn(
                 f"tomesd: ratio {ctx.ratio} asks to remove {r} of {N} tokens, but only {S} are "
-                f"sources with sx={self.sx}, sy={self.sy}; removing {S}", stacklevel=3)
+                f"sources with sx={self.sx}, sy={self.sy}, st={self.st}; removing {S}", stacklevel=3)
             r = S
 
         a, b = unit_rows(x, src, dst[0], eps=1e-6)  # [B, S, C], [B, D, C] unit rows
