@@ -33,6 +33,12 @@ attention maps):
 
 Common rules:
 
+* Video grids (``(T, H, W)``, docs/strategies.md, "3-D (video) token grids"): windows are ``kt x k x k``
+  boxes with ``kt = temporal_window`` (1, the default: per frame, one destination per frame's window;
+  ``K = kt * k * k``). Frames left over when ``T`` is not divisible by ``kt`` are leftovers like rows.
+  Global matching (``local=False``) is over every destination of the clip, so a source may merge into a
+  destination of another frame; ``local=True`` with ``kt = 1`` keeps every merge inside one frame.
+
 * ``r`` is capped at the number of sources, with a warning, then rounded down to a multiple of
   ``round_tokens`` (default: 1, i.e. no rounding, for the paper variant, which states no rounding; 16
   for the streak variant). As for ``ssm.round_windows``, a positive ``r`` is never rounded down to 0
@@ -75,7 +81,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from tomerge.context import MergeContext
+from tomerge.context import Grid, MergeContext
 from tomerge.options import check_bool, check_choice, check_int, check_number
 from tomerge.plan import MergePlan, unit_rows
 from tomerge.strategy import MergeStrategy
@@ -93,6 +99,8 @@ class IDM(MergeStrategy):
 
     Args:
         window: window side ``k``; one destination per full ``k x k`` window; at least 2.
+        temporal_window: window depth ``kt`` in frames on a ``(T, H, W)`` grid (``kt x k x k`` windows); 1
+            (default): windows per frame. A 2-D grid is one frame: with ``kt > 1`` it has no full window.
         alpha_d: weight of the streak term of the priority (attention variant); ``>= 0``.
         variant: ``"attention"`` (paper: destination = most attended token of the window, sources by
             inattentiveness; needs ``ctx.received_attention``) or ``"streak"`` (released code: destination
@@ -111,6 +119,7 @@ class IDM(MergeStrategy):
     name: ClassVar[str] = "idm"
 
     window: int = 2
+    temporal_window: int = 1
     alpha_d: float = 0.05
     variant: str = "attention"
     local: bool = False
@@ -121,6 +130,7 @@ class IDM(MergeStrategy):
         super().__post_init__()
         what = "idm"
         check_int(self.window, "window", what, low=2, note="k x k windows")
+        check_int(self.temporal_window, "temporal_window", what, low=1, note="frames per window")
         check_number(self.alpha_d, "alpha_d", what, low=0, note="0 ignores streaks")
         check_choice(self.variant, "variant", what, VARIANTS,
                      note="'attention' = paper, 'streak' = authors' released code")
@@ -149,6 +159,21 @@ class IDM(MergeStrategy):
         return self.plan_from
 
     # ------------------------------------------------------------------ pure helpers
+    @property
+    def window_size(self) -> int:
+        """``K = kt * k * k``, tokens per window (``k * k`` with the default ``temporal_window=1``)."""
+        return self.temporal_window * self.window * self.window
+
+    @property
+    def window_label(self) -> str:
+        """``"kxk"``, or ``"ktxkxk"`` with a temporal window, for messages."""
+        space = f"{self.window}x{self.window}"
+        return space if self.temporal_window == 1 else f"{self.temporal_window}x{space}"
+
+    def windows(self, grid: Grid, device: torch.device | str = "cpu") -> Tensor:
+        """``[nW, K]``: :func:`~tomerge.strategies.ssm.window_tokens` with this strategy's window sizes."""
+        return window_tokens(grid, self.window, device, self.temporal_window)
+
     def priority(self, ctx: MergeContext, batch: int, num_tokens: int, device: torch.device) -> Tensor:
         """Inattentiveness priority ``P = -a / mean(a) + alpha_d * streak / mean(streak)`` (attention variant).
 
@@ -172,7 +197,7 @@ class IDM(MergeStrategy):
         if num_windows == 0:
             return 0
         if self.local:
-            return num_windows * (self.window * self.window - 1)
+            return num_windows * (self.window_size - 1)
         return num_tokens - num_windows
 
     def num_removed(self, ctx: MergeContext, num_tokens: int, num_windows: int) -> int:
@@ -183,14 +208,14 @@ class IDM(MergeStrategy):
             >>> IDM(variant="streak").num_removed(MergeContext(grid=(16, 16), ratio=0.3), 256, 64)  # 76 -> 64
             64
         """
-        K = self.window * self.window
+        K = self.window_size
         r = ctx.tokens_to_remove(num_tokens)
         n_src = self.num_sources(num_tokens, num_windows)
         if r > n_src:
             where = "inside full windows " if self.local else ""
             warnings.warn(
                 f"idm: ratio {ctx.ratio} asks to remove {r} of {num_tokens} tokens, but the grid {ctx.grid} with "
-                f"{self.window}x{self.window} windows has only {n_src} sources {where}(at most 1 - 1/{K} of the "
+                f"{self.window_label} windows has only {n_src} sources {where}(at most 1 - 1/{K} of the "
                 f"tokens); capping r at {n_src}",
                 stacklevel=4,  # the caller of MergeStrategy.plan
             )
@@ -205,7 +230,7 @@ class IDM(MergeStrategy):
         every destination of a full window, whether or not a source merged into it, and every merged
         source; unmerged sources are not.
         """
-        D = window_tokens(ctx.grid, self.window, plan.dst.device).shape[0]
+        D = self.windows(ctx.grid, plan.dst.device).shape[0]
         if plan.is_identity or D == 0:
             return torch.zeros(plan.dst.shape, dtype=torch.bool, device=plan.dst.device)
         return plan.slot_of_token < D  # slots 0..D-1 are the destinations' (from_matching order)
@@ -222,7 +247,7 @@ class IDM(MergeStrategy):
             ``[B, nW]`` long token positions, one per full window, windows in raster order.
         """
         B, N, _ = x.shape
-        windows = window_tokens(ctx.grid, self.window, x.device)  # [nW, K]
+        windows = self.windows(ctx.grid, x.device)  # [nW, K]
         if self.variant == "attention":
             if ctx.received_attention is None:
                 raise ValueError(
@@ -251,13 +276,13 @@ class IDM(MergeStrategy):
             A hard :class:`MergePlan` removing :meth:`num_removed` tokens (identity when none).
         """
         B, N, C = x.shape
-        K = self.window * self.window
+        K = self.window_size
         D = dst.shape[1]
         r = self.num_removed(ctx, N, D)
         if r == 0:
             return MergePlan.identity(B, N, device=x.device)
 
-        windows = window_tokens(ctx.grid, self.window, x.device)  # [nW, K]
+        windows = self.windows(ctx.grid, x.device)  # [nW, K]
         window_of = torch.full((N,), -1, dtype=torch.long, device=x.device)  # [N], -1 outside windows
         window_of[windows] = torch.arange(D, device=x.device).view(D, 1).expand(D, K)
         is_dst = torch.zeros(B, N, dtype=torch.bool, device=x.device).scatter_(1, dst, True)  # [B, N]

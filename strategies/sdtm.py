@@ -46,7 +46,8 @@ A :class:`~tomerge.Schedule` combining the two SDTM strategies (docs/schedules.m
   merging, not about the prompt). ``prompt_reweight=None`` or ``1`` turns it off.
 
 Options of the two strategies are flattened into this schedule (one flat config for logs and sweeps):
-``window`` (shared ``k x k`` window side), ``alpha_s`` and ``round_windows`` (SSM), ``alpha_d``,
+``window`` (shared ``k x k`` window side), ``temporal_window`` (shared window depth in frames on a
+``(T, H, W)`` video grid, default 1: windows per frame; docs/strategies.md, "3-D (video) token grids"), ``alpha_s`` and ``round_windows`` (SSM), ``alpha_d``,
 ``idm_variant`` (IDM's ``variant``: ``"attention"`` paper, ``"streak"`` released code),
 ``idm_local`` (IDM's ``local``) and ``idm_round_tokens`` (IDM's ``round_tokens``: ``None`` takes the
 variant's default, 16 for ``"streak"`` as the release's ``min(3N/4, r) // 16 * 16``, 1 = none for
@@ -122,6 +123,7 @@ class SDTM(Schedule):
         structure_sublayers: where SSM merges (default attention and MLP).
         detail_sublayers: where IDM merges (default MLP only).
         window: ``k x k`` window side of both SSM and IDM.
+        temporal_window: window depth in frames of both SSM and IDM on a ``(T, H, W)`` grid (1: per frame).
         alpha_s: SSM persistence-prior weight.
         round_windows: SSM rounds the merged-window count down to a multiple of this (1: off).
         alpha_d: IDM streak weight.
@@ -156,6 +158,7 @@ class SDTM(Schedule):
     structure_sublayers: tuple[str, ...] = ("attn", "mlp")
     detail_sublayers: tuple[str, ...] = ("mlp",)
     window: int = 2
+    temporal_window: int = 1
     alpha_s: float = 0.05
     round_windows: int = 16
     alpha_d: float = 0.05
@@ -206,9 +209,10 @@ class SDTM(Schedule):
         set_(self, "_structure", frozenset(self.structure_sublayers))
         set_(self, "_detail", frozenset(self.detail_sublayers))
         set_(self, "_cached", self._structure | self._detail if self.cache_weight is not None else frozenset())
-        set_(self, "_ssm", SSM(window=self.window, alpha_s=self.alpha_s, round_windows=self.round_windows))
-        set_(self, "_idm", IDM(window=self.window, alpha_d=self.alpha_d, variant=self.idm_variant,
-                               local=self.idm_local, round_tokens=self.idm_round_tokens,
+        set_(self, "_ssm", SSM(window=self.window, temporal_window=self.temporal_window, alpha_s=self.alpha_s,
+                               round_windows=self.round_windows))
+        set_(self, "_idm", IDM(window=self.window, temporal_window=self.temporal_window, alpha_d=self.alpha_d,
+                               variant=self.idm_variant, local=self.idm_local, round_tokens=self.idm_round_tokens,
                                plan_from=self.idm_plan_from))
 
     # ------------------------------------------------------------------ the rules, as pure functions

@@ -9,7 +9,10 @@ tokens are already alike can share one computation. The algorithm, per batch ele
 
 1. Partition the ``H x W`` token grid into non-overlapping ``k x k`` windows (``K = k * k`` tokens).
    Only full windows are candidates; rows/columns left over when ``H`` or ``W`` is not divisible by
-   ``k`` keep one slot per token.
+   ``k`` keep one slot per token. On a ``(T, H, W)`` video grid (docs/strategies.md, "3-D (video) token
+   grids") windows are ``kt x k x k`` boxes with ``kt = temporal_window``: 1 (default) windows every frame
+   alone and never mixes frames; ``kt > 1`` merges space-time boxes (``K = kt * k * k``), and frames left
+   over when ``T`` is not divisible by ``kt`` keep one slot per token (so does a 2-D grid, one frame).
 2. Score every window by the mean pairwise cosine similarity of its ``K`` features (fp32, features
    normalised with an epsilon so an all-zero token gives similarity 0, never NaN).
    *Off-diagonal vs diagonal-included mean*: the paper averages the ``K * (K - 1)`` off-diagonal
@@ -56,7 +59,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from tomerge.context import MergeContext
+from tomerge.context import Grid, MergeContext, grid_frames
 from tomerge.options import check_int, check_number
 from tomerge.plan import MergePlan, unit_rows
 from tomerge.strategy import MergeStrategy
@@ -65,29 +68,47 @@ EPS = 1e-6  # feature-norm epsilon: an all-zero token normalises to 0, not NaN
 STAT_EPS = 1e-12  # floor for the mean of a per-token statistic (all-zero rows stay 0)
 
 
-def window_tokens(grid: tuple[int, int], window: int, device: torch.device | str = "cpu") -> Tensor:
-    """Token positions of every full ``window x window`` window of a raster-order grid.
+def window_tokens(grid: Grid, window: int, device: torch.device | str = "cpu", temporal_window: int = 1) -> Tensor:
+    """Token positions of every full window of a raster-order grid.
 
     Args:
-        grid: ``(H, W)`` token grid.
-        window: window side ``k``.
+        grid: ``(H, W)`` or ``(T, H, W)`` token grid (a 2-D grid is one frame).
+        window: window side ``k`` in space.
         device: device of the result.
+        temporal_window: window depth ``kt`` in frames (1: windows never span frames).
 
     Returns:
-        ``[nW, K]`` long, ``nW = (H // k) * (W // k)`` windows in raster order, each listing its
-        ``K = k * k`` token positions in raster order (so column 0 is the top-left token).
-        ``nW`` is 0 when the grid is smaller than one window.
+        ``[nW, K]`` long, ``nW = (T // kt) * (H // k) * (W // k)`` windows in raster order (frame block, row,
+        column), each listing its ``K = kt * k * k`` token positions in raster order (frame, row, column;
+        so column 0 is the top-left token of the window's first frame). ``nW`` is 0 when the grid is smaller
+        than one window.
 
     Example:
         >>> window_tokens((2, 4), 2).tolist()
         [[0, 1, 4, 5], [2, 3, 6, 7]]
+        >>> window_tokens((2, 2, 2), 2, temporal_window=2).tolist()
+        [[0, 1, 2, 3, 4, 5, 6, 7]]
     """
-    H, W = grid
-    k = window
-    Hw, Ww = H // k, W // k
-    pos = torch.arange(H * W, device=device).view(H, W)[: Hw * k, : Ww * k]  # [Hw*k, Ww*k]
-    pos = pos.reshape(Hw, k, Ww, k).permute(0, 2, 1, 3)  # [Hw, Ww, k, k]
-    return pos.reshape(Hw * Ww, k * k)  # [nW, K]
+    T, H, W = grid_frames(grid)
+    k, kt = window, temporal_window
+    Tw, Hw, Ww = T // kt, H // k, W // k
+    pos = torch.arange(T * H * W, device=device).view(T, H, W)[: Tw * kt, : Hw * k, : Ww * k]  # [Tw*kt, Hw*k, Ww*k]
+    pos = pos.reshape(Tw, kt, Hw, k, Ww, k).permute(0, 2, 4, 1, 3, 5)  # [Tw, Hw, Ww, kt, k, k]
+    return pos.reshape(Tw * Hw * Ww, kt * k * k)  # [nW, K]
+
+
+def window_offsets(grid: Grid, window: int, device: torch.device | str = "cpu", temporal_window: int = 1) -> Tensor:
+    """``[K]`` raster offsets of a window's members from its first (top-left, first-frame) token, in the member
+    order of :func:`window_tokens`.
+
+    Example:
+        >>> window_offsets((3, 4, 5), 2, temporal_window=2).tolist()
+        [0, 1, 5, 6, 20, 21, 25, 26]
+    """
+    _, H, W = grid_frames(grid)
+    dt, dy, dx = torch.meshgrid(torch.arange(temporal_window, device=device), torch.arange(window, device=device),
+                                torch.arange(window, device=device), indexing="ij")  # [kt, k, k] each
+    return ((dt * H + dy) * W + dx).flatten()  # [K]
 
 
 def normalized_stat(stat: Tensor, batch: int) -> Tensor:
@@ -110,6 +131,9 @@ class SSM(MergeStrategy):
 
     Args:
         window: window side ``k`` (``k x k`` windows, ``K = k * k`` tokens each); at least 2.
+        temporal_window: window depth ``kt`` in frames on a ``(T, H, W)`` grid (``kt x k x k`` windows,
+            ``K = kt * k * k``); 1 (default): windows per frame. A 2-D grid is one frame: with ``kt > 1`` it has
+            no full window (the cap warns, nothing merges).
         alpha_s: weight of the persistence prior (uses ``ctx.streak`` when given); ``>= 0``.
         round_windows: round the number of merged windows down to a multiple of this (authors'
             code: 16); 1 disables. Never rounds a positive count down to 0.
@@ -119,6 +143,7 @@ class SSM(MergeStrategy):
     name: ClassVar[str] = "ssm"
 
     window: int = 2
+    temporal_window: int = 1
     alpha_s: float = 0.05
     round_windows: int = 16
 
@@ -129,13 +154,24 @@ class SSM(MergeStrategy):
     def __post_init__(self) -> None:
         super().__post_init__()
         check_int(self.window, "window", "ssm", low=2, note="k x k windows")
+        check_int(self.temporal_window, "temporal_window", "ssm", low=1, note="frames per window")
         check_number(self.alpha_s, "alpha_s", "ssm", low=0, note="0 disables the prior")
         check_int(self.round_windows, "round_windows", "ssm", low=1, note="1 disables rounding")
 
     @property
     def window_size(self) -> int:
-        """``K = k * k``, tokens per window."""
-        return self.window * self.window
+        """``K = kt * k * k``, tokens per window (``k * k`` with the default ``temporal_window=1``)."""
+        return self.temporal_window * self.window * self.window
+
+    @property
+    def window_label(self) -> str:
+        """``"kxk"``, or ``"ktxkxk"`` with a temporal window, for messages."""
+        space = f"{self.window}x{self.window}"
+        return space if self.temporal_window == 1 else f"{self.temporal_window}x{space}"
+
+    def windows(self, grid: Grid, device: torch.device | str = "cpu") -> Tensor:
+        """``[nW, K]``: :func:`window_tokens` with this strategy's window sizes."""
+        return window_tokens(grid, self.window, device, self.temporal_window)
 
     # ------------------------------------------------------------------ pure helpers
     def num_windows(self, num_tokens: int, num_full_windows: int, ctx: MergeContext) -> int:
@@ -154,7 +190,7 @@ class SSM(MergeStrategy):
         if n_win > num_full_windows:
             warnings.warn(
                 f"ssm: ratio {ctx.ratio} asks to remove {r} of {num_tokens} tokens ({n_win} windows), but the "
-                f"grid {ctx.grid} has only {num_full_windows} full {self.window}x{self.window} windows; capping "
+                f"grid {ctx.grid} has only {num_full_windows} full {self.window_label} windows; capping "
                 f"at {num_full_windows} windows ({num_full_windows * (self.window_size - 1)} tokens removed)",
                 stacklevel=4,  # the caller of MergeStrategy.plan
             )
@@ -174,7 +210,7 @@ class SSM(MergeStrategy):
         """
         B = x.shape[0]
         K = self.window_size
-        windows = window_tokens(ctx.grid, self.window, x.device)  # [nW, K]
+        windows = self.windows(ctx.grid, x.device)  # [nW, K]
         (xw,) = unit_rows(x, windows.flatten(), eps=EPS)  # [B, nW*K, C] unit rows
         xw = xw.view(B, *windows.shape, x.shape[-1])  # [B, nW, K, C]
         gram = xw @ xw.transpose(-1, -2)  # [B, nW, K, K]
@@ -199,7 +235,7 @@ class SSM(MergeStrategy):
         """
         B, N, _ = x.shape
         K = self.window_size
-        windows = window_tokens(ctx.grid, self.window, x.device)  # [nW, K]
+        windows = self.windows(ctx.grid, x.device)  # [nW, K]
         n_win = self.num_windows(N, windows.shape[0], ctx)
         if n_win == 0:
             return torch.arange(N, device=x.device).expand(B, N)  # [B, N]
@@ -231,10 +267,7 @@ class SSM(MergeStrategy):
         n_win = (N - M) // (K - 1)
         if n_win == 0:
             return MergePlan.identity(B, N, device=x.device)
-        H, W = ctx.grid
-        dy, dx = torch.meshgrid(torch.arange(self.window, device=x.device),
-                                torch.arange(self.window, device=x.device), indexing="ij")
-        offsets = (dy * W + dx).flatten()  # [K], raster offsets from a window's top-left token
+        offsets = window_offsets(ctx.grid, self.window, x.device, self.temporal_window)  # [K] from the first token
         members = dst[:, :n_win, None] + offsets  # [B, n_win, K]
         window_slots = torch.arange(n_win, device=x.device).view(1, n_win, 1).expand(B, n_win, K)  # [B, n_win, K]
         single_slots = torch.arange(n_win, M, device=x.device).expand(B, M - n_win)  # [B, M - n_win]
