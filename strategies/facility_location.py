@@ -14,6 +14,14 @@ Algorithm (all tiles and batch elements at once; the only Python loop runs over 
    ``"stripes"``: contiguous runs of the raster sequence of length ``s = ceil(N / num_tiles)``, i.e.
    ``ceil(N / s)`` stripes (the last one padded). Padding slots hold position ``N`` in the layout, have
    zero features, are never selected and get zero merge weight.
+   Video grids ``(T, H, W)`` (docs/strategies.md, "3-D (video) token grids"): the frames are cut into
+   groups of ``tile_frames`` consecutive frames (default 1: every frame alone, so no tile crosses frames),
+   and every group is laid out as a 2-D grid is, with its tiles extended through the group's frames:
+   ``tile_frames x t x t`` boxes (``t`` from one frame, ``t = max(1, round(sqrt(H*W / num_tiles)))``), or
+   stripes of ``s = ceil(tile_frames*H*W / num_tiles)`` consecutive tokens of the group. So ``num_tiles``
+   is the target tile count per group of frames (per frame by default), and a 2-D grid is one frame.
+   Frames left over when ``T`` is not divisible by ``tile_frames`` form a shorter last group, padded like
+   a grid not divisible by ``t``.
 3. Destinations: ``d = (N - r) // T`` per tile with ``r = ctx.tokens_to_remove(N)`` (at least 1), so
    ``M = T*d`` slots and ``num_removed = N - M >= r`` (fewer, with a warning, only when ``d`` had to be
    raised to 1). Greedy facility location per tile on ``S = X X^T [B, T, s, s]``: the first pick
@@ -52,7 +60,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from tomerge.context import MergeContext
+from tomerge.context import Grid, MergeContext, grid_frames
 from tomerge.options import check_bool, check_choice, check_int, check_number
 from tomerge.plan import MergePlan, take_rows
 from tomerge.strategy import MergeStrategy
@@ -70,6 +78,7 @@ class FacilityLocation(MergeStrategy):
         locality: ``"tiles"`` (square ``t x t`` blocks of the grid) or ``"stripes"`` (raster runs).
         num_tiles: target tile count ``T``; sets the tile side (tiles) or the stripe length (stripes).
         tile_size: tile side ``t`` overriding ``num_tiles`` (tiles only).
+        tile_frames: frames per tile on a ``(T, H, W)`` grid (tiles and stripes); 1 (default): per frame.
         temperature: ``tau`` of ``softmax(L / tau)``; small means practically hard assignments.
         mask_selected: never pick a chosen destination again (the authors' code does not mask).
         shared_destinations: select on batch element 0 and share the destinations (as the authors do).
@@ -86,6 +95,7 @@ class FacilityLocation(MergeStrategy):
     locality: str = "tiles"
     num_tiles: int = 64
     tile_size: int | None = None
+    tile_frames: int = 1
     temperature: float = 1e-3
     mask_selected: bool = True
     shared_destinations: bool = False
@@ -97,6 +107,7 @@ class FacilityLocation(MergeStrategy):
         check_choice(self.locality, "locality", what, LOCALITIES)
         check_int(self.num_tiles, "num_tiles", what, low=1)
         check_int(self.tile_size, "tile_size", what, low=1, optional=True)
+        check_int(self.tile_frames, "tile_frames", what, low=1, note="frames per tile on a (T, H, W) grid")
         if self.tile_size is not None and self.locality != "tiles":
             raise ValueError(f"{what}: tile_size is the side of square tiles; for stripes set num_tiles instead")
         check_number(self.temperature, "temperature", what, low=0, low_open=True)
@@ -105,39 +116,55 @@ class FacilityLocation(MergeStrategy):
         check_choice(self.unmerge_matrix, "unmerge_matrix", what, UNMERGES)
 
     # ------------------------------------------------------------------ layout
-    def tile_side(self, grid: tuple[int, int]) -> int:
-        """Tile side ``t``: ``tile_size``, else ``max(1, round(sqrt(N / num_tiles)))``."""
+    def tile_side(self, grid: Grid) -> int:
+        """Tile side ``t``: ``tile_size``, else ``max(1, round(sqrt(H * W / num_tiles)))`` (one frame's ``H * W``)."""
         if self.tile_size is not None:
             return self.tile_size
-        return max(1, round(math.sqrt(grid[0] * grid[1] / self.num_tiles)))
+        _, H, W = grid_frames(grid)
+        return max(1, round(math.sqrt(H * W / self.num_tiles)))
 
-    def tile_layout(self, grid: tuple[int, int], device: torch.device | str = "cpu") -> Tensor:
+    def stripe_length(self, grid: Grid) -> int:
+        """Stripe length ``s = ceil(tile_frames * H * W / num_tiles)`` (``ceil(N / num_tiles)`` on a 2-D grid)."""
+        _, H, W = grid_frames(grid)
+        return -(-(self.tile_frames * H * W) // self.num_tiles)
+
+    def tile_layout(self, grid: Grid, device: torch.device | str = "cpu") -> Tensor:
         """Token position of every tile member.
 
         Args:
-            grid: ``(H, W)`` token grid in raster order.
+            grid: ``(H, W)`` or ``(T, H, W)`` token grid in raster order.
             device: where to build the layout.
 
         Returns:
-            ``[T, s]`` long positions; ``N = H*W`` marks padding. Tiles are in raster order of the tile
-            grid, members in raster order inside the tile.
+            ``[T, s]`` long positions (``T`` tiles of ``s`` slots); ``N`` (the token count) marks padding. Tiles
+            are in raster order of the tile grid (group of frames, tile row, tile column; stripes: group, then
+            position), members in raster order inside the tile (frame, row, column).
         """
-        H, W = grid
-        N = H * W
+        frames, H, W = grid_frames(grid)
+        N = frames * H * W
+        depth = self.tile_frames
+        groups = -(-frames // depth)  # groups of `depth` frames, the last one possibly shorter
+        g = torch.arange(groups, device=device)
         if self.locality == "stripes":
-            s = -(-N // self.num_tiles)  # ceil(N / num_tiles)
-            T = -(-N // s)  # ceil(N / s): no stripe is all padding
-            pos = torch.arange(T * s, device=device)  # [T*s]
-            return pos.clamp(max=N).view(T, s)  # [T, s]
+            s = self.stripe_length(grid)
+            per_group = -(-(depth * H * W) // s)  # stripes of a full group: no stripe is all padding
+            last = frames - (groups - 1) * depth  # frames of the last group
+            count = (groups - 1) * per_group + -(-(last * H * W) // s)  # the last group may need fewer stripes
+            offset = torch.arange(per_group * s, device=device).view(1, per_group, s)  # [1, per_group, s] in group
+            group_len = ((frames - g * depth).clamp(max=depth) * (H * W)).view(groups, 1, 1)  # [groups, 1, 1]
+            pos = torch.where(offset < group_len, g.view(groups, 1, 1) * (depth * H * W) + offset, N)  # [groups, per_group, s]
+            return pos.reshape(groups * per_group, s)[:count]  # [T, s]: drop the last group's empty stripes
         t = self.tile_side(grid)
         nty, ntx = -(-H // t), -(-W // t)
-        ty = torch.arange(nty, device=device).view(nty, 1, 1, 1)
-        tx = torch.arange(ntx, device=device).view(1, ntx, 1, 1)
-        a = torch.arange(t, device=device).view(1, 1, t, 1)
-        row = ty * t + a  # [nty, 1, t, 1]
-        col = tx * t + a.view(1, 1, 1, t)  # [1, ntx, 1, t]
-        pos = torch.where((row < H) & (col < W), row * W + col, N)  # [nty, ntx, t, t]
-        return pos.reshape(nty * ntx, t * t)  # [T, s]
+        frame = g.view(groups, 1, 1, 1, 1, 1) * depth + torch.arange(depth, device=device).view(1, 1, 1, depth, 1, 1)
+        ty = torch.arange(nty, device=device).view(1, nty, 1, 1, 1, 1)
+        tx = torch.arange(ntx, device=device).view(1, 1, ntx, 1, 1, 1)
+        a = torch.arange(t, device=device)
+        row = ty * t + a.view(1, 1, 1, 1, t, 1)  # [1, nty, 1, 1, t, 1]
+        col = tx * t + a.view(1, 1, 1, 1, 1, t)  # [1, 1, ntx, 1, 1, t]
+        inside = (frame < frames) & (row < H) & (col < W)  # [groups, nty, ntx, depth, t, t]
+        pos = torch.where(inside, (frame * H + row) * W + col, N)  # [groups, nty, ntx, depth, t, t]
+        return pos.reshape(groups * nty * ntx, depth * t * t)  # [T, s]
 
     # ------------------------------------------------------------------ the algorithm
     def plan(self, x: Tensor, ctx: MergeContext, destinations: Tensor | None = None) -> MergePlan:
@@ -260,15 +287,18 @@ class FacilityLocation(MergeStrategy):
         return MergePlan.soft(W, U, dst, N, tile_tokens=layout)
 
     # ------------------------------------------------------------------ internals
-    def _fewest_members(self, grid: tuple[int, int]) -> int:
-        """Real tokens in the smallest tile of :meth:`tile_layout` (the last stripe, or the bottom-right tile)."""
-        H, W = grid
-        N = H * W
+    def _fewest_members(self, grid: Grid) -> int:
+        """Real tokens in the smallest tile of :meth:`tile_layout` (the last stripe of a group, or the
+        bottom-right tile of the last group of frames)."""
+        frames, H, W = grid_frames(grid)
+        depth = self.tile_frames
+        last = frames - (-(-frames // depth) - 1) * depth  # frames of the last group
         if self.locality == "stripes":
-            s = -(-N // self.num_tiles)
-            return N - (-(-N // s) - 1) * s
+            s = self.stripe_length(grid)
+            sizes = {last * H * W} | ({depth * H * W} if frames > last else set())  # tokens of a group
+            return min(n - (-(-n // s) - 1) * s for n in sizes)
         t = self.tile_side(grid)
-        return (H - (-(-H // t) - 1) * t) * (W - (-(-W // t) - 1) * t)
+        return last * (H - (-(-H // t) - 1) * t) * (W - (-(-W // t) - 1) * t)
 
     def _dst_per_tile(self, N: int, T: int, ctx: MergeContext) -> int:
         """``d = (N - r) // T``, at least 1 (warns when that removes fewer than ``r`` tokens)."""

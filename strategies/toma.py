@@ -35,8 +35,10 @@ the first kind of a multi-kind model; for Flux's single-stream blocks it is only
 core provides ``kind_index`` (a schedule is frozen and stateless, so it cannot count blocks itself).
 
 Facility-location options are forwarded under their own names (``locality``, ``num_tiles``,
-``tile_size``, ``temperature``, ``mask_selected``, ``shared_destinations``, ``unmerge_matrix``) and
-validated by building the strategy once in ``__post_init__``.
+``tile_size``, ``tile_frames``, ``temperature``, ``mask_selected``, ``shared_destinations``, ``unmerge_matrix``) and
+validated by building the strategy once in ``__post_init__``. On a ``(T, H, W)`` video grid the tiles are
+per frame by default, ``tile_frames`` frames deep otherwise (docs/strategies.md, "3-D (video) token grids");
+the schedule's rules do not depend on the grid.
 
 Presets (registered names; every option can still be overridden):
     * ``toma_release``: :class:`ToMARelease`, the authors' Flux run (``run_flux.py``).
@@ -96,7 +98,7 @@ class ToMA(Schedule):
         sublayers: where the plan is applied (default attention and MLP).
         kind_sublayers: ``((block_kind, sublayers), ...)`` overriding ``sublayers`` for those block kinds
             (the authors' Flux run merges only the attention of double-stream blocks: ``(("double", ("attn",)),)``).
-        locality, num_tiles, tile_size, temperature, mask_selected, shared_destinations, unmerge_matrix:
+        locality, num_tiles, tile_size, tile_frames, temperature, mask_selected, shared_destinations, unmerge_matrix:
             :class:`~tomerge.strategies.facility_location.FacilityLocation` options.
 
     Example:
@@ -117,6 +119,7 @@ class ToMA(Schedule):
     locality: str = "tiles"
     num_tiles: int = 64
     tile_size: int | None = None
+    tile_frames: int = 1
     temperature: float = 1e-3
     mask_selected: bool = True
     shared_destinations: bool = False
@@ -149,7 +152,7 @@ class ToMA(Schedule):
         set_(self, "kind_sublayers", tuple(sorted(by_kind.items())))
         set_(self, "_by_kind", {kind: frozenset(names) for kind, names in by_kind.items()})
         set_(self, "_facility", FacilityLocation(  # validates the forwarded options ("facility_location: ...")
-            locality=self.locality, num_tiles=self.num_tiles, tile_size=self.tile_size,
+            locality=self.locality, num_tiles=self.num_tiles, tile_size=self.tile_size, tile_frames=self.tile_frames,
             temperature=self.temperature, mask_selected=self.mask_selected,
             shared_destinations=self.shared_destinations, unmerge_matrix=self.unmerge_matrix))
 
