@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import tomerge
-from tomerge.contract import CHECKS, check_strategy
+from tomerge.contract import CHECKS, GRIDS, check_strategy
 from tomerge.strategy import MergeStrategy
 
 STRATEGIES = [n for n in tomerge.list_strategies()
@@ -24,13 +24,18 @@ def test_every_builtin_strategy_is_registered():
 CHECK_PARAMS = [pytest.param(c, marks=pytest.mark.tie_sensitive) if c == "per_sample" else c for c in CHECKS]
 
 
+@pytest.mark.parametrize("grid", GRIDS, ids=["x".join(map(str, g)) for g in GRIDS])  # an image and a video
 @pytest.mark.parametrize("check", CHECK_PARAMS)
 @pytest.mark.parametrize("name", STRATEGIES)
-def test_contract(name, check):
+def test_contract(name, check, grid):
     strategy = tomerge.get_strategy(name)
     if check == "per_sample" and not strategy.batch_independent:
         pytest.skip(f"{name} shares one layout across the batch by design")
-    check_strategy(name, checks=(check,))
+    check_strategy(name, checks=(check,), grid=grid)
+
+
+def test_contract_grids_cover_an_image_and_a_video():
+    assert {len(g) for g in GRIDS} == {2, 3}
 
 
 def test_contract_catches_a_broken_strategy():
