@@ -299,3 +299,75 @@ def save_tiny_clip(folder: str | Path) -> Path:
 def clip_folder() -> Path:
     """The tiny CLIP, saved once per process into a temporary folder removed at exit."""
     return save_tiny_clip(_temp_dir("tomerge-tiny-clip-"))
+
+
+# ---------------------------------------------------------------------- current families (declared adapters)
+# Built like the pipelines above (random weights, in-memory tokenizers, save_pretrained), but not part of
+# FAMILIES: they are used by tests/test_backbones_current.py and tests/test_backbones_video.py.
+#
+# | family | loads as | output | latent | merged token grid |
+# |---|---|---|---|---|
+# | ``sana`` | SanaPipeline (Gemma-2 text encoder, DC-AE) | 32 x 32 image | 16 x 16 x 4 | 16 x 16 (patch 1) |
+# | ``wan`` | WanPipeline (UMT5 encoder, Wan VAE) | 9 frames of 64 x 64 | 3 x 8 x 8 x 16 | 3 x 4 x 4 (patch (1, 2, 2)) |
+CURRENT_CALL_DEFAULTS: dict[str, dict[str, Any]] = {
+    "sana": {**_SIZE, "guidance_scale": 4.5, "max_sequence_length": 16, "use_resolution_binning": False,
+             "clean_caption": False, "complex_human_instruction": None},
+    "wan": {"height": 64, "width": 64, "num_frames": 9, "num_inference_steps": 2, "guidance_scale": 5.0,
+            "max_sequence_length": 16},
+}
+
+
+def _build_sana():
+    from diffusers import AutoencoderDC, DPMSolverMultistepScheduler, SanaPipeline, SanaTransformer2DModel
+    from transformers import Gemma2Config, Gemma2Model
+
+    tokenizer = t5_tokenizer()  # any tokenizer: the pipeline only pads it to max_length on the right
+    config = Gemma2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=64,
+                          pad_token_id=tokenizer.pad_token_id)
+    _seeded(1)
+    text_encoder = Gemma2Model(config).eval()
+    _seeded(0)
+    transformer = SanaTransformer2DModel(
+        in_channels=4, out_channels=4, num_attention_heads=4, attention_head_dim=8, num_layers=2,
+        num_cross_attention_heads=2, cross_attention_head_dim=16, cross_attention_dim=32, caption_channels=32,
+        mlp_ratio=2.5, sample_size=16, patch_size=1).eval()
+    _seeded(2)
+    vae = AutoencoderDC(
+        in_channels=3, latent_channels=4, attention_head_dim=2, encoder_block_types=("ResBlock", "EfficientViTBlock"),
+        decoder_block_types=("ResBlock", "EfficientViTBlock"), encoder_block_out_channels=(8, 8),
+        decoder_block_out_channels=(8, 8), encoder_qkv_multiscales=((), (5,)), decoder_qkv_multiscales=((), (5,)),
+        encoder_layers_per_block=(1, 1), decoder_layers_per_block=(1, 1), downsample_block_type="conv",
+        upsample_block_type="interpolate", decoder_norm_types="rms_norm", decoder_act_fns="silu",
+        scaling_factor=0.41407).eval()
+    scheduler = DPMSolverMultistepScheduler(flow_shift=3.0, use_flow_sigmas=True, prediction_type="flow_prediction")
+    return SanaPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, transformer=transformer,
+                        scheduler=scheduler)
+
+
+def _build_wan():
+    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
+
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    tokenizer = t5_tokenizer()
+    config = UMT5Config(vocab_size=len(tokenizer), d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+                        relative_attention_num_buckets=8, relative_attention_max_distance=32,
+                        feed_forward_proj="gated-gelu", dropout_rate=0.0, pad_token_id=tokenizer.pad_token_id,
+                        eos_token_id=tokenizer.eos_token_id, decoder_start_token_id=tokenizer.pad_token_id,
+                        is_encoder_decoder=False, use_cache=False)
+    _seeded(1)
+    text_encoder = UMT5EncoderModel(config).eval()  # text_dim = d_model
+    _seeded(0)
+    transformer = WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=16, out_channels=16,
+        text_dim=32, freq_dim=32, ffn_dim=64, num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
+        rope_max_seq_len=32).eval()
+    _seeded(2)
+    vae = AutoencoderKLWan(base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                           temperal_downsample=[False, True, True]).eval()
+    return WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae,
+                       scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), transformer=transformer)
+
+
+_BUILDERS.update({"sana": _build_sana, "wan": _build_wan})

@@ -471,3 +471,43 @@ def test_a_declared_point_refuses_a_mask_it_cannot_merge(models):
         with pytest.raises(ValueError, match="attention mask"):
             run(model, inputs)
     assert isinstance(DeclaredPoint, type)
+
+
+# ---------------------------------------------------------------------- a pipeline from a local folder
+def generate(pipe, family: str, seeds=(0, 1)) -> Tensor:
+    """A 2-prompt, 2-step generation of a tiny pipeline of ``local_pipelines`` (images or video frames)."""
+    import local_pipelines
+
+    out = pipe(prompt=["a photo of a cat", "a red car in the city"], output_type="pt",
+               generator=[torch.Generator().manual_seed(s) for s in seeds],
+               **local_pipelines.CURRENT_CALL_DEFAULTS[family])
+    return out.images if hasattr(out, "images") else out.frames
+
+
+def load_tiny_pipeline(family: str):
+    import local_pipelines
+    from diffusers import DiffusionPipeline
+
+    pipe = DiffusionPipeline.from_pretrained(local_pipelines.pipeline_folder(family), local_files_only=True)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+@pytest.mark.filterwarnings("ignore:__array__ implementation:DeprecationWarning")
+def test_sana_pipeline_loaded_from_a_local_folder_merges_and_is_restored(monkeypatch):
+    """SanaPipeline (Gemma-2 text encoder, DC-AE, DPM-Solver flow) saved and loaded offline: ``merging(pipe)``
+    patches its transformer, the scheduler gives the step (batched guidance: one call per step), the images
+    change and are bit-identical again afterwards."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    pipe = load_tiny_pipeline("sana")
+    assert type(pipe).__name__ == "SanaPipeline"
+    before = generate(pipe, "sana")
+    assert torch.equal(generate(pipe, "sana"), before)
+    with tomerge.merging(pipe, "tomesd", ratio=0.5, use_rand=False) as handle:
+        merged = generate(pipe, "sana")
+        assert handle.model is pipe.transformer and handle.adapter.name == "sana"
+        assert [r.step for r in handle.state.records] == [0, 0, 1, 1] and handle.state.clock.num_steps == 2
+        assert all(r.num_tokens == 256 and r.num_removed == 128 for r in handle.state.records)
+    assert merged.shape == before.shape == (2, 3, 32, 32) and torch.isfinite(merged).all()
+    assert not torch.equal(merged, before)
+    assert torch.equal(generate(pipe, "sana"), before)

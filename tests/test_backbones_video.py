@@ -19,7 +19,8 @@ from torch import nn
 import tomerge
 from tomerge.registry import backbone_class
 from test_backbones_current import (ALL_SUBLAYERS, Family, Permute, check_batch_equals_samples, check_bit_identical,
-                                    check_flops, check_permutation_is_exact, no_hooks_left, run)
+                                    check_flops, check_permutation_is_exact, generate, load_tiny_pipeline,
+                                    no_hooks_left, run)
 
 
 def _seed(seed: int) -> torch.Generator:
@@ -278,3 +279,29 @@ def test_hunyuan_video_joint_key_mask_follows_the_slots(models):
     mask = seen[0]  # [B, 1, 1, M + T]
     assert mask.shape == (2, 1, 1, 16 + 8)
     assert mask[0].all() and mask[1, 0, 0, :21].all() and not mask[1, 0, 0, 21:].any()
+
+
+# ---------------------------------------------------------------------- a pipeline from a local folder
+@pytest.mark.filterwarnings("ignore:__array__ implementation:DeprecationWarning")
+def test_wan_pipeline_loaded_from_a_local_folder_merges_and_is_restored(monkeypatch):
+    """WanPipeline (UMT5, Wan VAE, flow-matching Euler) saved and loaded offline: 9 frames of 64 x 64 are a
+    3 x 4 x 4 token grid; the pipeline calls the transformer twice per step (conditional, unconditional), and
+    both calls share the scheduler's step; the video changes and is bit-identical again afterwards."""
+    from diffusers import WanTransformer3DModel
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    # Wan keeps some modules in fp32, which diffusers only loads with low_cpu_mem_usage, i.e. with `accelerate`
+    # installed; this float32 model loads the same without the flag.
+    monkeypatch.setattr(WanTransformer3DModel, "_keep_in_fp32_modules", None)
+    pipe = load_tiny_pipeline("wan")
+    assert type(pipe).__name__ == "WanPipeline"
+    before = generate(pipe, "wan")
+    with tomerge.merging(pipe, "tomesd", ratio=0.5, use_rand=False, merge_mlp=True) as handle:
+        merged = generate(pipe, "wan")
+        assert handle.model is pipe.transformer and handle.adapter.name == "wan"
+        assert handle.adapter.grid_size == (3, 4, 4)
+        assert [r.step for r in handle.state.records] == [0] * 4 + [1] * 4 and handle.state.clock.num_steps == 2
+        assert all(r.num_tokens == 48 and r.num_removed == 24 for r in handle.state.records)
+    assert merged.shape == before.shape == (2, 9, 3, 64, 64) and torch.isfinite(merged).all()
+    assert not torch.equal(merged, before)
+    assert torch.equal(generate(pipe, "wan"), before)
