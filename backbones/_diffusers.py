@@ -1,12 +1,15 @@
 """Helpers shared by the adapters of diffusers models: finding the model in a pipeline, call
-arguments (:func:`call_arg`, also used by the ``native_dit`` adapter), patch grids, feed-forward
-chunking, the base adapter of patchified transformers, and the received-attention probe of their
-`Attention` module (fused q/k/v projections: :func:`fused_part`)."""
+arguments (:func:`call_arg`, also used by the ``native_dit`` adapter), patch grids, the merge point of
+feed-forwards that chunk (:class:`FeedForwardPoint`), the base adapter of patchified transformers, and
+the received-attention probe of their `Attention` module (fused q/k/v projections: :func:`fused_part`)."""
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from typing import Any, ClassVar
 
+import torch
 from torch import Tensor, nn
 
 from tomerge.adapter import BackboneAdapter, BlockSpec, MergePoint, class_names
@@ -77,8 +80,91 @@ def patch_grid(latent_size: tuple[int, int] | None, patch_size: int, num_tokens:
     return (H, W) if H * W == num_tokens else None
 
 
+_ABSENT = object()  # a module without an instance-level ``forward`` (the class's is used)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class FeedForwardPoint(MergePoint):
+    """The feed-forward merge point of a diffusers block that can chunk its feed-forward.
+
+    A diffusers block with chunking enabled (``block.set_chunk_feed_forward(size, dim)``,
+    ``model.enable_forward_chunking(...)``: the block's ``_chunk_size`` / ``_chunk_dim``) calls ``ff`` once
+    per chunk of the batch (``dim=0``) or of the sequence (``dim=1``), so a merge point on ``ff`` would see
+    chunks. In a block call that merges this point's sublayer, :meth:`enter_block` therefore moves the
+    chunking into the feed-forwards: it suspends the block's chunking (``_chunk_size = None``: the block
+    calls ``ff`` once, its hooks merge and unmerge the whole sequence) and gives each of
+    ``feed_forwards`` an instance ``forward`` that runs the module's own ``forward`` on chunks of
+    ``_chunk_size`` along ``_chunk_dim`` of what it receives, the merged sequence for ``ff`` (its last
+    chunk is shorter when the merged length is not a multiple). Memory stays bounded as chunking meant
+    it; at ratio 0 (an identity plan) the chunks and so the result are bit-identical to diffusers'.
+    :meth:`exit_block` restores ``_chunk_size``, ``_chunk_dim`` and the modules' ``forward`` exactly. Calls
+    that do not merge this sublayer, and blocks without chunking, are left alone; chunking enabled after
+    :func:`tomerge.apply` works the same (it is read at every block call). See "Feed-forward chunking" in
+    docs/backbones/unet.md (the same for pixart, dit and sd3).
+
+    Args:
+        block: the block module (holds ``_chunk_size`` / ``_chunk_dim``).
+        feed_forwards: names of the block's feed-forwards its chunking applies to (``ff`` first, the merge
+            point's module; e.g. ``("ff", "ff_context")`` for SD3's joint blocks); a name whose attribute is
+            ``None`` (SD3's last block has no ``ff_context``) is skipped.
+    """
+
+    block: nn.Module = dataclasses.field(kw_only=True)
+    feed_forwards: tuple[str, ...] = dataclasses.field(default=("ff",), kw_only=True)
+    _suspended: dict[str, Any] = dataclasses.field(default_factory=dict, init=False, repr=False)
+    _chunked_forwards: dict[str, Callable] = dataclasses.field(default_factory=dict, init=False, repr=False)
+
+    def enter_block(self, merges: bool) -> None:
+        self.exit_block()  # never stack two suspensions (the core calls exit_block after every block call)
+        chunk_size = getattr(self.block, "_chunk_size", None)
+        if not merges or chunk_size is None:
+            return
+        forwards = {}
+        for name in self.feed_forwards:
+            module = getattr(self.block, name, None)
+            if module is not None:
+                forwards[name] = module.__dict__.get("forward", _ABSENT)
+                module.forward = self._chunked_forward(name)
+        self._suspended.update(size=chunk_size, dim=getattr(self.block, "_chunk_dim", 0), forwards=forwards)
+        self.block._chunk_size = None
+
+    def exit_block(self) -> None:
+        if not self._suspended:
+            return
+        saved = dict(self._suspended)
+        self._suspended.clear()
+        self.block._chunk_size, self.block._chunk_dim = saved["size"], saved["dim"]
+        for name, forward in saved["forwards"].items():
+            module = getattr(self.block, name)
+            if forward is _ABSENT:
+                del module.forward  # the instance attribute: the class's forward again
+            else:
+                module.forward = forward
+
+    def _chunked_forward(self, name: str) -> Callable:
+        """The ``forward`` of feed-forward ``name`` while the block's chunking is suspended (one function per
+        name, kept, so that a compiled block sees the same object at every merged call)."""
+        if name not in self._chunked_forwards:
+            def forward(hidden_states: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+                module, saved = getattr(self.block, name), self._suspended
+                inner = saved["forwards"][name]
+                if inner is _ABSENT:
+                    inner = type(module).forward.__get__(module)
+                size, dim = saved["size"], saved["dim"]
+                # [B, M, C] -> chunks [b, M, C] (dim 0) or [B, m, C] (dim 1), as diffusers' _chunked_feed_forward
+                # cuts the full sequence (torch.chunk into N // size equal parts is split(size) when N divides)
+                pieces = hidden_states.split(size, dim=dim)
+                return torch.cat([inner(piece, *args, **kwargs) for piece in pieces], dim=dim)  # [B, M, C']
+            self._chunked_forwards[name] = forward
+        return self._chunked_forwards[name]
+
+
 def check_ff_chunking(blocks: list[nn.Module]) -> None:
     """Raises if any block has feed-forward chunking enabled (``ff`` would get chunks, not the merged sequence).
+
+    Only for adapters whose feed-forward merge point is a plain :class:`MergePoint` (today
+    ``backbones/_declared.py``, until its feed-forward sites use :class:`FeedForwardPoint`, which merges with
+    chunking instead; then this function goes). The adapters of this module's families do not call it.
 
     Args:
         blocks: the block modules (diffusers blocks keep the setting in ``_chunk_size``).
@@ -129,9 +215,6 @@ class PatchifiedAdapter(BackboneAdapter):
         return [BlockSpec(module, layer=i, kind=self.block_kind, points=self.merge_points(module))
                 for i, module in enumerate(self._block_modules())]
 
-    def check(self) -> None:
-        check_ff_chunking(self._block_modules())
-
     def on_model_call(self, args: tuple, kwargs: dict) -> Tensor | float | None:
         sample = call_arg(args, kwargs, "hidden_states", 0)  # [B, C, H0, W0]
         if sample.dim() != 4:
@@ -140,5 +223,4 @@ class PatchifiedAdapter(BackboneAdapter):
         return call_arg(args, kwargs, "timestep", self.timestep_index)
 
     def grid(self, block: BlockSpec, num_tokens: int) -> tuple[int, int] | None:
-        check_ff_chunking([block.module])  # enabled after apply(): say so instead of failing inside ff
         return patch_grid(self.latent_size, self.patch_size, num_tokens)

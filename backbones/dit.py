@@ -10,9 +10,9 @@ by a pre-hook on the model) and patch size ``p``.
 Received attention for ``idm``: a strided set of at most 64 image queries against all keys of
 ``attn1``, from the q/k that its projections computed (:func:`probe_self_attention`).
 
-Feed-forward chunking (``block.set_chunk_feed_forward``) calls ``ff`` once per chunk, which cannot
-take a merged sequence: apply() raises while it is enabled (and so does a call if it is enabled
-later); disable it first.
+Feed-forward chunking (``block.set_chunk_feed_forward``) works with merging: in calls that merge the
+MLP, :class:`~tomerge.backbones._diffusers.FeedForwardPoint` hands ``ff`` the whole merged sequence and
+runs it in the block's chunks (docs/backbones/dit.md).
 
 Note (diffusers 0.42 itself, not tomerge): ``DiTTransformer2DModel.forward`` unpatchifies with
 ``height = width = sqrt(N)``, so the model only produces meaningful output for square latents.
@@ -28,7 +28,7 @@ from torch import nn
 from tomerge.adapter import BlockSpec, MergePoint
 from tomerge.state import MergeState
 
-from ._diffusers import PatchifiedAdapter, probe_self_attention
+from ._diffusers import FeedForwardPoint, PatchifiedAdapter, probe_self_attention
 
 
 # ---------------------------------------------------------------------- the DiT adapter
@@ -47,7 +47,7 @@ class DiTAdapter(PatchifiedAdapter):
     timestep_index: ClassVar[int] = 1  # forward(hidden_states, timestep, class_labels, ...)
 
     def merge_points(self, block: nn.Module) -> tuple[MergePoint, ...]:
-        return (MergePoint("attn", block.attn1), MergePoint("mlp", block.ff))
+        return (MergePoint("attn", block.attn1), FeedForwardPoint("mlp", block.ff, block=block))
 
     def probe(self, block: BlockSpec, point: MergePoint, state: MergeState) -> list[Any]:
         return probe_self_attention(block, point, state)

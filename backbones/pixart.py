@@ -14,9 +14,9 @@ text), then ``ff`` on ``norm2(x) * (1 + scale) + shift``. Merge points:
 Outputs are unmerged before the gated residual. Positions are absolute (sin-cos at the patch
 embedding, interpolated for other sizes): no positional work. Grid: ``(H0 // p, W0 // p)``.
 
-Not supported (apply or the call raises with what to do): feed-forward chunking (``ff`` would run per
-chunk), and the rarely used self-attention ``attention_mask`` over image tokens (the pipelines never
-pass it; its keys would have to be merged too).
+Feed-forward chunking works with merging (:class:`~tomerge.backbones._diffusers.FeedForwardPoint`). Not
+supported (the call raises with what to do): the rarely used self-attention ``attention_mask`` over image
+tokens (the pipelines never pass it; its keys would have to be merged too).
 
 Received attention for ``idm``: strided image queries of ``attn1`` (:func:`probe_self_attention`).
 """
@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from tomerge.adapter import BlockSpec, MergePoint
 from tomerge.state import MergeState
 
-from ._diffusers import PatchifiedAdapter, call_arg, probe_self_attention
+from ._diffusers import FeedForwardPoint, PatchifiedAdapter, call_arg, probe_self_attention
 
 
 class PixArtAdapter(PatchifiedAdapter):
@@ -51,7 +51,7 @@ class PixArtAdapter(PatchifiedAdapter):
         points = [MergePoint("attn", block.attn1)]
         if getattr(block, "attn2", None) is not None:
             points.append(MergePoint("crossattn", block.attn2))
-        points.append(MergePoint("mlp", block.ff))
+        points.append(FeedForwardPoint("mlp", block.ff, block=block))
         return tuple(points)
 
     def on_model_call(self, args: tuple, kwargs: dict) -> Tensor | float | None:

@@ -31,7 +31,9 @@ its ``encoder_hidden_states``); the image queries get the text-key bias inside i
 sequence of ``StableDiffusion3Pipeline`` is 77 CLIP
 tokens then ``max_sequence_length`` T5 tokens: :func:`text_tokens` lists them for a categorizer.
 
-Feed-forward chunking is not supported (apply raises; disable it first).
+Feed-forward chunking (``enable_forward_chunking``) works with merging: in calls that merge the MLP,
+:class:`~tomerge.backbones._diffusers.FeedForwardPoint` hands ``ff`` the whole merged sequence and runs it,
+and the text ``ff_context``, in the block's chunks (docs/backbones/sd3.md).
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ from tomerge.adapter import BlockSpec, MergePoint, TextKeys
 from tomerge.probe import attention_probe, received_attention, split_heads
 from tomerge.state import MergeState
 
-from ._diffusers import PatchifiedAdapter, call_arg, fused_part
+from ._diffusers import FeedForwardPoint, PatchifiedAdapter, call_arg, fused_part
 
 _EPS = 1e-12
 
@@ -86,7 +88,8 @@ class SD3Adapter(PatchifiedAdapter):
         points = [MergePoint("attn", block.attn, output=0)]  # output: (image, text)
         if getattr(block, "attn2", None) is not None and self.options.merge_attn2:
             points.append(MergePoint("attn", block.attn2))  # image self-attention: a tensor output
-        points.append(MergePoint("mlp", block.ff))
+        # the block chunks both feed-forwards: the text one (None in the last, context_pre_only, block) too
+        points.append(FeedForwardPoint("mlp", block.ff, block=block, feed_forwards=("ff", "ff_context")))
         return tuple(points)
 
     def text_keys(self, block: BlockSpec, point: MergePoint) -> TextKeys | None:

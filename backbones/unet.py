@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from tomerge.adapter import BackboneAdapter, BlockSpec, MergePoint, class_names
 from tomerge.state import MergeState
 
-from ._diffusers import call_arg, check_ff_chunking, probe_self_attention, submodel
+from ._diffusers import FeedForwardPoint, call_arg, probe_self_attention, submodel
 
 logger = logging.getLogger(__name__)
 
@@ -100,9 +100,6 @@ class UNetAdapter(BackboneAdapter):
     def find_model(cls, obj: Any) -> nn.Module | None:
         return submodel(obj, "unet", "UNet2DConditionModel")
 
-    def check(self) -> None:
-        check_ff_chunking([spec.module for spec in self.blocks()])
-
     def blocks(self) -> list[BlockSpec]:
         specs = []
         for module in self._modules_in_execution_order():
@@ -111,7 +108,7 @@ class UNetAdapter(BackboneAdapter):
             points = [MergePoint("attn", module.attn1)]
             if getattr(module, "attn2", None) is not None:
                 points.append(MergePoint("crossattn", module.attn2))
-            points.append(MergePoint("mlp", module.ff))
+            points.append(FeedForwardPoint("mlp", module.ff, block=module))
             specs.append(BlockSpec(module, layer=len(specs), kind="basic", points=tuple(points)))
         return specs
 

@@ -4,8 +4,8 @@ and the `unet` adapter's default level on SD1.5- and SDXL-structured UNets.
 Every backbone x every strategy: ratio 0 and remove() are bit-identical to the unpatched model;
 ratio 0.5 is finite, of the right shape and cheaper in FLOPs; a batch equals its samples run alone;
 non-square latents and bf16 work. Then what is particular to each family: SD3.5 dual attention and
-the text-to-image probe, PixArt's cross-attention queries, feed-forward chunking, pipelines,
-save/load round trips, the UNet level merged by default.
+the text-to-image probe, PixArt's cross-attention queries, merging with feed-forward chunking (also on
+the UNet), pipelines, save/load round trips, the UNet level merged by default.
 """
 
 from __future__ import annotations
@@ -414,22 +414,125 @@ def test_pixart_self_attention_mask_raises(models):
 
 
 # ---------------------------------------------------------------------- feed-forward chunking
-@pytest.mark.parametrize("backbone", BACKBONES)
-def test_feed_forward_chunking_raises_at_apply_and_at_call(backbone):
-    model, inputs = BUILDERS[backbone](), make_inputs(backbone)
-    block = model.transformer_blocks[0]
-    block.set_chunk_feed_forward(1, 0)
-    with pytest.raises(ValueError, match="chunking"):
-        apply(model, "ssm", 0.5)
-    assert no_hooks_left(model)
-    block.set_chunk_feed_forward(None, 0)
-    with merging(model, "ssm", 0.5):
-        block.set_chunk_feed_forward(1, 0)  # enabled after apply
-        with pytest.raises(ValueError, match="disable_forward_chunking"):
-            run(model, inputs)
-    block.set_chunk_feed_forward(None, 0)
-    assert no_hooks_left(model)
+CHUNKING_BACKBONES = [*BACKBONES, "unet"]
+CHUNKINGS = [(1, 0), (1, 1)]  # (chunk size, dim): per sample; per token, diffusers' enable_forward_chunking default
 
+
+def chunking_case(backbone: str) -> tuple[nn.Module, dict, dict]:
+    """A tiny model of ``backbone``, keyword inputs and the adapter options that merge every block of it."""
+    if backbone == "unet":
+        from models import tiny_unet, unet_inputs
+
+        sample, timestep, text = unet_inputs()
+        return tiny_unet(), dict(sample=sample, timestep=timestep, encoder_hidden_states=text), {"max_downsample": 2}
+    return BUILDERS[backbone](), make_inputs(backbone), {}
+
+
+def chunked_blocks(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if hasattr(m, "set_chunk_feed_forward")]
+
+
+def set_chunking(model: nn.Module, chunking: tuple[int, int] | None) -> None:
+    """Feed-forward chunking on every block, as ``model.enable_forward_chunking(size, dim)`` (``None``: off)."""
+    for block in chunked_blocks(model):
+        block.set_chunk_feed_forward(*(chunking or (None, 0)))
+
+
+def chunking_left_as_set(model: nn.Module, chunking: tuple[int, int]) -> bool:
+    """Every block has ``chunking`` again and no feed-forward kept an instance ``forward``."""
+    blocks = chunked_blocks(model)
+    feed_forwards = [getattr(b, name) for b in blocks for name in ("ff", "ff_context") if getattr(b, name, None)]
+    return (all((b._chunk_size, b._chunk_dim) == chunking for b in blocks)
+            and not any("forward" in ff.__dict__ for ff in feed_forwards))
+
+
+def linear_calls(module: nn.Module) -> tuple[list[int], Callable[[], None]]:
+    """Records the token count of every call of the feed-forward's first projection (one per chunk)."""
+    first = next(m for m in module.modules() if isinstance(m, nn.Linear))
+    seen: list[int] = []
+    handle = first.register_forward_pre_hook(lambda mod, args: seen.append(args[0].shape[1]))
+    return seen, handle.remove
+
+
+@pytest.mark.parametrize("chunking", CHUNKINGS, ids=["dim0", "dim1"])
+@pytest.mark.parametrize("strategy", ["ssm", "idm"])  # the plan made before ff (at attn) and at ff itself
+@pytest.mark.parametrize("backbone", CHUNKING_BACKBONES)
+def test_feed_forward_chunking_merges_as_without_chunking(backbone, strategy, chunking):
+    model, inputs, options = chunking_case(backbone)
+    model, inputs = model.double(), to_dtype(inputs, torch.float64)
+    block = chunked_blocks(model)[0]
+    with merging(model, strategy, 0.5, **options) as handle:
+        expected = run(model, inputs)
+        removed = handle.stats["tokens_removed"]
+        set_chunking(model, chunking)  # enabled after apply()
+        after_apply = run(model, inputs)
+        assert chunking_left_as_set(model, chunking) and handle.stats["tokens_removed"] == 2 * removed > 0
+    with merging(model, strategy, 0.5, **options) as handle:  # enabled before apply()
+        ff_tokens, remove_a = token_counts(block.ff)  # registered after the merge hooks: sees merged input
+        chunk_tokens, remove_b = linear_calls(block.ff)
+        before_apply = run(model, inputs)
+        remove_a(), remove_b()
+        N = next(r.num_tokens for r in handle.state.records if r.layer == 0)
+        M = N - next(r.num_removed for r in handle.state.records if r.layer == 0)
+    for out in (after_apply, before_apply):
+        torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-12)
+    assert chunking_left_as_set(model, chunking) and no_hooks_left(model)
+    assert ff_tokens == [M] and M < N  # the merge point saw the whole merged sequence, once
+    size, dim = chunking
+    B = inputs["hidden_states" if "hidden_states" in inputs else "sample"].shape[0]
+    assert chunk_tokens == ([M] * (B // size) if dim == 0 else [size] * (M // size))  # ... and ff ran it in chunks
+
+
+@pytest.mark.parametrize("chunking", CHUNKINGS, ids=["dim0", "dim1"])
+@pytest.mark.parametrize("backbone", CHUNKING_BACKBONES)
+def test_feed_forward_chunking_ratio_zero_and_remove_are_bit_identical(backbone, chunking):
+    model, inputs, options = chunking_case(backbone)
+    set_chunking(model, chunking)
+    before = run(model, inputs)
+    with merging(model, "ssm", 0.0, **options):
+        assert torch.equal(run(model, inputs), before)  # the identity plan's ff ran in diffusers' chunks
+        assert chunking_left_as_set(model, chunking)
+    handle = apply(model, "ssm", 0.5, **options)
+    merged = run(model, inputs)
+    assert handle.stats["tokens_removed"] > 0 and not torch.equal(merged, before)
+    assert chunking_left_as_set(model, chunking)
+    handle.remove()
+    assert torch.equal(run(model, inputs), before)
+    assert chunking_left_as_set(model, chunking) and no_hooks_left(model)
+
+
+@pytest.mark.parametrize("backbone", CHUNKING_BACKBONES)
+def test_feed_forward_chunking_is_untouched_where_the_mlp_is_not_merged(backbone):
+    model, inputs, options = chunking_case(backbone)
+    set_chunking(model, (1, 0))
+    ff = chunked_blocks(model)[0].ff
+    with merging(model, "tomesd", 0.5, **options) as handle:  # attention only
+        ff_tokens, remove = token_counts(ff)
+        run(model, inputs)
+        remove()
+        assert handle.stats["tokens_removed"] > 0
+    N = next(iter(ff_tokens))
+    assert ff_tokens == [N, N]  # diffusers called ff once per sample, at full length
+    assert chunking_left_as_set(model, (1, 0))
+
+
+def test_feed_forward_chunking_is_restored_when_the_block_raises():
+    model, inputs = tiny_pixart(), make_inputs("pixart")
+    set_chunking(model, (1, 1))
+    block = model.transformer_blocks[0]
+
+    def fail(module: nn.Module, args: tuple) -> None:
+        assert block._chunk_size is None and "forward" in block.ff.__dict__  # suspended while the block runs
+        raise RuntimeError("attn2 failed")
+
+    with merging(model, "ssm", 0.5):
+        hook = block.attn2.register_forward_pre_hook(fail)  # after attn1, before ff
+        with pytest.raises(RuntimeError, match="attn2 failed"):
+            run(model, inputs)
+        hook.remove()
+        assert chunking_left_as_set(model, (1, 1))
+        assert torch.isfinite(run(model, inputs)).all()  # the next call is unaffected
+    assert no_hooks_left(model)
 
 
 # ---------------------------------------------------------------------- UNet: the level merged by default
