@@ -305,3 +305,11 @@ def test_wan_pipeline_loaded_from_a_local_folder_merges_and_is_restored(monkeypa
     assert merged.shape == before.shape == (2, 9, 3, 64, 64) and torch.isfinite(merged).all()
     assert not torch.equal(merged, before)
     assert torch.equal(generate(pipe, "wan"), before)
+
+
+@pytest.mark.parametrize("name", ["wan", "ltx"])
+def test_idm_is_refused_without_a_probe_and_leaves_no_hooks(models, name):
+    model = models[name]
+    with pytest.raises(NotImplementedError, match="cannot record received attention"):
+        tomerge.apply(model, "idm", ratio=0.5)
+    assert no_hooks_left(model) and "_tomerge_handle" not in model.__dict__
