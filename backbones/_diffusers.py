@@ -116,21 +116,29 @@ class FeedForwardPoint(MergePoint):
 
     def enter_block(self, merges: bool) -> None:
         self.exit_block()  # never stack two suspensions (the core calls exit_block after every block call)
-        chunk_size = getattr(self.block, "_chunk_size", None)
-        if not merges or chunk_size is None:
-            return
+        if merges and getattr(self.block, "_chunk_size", None) is not None:
+            self._suspend_chunking()
+
+    def exit_block(self) -> None:
+        if self._suspended:
+            self._restore_chunking()
+
+    # Run eagerly when the block hooks are traced by torch.compile (dynamo replays a set-then-deleted
+    # instance attribute as a deletion of one that is absent); blocks without chunking stay traceable.
+    @torch.compiler.disable
+    def _suspend_chunking(self) -> None:
         forwards = {}
         for name in self.feed_forwards:
             module = getattr(self.block, name, None)
             if module is not None:
                 forwards[name] = module.__dict__.get("forward", _ABSENT)
                 module.forward = self._chunked_forward(name)
-        self._suspended.update(size=chunk_size, dim=getattr(self.block, "_chunk_dim", 0), forwards=forwards)
+        self._suspended.update(size=self.block._chunk_size, dim=getattr(self.block, "_chunk_dim", 0),
+                               forwards=forwards)
         self.block._chunk_size = None
 
-    def exit_block(self) -> None:
-        if not self._suspended:
-            return
+    @torch.compiler.disable
+    def _restore_chunking(self) -> None:
         saved = dict(self._suspended)
         self._suspended.clear()
         self.block._chunk_size, self.block._chunk_dim = saved["size"], saved["dim"]

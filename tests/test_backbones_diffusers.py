@@ -535,6 +535,24 @@ def test_feed_forward_chunking_is_restored_when_the_block_raises():
     assert no_hooks_left(model)
 
 
+def test_feed_forward_chunking_under_torch_compile():
+    """dynamo + AOTAutograd (as tests/test_compile.py): the suspension runs eagerly, the merged, chunked
+    feed-forward is traced, and the result is the eager one."""
+    model, inputs = tiny_dit().double(), to_dtype(make_inputs("dit"), torch.float64)
+    set_chunking(model, (1, 1))
+    with merging(model, "ssm", 0.5, round_windows=1):
+        eager = run(model, inputs)
+    torch._dynamo.reset()
+    try:
+        with merging(model, "ssm", 0.5, round_windows=1) as handle:
+            compiled = run(torch.compile(model, backend="aot_eager"), inputs)
+            assert handle.stats["tokens_removed"] > 0
+    finally:
+        torch._dynamo.reset()
+    torch.testing.assert_close(compiled, eager, rtol=1e-9, atol=1e-9)
+    assert chunking_left_as_set(model, (1, 1)) and no_hooks_left(model)
+
+
 # ---------------------------------------------------------------------- UNet: the level merged by default
 # SDXL's UNet config (stabilityai/stable-diffusion-xl-base-1.0, unet/config.json), the fields that set its
 # structure: no attention at the first (full-resolution) level, 2 and 10 transformer layers below.
