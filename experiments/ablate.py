@@ -18,6 +18,11 @@ their local weights are given; versions and the git commit. Results are appended
 ``runs/<name>/results.jsonl`` as each run finishes, so an interrupted grid resumes where it stopped
 (and an interrupted run keeps its finished images); ``results.csv`` and ``table.md`` are rewritten at
 the end, and W&B gets the same (offline by default).
+
+Video pipelines (Wan, HunyuanVideo, LTX-Video) run the same way: each item is a folder of one PNG per
+frame, and the quality metrics are per frame (PSNR/SSIM against the same frame of the baseline video,
+averaged and per frame index; FD-EffNetLite0 over the frames as images); docs/experiments.md, "Video
+pipelines".
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ import tomerge
 
 from .cli import user_input
 from .config import AblationConfig, RunSpec, config_help, load_config
-from .generate import GenerateSpec, generate_distributed, generate_local, prepare
+from .generate import GenerateSpec, generate_distributed, generate_local, item_output, prepare
 from .records import RunFolder, environment
 from .sources import Item
 from .speed import NOISY_SPREAD, count_denoiser_flops, time_alternating
@@ -53,7 +58,7 @@ def _spec(config: AblationConfig, run: RunSpec | None) -> GenerateSpec:
 
 def produce_images(folder: RunFolder, run_id: str, spec: GenerateSpec, items: Sequence[Item], source: Any,
                    config: AblationConfig, progress: bool) -> list[Path]:
-    """Writes (or resumes) the run's images; returns their files in item order."""
+    """Writes (or resumes) the run's images; returns their files (videos: frame folders) in item order."""
     out = folder.images_dir(run_id)
     if config.devices > 1:
         prepare(out, items, spec)
@@ -63,7 +68,7 @@ def produce_images(folder: RunFolder, run_id: str, spec: GenerateSpec, items: Se
                              launcher=launcher, progress=progress)
     else:
         generate_local(items, spec, out, source=source, progress=progress)
-    files = [out / item.filename for item in items]
+    files = [item_output(out, item, source.video) for item in items]
     missing = [f.name for f in files if not f.exists()]
     if missing:
         raise RuntimeError(f"{len(missing)} images of {run_id} were not written (first: {missing[0]})")
@@ -73,26 +78,30 @@ def produce_images(folder: RunFolder, run_id: str, spec: GenerateSpec, items: Se
 def measure(source: Any, config: AblationConfig, timing_items: Sequence[Item], run: RunSpec | None,
             map_steps: bool = True) -> dict[str, Any]:
     """FLOPs of the denoiser for the timing batch (with the run's merging), the merge maps of its first
-    image and every block call's decision record."""
+    image (``[N]`` slots per key, with each map's token grid in ``grids``) and every block call's decision
+    record."""
     call = lambda: source.generate(timing_items)  # noqa: E731
     n = len(timing_items)
     if run is None:
         flops, calls = count_denoiser_flops(source.denoiser, call)
         return {"flops": flops, "flops_per_image": flops / n, "denoiser_calls_per_image": calls / n,
-                "maps": {}, "records": []}
+                "maps": {}, "grids": {}, "records": []}
     maps: dict[str, Any] = {}
+    grids: dict[str, tuple[int, ...]] = {}
     with _merging(source, run) as handle:
         def keep_map(block_call, plan) -> None:
             where = block_call.where
             key = f"step{where.step:03d}_layer{where.layer:02d}"
             steps = config.map_steps_for(handle.state.clock.num_steps or source.num_steps)
             if map_steps and where.step in steps and key not in maps:
-                maps[key] = plan.slot_of_token[0].cpu()
+                maps[key] = plan.slot_of_token[0].cpu()  # [N]
+                if block_call.grid is not None:
+                    grids[key] = tuple(block_call.grid)  # (H, W) or (T, H, W)
         handle.state.observers.append(keep_map)
         flops, calls = count_denoiser_flops(source.denoiser, call)
         records = list(handle.state.records)
     return {"flops": flops, "flops_per_image": flops / n, "denoiser_calls_per_image": calls / n, "maps": maps,
-            "records": records}
+            "grids": grids, "records": records}
 
 
 def speed_row(source: Any, config: AblationConfig, timing_items: Sequence[Item], run: RunSpec) -> dict[str, Any]:
@@ -184,7 +193,7 @@ def run_ablation(config: AblationConfig, progress: bool = True) -> RunFolder:
         folder.save_grid(run.run_id, files)
         folder.save_maps(run.run_id, measured["maps"], measured["records"])
         folder.append(row)
-        logger.row(row, images=files, prompts=prompts, maps=measured["maps"])
+        logger.row(row, images=files, prompts=prompts, maps=measured["maps"], grids=measured["grids"])
     folder.finish()
     logger.finish(folder)
     return folder

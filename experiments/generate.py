@@ -13,6 +13,10 @@ times, in order) gets the seed ``--seed + i``; its initial noise comes from
 with its prompt in ``OUT/prompts.jsonl``. Each image written is also logged in
 ``OUT/generated.jsonl`` with the rank that wrote it.
 
+Video pipelines (Wan, HunyuanVideo, LTX-Video: a ``__call__`` taking ``num_frames``) write each item as a
+folder ``OUT/{i:05d}_seed{seed}/`` of one PNG per frame (``frame_000.png``, ``frame_001.png``, ...),
+made whole under a temporary name and renamed into place, so a folder that exists is complete.
+
 Resume: the list is cut into fixed batches of ``--batch-size`` consecutive items; a batch whose files
 all exist is skipped, and a partly finished one is recomputed whole but only its missing files are
 written. Batches never change composition, and random merge choices are seeded per batch, so an
@@ -51,7 +55,7 @@ if TYPE_CHECKING:
 # generate --help` and the configs load without them.
 
 __all__ = ["Item", "GenerateSpec", "read_class_file", "build_items", "make_batches", "shard", "write_index",
-           "generate_batch", "process_batch", "generate_local", "generate_distributed",
+           "generate_batch", "process_batch", "generate_local", "generate_distributed", "item_output", "save_video",
            "add_arguments", "run"]
 
 SETTINGS_FILE = "generate.json"
@@ -175,9 +179,16 @@ def check_settings(out: Path, spec: GenerateSpec) -> None:
     _write_atomic(file, json.dumps(current, indent=2, sort_keys=True))
 
 
-def write_index(out: Path, items: Sequence[Item]) -> None:
-    """``OUT/prompts.jsonl``: one line per item (index, seed, file, prompt or label), rewritten whole."""
-    lines = [json.dumps({"index": i.index, "seed": i.seed, "file": i.filename,
+def item_output(out: Path, item: Item, video: bool = False) -> Path:
+    """Where an item is written: ``OUT/<file>.png``, or for a video the folder of its frames
+    (:meth:`Item.output_name`)."""
+    return out / item.output_name(video)
+
+
+def write_index(out: Path, items: Sequence[Item], video: bool = False) -> None:
+    """``OUT/prompts.jsonl``: one line per item (index, seed, file, prompt or label), rewritten whole; for a
+    video ``file`` is the item's folder of frames."""
+    lines = [json.dumps({"index": i.index, "seed": i.seed, "file": i.output_name(video),
                          **({"prompt": i.prompt} if i.prompt is not None else {"label": i.label})})
              for i in items]
     _write_atomic(out / INDEX_FILE, "\n".join(lines) + "\n")
@@ -200,7 +211,8 @@ def _write_atomic(path: Path, text: str) -> None:
 
 # ---------------------------------------------------------------------------------------- work
 def generate_batch(source: Any, batch: Sequence[Item], spec: GenerateSpec) -> Tensor:
-    """Images ``[B, C, H, W]`` in ``[-1, 1]`` (float32, CPU) of one batch, with the spec's merging.
+    """Images ``[B, C, H, W]`` (video pipelines: ``[B, T, C, H, W]``) in ``[-1, 1]`` (float32, CPU) of one
+    batch, with the spec's merging.
 
     Random merge choices are made inside a forked RNG seeded from the batch's first seed, so they
     do not depend on what ran before in the process.
@@ -234,16 +246,34 @@ def save_image(image: Tensor, path: Path) -> None:
     os.replace(tmp, path)
 
 
+def save_video(frames: Tensor, folder: Path) -> None:
+    """``[T, C, H, W]`` in ``[-1, 1]`` -> ``folder/frame_000.png``, ... (one PNG per frame), written into a
+    temporary folder that is renamed to ``folder`` once complete (no half videos on resume)."""
+    import shutil
+
+    if frames.ndim != 4:
+        raise ValueError(f"a video is [T, C, H, W], got shape {tuple(frames.shape)}")
+    tmp = folder.with_name(f".{folder.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)  # left by an interrupted write of this process id
+    tmp.mkdir()
+    for t, frame in enumerate(frames):  # frame: [C, H, W]
+        save_image(frame, tmp / f"frame_{t:03d}.png")
+    os.replace(tmp, folder)
+
+
 def process_batch(source: Any, batch: Sequence[Item], spec: GenerateSpec, out: Path, rank: int = 0) -> int:
-    """Generates a batch unless all its files exist; writes only the missing files; returns how many."""
-    missing = [k for k, item in enumerate(batch) if not (out / item.filename).exists()]
+    """Generates a batch unless all its files (video: frame folders) exist; writes only the missing ones;
+    returns how many."""
+    video = bool(getattr(source, "video", False))
+    missing = [k for k, item in enumerate(batch) if not item_output(out, item, video).exists()]
     if not missing:
         return 0
-    images = generate_batch(source, batch, spec)
+    outputs = generate_batch(source, batch, spec)  # [B, C, H, W] or [B, T, C, H, W]
     with (out / LOG_FILE).open("a") as log:
         for k in missing:
-            save_image(images[k], out / batch[k].filename)
-            log.write(json.dumps({"file": batch[k].filename, "rank": rank}) + "\n")
+            target = item_output(out, batch[k], video)
+            (save_video if video else save_image)(outputs[k], target)
+            log.write(json.dumps({"file": target.name, "rank": rank}) + "\n")
             log.flush()
     return len(missing)
 
@@ -252,7 +282,7 @@ def prepare(out: Path, items: Sequence[Item], spec: GenerateSpec) -> None:
     """Creates ``out``, checks/records the settings and writes the item index."""
     out.mkdir(parents=True, exist_ok=True)
     check_settings(out, spec)
-    write_index(out, items)
+    write_index(out, items, video=spec.model.is_video)
 
 
 def generate_local(items: Sequence[Item], spec: GenerateSpec, out: Path, source: Any = None,
@@ -502,8 +532,9 @@ def run(args: argparse.Namespace) -> int:
             return 0
     else:
         generate_local(items, spec, out, progress=not args.no_progress)
-    done = sum((out / i.filename).exists() for i in items)
-    print(f"{done}/{len(items)} images in {out}")
+    video = model.is_video
+    done = sum(item_output(out, i, video).exists() for i in items)
+    print(f"{done}/{len(items)} {'videos' if video else 'images'} in {out}")
     return 0 if done == len(items) else 1
 
 

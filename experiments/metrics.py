@@ -1,6 +1,9 @@
 """Offline image quality metrics for ablations: PSNR, SSIM, FD-EffNetLite0, and opt-in FID / CLIP score.
 
-Images are float tensors ``[B, C, H, W]`` in ``[-1, 1]`` (C = 1 or 3), as the samplers return them.
+Images are float tensors ``[B, C, H, W]`` in ``[-1, 1]`` (C = 1 or 3), as the samplers return them. Videos
+are scored frame by frame: :class:`ImageSetQuality` takes folders of frames (``frame_000.png``, ...), pairs
+frame ``t`` of a video with frame ``t`` of its baseline video (PSNR/SSIM per frame, averaged, and per frame
+index), and treats the frames as images for the feature distances (docs/experiments.md, "Video pipelines").
 
 - ``psnr`` / ``ssim``: paired fidelity to the unmerged baseline at the same seed (torchmetrics, per image).
 - ``FeatureExtractor`` / ``fd_effnet_lite0``: Frechet distance on pooled EfficientNet-Lite0 features; the
@@ -38,7 +41,7 @@ from .cli import UserError
 __all__ = [
     "FD_LABEL", "QUALITY_LABELS", "MissingWeightsError", "psnr", "ssim", "FeatureExtractor",
     "default_effnet_lite0_weights", "frechet_distance", "fd_effnet_lite0", "fid", "clip_score", "compute_quality",
-    "load_image_files", "image_files", "ImageSetQuality",
+    "load_image_files", "image_files", "frame_files", "expand_videos", "load_video", "ImageSetQuality",
 ]
 
 FD_LABEL = "FD-EffNetLite0"
@@ -524,6 +527,41 @@ def load_image_files(paths: Sequence[str | os.PathLike]) -> Tensor:
     return torch.stack(arrays).float().div(127.5).sub(1.0)  # [n, C, H, W]
 
 
+def frame_files(video: str | os.PathLike) -> list[Path]:
+    """The frames of a video folder (``frame_000.png``, ...), in frame order."""
+    folder = Path(video)
+    frames = sorted(folder.glob("frame_*.png"))
+    if not frames:
+        raise ValueError(f"video folder {folder} holds no frame_*.png files")
+    return frames
+
+
+def expand_videos(files: Sequence[str | os.PathLike]) -> tuple[list[Path], int | None]:
+    """Image files as they are, or video folders as their frames, in order: ``(frame files, frames per
+    video)`` (``None`` for images). Every video must have the same number of frames.
+
+    Example:
+        >>> expand_videos(["runs/x/images/baseline/00000_seed0"])   # doctest: +SKIP
+        ([PosixPath('.../00000_seed0/frame_000.png'), ...], 9)
+    """
+    paths = [Path(f) for f in files]
+    videos = [p.is_dir() for p in paths]
+    if not any(videos):
+        return paths, None
+    if not all(videos):
+        raise ValueError("a set mixes image files and video folders")
+    per_video = [frame_files(p) for p in paths]
+    counts = sorted({len(f) for f in per_video})
+    if len(counts) != 1:
+        raise ValueError(f"videos of one set must have equal frame counts, got {counts}")
+    return [f for frames in per_video for f in frames], counts[0]
+
+
+def load_video(folder: str | os.PathLike) -> Tensor:
+    """A video folder -> ``[T, C, H, W]`` float in ``[-1, 1]``."""
+    return load_image_files(frame_files(folder))
+
+
 def image_files(folder: str | os.PathLike, limit: int | None = None) -> list[Path]:
     """Image files (PNG/JPEG) of a folder, sorted by name, at most ``limit``."""
     folder = Path(folder)
@@ -536,14 +574,18 @@ def image_files(folder: str | os.PathLike, limit: int | None = None) -> list[Pat
 
 
 class ImageSetQuality:
-    """Quality of generated image sets against a baseline set, read from files in chunks.
+    """Quality of generated image (or video) sets against a baseline set, read from files in chunks.
 
-    Any number of images fits: paired metrics are summed chunk by chunk, EfficientNet-Lite0 features
-    (``[N, 1280]`` float32) are the only thing kept per set. The baseline's and the reference set's
+    Any number of images fits: paired metrics are kept per image, EfficientNet-Lite0 features
+    (``[N, 1280]`` float32) are the only large thing kept per set. The baseline's and the reference set's
     features are computed once (or passed in, e.g. from a cache) and reused by every :meth:`score`.
 
+    Videos (folders of ``frame_*.png``, :func:`expand_videos`) are scored as their frames: every frame is paired
+    with the same frame of the baseline video, features are per frame (``[N * T, 1280]``), the CLIP score
+    compares every frame with the item's prompt, and the reference images are compared with frames.
+
     Args:
-        baseline_files: the unmerged images, one per item.
+        baseline_files: the unmerged images, one per item (videos: one frame folder per item).
         prompts: one prompt per item (for the CLIP score).
         baseline_features, reference_features: precomputed EfficientNet-Lite0 features, or ``None``.
         reference_files: real images for FD-EffNetLite0 (and FID) against a reference set.
@@ -571,11 +613,14 @@ class ImageSetQuality:
                 raise ValueError("metrics.fid_weights needs reference images (metrics.reference_images)")
         if prompts is not None and len(prompts) != len(baseline_files):
             raise ValueError(f"{len(prompts)} prompts for {len(baseline_files)} images")
-        self.baseline_files, self.prompts = list(baseline_files), prompts
+        self.baseline_files = list(baseline_files)
+        self.baseline_frames, self.frames_per_video = expand_videos(self.baseline_files)  # frames: [N * T] files
+        repeat = self.frames_per_video or 1
+        self.prompts = None if prompts is None else [p for p in prompts for _ in range(repeat)]  # one per frame
         self.clip_model, self.batch_size, self.device = clip_model, batch_size, device
         self.extract = FeatureExtractor(device=device, batch_size=batch_size)
-        self.baseline_features = (self.features(self.baseline_files) if baseline_features is None
-                                  else baseline_features)  # [N, 1280]
+        self.baseline_features = (self.features(self.baseline_frames) if baseline_features is None
+                                  else baseline_features)  # [N, 1280] (videos: [N * T, 1280])
         if reference_features is None and reference_files:
             reference_features = self.features(reference_files)
         self.reference_features = reference_features  # [M, 1280] or None
@@ -588,8 +633,9 @@ class ImageSetQuality:
             yield start, load_image_files(files[start:start + self.batch_size])  # [b, C, H, W]
 
     def features(self, files: Sequence[Path]) -> Tensor:
-        """EfficientNet-Lite0 features ``[N, 1280]`` of image files."""
-        return torch.cat([self.extract(chunk) for _, chunk in self._chunks(files)])
+        """EfficientNet-Lite0 features ``[N, 1280]`` of image files (video folders: of their frames)."""
+        frames, _ = expand_videos(files)
+        return torch.cat([self.extract(chunk) for _, chunk in self._chunks(frames)])
 
     def _fid_metric(self, weights: str, reference_files: Sequence[Path]):
         try:
@@ -603,44 +649,60 @@ class ImageSetQuality:
                 metric.update(_to_rgb(_to_uint8(chunk)).to(self.device), real=True)  # [b, 3, H, W] uint8
         return metric
 
-    def score(self, files: Sequence[Path]) -> dict[str, float]:
+    def score(self, files: Sequence[Path]) -> dict[str, float | list[float]]:
         """The quality numbers of one set (same items, same order as the baseline): ``psnr``, ``ssim``
         (means; PSNR capped at 100 dB), ``feat_cos_dist`` (mean EfficientNet-Lite0 feature cosine
         distance to the paired baseline image), ``fd_effnetlite0`` (vs the baseline set), with a
         reference set ``fd_effnetlite0_ref`` and ``fd_effnetlite0_ref_baseline``, ``clip_score``,
-        ``fid``, ``n_images``."""
+        ``fid``, ``n_images``.
+
+        Videos: the means are over every frame of every video (equal frame counts: the mean of the
+        per-video means), ``psnr_per_frame`` / ``ssim_per_frame`` are the means over videos of frame
+        ``t`` (one value per frame index), the distances and scores treat frames as images;
+        ``n_images`` counts videos, ``n_frames`` frames and ``frames_per_video`` is ``T``."""
         files = list(files)
         if len(files) != len(self.baseline_files):
             raise ValueError(f"{len(files)} images against {len(self.baseline_files)} baseline images")
-        sums = {"psnr": 0.0, "ssim": 0.0, "clip_score": 0.0}
-        feats = []
+        frames, per_video = expand_videos(files)
+        if per_video != self.frames_per_video:
+            raise ValueError(f"{per_video} frames per video against the baseline's {self.frames_per_video}")
+        psnrs, ssims, feats = [], [], []
+        clip_sum = 0.0
         if self._fid is not None:
             self._fid.reset()  # keeps the reference features
-        for start, chunk in self._chunks(files):
-            base = load_image_files(self.baseline_files[start:start + chunk.shape[0]])
+        for start, chunk in self._chunks(frames):  # chunk: [b, C, H, W], b frames (or images)
+            base = load_image_files(self.baseline_frames[start:start + chunk.shape[0]])
             _check_pair(base, chunk)
-            sums["psnr"] += float(psnr(base, chunk).sum())
-            sums["ssim"] += float(ssim(base, chunk, kernel_size=_ssim_kernel(base)).sum())
+            psnrs.append(psnr(base, chunk))  # [b]
+            ssims.append(ssim(base, chunk, kernel_size=_ssim_kernel(base)))  # [b]
             feats.append(self.extract(chunk))
             if self.clip_model is not None:
                 prompts = list(self.prompts[start:start + chunk.shape[0]])
-                sums["clip_score"] += clip_score(chunk, prompts, self.clip_model, device=self.device) * len(prompts)
+                clip_sum += clip_score(chunk, prompts, self.clip_model, device=self.device) * len(prompts)
             if self._fid is not None:
                 with torch.no_grad():
                     self._fid.update(_to_rgb(_to_uint8(chunk)).to(self.device), real=False)
-        n = len(files)
-        f_run = torch.cat(feats)  # [N, 1280]
-        out = {"psnr": sums["psnr"] / n, "ssim": sums["ssim"] / n,
-               "feat_cos_dist": float((1 - torch.nn.functional.cosine_similarity(
-                   self.baseline_features, f_run, dim=1)).clamp_min(0).mean())}  # rounding: 1 - cos >= 0
+        n = len(frames)
+        psnr_all, ssim_all = torch.cat(psnrs), torch.cat(ssims)  # [n]
+        f_run = torch.cat(feats)  # [n, 1280]
+        out: dict[str, float | list[float]] = {
+            "psnr": float(psnr_all.sum()) / n, "ssim": float(ssim_all.sum()) / n,
+            "feat_cos_dist": float((1 - torch.nn.functional.cosine_similarity(
+                self.baseline_features, f_run, dim=1)).clamp_min(0).mean())}  # rounding: 1 - cos >= 0
+        if per_video is not None:
+            # [n] = [videos * T] in video-major order -> [videos, T] -> mean over videos: [T]
+            out["psnr_per_frame"] = psnr_all.view(-1, per_video).mean(0).tolist()
+            out["ssim_per_frame"] = ssim_all.view(-1, per_video).mean(0).tolist()
         if n >= 2:
             out["fd_effnetlite0"] = frechet_distance(self.baseline_features, f_run)
         if self.reference_features is not None:
             out["fd_effnetlite0_ref"] = frechet_distance(f_run, self.reference_features)
             out["fd_effnetlite0_ref_baseline"] = frechet_distance(self.baseline_features, self.reference_features)
         if self.clip_model is not None:
-            out["clip_score"] = sums["clip_score"] / n
+            out["clip_score"] = clip_sum / n
         if self._fid is not None:
             out["fid"] = float(self._fid.compute())
-        out["n_images"] = float(n)
+        out["n_images"] = float(len(files))
+        if per_video is not None:
+            out["n_frames"], out["frames_per_video"] = float(n), float(per_video)
         return out

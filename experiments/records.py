@@ -2,8 +2,9 @@
 
 A run folder ``runs/<name>/`` holds ``config.yaml``, ``results.jsonl`` (one JSON row per finished run,
 appended as they finish: the resume point), ``results.csv`` and ``table.md`` (rewritten at the end),
-``images/<run>/`` (one PNG per item, with ``prompts.jsonl``), ``images/<run>.png`` (a grid of the first
-images), ``features.safetensors`` (EfficientNet-Lite0 features of the baseline and reference images),
+``images/<run>/`` (one PNG per item, with ``prompts.jsonl``; video pipelines: one folder of
+``frame_000.png``, ... per item), ``images/<run>.png`` (a grid of the first images; videos: one row of
+frames per video), ``features.safetensors`` (EfficientNet-Lite0 features of the baseline and reference images),
 ``maps/<run>.safetensors`` (slot of every token of the first timed image at the kept steps/layers) and
 ``maps/<run>.json`` (every block call's decision in the timed batch). Figures are built from these
 files alone.
@@ -35,6 +36,7 @@ TABLE_COLUMNS = [("run", "run"), ("ratio", "ratio"), ("speedup", "speed-up"), ("
                  ("feat_cos_dist", "EffNetLite0 cos dist"), ("fd_effnetlite0", "FD-EffNetLite0 vs baseline"),
                  ("fd_effnetlite0_ref", "FD-EffNetLite0 vs test"), ("clip_score", "CLIP score"), ("fid", "FID")]
 GRID_IMAGES = 20  # images in a run's grid PNG and logged to W&B
+GRID_VIDEOS = 4  # videos in a run's grid PNG (one row of frames each) and logged to W&B
 
 
 def environment() -> dict[str, Any]:
@@ -69,6 +71,19 @@ def image_grid(images: Tensor, columns: int = 10) -> Tensor:
     canvas = canvas.view(rows, columns, c, h, w).permute(0, 3, 1, 4, 2).reshape(rows * h, columns * w, c)  # [H', W', C]
     canvas = ((canvas.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
     return canvas.expand(-1, -1, 3) if c == 1 else canvas[..., :3]
+
+
+def preview_grid(files: list[Path]) -> Tensor:
+    """The first :data:`GRID_IMAGES` images in rows of 10, or the first :data:`GRID_VIDEOS` videos (frame
+    folders) one row of frames each: ``[H', W', 3]`` uint8."""
+    import torch
+
+    from .metrics import load_image_files, load_video
+
+    if files and Path(files[0]).is_dir():
+        videos = [load_video(f) for f in files[:GRID_VIDEOS]]  # each [T, C, H, W]
+        return image_grid(torch.cat(videos), columns=videos[0].shape[0])  # [n * T, C, H, W] -> rows of T
+    return image_grid(load_image_files(files[:GRID_IMAGES]))
 
 
 def save_png(array: Tensor, path: Path) -> None:
@@ -126,10 +141,9 @@ class RunFolder:
         return self.path / "images" / run_id
 
     def save_grid(self, run_id: str, files: list[Path]) -> None:
-        """``images/<run>.png``: the first :data:`GRID_IMAGES` images side by side."""
-        from .metrics import load_image_files
-
-        save_png(image_grid(load_image_files(files[:GRID_IMAGES])), self.path / "images" / f"{run_id}.png")
+        """``images/<run>.png``: the first :data:`GRID_IMAGES` images side by side; for videos (frame
+        folders) the first :data:`GRID_VIDEOS` videos, one row of frames each."""
+        save_png(preview_grid(files), self.path / "images" / f"{run_id}.png")
 
     def save_tensors(self, key: str, tensors: dict[str, Tensor]) -> None:
         from safetensors.torch import save_file
@@ -228,25 +242,31 @@ class WandbLogger:
                               settings=wandb.Settings(silent=True, console="off"))
 
     def row(self, row: dict[str, Any], images: list[Path] | None = None, prompts: list[str] | None = None,
-            maps: dict[str, Tensor] | None = None) -> None:
-        """One run's metrics, its first images (each with its prompt as caption) and merge maps."""
+            maps: dict[str, Tensor] | None = None, grids: dict[str, tuple[int, ...]] | None = None) -> None:
+        """One run's metrics, its first images (each with its prompt as caption; a video as one row of its
+        frames) and merge maps (``grids``: each map's token grid, ``(H, W)`` or ``(T, H, W)``)."""
         if self.run is None:
             return
         import wandb
 
-        from .metrics import load_image_files
+        from .metrics import load_image_files, load_video
 
         payload: dict[str, Any] = {f"{row['run']}/{k}": v for k, v in row.items()
                                    if isinstance(v, (int, float)) and v is not None}
         if images:
-            first = images[:GRID_IMAGES]
-            loaded = load_image_files(first)  # [k, C, H, W]
+            video = images[0].is_dir()
+            first = images[:GRID_VIDEOS if video else GRID_IMAGES]
+            if video:
+                strips = [image_grid(frames, columns=frames.shape[0]) for frames in map(load_video, first)]
+            else:
+                loaded = load_image_files(first)  # [k, C, H, W]
+                strips = [image_grid(loaded[k:k + 1], columns=1) for k in range(len(first))]
             payload[f"images/{row['run']}"] = [
-                wandb.Image(image_grid(loaded[k:k + 1], columns=1).numpy(),
-                            caption=prompts[k] if prompts is not None else first[k].name)
-                for k in range(len(first))]
+                wandb.Image(strip.numpy(), caption=prompts[k] if prompts is not None else first[k].name)
+                for k, strip in enumerate(strips)]
         for key, slots in (maps or {}).items():
-            payload[f"maps/{row['run']}/{key}"] = wandb.Image(merge_map_rgb(slots).numpy())
+            grid = (grids or {}).get(key)
+            payload[f"maps/{row['run']}/{key}"] = wandb.Image(merge_map_rgb(slots, grid).numpy())
         self.run.log(payload)
 
     def finish(self, folder: RunFolder) -> None:
@@ -261,16 +281,28 @@ class WandbLogger:
         self.run.finish()
 
 
-def merge_map_rgb(slots: Tensor, grid: tuple[int, int] | None = None, scale: int = 8) -> Tensor:
-    """Colours tokens by slot (tokens sharing a slot share a colour): ``[N]`` -> ``[H*s, W*s, 3]`` uint8."""
+def merge_map_rgb(slots: Tensor, grid: tuple[int, ...] | None = None, scale: int = 8) -> Tensor:
+    """Colours tokens by slot (tokens sharing a slot share a colour): ``[N]`` -> ``[H*s, W*s, 3]`` uint8; a
+    video grid ``(T, H, W)`` gives its frames side by side, ``[H*s, T*W*s, 3]``.
+
+    Example:
+        >>> import torch
+        >>> merge_map_rgb(torch.arange(48) // 2, (3, 4, 4), scale=1).shape
+        torch.Size([4, 12, 3])
+    """
     import torch
 
     n = slots.numel()
-    side = int(round(n ** 0.5))
-    H, W = grid if grid is not None else (side, n // side)
+    if grid is not None and len(grid) == 3:
+        T, H, W = grid
+    else:
+        side = int(round(n ** 0.5))
+        T, (H, W) = 1, (grid if grid is not None else (side, n // side))
+    if T * H * W != n:
+        raise ValueError(f"{n} token slots do not fill the grid {grid or (H, W)}")
     g = torch.Generator().manual_seed(0)
     palette = torch.randint(40, 256, (int(slots.max()) + 1, 3), generator=g, dtype=torch.uint8)
     counts = torch.bincount(slots, minlength=palette.shape[0])
     palette[counts == 1] = 0  # unmerged tokens are black
-    rgb = palette[slots].view(H, W, 3)
+    rgb = palette[slots].view(T, H, W, 3).permute(1, 0, 2, 3).reshape(H, T * W, 3)  # frames side by side
     return rgb.repeat_interleave(scale, 0).repeat_interleave(scale, 1)

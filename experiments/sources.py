@@ -14,6 +14,8 @@ Every subcommand that runs a model takes the same ``model:`` entry:
 Both produce images ``[B, C, H, W]`` in ``[-1, 1]`` (float32, CPU) for a batch of items, the initial
 noise of item ``i`` drawn from ``torch.Generator("cpu").manual_seed(seed_i)`` so an image depends
 only on its seed and settings (also across devices and batch compositions up to kernel rounding).
+Video pipelines (a ``__call__`` taking ``num_frames``: Wan, HunyuanVideo, LTX-Video) produce videos
+``[B, T, C, H, W]`` the same way (:attr:`ModelSpec.is_video`; docs/experiments.md, "Video pipelines").
 
 Example:
     >>> spec = ModelSpec.from_config({"pipeline": "/models/sd3-medium", "dtype": "fp16", "device": "cuda",
@@ -69,10 +71,18 @@ CALL_DEFAULTS: dict[str, dict[str, Any]] = {
     "pixart": {"num_inference_steps": 20, "guidance_scale": 4.5, "height": 1024, "width": 1024},
     "unet": {"num_inference_steps": 50},  # SD 1.x/2.x (7.5, 512^2) and SDXL (5.0, 1024^2): the pipeline's own
     "dit": {"num_inference_steps": 250, "guidance_scale": 4.0},
+    "sana": {"num_inference_steps": 20, "guidance_scale": 4.5, "height": 1024, "width": 1024,
+             "max_sequence_length": 300},
+    "wan": {"num_inference_steps": 50, "guidance_scale": 5.0, "height": 480, "width": 832, "num_frames": 81,
+            "max_sequence_length": 512},  # Wan 2.1 T2V at 480p
+    "hunyuan_video": {"num_inference_steps": 50, "guidance_scale": 6.0, "height": 720, "width": 1280,
+                      "num_frames": 129, "max_sequence_length": 256},
+    "ltx": {"num_inference_steps": 50, "guidance_scale": 3.0, "height": 512, "width": 704, "num_frames": 161,
+            "max_sequence_length": 128},
 }
 # Arguments tomerge sets itself for every call (one image per item, per-item generators, tensor output).
-RESERVED_CALL_ARGS = ("prompt", "generator", "output_type", "num_images_per_prompt", "return_dict",
-                      "class_labels", "latents", "prompt_embeds")
+RESERVED_CALL_ARGS = ("prompt", "generator", "output_type", "num_images_per_prompt", "num_videos_per_prompt",
+                      "return_dict", "class_labels", "latents", "prompt_embeds")
 
 
 def check_call(pipeline_class: type, call: dict[str, Any]) -> None:
@@ -108,6 +118,21 @@ class Item:
         if self.label is not None:
             return f"{self.index:05d}_class{self.label}_seed{self.seed}.png"
         return f"{self.index:05d}_seed{self.seed}.png"
+
+    @property
+    def video_dirname(self) -> str:
+        """The folder of a video item's frames (``frame_000.png``, ...): the file name without ``.png``.
+
+        Example:
+            >>> Item(7, 107, prompt="a cat").video_dirname
+            '00007_seed107'
+        """
+        return self.filename.removesuffix(".png")
+
+    def output_name(self, video: bool = False) -> str:
+        """What the item is written as in a run's image folder: :attr:`filename` (a PNG), or for a video
+        :attr:`video_dirname` (a folder of one PNG per frame)."""
+        return self.video_dirname if video else self.filename
 
 
 def _cpu_generator(seed: int) -> torch.Generator:
@@ -228,6 +253,29 @@ class ModelSpec:
         """``"class"`` (items carry labels) or ``"prompt"``."""
         return "class" if self.kind == "reference" else "prompt"
 
+    @property
+    def is_video(self) -> bool:
+        """Whether the model generates videos ``[B, T, C, H, W]``: a pipeline whose ``__call__`` takes
+        ``num_frames`` (read from the folder's ``model_index.json``, without loading weights). Its items are
+        written as folders of frames (:meth:`Item.output_name`)."""
+        pipeline_class = self.pipeline_class()
+        return pipeline_class is not None and "num_frames" in inspect.signature(pipeline_class.__call__).parameters
+
+    def pipeline_class(self) -> type | None:
+        """The diffusers class named by the pipeline folder's ``model_index.json`` (``None`` for the reference
+        model, or when the folder or class is missing: :meth:`check` says why)."""
+        if self.kind != "pipeline":
+            return None
+        index = Path(self.path).expanduser() / "model_index.json"
+        if not index.is_file():
+            return None
+        import json
+
+        import diffusers
+
+        name = json.loads(index.read_text()).get("_class_name")
+        return getattr(diffusers, name, None) if isinstance(name, str) else None
+
     def load(self) -> ReferenceSource | PipelineSource:
         return ReferenceSource(self) if self.kind == "reference" else PipelineSource(self)
 
@@ -236,6 +284,7 @@ class ReferenceSource:
     """A native DiT checkpoint sampled with :func:`tomerge.experiments.sampling.sample`."""
 
     conditioning = "class"
+    video = False
 
     def __init__(self, spec: ModelSpec) -> None:
         from tomerge.backbones.timm_dit import load_dit
@@ -287,27 +336,36 @@ class ReferenceSource:
 
 
 class PipelineSource:
-    """A diffusers pipeline from a local folder, called once per batch of prompts."""
+    """A diffusers pipeline from a local folder, called once per batch of prompts (image or video pipelines)."""
 
     conditioning = "prompt"
 
     def __init__(self, spec: ModelSpec) -> None:
+        import torch
         from diffusers import DiffusionPipeline
+        from diffusers.utils import is_accelerate_available
         from torch import nn
 
         self.spec = spec
         spec.check()
         folder = Path(spec.path).expanduser()
         dtype = torch_dtype(spec.dtype)
-        with warnings.catch_warnings():  # diffusers 0.42 renames torch_dtype; older releases know only it
+        # Without `accelerate`, diffusers loads with low_cpu_mem_usage=False, which it refuses for model classes
+        # that keep modules in fp32 (Wan's time embedder and norms): load those in fp32 with the keep list
+        # lifted, and cast below, keeping the listed modules in fp32 as diffusers would.
+        keep_fp32 = {} if is_accelerate_available() else _keep_in_fp32_classes(spec.pipeline_class(), folder)
+        load_dtype = torch.float32 if keep_fp32 else dtype
+        with warnings.catch_warnings(), _without_keep_in_fp32(keep_fp32):
+            # diffusers 0.42 renames torch_dtype; older releases know only it
             warnings.filterwarnings("ignore", message="`torch_dtype` is deprecated", category=FutureWarning)
-            self.pipe = DiffusionPipeline.from_pretrained(str(folder), torch_dtype=dtype, local_files_only=True)
+            self.pipe = DiffusionPipeline.from_pretrained(str(folder), torch_dtype=load_dtype, local_files_only=True)
         for module in self.pipe.components.values():
-            # Without `accelerate`, diffusers 0.42 leaves some components (SD3's transformer) in the
+            # Without `accelerate`, diffusers 0.42 also leaves some components (SD3's transformer) in the
             # file's dtype: cast those that were missed.
             if isinstance(module, nn.Module) and any(p.dtype != dtype for p in module.parameters()):
-                module.to(dtype)
+                _cast_keeping_fp32_modules(module, dtype)
         self.pipe.to(spec.device)
+        self.video = spec.is_video
         self.pipe.set_progress_bar_config(disable=True)
         self.family = self._family()
         self.call = {**CALL_DEFAULTS.get(self.family, {}), **spec.call}
@@ -351,12 +409,67 @@ class PipelineSource:
             raise UsageError(f"{type(self.pipe).__name__} is a text-to-image pipeline: give prompts (`prompts:`)")
 
     def generate(self, batch: Sequence[Item]) -> Tensor:
-        """Images ``[B, 3, H, W]`` in ``[-1, 1]`` (float32, CPU)."""
+        """Images ``[B, 3, H, W]``, or for a video pipeline videos ``[B, T, 3, H, W]``, in ``[-1, 1]`` (float32,
+        CPU). Video pipelines return their frames (``output_type="pt"``: ``.frames``, ``[B, T, C, H, W]`` in
+        ``[0, 1]``), image pipelines ``.images`` (``[B, C, H, W]``)."""
         out = self.pipe(prompt=[i.prompt for i in batch], generator=[_cpu_generator(i.seed) for i in batch],
                         output_type="pt", **self.call)
-        images = out.images if hasattr(out, "images") else out[0]
-        if images.ndim != 4:
-            raise ValueError(f"{type(self.pipe).__name__} returned {images.ndim}-D output {tuple(images.shape)}; "
-                             "experiments take image pipelines ([B, C, H, W]); video is not supported yet")
-        return (images.float().cpu() * 2 - 1).clamp(-1, 1)  # [B, 3, H, W]
+        for name in ("frames", "images"):
+            if hasattr(out, name):
+                pixels = getattr(out, name)
+                break
+        else:
+            pixels = out[0]
+        expected = 5 if self.video else 4
+        if not hasattr(pixels, "ndim") or pixels.ndim != expected:
+            shape = tuple(pixels.shape) if hasattr(pixels, "shape") else type(pixels).__name__
+            what = "videos [B, T, C, H, W]" if self.video else "images [B, C, H, W]"
+            raise ValueError(f"{type(self.pipe).__name__} returned {shape} with output_type='pt'; expected {what}")
+        return (pixels.float().cpu() * 2 - 1).clamp(-1, 1)  # [B, 3, H, W] or [B, T, 3, H, W]
+
+
+def _keep_in_fp32_classes(pipeline_class: type | None, folder: Path) -> dict[type, Any]:
+    """The diffusers model classes of the folder's components that keep modules in fp32
+    (``_keep_in_fp32_modules``), with their lists."""
+    import json
+
+    import diffusers
+
+    index = json.loads((folder / "model_index.json").read_text())
+    out = {}
+    for value in index.values():
+        if isinstance(value, list) and len(value) == 2 and value[0] == "diffusers":
+            cls = getattr(diffusers, str(value[1]), None)
+            if cls is not None and getattr(cls, "_keep_in_fp32_modules", None):
+                out[cls] = cls._keep_in_fp32_modules
+    return out
+
+
+class _without_keep_in_fp32:
+    """Lifts ``_keep_in_fp32_modules`` of the given classes for a load, and restores it."""
+
+    def __init__(self, classes: dict[type, Any]) -> None:
+        self.classes = classes
+
+    def __enter__(self) -> None:
+        for cls in self.classes:
+            cls._keep_in_fp32_modules = None
+
+    def __exit__(self, *exc: object) -> None:
+        for cls, keep in self.classes.items():
+            cls._keep_in_fp32_modules = keep
+
+
+def _cast_keeping_fp32_modules(module: nn.Module, dtype: torch.dtype) -> None:
+    """``module.to(dtype)``, except the submodules named in its class's ``_keep_in_fp32_modules`` (a name
+    matches a component of the submodule's dotted path, diffusers' rule), which stay fp32."""
+    import torch
+
+    module.to(dtype)
+    keep = getattr(type(module), "_keep_in_fp32_modules", None) or []
+    if dtype == torch.float32 or not keep:
+        return
+    for name, sub in module.named_modules():
+        if any(k in name.split(".") for k in keep):
+            sub.to(torch.float32)
 

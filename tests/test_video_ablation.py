@@ -1,0 +1,156 @@
+"""`tomerge ablate` on the new families' pipelines from local folders: a Wan video pipeline (frames written one
+PNG per frame, metrics per frame, resume, ratio 0 identical to the baseline) and a SANA image pipeline.
+
+The tiny pipelines of ``local_pipelines`` are saved to a temporary folder and loaded by ``tomerge ablate`` with
+``DiffusionPipeline.from_pretrained(folder, local_files_only=True)`` (docs/experiments.md, "Video pipelines").
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+import local_pipelines
+from tomerge.experiments.ablate import run_ablation
+from tomerge.experiments.config import load_config
+
+pytest.importorskip("transformers", reason="the text pipelines of diffusers import transformers")
+
+# DPMSolver/Euler schedulers build numpy arrays the way numpy 2 deprecates; not ours.
+pytestmark = pytest.mark.filterwarnings("ignore:__array__ implementation:DeprecationWarning")
+
+PROMPTS = ["a photo of a cat", "a red car in the city"]
+WAN_FRAMES = local_pipelines.CURRENT_CALL_DEFAULTS["wan"]["num_frames"]  # 9 frames of 64 x 64
+GRID = "grid=[{strategy: tomesd, ratios: [0.0, 0.5], options: {use_rand: false}}]"
+
+
+@pytest.fixture(autouse=True)
+def _offline(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("video_ablation")
+    (root / "prompts.txt").write_text("\n".join(PROMPTS) + "\n")
+    return root
+
+
+def overrides(root: Path, family: str, name: str, *extra: str) -> list[str]:
+    folder = root / f"tiny-{family}"
+    if not folder.exists():
+        local_pipelines.save_tiny_pipeline(family, folder)
+    call = yaml.safe_dump(local_pipelines.CURRENT_CALL_DEFAULTS[family], default_flow_style=True).strip()
+    return [f"model.pipeline={folder}", f"model.call={call}", f"prompts={root / 'prompts.txt'}",
+            f"out_dir={root / 'runs'}", f"name={name}", "batch_size=2", "timing_batch=1", "warmup=0", "repeats=1",
+            "wandb=disabled", *extra]
+
+
+def rows(folder: Path) -> list[dict]:
+    return [json.loads(line) for line in (folder / "results.jsonl").read_text().splitlines()]
+
+
+def test_wan_ablation_writes_frames_scores_them_per_frame_and_resumes(root):
+    config = overrides(root, "wan", "wan", GRID)
+    folder = run_ablation(load_config(None, config), progress=False).path
+    written = rows(folder)
+    assert [r["run"] for r in written] == ["baseline", "tomesd-r0-use_rand=False", "tomesd-r0.5-use_rand=False"]
+
+    # Every item is a folder of one 64 x 64 PNG per frame; the index names the folders.
+    from PIL import Image
+
+    for run in ("baseline", "tomesd-r0.5-use_rand=False"):
+        videos = folder / "images" / run
+        index = [json.loads(line) for line in (videos / "prompts.jsonl").read_text().splitlines()]
+        assert [i["file"] for i in index] == ["00000_seed0", "00001_seed1"]
+        for item in index:
+            frames = sorted((videos / item["file"]).iterdir())
+            assert [f.name for f in frames] == [f"frame_{t:03d}.png" for t in range(WAN_FRAMES)]
+            with Image.open(frames[0]) as image:
+                assert image.size == (64, 64) and image.mode == "RGB"
+        assert not list(videos.glob(".*tmp*"))  # no half-written videos
+        with Image.open(folder / "images" / f"{run}.png") as grid:  # one row of frames per video
+            assert grid.size == (WAN_FRAMES * 64, 2 * 64)
+
+    # Metrics per frame: 2 videos x 9 frames; the means are the means of the per-frame values.
+    for r in written:
+        assert r["n_images"] == 2 and r["n_frames"] == 2 * WAN_FRAMES and r["frames_per_video"] == WAN_FRAMES
+        assert len(r["psnr_per_frame"]) == len(r["ssim_per_frame"]) == WAN_FRAMES
+        assert r["psnr"] == pytest.approx(sum(r["psnr_per_frame"]) / WAN_FRAMES)
+        assert r["ssim"] == pytest.approx(sum(r["ssim_per_frame"]) / WAN_FRAMES)
+        assert r["fd_effnetlite0"] >= 0  # FD over the 18 frames as images
+    baseline, ratio0, ratio5 = written
+    # Ratio 0 merges nothing: the same frames as the baseline, so PSNR is "inf" (capped at 100 dB) and SSIM 1.
+    for r in (baseline, ratio0):
+        assert r["psnr"] == 100.0 and r["psnr_per_frame"] == [100.0] * WAN_FRAMES
+        assert r["ssim"] == pytest.approx(1.0) and r["ssim_per_frame"] == pytest.approx([1.0] * WAN_FRAMES)
+        assert r["feat_cos_dist"] == pytest.approx(0.0, abs=1e-6)
+    for t in range(WAN_FRAMES):  # the frames themselves are bit-identical
+        name = f"00000_seed0/frame_{t:03d}.png"
+        assert (folder / "images" / "baseline" / name).read_bytes() == \
+            (folder / "images" / ratio0["run"] / name).read_bytes()
+    assert ratio5["psnr"] < 100.0 and ratio5["ssim"] < 1.0 and ratio5["flops"] < ratio5["flops_base"]
+    assert ratio5["tokens_removed_mean"] > 0 and ratio0["tokens_removed_mean"] == 0
+    assert (folder / "maps" / f"{ratio5['run']}.safetensors").exists()
+    assert "tomesd-r0.5-use_rand=False" in (folder / "table.md").read_text()
+
+    # An interrupted grid keeps what finished: drop the last row and one of its videos (and leave a half-written
+    # frame folder, as a kill during a write would); the rerun redoes that run only, regenerating that video.
+    lines = (folder / "results.jsonl").read_text().splitlines()
+    (folder / "results.jsonl").write_text("\n".join(lines[:-1]) + "\n")
+    last = folder / "images" / ratio5["run"]
+    before = (last / "00001_seed1" / "frame_004.png").read_bytes()
+    shutil.rmtree(last / "00001_seed1")
+    (last / ".00001_seed1.tmp1").mkdir()
+    kept = (last / "00000_seed0" / "frame_000.png").stat().st_mtime_ns
+    run_ablation(load_config(None, config), progress=False)
+    again = rows(folder)
+    assert [r["run"] for r in again] == [r["run"] for r in written]
+    assert again[:2] == written[:2]
+    assert (last / "00001_seed1" / "frame_004.png").read_bytes() == before  # same seed, same frames
+    assert (last / "00000_seed0" / "frame_000.png").stat().st_mtime_ns == kept  # finished video not rewritten
+    for key in ("psnr", "ssim", "psnr_per_frame", "fd_effnetlite0"):
+        assert again[2][key] == pytest.approx(written[2][key]), key
+
+
+def test_sana_image_pipeline_ablation(root):
+    config = overrides(root, "sana", "sana", "grid=[{strategy: tomesd, ratios: [0.5], options: {use_rand: false}}]")
+    folder = run_ablation(load_config(None, config), progress=False).path
+    baseline, merged = rows(folder)
+    assert merged["run"] == "tomesd-r0.5-use_rand=False"
+    assert sorted(p.name for p in (folder / "images" / "baseline").glob("*.png")) == \
+        ["00000_seed0.png", "00001_seed1.png"]
+    assert baseline["psnr"] == 100.0 and "psnr_per_frame" not in baseline and "n_frames" not in baseline
+    assert merged["psnr"] < 100.0 and merged["flops"] < merged["flops_base"] and merged["n_images"] == 2
+
+
+def test_video_metrics_pair_frames_with_the_same_frame_of_the_baseline(tmp_path):
+    """Hand-made videos: only frame 1 of video 0 differs, so only that frame index loses PSNR and SSIM."""
+    from tomerge.experiments.generate import save_video
+    from tomerge.experiments.metrics import ImageSetQuality, expand_videos
+
+    g = torch.Generator().manual_seed(0)
+    base = torch.rand(2, 3, 3, 16, 16, generator=g) * 2 - 1  # [videos, T, C, H, W]
+    changed = base.clone()
+    changed[0, 1] = (changed[0, 1] + 0.2).clamp(-1, 1)
+    for name, videos in (("base", base), ("run", changed)):
+        for v in range(2):
+            (tmp_path / name).mkdir(exist_ok=True)
+            save_video(videos[v], tmp_path / name / f"{v:05d}_seed{v}")
+    base_files = sorted((tmp_path / "base").iterdir())
+    run_files = sorted((tmp_path / "run").iterdir())
+    frames, per_video = expand_videos(base_files)
+    assert per_video == 3 and len(frames) == 6 and frames[1].name == "frame_001.png"
+    quality = ImageSetQuality(base_files)
+    assert quality.baseline_features.shape == (6, 1280)  # one feature row per frame
+    same, other = quality.score(base_files), quality.score(run_files)
+    assert same["psnr_per_frame"] == [100.0] * 3 and same["n_frames"] == 6
+    assert other["psnr_per_frame"][0] == other["psnr_per_frame"][2] == 100.0
+    assert other["psnr_per_frame"][1] < 100.0 and other["ssim_per_frame"][1] < 1.0
+    with pytest.raises(ValueError, match="mixes"):
+        expand_videos([base_files[0], frames[0]])
