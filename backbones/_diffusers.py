@@ -42,7 +42,7 @@ def probe_self_attention(block: BlockSpec, point: MergePoint, state: MergeState,
     sources = [("q", attn.to_q, None), ("k", attn.to_k, None),
                ("q", fused, fused_part(0)), ("k", fused, fused_part(1)),
                ("q", getattr(attn, "norm_q", None), None), ("k", getattr(attn, "norm_k", None), None)]
-    return attention_probe(state, block.layer, attn, sources, lambda captured, grid: received_self_attention(
+    return attention_probe(state, attn, sources, lambda captured, grid: received_self_attention(
         captured, grid, attn.heads, attn.scale, max_queries))
 
 

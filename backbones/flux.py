@@ -408,7 +408,7 @@ def probe_flux_attention(block: BlockSpec, attn: nn.Module, state: MergeState) -
     Args:
         block: the block (its layer keys the record; a single-stream block's text length comes from it).
         attn: the block's ``FluxAttention``.
-        state: receives ``store_attention(layer, a [B, N])``.
+        state: receives ``a [B, N]`` for the block call in progress (:func:`~tomerge.probe.attention_probe`).
 
     Returns:
         Hook handles: ``attn`` pre-hook (RoPE table, text length), q/k norm output hooks (the processor's
@@ -448,7 +448,7 @@ def probe_flux_attention(block: BlockSpec, attn: nn.Module, state: MergeState) -
             k = apply_rotary_emb(k, freqs, sequence_dim=1)
         return _received_by_image(q_txt.transpose(1, 2), k.transpose(1, 2), k.shape[-1] ** -0.5, T)  # [B, N]
 
-    return attention_probe(state, block.layer, attn, sources, compute, before=before)
+    return attention_probe(state, attn, sources, compute, before=before)
 
 
 def _received_by_image(q: Tensor, k: Tensor, scale: float, text_len: int) -> Tensor:

@@ -72,5 +72,5 @@ class NativeDiTAdapter(BackboneAdapter):
         normed = not isinstance(attn.q_norm, nn.Identity)  # q_norm/k_norm run after qkv: their output wins
         sources = [("q", attn.qkv, qkv_part(0)), ("k", attn.qkv, qkv_part(1)),
                    ("q", attn.q_norm if normed else None, None), ("k", attn.k_norm if normed else None, None)]
-        return attention_probe(state, block.layer, attn, sources, lambda captured, grid: received_self_attention(
+        return attention_probe(state, attn, sources, lambda captured, grid: received_self_attention(
             captured, grid, heads, attn.scale, max_queries))

@@ -143,7 +143,7 @@ def probe_joint_attention(block: BlockSpec, attn: nn.Module, state: MergeState) 
     Args:
         block: the block whose layer the record is stored under.
         attn: the joint attention module (with ``add_q_proj``/``add_k_proj`` text projections).
-        state: receives ``store_attention(layer, a [B, N])``.
+        state: receives ``a [B, N]`` for the block call in progress (:func:`~tomerge.probe.attention_probe`).
 
     Returns:
         The hook handles (projection/norm output hooks and one forward hook on ``attn``).
@@ -173,4 +173,4 @@ def probe_joint_attention(block: BlockSpec, attn: nn.Module, state: MergeState) 
         a = received_attention(q, k, attn.scale)[:, : H * W]  # [B, N]: text -> image share of the softmax
         return a / a.sum(-1, keepdim=True).clamp_min(_EPS)
 
-    return attention_probe(state, block.layer, attn, sources, compute)
+    return attention_probe(state, attn, sources, compute)

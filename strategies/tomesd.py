@@ -99,26 +99,39 @@ class ToMeSD(MergeStrategy):
     def batch_independent(self) -> bool:
         return not self.use_rand  # one random layout is drawn for the whole batch
 
-    def select_destinations(self, x: Tensor, ctx: MergeContext) -> Tensor:
-        B = x.shape[0]
-        T, H, W = ctx.frames, ctx.height, ctx.width
-        rows, cols = H // self.sy, W // self.sx
+    def _cells(self, ctx: MergeContext) -> tuple[int, int, int]:
+        """``(depth, rows, cols)``: the cells along time, height and width."""
+        rows, cols = ctx.height // self.sy, ctx.width // self.sx
         if rows == 0 or cols == 0:
             raise ValueError(f"grid {ctx.grid} is smaller than one {self.sy}x{self.sx} cell")
-        depth = T // self.st  # cells along time
+        depth = ctx.frames // self.st
         if depth == 0:
-            raise ValueError(f"grid {ctx.grid} has {T} frame(s), fewer than one cell of st={self.st} frames "
-                             "(a 2-D grid is one frame)")
-        # One offset per cell inside its st x sy x sx box. With st=1 one 2-D draw serves every frame (the same
-        # draw, and generator use, as a 2-D grid); with st > 1 every box draws its own.
+            raise ValueError(f"grid {ctx.grid} has {ctx.frames} frame(s), fewer than one cell of st={self.st} "
+                             "frames (a 2-D grid is one frame)")
+        return depth, rows, cols
+
+    def draw(self, ctx: MergeContext, batch: int) -> Tensor | None:
+        """``[draws, rows, cols]`` long: each cell's destination inside its ``st x sy x sx`` box, or ``None`` (the
+        top-left one) without ``use_rand`` or for an odd batch (tomesd: it cannot hold cond/uncond pairs). With
+        ``st=1`` one 2-D draw serves every frame (the same draw, and generator use, as a 2-D grid); with ``st > 1``
+        every box draws its own."""
+        depth, rows, cols = self._cells(ctx)
+        if not self.use_rand or batch % 2 != 0:
+            return None
+        gen = ctx.generator
         draws = 1 if self.st == 1 else depth
-        if self.use_rand and B % 2 == 0:  # tomesd: an odd batch cannot hold cond/uncond pairs
-            gen = ctx.generator
-            size = (rows, cols, 1) if self.st == 1 else (draws, rows, cols, 1)
-            offset = torch.randint(self.st * self.sy * self.sx, size=size, device=gen.device, generator=gen)
-            offset = offset.to(x.device).view(draws, rows, cols)  # [draws, rows, cols] index inside each cell
-        else:
-            offset = torch.zeros(draws, rows, cols, dtype=torch.long, device=x.device)
+        size = (rows, cols, 1) if self.st == 1 else (draws, rows, cols, 1)
+        offset = torch.randint(self.st * self.sy * self.sx, size=size, device=gen.device, generator=gen)
+        return offset.view(draws, rows, cols)  # [draws, rows, cols]
+
+    def select_destinations(self, x: Tensor, ctx: MergeContext) -> Tensor:
+        B = x.shape[0]
+        H, W = ctx.height, ctx.width
+        depth, rows, cols = self._cells(ctx)
+        offset = ctx.draws if ctx.draws is not None else self.draw(ctx, B)  # [draws, rows, cols] or None
+        if offset is None:
+            offset = torch.zeros(1, rows, cols, dtype=torch.long, device=x.device)
+        offset = offset.to(x.device)
         cell_t = torch.arange(depth, device=x.device).view(depth, 1, 1) * self.st
         cell_y = torch.arange(rows, device=x.device).view(1, rows, 1) * self.sy
         cell_x = torch.arange(cols, device=x.device).view(1, 1, cols) * self.sx

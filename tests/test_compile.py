@@ -1,41 +1,55 @@
-"""``torch.compile`` of a model with merging applied gives the eager result.
+"""``torch.compile`` of a model with merging applied: compiled once for a whole trajectory, no graph break
+inside a block, no host read in the hot path, and the eager result (docs/compile.md).
 
-The merge hooks are traced into the compiled model (they are forward hooks on its submodules). What
-happens, measured with torch 2.14 on CPU (details in docs/compile.md):
+The hooks split the work: the model's and the blocks' hooks make every per-step decision in Python and run
+eagerly (``torch.compiler.disable``), the merge points' hooks do the tensor work inside the compiled block
+graphs and read only the block call prepared for them. The counts come from dynamo's own counters: the
+compiled frames of a counting backend (``CompileCounterWithBackend``) and ``counters["graph_break"]``.
 
-* One graph break per model call, by design: the trajectory clock reads the timestep as a Python float
-  (``TrajectoryClock.observe``). ``ssm`` and ``facility_location`` compile to one graph after it;
-  ``tomesd`` breaks once per block more (``torch.nonzero`` for its sources has a data-dependent shape).
-* Every new denoising step recompiles the model's forward: dynamo guards on the Python step index that
-  the hooks read (``state.clock.step``). Results stay right; after ``torch._dynamo.config.recompile_limit``
-  steps (8) dynamo runs the rest of the trajectory eagerly.
-
-The default run traces with dynamo and AOTAutograd (``backend="aot_eager"``: the captured graphs run
-with the same aten ops, no C++ code generation) and must match to float64 rounding; the inductor runs
-(C++ code generation with gcc, one to two minutes per compile on a loaded 2-core machine) are marked
-slow. The models run in float64 so that only the strategies' float32 selection math can round
-differently.
+The default run traces with dynamo and AOTAutograd (``aot_eager``: the captured graphs run the same aten
+ops, so float64 outputs match eager to rounding); inductor runs (C++ code generation with gcc, a minute
+or more per compile on a loaded 2-core machine) are marked slow.
 """
 
 from __future__ import annotations
 
+import traceback
 from typing import Any
 
 import pytest
 import torch
+import torch._dynamo.testing
+import torch._dynamo.utils
 from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import tomerge
 
-HARD, SOFT = "ssm", "facility_location"
-OPTIONS = {"ssm": {"round_windows": 1}, "facility_location": {"num_tiles": 4}}
+STEPS = 12
+# Options that make every strategy remove tokens on the 8 x 8 grid of the tiny models.
+OPTIONS: dict[str, dict[str, Any]] = {
+    "ssm": {"round_windows": 1}, "facility_location": {"num_tiles": 4}, "toma": {"num_tiles": 4},
+    "toma_release": {"num_tiles": 4, "skip_first": 0},
+}
+STRATEGIES = ("tomesd", "ssm", "idm", "facility_location")
+SCHEDULES = ("toma", "toma_release", "sdtm", "sdtm_release", "sdtm_paper")
+# Compiled block graphs a trajectory may add after its first step: 0 at a fixed ratio; a schedule adds one per
+# kind of block call it switches to (protected -> merged, structure -> detail) and one when its ratio curve
+# changes the merged count (dynamo then makes the count a dynamic size: one graph for every later count).
+EXTRA_GRAPHS = {"toma": 0, "toma_release": 1, "sdtm": 1, "sdtm_release": 2, "sdtm_paper": 2}
 
 
-def build(backbone: str) -> nn.Module:
+def build(backbone: str, depth: int = 2) -> nn.Module:
     if backbone == "native_dit":
-        from test_pipelines import tiny_native_dit
+        from tomerge.backbones.timm_dit import DiT, DiTConfig
 
-        return tiny_native_dit().double()
+        model = DiT(DiTConfig(input_size=16, patch_size=2, in_channels=4, hidden_size=32, depth=depth, num_heads=2,
+                              num_classes=10, learn_sigma=False)).eval()
+        g = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+        return model.double()
     from test_backbones_diffusers import tiny_dit
 
     return tiny_dit().double()
@@ -50,69 +64,136 @@ def inputs(backbone: str, t: float) -> dict[str, Any]:
     return dict(hidden_states=latent, timestep=torch.full((2,), round(1000 * t)), class_labels=torch.tensor([3, 0]))
 
 
+def times(steps: int = STEPS) -> list[float]:
+    return [0.95 - 0.9 * s / steps for s in range(steps)]
+
+
 def call(model: nn.Module, kwargs: dict[str, Any]) -> Tensor:
     with torch.no_grad():
         out = model(**kwargs)
     return out if isinstance(out, Tensor) else out.sample
 
 
-def trajectory(model: nn.Module, backbone: str, strategy: str, times: tuple[float, ...],
-               compile_backend: str | None) -> tuple[list[Tensor], int]:
-    """Outputs of one application over ``times`` (eager, or compiled with ``compile_backend``), and the
-    tokens it removed (so the hooks must have run inside the compiled model)."""
+def trajectory(model: nn.Module, backbone: str, strategy: str, compile_backend: Any = None,
+               regional: bool = False) -> tuple[list[Tensor], list[int], int]:
+    """Outputs of one application over a sampling loop (eager, or compiled with ``compile_backend``: the
+    whole model, or each block with ``regional``), the backend's compiled frames after each step (``[]``
+    eager), and the tokens removed."""
     torch._dynamo.reset()
-    with tomerge.merging(model, strategy, ratio=0.5, num_steps=len(times), **OPTIONS[strategy]) as handle:
-        runner = model if compile_backend is None else torch.compile(model, backend=compile_backend)
-        outs = [call(runner, inputs(backbone, t)) for t in times]
+    frames: list[int] = []
+    with tomerge.merging(model, strategy, ratio=0.5, num_steps=STEPS, seed=3, **OPTIONS.get(strategy, {})) as handle:
+        if compile_backend is None:
+            runner = model
+        elif regional:
+            for block in handle._blocks:
+                block.module.compile(backend=compile_backend)
+            runner = model
+        else:
+            runner = torch.compile(model, backend=compile_backend)
+        outs = []
+        for t in times():
+            torch.manual_seed(0)  # tomesd's fork_global generator forks the global RNG at its first draw
+            outs.append(call(runner, inputs(backbone, t)))
+            if compile_backend is not None:
+                frames.append(compile_backend.frame_count)
         removed = handle.stats["tokens_removed"]
-        steps = sorted({r.step for r in handle.state.records})
+    if regional:
+        for block in handle._blocks:
+            block.module._compiled_call_impl = None  # nn.Module.compile's attribute: back to the eager module
     torch._dynamo.reset()
-    assert steps == list(range(len(times)))
-    return outs, removed
+    return outs, frames, removed
 
 
-def check(backbone: str, strategy: str, times: tuple[float, ...], compile_backend: str, tol: float) -> None:
+def compiled_against_eager(backbone: str, strategy: str, regional: bool = False) -> list[int]:
     model = build(backbone)
-    with torch.no_grad():
-        plain = call(model, inputs(backbone, times[0]))
-    eager, removed = trajectory(model, backbone, strategy, times, None)
-    compiled, removed_compiled = trajectory(model, backbone, strategy, times, compile_backend)
-    assert removed > 0 and removed_compiled == removed
-    assert not torch.allclose(eager[0], plain)  # merging changes the output: the comparison means something
+    eager, _, removed = trajectory(model, backbone, strategy)
+    torch._dynamo.utils.counters.clear()
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled, frames, removed_compiled = trajectory(model, backbone, strategy, counter, regional)
+    breaks = dict(torch._dynamo.utils.counters["graph_break"])
+    assert removed > 0 and removed_compiled == removed  # the hooks ran inside the compiled model
+    assert not breaks, f"graph breaks: {breaks}"
     for a, b in zip(compiled, eager):
-        torch.testing.assert_close(a, b, rtol=tol, atol=tol)
-    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+    return frames
 
 
-@pytest.mark.parametrize("backbone, strategy", [("native_dit", HARD), ("dit", SOFT)])
-def test_compiled_graph_with_merge_hooks_matches_eager(backbone, strategy):
-    """dynamo + AOTAutograd: the hooks, plans and merges are captured in the graph and give the eager
-    result to the last bit of float64 rounding (the same aten ops run)."""
-    check(backbone, strategy, (0.9,), "aot_eager", tol=1e-9)
+@pytest.mark.parametrize("strategy", STRATEGIES + SCHEDULES)
+def test_whole_model_compiles_once_for_the_trajectory(strategy):
+    """``torch.compile(model)``: every block call runs one compiled block graph (shared by the blocks), the
+    model's other modules their own; a fixed ratio compiles nothing after the first step, a schedule at most
+    ``EXTRA_GRAPHS`` more, whatever the trajectory's length (dynamo's recompile limit is 8)."""
+    frames = compiled_against_eager("native_dit", strategy)
+    assert frames[-1] - frames[0] <= EXTRA_GRAPHS.get(strategy, 0), frames
+    assert frames[-1] == frames[len(frames) // 2], frames  # nothing compiled in the trajectory's second half
+
+
+@pytest.mark.parametrize("strategy", ["tomesd", "ssm", "sdtm_release"])
+def test_regional_compilation_compiles_one_block_graph(strategy):
+    """Each block compiled on its own (``nn.Module.compile``, what diffusers' ``compile_repeated_blocks``
+    does): the blocks share one compiled graph per kind of block call."""
+    frames = compiled_against_eager("native_dit", strategy, regional=True)
+    assert frames[0] == 1 and frames[-1] <= 1 + EXTRA_GRAPHS.get(strategy, 0), frames
+
+
+def test_deeper_model_compiles_no_more():
+    """Twelve blocks compile as many graphs as two: per-block facts (the layer, its plan) never enter a graph."""
+    counts = []
+    for depth in (2, 12):
+        model = build("native_dit", depth)
+        counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+        counts.append(trajectory(model, "native_dit", "ssm", counter)[1][-1])
+    assert counts[0] == counts[1], counts
+
+
+def test_diffusers_dit_compiles_once():
+    frames = compiled_against_eager("dit", "facility_location")
+    assert frames[-1] == frames[0], frames
+
+
+class FailOnHostRead(TorchDispatchMode):
+    """Raises on every aten op that reads tensor data on the host or has a data-dependent output shape (on CUDA
+    each one synchronises, and none can be captured in a CUDA graph), except inside the allowed functions."""
+
+    HOST_OPS = ("_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique2", "item")
+
+    def __init__(self, allowed: tuple[str, ...]) -> None:
+        super().__init__()
+        self.allowed, self.allowed_reads = allowed, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.__name__.split(".")[0] in self.HOST_OPS:
+            frames = {f.name for f in traceback.extract_stack()}
+            if not frames & set(self.allowed):
+                raise AssertionError(f"host read {func} in the hot path")
+            self.allowed_reads += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES + SCHEDULES)
+def test_no_host_read_after_the_step_starts(strategy):
+    """The only host read of a model call is the trajectory clock's read of the timestep, before the first
+    block (``TrajectoryClock.observe``); the hooks, plans, merges and unmerges read none, so a step can be
+    captured in a CUDA graph (``mode="reduce-overhead"``)."""
+    model = build("native_dit")
+    with tomerge.merging(model, strategy, ratio=0.5, num_steps=4, **OPTIONS.get(strategy, {})) as handle:
+        mode = FailOnHostRead(allowed=("observe",))
+        with mode:
+            for t in times(4):
+                call(model, inputs("native_dit", t))
+        assert handle.stats["tokens_removed"] > 0
+    assert mode.allowed_reads == 4  # the mode saw the clock's read of every call: it was active
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backbone, strategy, times", [
-    ("native_dit", HARD, (0.9, 0.6)),  # the second step recompiles (dynamo guards on the step index)
-    ("native_dit", SOFT, (0.9,)),
-    ("dit", HARD, (0.9,)),
-])
-def test_inductor_compiled_model_matches_eager(backbone, strategy, times):
-    """The default backend (inductor, C++ on CPU). The strategies select in float32 (x.float()), where
-    inductor's fused kernels round differently from eager (measured: 3e-8 absolute on these float64
-    outputs), hence the tolerance. Not here: the diffusers DiT with facility location, whose greedy
-    selection then flips between near-tied candidates of this tiny model (output change up to 7e-2),
-    exactly as a batch-size change does in float32 (see test_backbones_diffusers.py)."""
-    check(backbone, strategy, times, "inductor", tol=1e-6)
-
-
-def test_graph_breaks_are_only_the_timestep_read():
-    """ssm on the native DiT: two graphs, the break is the clock's read of the timestep."""
+@pytest.mark.parametrize("strategy", ["tomesd", "ssm", "sdtm_release"])
+def test_inductor_compiled_trajectory_matches_eager(strategy):
+    """The default backend (inductor, C++ on CPU). The strategies select in float32 (``x.float()``), where
+    inductor's fused kernels may round differently from eager, hence the tolerance."""
     model = build("native_dit")
-    torch._dynamo.reset()
-    with tomerge.merging(model, HARD, ratio=0.5, num_steps=1, **OPTIONS[HARD]):
-        with torch.no_grad():
-            explanation = torch._dynamo.explain(model)(**inputs("native_dit", 0.9))
-    torch._dynamo.reset()
-    assert explanation.graph_break_count == 1 and explanation.graph_count == 2
-    assert "item()" in str(explanation.break_reasons[0].reason)
+    eager, _, _ = trajectory(model, "native_dit", strategy)
+    counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
+    compiled, frames, _ = trajectory(model, "native_dit", strategy, counter)
+    assert frames[-1] - frames[0] <= EXTRA_GRAPHS.get(strategy, 0), frames
+    for a, b in zip(compiled, eager):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)

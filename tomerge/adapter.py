@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 
 from torch import Tensor, nn
 
+from .context import Grid
 from .plan import MergePlan
 from .state import MergeState
 
@@ -148,8 +149,9 @@ class BackboneAdapter(abc.ABC):
         """Called before every model forward: record sizes; return the call's timestep."""
 
     @abc.abstractmethod
-    def grid(self, block: BlockSpec, num_tokens: int) -> tuple[int, int] | None:
-        """The ``(H, W)`` token grid of ``block`` for ``num_tokens`` tokens; ``None``: do not merge it."""
+    def grid(self, block: BlockSpec, num_tokens: int) -> Grid | None:
+        """The ``(H, W)`` (image) or ``(T, H, W)`` (video) token grid of ``block`` for ``num_tokens`` tokens;
+        ``None``: do not merge it."""
 
     def probe(self, block: BlockSpec, point: MergePoint, state: MergeState) -> list[Any]:
         """Installs hooks recording the attention each image token receives in ``point`` (an

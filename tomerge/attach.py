@@ -13,6 +13,7 @@ import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import torch
 from torch import nn
 
 from .adapter import BackboneAdapter, BlockSpec, MergePoint
@@ -116,22 +117,26 @@ class MergeHandle:
     def _attach(self, blocks: list[BlockSpec]) -> None:
         self._blocks = blocks
         add = self._hooks.append
-        add(self.model.register_forward_pre_hook(self._model_pre, with_kwargs=True))
-        add(self.model.register_forward_hook(self._model_post))
+        add(self.model.register_forward_pre_hook(torch.compiler.disable(self._model_pre), with_kwargs=True))
+        add(self.model.register_forward_hook(torch.compiler.disable(self._model_post)))
         kind_counts: dict[str, int] = {}
         for block in blocks:
             kind_index = kind_counts.get(block.kind, 0)
             kind_counts[block.kind] = kind_index + 1
             add(block.module.register_forward_pre_hook(self._block_pre(block, kind_index), with_kwargs=True))
             add(block.module.register_forward_hook(self._block_post(block), always_call=True))
-            for point in block.points:
-                add(point.module.register_forward_pre_hook(self._point_pre(point), with_kwargs=True))
-                add(point.module.register_forward_hook(self._point_post(point)))
+            for index, point in enumerate(block.points):
+                add(point.module.register_forward_pre_hook(self._point_pre(point, index), with_kwargs=True))
+                add(point.module.register_forward_hook(self._point_post(point, index)))
             if "received_attention" in self.state.needs:
                 for point in block.points:
                     if point.sublayer == "attn":
                         self._hooks.extend(self.adapter.probe(block, point, self.state))
 
+    # The model's and the blocks' hooks do the Python bookkeeping (the step, the decision, the caches) and run
+    # eagerly, outside compiled graphs (torch.compiler.disable); the merge points' hooks do the tensor work and
+    # read only the block call they were handed, so compiled graphs are reused across steps and blocks
+    # (docs/compile.md).
     def _model_pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         self.state.begin_model_call(self.adapter.on_model_call(args, kwargs))
         self._blocks_with_grid = 0
@@ -145,10 +150,12 @@ class MergeHandle:
                 "(e.g. max_downsample too small)", stacklevel=2)
 
     def _block_pre(self, block: BlockSpec, kind_index: int):
+        @torch.compiler.disable
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
             x = block.block_input(args, kwargs)
             grid = self.adapter.grid(block, x.shape[1])
-            call = self.state.begin_block(block.layer, block.kind, grid, x, kind_index=kind_index)
+            call = self.state.begin_block(block.layer, block.kind, grid, x, kind_index=kind_index,
+                                          num_points=len(block.points))
             self._blocks_with_grid += grid is not None
             merging = call.decision.strategy is not None
             for point in block.points:
@@ -156,6 +163,7 @@ class MergeHandle:
         return hook
 
     def _block_post(self, block: BlockSpec):
+        @torch.compiler.disable
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
             try:
                 for point in block.points:
@@ -164,7 +172,7 @@ class MergeHandle:
                 self.state.end_block()
         return hook
 
-    def _point_pre(self, point: MergePoint):
+    def _point_pre(self, point: MergePoint, index: int):
         def hook(module: nn.Module, args: tuple, kwargs: dict):
             call = self.state.call
             if call is None or point.sublayer not in call.decision.sublayers or call.decision.strategy is None:
@@ -174,27 +182,27 @@ class MergeHandle:
             plan = self.state.plan_for(call, metric)
             if plan.is_identity:
                 return None
-            call.active[id(point)] = plan
+            call.active[index] = plan
             return point.merge_input(args, kwargs, x, plan)
         return hook
 
-    def _point_post(self, point: MergePoint):
+    def _point_post(self, point: MergePoint, index: int):
         def hook(module: nn.Module, args: tuple, output: Any):
             call = self.state.call
             if call is None:
                 return None
             decision = call.decision
-            plan = call.active.pop(id(point), None)
+            plan = call.active.pop(index, None)
             if plan is None:  # ran at full length
                 if point.sublayer in decision.cache_outputs:
-                    self.state.store_output(point, point.get_output(output))
+                    self.state.store_output(call, index, point.get_output(output))
                 return None
             if point.keeps_merged(decision.sublayers):
                 return None  # a later point of the block consumes the merged output and unmerges
             y = decision.strategy.unmerge(point.get_output(output), plan)  # [B, M, C'] -> [B, N, C']
-            y = self.state.blend_cached(call, point, y)
+            y = self.state.blend_cached(call, index, y)
             if point.sublayer in decision.cache_outputs:
-                self.state.store_output(point, y)
+                self.state.store_output(call, index, y)
             return point.set_output(output, y)
         return hook
 

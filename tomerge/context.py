@@ -62,6 +62,12 @@ class MergeContext:
         received_attention: ``[B, N]`` attention each image token received (recorded by the
             adapter's probe, or given by hand).
         streak: ``[B, N]`` number of consecutive merge decisions in which each token was merged.
+        draws: what the strategy's :meth:`~tomerge.MergeStrategy.draw` returned for this plan (drawn by the merge
+            state outside compiled graphs), or ``None``: the strategy draws from ``generator`` itself.
+        removal: ``[r, 0]`` (an empty tensor): ``r = int(N * ratio)`` for the grid's ``N`` as a tensor size, set by
+            the merge state. ``torch.compile`` treats a tensor size that changes between calls as dynamic
+            (automatic dynamic shapes), so a ratio curve compiles once more and then reuses one graph for every
+            count, where the float ratio or a Python int would be a constant of the graph (docs/compile.md).
 
     Example:
         >>> ctx = MergeContext(grid=(32, 32), ratio=0.5)
@@ -83,6 +89,8 @@ class MergeContext:
     generator: torch.Generator | None = None
     received_attention: Tensor | None = None
     streak: Tensor | None = None
+    removal: Tensor | None = None
+    draws: Tensor | None = None
 
     def __post_init__(self) -> None:
         self.grid = check_grid(self.grid)
@@ -116,7 +124,10 @@ class MergeContext:
         return self.height * self.width
 
     def tokens_to_remove(self, num_tokens: int) -> int:
-        """``r = int(N * ratio)``, the number of tokens the context asks to remove."""
+        """``r = int(N * ratio)``, the number of tokens the context asks to remove (the length of ``removal`` when
+        it is set and ``N`` fills the grid)."""
+        if self.removal is not None and num_tokens == self.num_tokens:
+            return self.removal.shape[0]
         return int(num_tokens * self.ratio)
 
     def check_tokens(self, x: Tensor) -> tuple[int, int, int]:

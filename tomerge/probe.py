@@ -12,11 +12,14 @@ makes of them. :func:`received_self_attention` is that ``compute`` for a plain s
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
+
+from .context import Grid
 
 if TYPE_CHECKING:
     from .state import MergeState
@@ -66,24 +69,25 @@ def received_attention(q: Tensor, k: Tensor, scale: float) -> Tensor:
     return (weight.view(B, 1, H * Q) @ probs.view(B, H * Q, -1)).squeeze(1)  # [B, N]
 
 
-def attention_probe(state: MergeState, layer: int, attn: nn.Module, sources: Iterable[Source],
-                    compute: Callable[[dict[str, Any], tuple[int, int]], Tensor | None],
+def attention_probe(state: MergeState, attn: nn.Module, sources: Iterable[Source],
+                    compute: Callable[[dict[str, Any], Grid], Tensor | None],
                     before: Callable[[tuple, dict], dict[str, Any]] | None = None) -> list[Any]:
-    """Hooks recording the attention the image tokens of block ``layer`` receive in its attention ``attn``.
+    """Hooks recording the attention the image tokens of a block receive in its attention ``attn``.
 
-    Only the block's calls that merge (``state.call`` at ``layer`` with a merging decision) are
-    recorded. In those, the forward hooks of ``sources`` capture the q/k the attention computes anyway
-    (a name captured twice keeps the later output: a norm after its projection); after ``attn`` ran,
-    ``compute(captured, grid)`` turns them into ``a [B, N]`` for ``state.store_attention(layer, a)``, or
-    returns ``None`` to record nothing (the attention ran on merged slots, or a capture is missing).
+    Only the block's calls that merge are recorded (``state.call`` with a merging decision: the hooks are on
+    the block's own modules, so the call in progress is the block's). In those, the forward hooks of
+    ``sources`` capture the q/k the attention computes anyway (a name captured twice keeps the later output:
+    a norm after its projection); after ``attn`` ran, ``compute(captured, grid)`` turns them into
+    ``a [B, N]`` for ``state.call.attention`` (stored for the block's layer when the call ends,
+    :meth:`~tomerge.state.MergeState.end_block`), or returns ``None`` to record nothing (the attention ran
+    on merged slots, or a capture is missing).
     The captures are cleared after every call of ``attn``.
 
     Args:
         state: the merge state (``state.call``: the block call in progress).
-        layer: the block's layer, which keys the record.
         attn: the attention module; its forward hook computes the record.
         sources: ``(name, module, pick)`` captures (see :data:`Source`).
-        compute: ``(captured, (H, W)) -> [B, N] or None``.
+        compute: ``(captured, grid) -> [B, N] or None``.
         before: optional ``(args, kwargs) -> {name: value}``, a forward pre-hook of ``attn`` capturing
             from its call's arguments (e.g. a rotary table or the text length).
 
@@ -92,9 +96,9 @@ def attention_probe(state: MergeState, layer: int, attn: nn.Module, sources: Ite
     """
     captured: dict[str, Any] = {}
 
-    def wanted() -> bool:
+    def wanted() -> bool:  # the hooks are on this block's modules: the call in progress is this block's
         call = state.call
-        return call is not None and call.where.layer == layer and call.decision.merges
+        return call is not None and call.decision.merges
 
     def keep(name: str, pick: Callable[[Any], Tensor] | None):
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
@@ -113,7 +117,7 @@ def attention_probe(state: MergeState, layer: int, attn: nn.Module, sources: Ite
             return
         a = compute(got, state.call.grid)
         if a is not None:
-            state.store_attention(layer, a)
+            state.call.attention = a  # stored for the block's layer when the call ends
 
     handles = [attn.register_forward_pre_hook(read_call, with_kwargs=True)] if before is not None else []
     handles += [module.register_forward_hook(keep(name, pick)) for name, module, pick in sources if module is not None]
@@ -121,7 +125,7 @@ def attention_probe(state: MergeState, layer: int, attn: nn.Module, sources: Ite
     return handles
 
 
-def received_self_attention(captured: dict[str, Any], grid: tuple[int, int], heads: int, scale: float,
+def received_self_attention(captured: dict[str, Any], grid: Grid, heads: int, scale: float,
                             max_queries: int = 64) -> Tensor | None:
     """The ``compute`` of :func:`attention_probe` for a self-attention: ``received_attention`` of at most
     ``max_queries`` strided queries ``captured["q"]`` against all keys ``captured["k"]``.
@@ -138,7 +142,7 @@ def received_self_attention(captured: dict[str, Any], grid: tuple[int, int], hea
     if q is None or k is None:
         return None
     k = split_heads(k, heads)  # [B, H, N, d]
-    if k.shape[2] != grid[0] * grid[1]:  # the attention ran on merged slots
+    if k.shape[2] != math.prod(grid):  # the attention ran on merged slots
         return None
     q = strided_queries(split_heads(q, heads), max_queries)  # [B, H, Q, d]
     return received_attention(q, k, scale)

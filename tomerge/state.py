@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .context import MergeContext
+from .context import Grid, MergeContext
 from .plan import MergePlan
 from .schedule import SKIP, Decision, Schedule, Where
 
@@ -74,15 +74,29 @@ class TrajectoryClock:
 
 @dataclasses.dataclass
 class BlockCall:
-    """Scratch space for one block forward."""
+    """One block forward: what :meth:`MergeState.begin_block` prepared before it (from Python state, outside any
+    compiled graph) and what its merge points produced (committed by :meth:`MergeState.end_block`).
+
+    The merge points' hooks read and write only this object and tensors, never the step, the layer or the
+    state's caches: under ``torch.compile`` a new step or another block with the same decision then
+    reuses the compiled graph (docs/compile.md).
+    """
 
     where: Where
     decision: Decision
-    grid: tuple[int, int] | None
+    grid: Grid | None
     block_input: Tensor | None
-    plan: MergePlan | None = None
+    ctx: MergeContext | None = None  # the strategy's context, when the decision merges
+    plan: MergePlan | None = None  # the cached plan (reused), or the one this call computed
     merged: Tensor | None = None  # [B or 1, N] bool: the plan's merged tokens, when streaks or the cache need them
-    active: dict[int, MergePlan] = dataclasses.field(default_factory=dict)  # merge point id -> plan
+    kept_destinations: Tensor | None = None  # [B, M] destinations kept under the decision's destinations_key
+    streak: Tensor | None = None  # [B, N] merge streaks before this call (kept when a strategy uses them)
+    computed: bool = False  # the plan was computed in this call (end_block caches it and tells the observers)
+    new_streak: Tensor | None = None  # [B, N] streaks after this call's merge decision
+    cached_outputs: dict[int, Tensor] = dataclasses.field(default_factory=dict)  # point index -> feature cache
+    new_outputs: dict[int, Tensor | None] = dataclasses.field(default_factory=dict)  # point index -> to store
+    attention: Tensor | None = None  # [B, N] received attention a probe recorded in this call
+    active: dict[int, MergePlan] = dataclasses.field(default_factory=dict)  # point index -> plan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,7 +142,7 @@ class MergeState:
         self.plans: dict[Hashable, tuple[MergePlan, Tensor | None]] = {}  # (call index, cache_key) -> (plan, merged)
         self.destinations: dict[Hashable, tuple[int, Tensor]] = {}  # (call index, destinations_key) -> (N, [B, M] dst)
         self.streaks: dict[tuple[int, int], Tensor] = {}  # (call index, N) -> [B, N] consecutive merges of each token
-        self.outputs: dict[tuple[int, Hashable], Tensor] = {}  # (call index, merge point) -> [B, N, C'] feature cache
+        self.outputs: dict[tuple[int, int, int], Tensor] = {}  # (call index, layer, point) -> [B, N, C'] feature cache
         self.attention: dict[int, Tensor] = {}  # layer -> [B, N] received attention, latest full-length call
         self.text_labels: Any = None  # what schedule.prepare_text_labels returned (e.g. SDTM's prompt categories)
         self._forked: dict[torch.device, torch.Generator] = {}
@@ -149,88 +163,132 @@ class MergeState:
         self.call_index = self.call_index + 1 if same_step else 0
 
     # ------------------------------------------------------------------ block calls
-    def begin_block(self, layer: int, block_kind: str, grid: tuple[int, int] | None,
-                    block_input: Tensor | None, kind_index: int | None = None) -> BlockCall:
+    def begin_block(self, layer: int, block_kind: str, grid: Grid | None,
+                    block_input: Tensor | None, kind_index: int | None = None,
+                    num_points: int = 0) -> BlockCall:
+        """Decides a block call and prepares everything its merge points read: the strategy's context, the
+        cached plan or kept destinations, the streaks and the feature cache of its ``num_points`` points.
+        Runs eagerly (the hooks call it outside compiled graphs); ``block_input [B, N, C]``."""
         where = Where(step=self.clock.step, num_steps=self.clock.num_steps, progress=self.clock.progress,
                       layer=layer, num_layers=self.num_layers, block_kind=block_kind, kind_index=kind_index)
         decision = self.schedule.decide(where) if grid is not None else SKIP
         if decision.reset_streaks:
             for key in [k for k in self.streaks if k[0] == self.call_index]:
                 del self.streaks[key]
-        self.call = BlockCall(where, decision, grid, block_input)
-        return self.call
+        call = self.call = BlockCall(where, decision, grid, block_input)
+        if block_input is None:
+            return call
+        B, N = block_input.shape[:2]
+        for index in range(num_points):
+            cached = self.outputs.get((self.call_index, layer, index))
+            if cached is not None:
+                call.cached_outputs[index] = cached
+        strategy = decision.strategy
+        if strategy is None or grid is None:
+            return call
+        if decision.cache_key is not None:
+            cached_plan = self.plans.get((self.call_index, decision.cache_key))
+            if cached_plan is not None and _fits(cached_plan[0].num_tokens, cached_plan[0].dst, block_input):
+                call.plan, call.merged = cached_plan
+                return call
+        if decision.destinations_key is not None:
+            kept = self.destinations.get((self.call_index, decision.destinations_key))
+            if kept is not None and _fits(*kept, block_input):
+                call.kept_destinations = kept[1]
+        if self.keep_streaks:
+            call.streak = self._streak(B, N, block_input.device)
+        call.ctx = MergeContext(
+            grid=grid, ratio=decision.ratio, progress=where.progress, step=where.step,
+            num_steps=where.num_steps, layer=layer, num_layers=self.num_layers, block_kind=block_kind,
+            generator=self._generator(strategy, where, block_input.device) if strategy.uses_generator else None,
+            received_attention=self._latest_attention(layer, B, N),
+            streak=call.streak if strategy.uses_streak else None,
+            removal=torch.empty(int(N * decision.ratio), 0, device=block_input.device),  # [r, 0]: r as a size
+        )
+        if strategy.uses_generator and call.ctx.tokens_to_remove(N) > 0 and call.kept_destinations is None:
+            call.ctx.draws = strategy.draw(call.ctx, B)  # drawn here, outside compiled graphs
+        return call
+
+    def plan_for(self, call: BlockCall, metric: Tensor) -> MergePlan:
+        """The plan of this block call: the cached one, else computed once from ``metric [B, N, C]`` (from the
+        kept destinations when there are some) and shared by the call's merge points. Tensor work only: this
+        runs inside compiled graphs."""
+        if call.plan is not None:
+            return call.plan
+        strategy, ctx = call.decision.strategy, call.ctx
+        assert strategy is not None and ctx is not None  # begin_block prepared a merging call
+        if call.attention is not None:  # recorded by a probe earlier in this call (its attention ran unmerged)
+            ctx.received_attention = call.attention
+        if call.kept_destinations is None:
+            plan = strategy.plan(metric, ctx)
+        else:
+            plan = strategy.plan(metric, ctx, destinations=call.kept_destinations)
+        call.plan, call.computed = plan, True
+        if self.keep_streaks or call.decision.cache_weight is not None:
+            call.merged = strategy.merged_tokens(plan, ctx)  # [B or 1, N] bool
+        if call.streak is not None and ctx.tokens_to_remove(plan.num_tokens) > 0:
+            # One merge decision (a call asked to remove nothing counts nothing): every token the plan counts as
+            # merged extends its streak by 1, every other token's streak drops to 0 (the authors'
+            # last_independent: add 1 to all, zero the independent ones).
+            call.new_streak = (call.streak + 1) * call.merged.expand_as(call.streak)  # [B, N]
+        return plan
 
     def end_block(self) -> None:
+        """Commits what the block call produced (cached plan, kept destinations, streaks, feature cache,
+        received attention) and records its decision. Runs eagerly, after the block."""
         call, self.call = self.call, None
-        if call is not None and self.record and len(self.records) < self.max_records:
+        if call is None:
+            return
+        layer = call.where.layer
+        if call.computed:
+            plan = call.plan
+            assert plan is not None
+            key, dst_key = call.decision.cache_key, call.decision.destinations_key
+            if key is not None:
+                self.plans[(self.call_index, key)] = (plan, call.merged)
+            if dst_key is not None and call.kept_destinations is None and not plan.is_identity:
+                self.destinations[(self.call_index, dst_key)] = (plan.num_tokens, plan.dst)
+            if call.new_streak is not None:
+                self.streaks[(self.call_index, plan.num_tokens)] = call.new_streak
+            for observe in self.observers:
+                observe(call, plan)
+        for index, output in call.new_outputs.items():
+            if output is None:
+                self.outputs.pop((self.call_index, layer, index), None)
+            else:
+                self.outputs[(self.call_index, layer, index)] = output
+        if call.attention is not None:
+            self.store_attention(layer, call.attention)
+        if self.record and len(self.records) < self.max_records:
             plan = call.plan
             self.records.append(Record(
-                trajectory=self.clock.trajectory, step=call.where.step, layer=call.where.layer,
+                trajectory=self.clock.trajectory, step=call.where.step, layer=layer,
                 block_kind=call.where.block_kind, label=call.decision.label, ratio=call.decision.ratio,
                 sublayers=tuple(sorted(call.decision.sublayers)) if plan is not None else (),
                 num_tokens=plan.num_tokens if plan is not None else 0,
                 num_removed=plan.num_removed if plan is not None else 0,
             ))
 
-    def plan_for(self, call: BlockCall, metric: Tensor) -> MergePlan:
-        """The plan of this block call: cached under the decision's key, else computed once (from kept
-        destinations when the decision's ``destinations_key`` holds some that fit)."""
-        if call.plan is not None:
-            return call.plan
-        key = call.decision.cache_key
-        cached = self.plans.get((self.call_index, key)) if key is not None else None
-        if cached is None or not _fits(cached[0].num_tokens, cached[0].dst, metric):
-            cached = self._compute(call, metric)
-            if key is not None:
-                self.plans[(self.call_index, key)] = cached
-        call.plan, call.merged = cached
-        return call.plan
-
-    def _compute(self, call: BlockCall, metric: Tensor) -> tuple[MergePlan, Tensor | None]:
-        strategy = call.decision.strategy
-        assert strategy is not None and call.grid is not None  # guaranteed by begin_block/decide
-        B, N = metric.shape[:2]
-        dst_key = call.decision.destinations_key
-        kept = self.destinations.get((self.call_index, dst_key)) if dst_key is not None else None
-        kept = kept[1] if kept is not None and _fits(*kept, metric) else None
-        ctx = MergeContext(
-            grid=call.grid, ratio=call.decision.ratio, progress=call.where.progress, step=call.where.step,
-            num_steps=call.where.num_steps, layer=call.where.layer, num_layers=call.where.num_layers,
-            block_kind=call.where.block_kind,
-            generator=self._generator(strategy, call.where, metric.device) if strategy.uses_generator else None,
-            received_attention=self._latest_attention(call.where.layer, B, N),
-            streak=self._streak(B, N, metric.device) if strategy.uses_streak else None,
-        )
-        plan = strategy.plan(metric, ctx) if kept is None else strategy.plan(metric, ctx, destinations=kept)
-        if dst_key is not None and kept is None and not plan.is_identity:
-            self.destinations[(self.call_index, dst_key)] = (N, plan.dst)
-        merged = None
-        if self.keep_streaks or call.decision.cache_weight is not None:
-            merged = strategy.merged_tokens(plan, ctx)  # [B or 1, N] bool
-        if self.keep_streaks and ctx.tokens_to_remove(N) > 0:  # a call asked to remove nothing counts nothing
-            self._update_streaks(merged, B, N, metric.device)
-        for observe in self.observers:
-            observe(call, plan)
-        return plan, merged
-
     # ------------------------------------------------------------------ the feature cache
-    def store_output(self, point: Hashable, output: Tensor) -> None:
-        """Keeps ``output [B, N, C']`` as the cached output of merge ``point`` for this call index."""
-        self.outputs[(self.call_index, point)] = output.detach()
+    @staticmethod
+    def store_output(call: BlockCall, point: int, output: Tensor) -> None:
+        """Keeps ``output [B, N, C']`` as the cached output of the block's merge point number ``point`` (stored
+        for this layer and call index when the block call ends)."""
+        call.new_outputs[point] = output.detach()
 
-    def blend_cached(self, call: BlockCall, point: Hashable, output: Tensor) -> Tensor:
-        """``output [B, N, C']`` (a merge point's unmerged output) with the tokens ``call``'s plan counts as
-        merged replaced by ``w * output + (1 - w) * cached`` (``w = call.decision.cache_weight``); unchanged
-        without a weight, without a cached output of this point, or when the cached one has another shape
-        (it is then dropped: it came from a call of another size)."""
+    @staticmethod
+    def blend_cached(call: BlockCall, point: int, output: Tensor) -> Tensor:
+        """``output [B, N, C']`` (the unmerged output of the block's merge point number ``point``) with the
+        tokens ``call``'s plan counts as merged replaced by ``w * output + (1 - w) * cached``
+        (``w = call.decision.cache_weight``); unchanged without a weight, without a cached output of this
+        point, or when the cached one has another shape (it is then dropped: it came from a call of another
+        size)."""
         w = call.decision.cache_weight
-        if w is None or call.merged is None:
-            return output
-        cached = self.outputs.get((self.call_index, point))
-        if cached is None:
+        cached = call.cached_outputs.get(point)
+        if w is None or call.merged is None or cached is None:
             return output
         if cached.shape != output.shape:
-            del self.outputs[(self.call_index, point)]
+            call.new_outputs.setdefault(point, None)
             return output
         blended = torch.lerp(cached.to(output.dtype), output, w)  # [B, N, C'] = w * output + (1 - w) * cached
         return torch.where(call.merged.unsqueeze(-1), blended, output)  # [B, N, C']
@@ -251,13 +309,6 @@ class MergeState:
             s = torch.zeros(batch, num_tokens, device=device)
             self.streaks[(self.call_index, num_tokens)] = s
         return s
-
-    def _update_streaks(self, merged: Tensor, batch: int, num_tokens: int, device: torch.device) -> None:
-        """One merge decision: every token the plan counts as merged (``merged [B or 1, N]``, from
-        ``strategy.merged_tokens``) extends its streak by 1, every other token's streak drops to 0 (the
-        authors' ``last_independent``: add 1 to all, zero the independent ones)."""
-        s = self._streak(batch, num_tokens, device)
-        self.streaks[(self.call_index, num_tokens)] = (s + 1) * merged.expand(batch, num_tokens)
 
     # ------------------------------------------------------------------ randomness
     def _generator(self, strategy: Any, where: Where, device: torch.device) -> torch.Generator:

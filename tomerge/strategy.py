@@ -115,6 +115,14 @@ class MergeStrategy(abc.ABC):
         return True
 
     # ------------------------------------------------------------------ the algorithm
+    def draw(self, ctx: MergeContext, batch: int) -> Tensor | None:
+        """The random numbers the plan of a ``batch``-sample call on ``ctx``'s grid needs, drawn from
+        ``ctx.generator`` (strategies whose :attr:`uses_generator` is true). Attached to a model, the merge state
+        calls it before the block runs, outside compiled graphs (a ``torch.Generator`` cannot be used inside
+        one), and the plan reads the result as ``ctx.draws``; on bare tensors (``ctx.draws`` unset) a strategy
+        calls it itself. Default: nothing drawn (``None``)."""
+        return None
+
     @abc.abstractmethod
     def select_destinations(self, x: Tensor, ctx: MergeContext) -> Tensor:
         """Returns ``[B, M']`` long token positions kept as destinations."""
@@ -155,7 +163,7 @@ class MergeStrategy(abc.ABC):
                 f"strategy {self.name!r} needs {missing} in the MergeContext; attached to a model the "
                 "adapter records it, on bare tensors pass it, e.g. MergeContext(..., received_attention=a)"
             )
-        if self.uses_generator and ctx.generator is None:
+        if self.uses_generator and ctx.generator is None and ctx.draws is None:
             raise ValueError(f"strategy {self.name!r} draws random numbers: pass MergeContext(generator=...)")
         dst = self.select_destinations(x, ctx) if destinations is None else destinations
         return self.merge_matrix(x, dst, ctx)
