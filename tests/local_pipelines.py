@@ -11,7 +11,7 @@ component, safetensors).
 | ``sd3`` | StableDiffusion3Pipeline (2 CLIP + T5) | 32 x 32 | 16 x 16 x 16 | 8 x 8 (patch 2) |
 | ``flux`` | FluxPipeline (CLIP + T5, guidance embedding) | 32 x 32 | 16 x 16 x 16 | 8 x 8 (packed 2 x 2) |
 | ``pixart`` | PixArtAlphaPipeline (T5) | 32 x 32 | 16 x 16 x 4 | 8 x 8 (patch 2) |
-| ``sdxl`` | StableDiffusionXLPipeline (CLIP + CLIP with projection) | 32 x 32 | 16 x 16 x 4 | 8 x 8 (attention only at 1/2 resolution, as in SDXL: ``max_downsample=2``) |
+| ``sdxl`` | StableDiffusionXLPipeline (CLIP + CLIP with projection) | 32 x 32 | 16 x 16 x 4 | 8 x 8 (attention only at 1/2 resolution, as in SDXL: the unet adapter's default merges there) |
 | ``sd`` | StableDiffusionPipeline (CLIP) | 32 x 32 | 16 x 16 x 4 | 16 x 16 (and 8 x 8 at 1/2 resolution) |
 
 Every VAE has two levels (scale factor 2). ``CALL_DEFAULTS[family]`` are the call arguments of a fast
@@ -20,8 +20,7 @@ metrics).
 
 Notes for callers: always pass ``height``/``width`` (FluxPipeline's default is 1024 whatever the config;
 the others default to 32) and a small ``max_sequence_length`` (T5 defaults are 120-512 tokens); PixArt
-needs ``use_resolution_binning=False`` (its binning only knows sample sizes 32/64/128); SDXL merges only
-with ``max_downsample >= 2``. The CLIP tokenizers lowercase and never fail (byte fallback); the T5
+needs ``use_resolution_binning=False`` (its binning only knows sample sizes 32/64/128). The CLIP tokenizers lowercase and never fail (byte fallback); the T5
 tokenizer is case-sensitive and maps characters outside printable ASCII to ``<unk>``.
 """
 

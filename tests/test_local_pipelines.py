@@ -29,8 +29,6 @@ FAMILIES = local_pipelines.FAMILIES
 PROMPTS = ["a photo of a cat riding a horse", "A painting of the city at night, high quality!"]
 CLASSES = {"sd3": "StableDiffusion3Pipeline", "flux": "FluxPipeline", "pixart": "PixArtAlphaPipeline",
            "sdxl": "StableDiffusionXLPipeline", "sd": "StableDiffusionPipeline"}
-# SDXL has no transformer block at full resolution (as the real model): merge at 1/2 resolution too.
-ADAPTER_OPTIONS: dict[str, dict[str, Any]] = {"sdxl": {"max_downsample": 2}}
 
 
 @pytest.fixture(autouse=True)
@@ -95,17 +93,23 @@ def test_generation_is_finite_in_range_and_depends_on_seed_and_prompt(family):
 def test_tomesd_merges_and_leaves_no_trace(family):
     before = baseline(family)
     pipe = loaded(family)
-    with tomerge.merging(pipe, "tomesd", ratio=0.5, use_rand=False, **ADAPTER_OPTIONS.get(family, {})):
+    with tomerge.merging(pipe, "tomesd", ratio=0.5, use_rand=False):
         merged = generate(family)
     assert merged.shape == before.shape and torch.isfinite(merged).all()
     assert not torch.equal(merged, before)
     assert torch.equal(generate(family), before)
 
 
-def test_sdxl_without_max_downsample_merges_nothing_and_says_so():
+def test_sdxl_merges_its_half_resolution_level_by_default():
+    """SDXL has no attention at full resolution: the unet adapter's default picks the 1/2-resolution level
+    (max_downsample=1, tomesd's default, merges nothing and says so)."""
     before = baseline("sdxl")
+    with tomerge.merging(loaded("sdxl"), "tomesd", ratio=0.5, use_rand=False) as handle:
+        merged = generate("sdxl")
+        assert handle.adapter.max_downsample == 2 and handle.stats["tokens_removed"] > 0
+    assert not torch.equal(merged, before)
     with pytest.warns(UserWarning, match="merged"):
-        with tomerge.merging(loaded("sdxl"), "tomesd", ratio=0.5, use_rand=False):
+        with tomerge.merging(loaded("sdxl"), "tomesd", ratio=0.5, use_rand=False, max_downsample=1):
             merged = generate("sdxl")
     assert torch.equal(merged, before)
 
