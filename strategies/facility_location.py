@@ -167,28 +167,9 @@ class FacilityLocation(MergeStrategy):
         return pos.reshape(groups * nty * ntx, depth * t * t)  # [T, s]
 
     # ------------------------------------------------------------------ the algorithm
-    def plan(self, x: Tensor, ctx: MergeContext, destinations: Tensor | None = None) -> MergePlan:
-        """:meth:`select_destinations` then :meth:`merge_matrix`, with the tile similarities computed once and
-        shared by both (a subclass that overrides either method gets the plain template, and so does a call
-        with kept ``destinations``)."""
-        cls = type(self)
-        if (destinations is not None or cls.select_destinations is not FacilityLocation.select_destinations
-                or cls.merge_matrix is not FacilityLocation.merge_matrix):
-            return super().plan(x, ctx, destinations)
-        B, N, _ = ctx.check_tokens(x)
-        if ctx.tokens_to_remove(N) == 0:
-            return MergePlan.identity(B, N, device=x.device)
-        layout = self.tile_layout(ctx.grid, x.device)  # [T, s]
-        d = self._dst_per_tile(N, layout.shape[0], ctx)
-        fewest = self._fewest_members(ctx.grid)
-        S = _similarities(x, layout)  # [B, T, s, s]
-        if self.shared_destinations:  # select on sample 0 (as select_destinations does), weigh every sample
-            local, _ = self._greedy(S[:1], layout == N, d, fewest)  # [1, T, d]
-            local = local.expand(B, -1, -1)  # [B, T, d]
-            L = _rows(S, local)  # [B, T, d, s]
-        else:
-            local, L = self._greedy(S, layout == N, d, fewest)  # [B, T, d], [B, T, d, s]
-        return self._matrices(L, _positions(layout, local), layout, N)
+    def shared_work(self, x: Tensor, ctx: MergeContext) -> Tensor:
+        """``[B, T, s, s]``: the tile similarities both stages need, computed once per plan."""
+        return _similarities(x, self.tile_layout(ctx.grid, x.device))
 
     def select_destinations(self, x: Tensor, ctx: MergeContext) -> Tensor:
         """Greedy facility location in every tile.
@@ -203,8 +184,12 @@ class FacilityLocation(MergeStrategy):
         B, N, _ = ctx.check_tokens(x)
         layout = self.tile_layout(ctx.grid, x.device)  # [T, s]
         d = self._dst_per_tile(N, layout.shape[0], ctx)
-        S = _similarities(x[:1] if self.shared_destinations else x, layout)  # [b, T, s, s] (b = 1 when shared)
-        local, _ = self._greedy(S, layout == N, d, self._fewest_members(ctx.grid))  # [b, T, d]
+        S = ctx.shared_work  # [B, T, s, s] when called by plan()
+        if S is None:
+            S = _similarities(x[:1] if self.shared_destinations else x, layout)  # [b, T, s, s]
+        elif self.shared_destinations:
+            S = S[:1]  # [1, T, s, s]: select on sample 0
+        local, _ = self._greedy(S, layout == N, d, self._fewest_members(ctx.grid))  # [b, T, d] (b = 1 when shared)
         return _positions(layout, local).expand(B, -1)  # [B, M]
 
     def merge_matrix(self, x: Tensor, dst: Tensor, ctx: MergeContext) -> MergePlan:
@@ -222,8 +207,10 @@ class FacilityLocation(MergeStrategy):
         B, N, C = ctx.check_tokens(x)
         layout = self.tile_layout(ctx.grid, x.device)  # [T, s]
         T, s = layout.shape
-        # The value checks read the host; a compiled graph skips them (they would break it and sync).
-        checked = not torch.compiler.is_compiling()
+        # The value checks read the host: they run on destinations given by hand. Inside plan() (shared work set)
+        # the destinations were just selected or kept from an earlier plan of this grid, and a compiled graph
+        # skips them too (they would break it and sync).
+        checked = ctx.shared_work is None and not torch.compiler.is_compiling()
         if (dst.dim() != 2 or dst.shape[0] not in (1, B) or dst.shape[1] % T != 0
                 or checked and (dst.min() < 0 or dst.max() >= N)):
             raise ValueError(
@@ -238,7 +225,7 @@ class FacilityLocation(MergeStrategy):
         if checked and (local.min() < 0 or local.max() >= s):
             raise ValueError(f"dst slot t*d + j must be a token of tile t (tile_layout({ctx.grid})); "
                              "pass the output of select_destinations for the same x and ctx")
-        S = _similarities(x, layout)  # [B, T, s, s]
+        S = ctx.shared_work if ctx.shared_work is not None else _similarities(x, layout)  # [B, T, s, s]
         L = _rows(S, local.expand(B, -1, -1))  # [B, T, d, s]
         return self._matrices(L, dst.expand(B, -1), layout, N)
 

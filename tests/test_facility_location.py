@@ -394,3 +394,26 @@ def test_matches_the_spec_computed_plainly(tau: float) -> None:
             assert torch.allclose(plan.merge_weights[b, t].double(), W, atol=1e-4)
     clear = sum(gap > MARGIN for gap in gaps)
     assert clear >= 0.9 * len(gaps), f"only {clear} of {len(gaps)} greedy steps have a clear winner"
+
+
+def test_plan_computes_the_tile_similarities_once_and_shares_them(monkeypatch):
+    """``shared_work`` (the tile similarities) is computed once per plan and handed to both stages through
+    ``ctx.shared_work``, which is unset again afterwards; the stages called on their own compute it themselves
+    and give the same plan, bit for bit."""
+    import tomerge.strategies.facility_location as module
+
+    calls = []
+    original = module._similarities
+    monkeypatch.setattr(module, "_similarities", lambda x, layout: calls.append(x.shape) or original(x, layout))
+    x = torch.randn(2, 64, 8, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    for shared in (False, True):
+        strategy = FacilityLocation(num_tiles=4, shared_destinations=shared)
+        ctx = MergeContext(grid=(8, 8), ratio=0.5)
+        calls.clear()
+        plan = strategy.plan(x, ctx)
+        assert len(calls) == 1 and ctx.shared_work is None
+        calls.clear()
+        alone = strategy.merge_matrix(x, strategy.select_destinations(x, ctx), ctx)
+        assert len(calls) == 2  # each stage on its own
+        assert torch.equal(plan.dst, alone.dst) and torch.equal(plan.merge_weights, alone.merge_weights)
+        assert torch.equal(plan.unmerge_weights, alone.unmerge_weights)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -64,6 +65,8 @@ class MergeContext:
         streak: ``[B, N]`` number of consecutive merge decisions in which each token was merged.
         draws: what the strategy's :meth:`~tomerge.MergeStrategy.draw` returned for this plan (drawn by the merge
             state outside compiled graphs), or ``None``: the strategy draws from ``generator`` itself.
+        shared_work: what the strategy's :meth:`~tomerge.MergeStrategy.shared_work` returned, set by
+            :meth:`~tomerge.MergeStrategy.plan` while its two stages run (``None`` otherwise).
         removal: ``[r, 0]`` (an empty tensor): ``r = int(N * ratio)`` for the grid's ``N`` as a tensor size, set by
             the merge state. ``torch.compile`` treats a tensor size that changes between calls as dynamic
             (automatic dynamic shapes), so a ratio curve compiles once more and then reuses one graph for every
@@ -91,6 +94,7 @@ class MergeContext:
     streak: Tensor | None = None
     removal: Tensor | None = None
     draws: Tensor | None = None
+    shared_work: Any = None
 
     def __post_init__(self) -> None:
         self.grid = check_grid(self.grid)

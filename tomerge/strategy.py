@@ -37,7 +37,7 @@ from .context import MergeContext, check_ratio
 from .plan import MergePlan
 
 SUBLAYERS = ("attn", "crossattn", "mlp")
-INTERFACE = ("select_destinations", "merge_matrix", "unmerge", "merged_tokens", "plan")  # what the core calls
+INTERFACE = ("select_destinations", "merge_matrix", "unmerge", "merged_tokens", "plan", "shared_work", "draw")  # what the core calls
 CAPABILITIES = ("default_sublayers", "metric", "needs", "uses_generator", "generator_policy", "uses_streak",
                 "batch_independent")  # what the core reads (properties)
 
@@ -123,6 +123,13 @@ class MergeStrategy(abc.ABC):
         calls it itself. Default: nothing drawn (``None``)."""
         return None
 
+    def shared_work(self, x: Tensor, ctx: MergeContext) -> Any:
+        """Work both stages need (e.g. a similarity matrix), computed once by :meth:`plan` and handed to
+        :meth:`select_destinations` and :meth:`merge_matrix` as ``ctx.shared_work`` while they run; called on
+        their own, the stages find ``ctx.shared_work`` unset (``None``) and compute what they need. Default:
+        nothing shared (``None``)."""
+        return None
+
     @abc.abstractmethod
     def select_destinations(self, x: Tensor, ctx: MergeContext) -> Tensor:
         """Returns ``[B, M']`` long token positions kept as destinations."""
@@ -165,8 +172,12 @@ class MergeStrategy(abc.ABC):
             )
         if self.uses_generator and ctx.generator is None and ctx.draws is None:
             raise ValueError(f"strategy {self.name!r} draws random numbers: pass MergeContext(generator=...)")
-        dst = self.select_destinations(x, ctx) if destinations is None else destinations
-        return self.merge_matrix(x, dst, ctx)
+        saved, ctx.shared_work = ctx.shared_work, self.shared_work(x, ctx)
+        try:
+            dst = self.select_destinations(x, ctx) if destinations is None else destinations
+            return self.merge_matrix(x, dst, ctx)
+        finally:
+            ctx.shared_work = saved  # shared work belongs to this plan's x only
 
     # ------------------------------------------------------------------ options
     @classmethod
