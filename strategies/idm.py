@@ -48,7 +48,7 @@ Common rules:
   so with ``local=True`` they never merge (they count as unmergeable for the cap).
 * Merge = mean of a destination and its merged sources; unmerge copies it back. Slots are ordered
   ``[destinations in window order..., unmerged sources in raster order...]``.
-* Plan input (``plan_from``, :attr:`IDM.metric`). The authors plan the detail phase from the attention
+* Plan input (``plan_from``, :attr:`IDM.plan_input`). The authors plan the detail phase from the attention
   input, the ``norm1`` output (``compute_merge(norm_hidden_states, ...)``, ``TR_SDTM.py`` line 745),
   although only the MLP is merged. tomerge's hooks plan at the first merged sublayer (or from the
   block's input), so with attention unmerged they never see that tensor; attached IDM therefore plans
@@ -109,7 +109,7 @@ class IDM(MergeStrategy):
         round_tokens: round the number of removed tokens down to a multiple of this (never a positive
             count to 0); ``None``: the variant's default (16 for ``"streak"`` as the release, 1 = off for
             ``"attention"``).
-        plan_from: the tensor attached hooks plan from (:attr:`metric`): ``"block_input"`` (default: the
+        plan_from: the tensor attached hooks plan from (:attr:`plan_input`): ``"block_input"`` (default: the
             block's input hidden states, before its norm; the closest the hooks reach to the authors' ``norm1``
             output when attention is not merged) or ``"sublayer"`` (the input of the first merged sublayer:
             the MLP input when only the MLP is merged).
@@ -154,8 +154,8 @@ class IDM(MergeStrategy):
         return frozenset({"received_attention"}) if self.variant == "attention" else frozenset()
 
     @property
-    def metric(self) -> str:
-        """The tensor attached hooks plan from (:attr:`MergeStrategy.metric`): ``plan_from``."""
+    def plan_input(self) -> str:
+        """The tensor attached hooks plan from (:attr:`MergeStrategy.plan_input`): ``plan_from``."""
         return self.plan_from
 
     # ------------------------------------------------------------------ pure helpers

@@ -84,7 +84,7 @@ class ToMeSD(MergeStrategy):
         return frozenset({"attn"})
 
     @property
-    def metric(self) -> str:
+    def plan_input(self) -> str:
         return "block_input"
 
     @property

@@ -302,7 +302,7 @@ def test_detail_plans_come_from_the_block_input_when_only_the_mlp_merges(monkeyp
     for layer, metric in planned[-2:]:  # the last call's plans (its block inputs were captured last)
         assert metric is block_inputs[layer]
         assert not torch.allclose(metric, mlp_inputs[layer]) and not torch.allclose(metric, attn_inputs[layer])
-    assert IDM().metric == "block_input" and IDM(plan_from="sublayer").metric == "sublayer"
+    assert IDM().plan_input == "block_input" and IDM(plan_from="sublayer").plan_input == "sublayer"
 
 
 # ---------------------------------------------------------------------------------------- invariants

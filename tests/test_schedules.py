@@ -106,7 +106,7 @@ def test_sdtm_forwards_strategy_options_and_builds_them_once():
     assert (s.idm.window, s.idm.alpha_d, s.idm.variant, s.idm.local) == (3, 0.2, "streak", True)
     assert s.idm.round_tokens == 16 and SDTM().idm.round_tokens == 1  # the variants' defaults
     assert SDTM(idm_variant="streak", idm_round_tokens=1).idm.round_tokens == 1
-    assert SDTM().idm.metric == "block_input" and SDTM(idm_plan_from="sublayer").idm.metric == "sublayer"
+    assert SDTM().idm.plan_input == "block_input" and SDTM(idm_plan_from="sublayer").idm.plan_input == "sublayer"
     assert s.idm.needs == frozenset() and SDTM().idm.needs == {"received_attention"}
     assert s.decide(where(0, 0)).sublayers == {"attn", "crossattn", "mlp"}
     assert s.decide(where(49, 0)).sublayers == {"crossattn", "mlp"}

@@ -178,8 +178,8 @@ class MergeHandle:
             if call is None or point.sublayer not in call.decision.sublayers or call.decision.strategy is None:
                 return None
             x = point.get_input(args, kwargs)
-            metric = call.block_input if call.decision.strategy.metric == "block_input" else x
-            plan = self.state.plan_for(call, metric)
+            plan_input = call.block_input if call.decision.strategy.plan_input == "block_input" else x
+            plan = self.state.plan_for(call, plan_input)
             if plan.is_identity:
                 return None
             call.active[index] = plan

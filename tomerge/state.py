@@ -209,8 +209,8 @@ class MergeState:
             call.ctx.draws = strategy.draw(call.ctx, B)  # drawn here, outside compiled graphs
         return call
 
-    def plan_for(self, call: BlockCall, metric: Tensor) -> MergePlan:
-        """The plan of this block call: the cached one, else computed once from ``metric [B, N, C]`` (from the
+    def plan_for(self, call: BlockCall, tokens: Tensor) -> MergePlan:
+        """The plan of this block call: the cached one, else computed once from ``tokens [B, N, C]`` (from the
         kept destinations when there are some) and shared by the call's merge points. Tensor work only: this
         runs inside compiled graphs."""
         if call.plan is not None:
@@ -220,9 +220,9 @@ class MergeState:
         if call.attention is not None:  # recorded by a probe earlier in this call (its attention ran unmerged)
             ctx.received_attention = call.attention
         if call.kept_destinations is None:
-            plan = strategy.plan(metric, ctx)
+            plan = strategy.plan(tokens, ctx)
         else:
-            plan = strategy.plan(metric, ctx, destinations=call.kept_destinations)
+            plan = strategy.plan(tokens, ctx, destinations=call.kept_destinations)
         call.plan, call.computed = plan, True
         if self.keep_streaks or call.decision.cache_weight is not None:
             call.merged = strategy.merged_tokens(plan, ctx)  # [B or 1, N] bool
@@ -327,7 +327,7 @@ class MergeState:
         return gen
 
 
-def _fits(num_tokens: int, dst: Tensor, metric: Tensor) -> bool:
+def _fits(num_tokens: int, dst: Tensor, tokens: Tensor) -> bool:
     """Whether a kept plan or kept destinations (``dst [B or 1, M]`` over ``num_tokens`` tokens) can serve the
-    tokens ``metric [B, N, C]``: same ``N`` and batch (or one shared row); a call of another size plans anew."""
-    return num_tokens == metric.shape[1] and dst.shape[0] in (1, metric.shape[0])
+    tokens ``tokens [B, N, C]``: same ``N`` and batch (or one shared row); a call of another size plans anew."""
+    return num_tokens == tokens.shape[1] and dst.shape[0] in (1, tokens.shape[0])

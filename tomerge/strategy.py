@@ -38,7 +38,7 @@ from .plan import MergePlan
 
 SUBLAYERS = ("attn", "crossattn", "mlp")
 INTERFACE = ("select_destinations", "merge_matrix", "unmerge", "merged_tokens", "plan", "shared_work", "draw")  # what the core calls
-CAPABILITIES = ("default_sublayers", "metric", "needs", "uses_generator", "generator_policy", "uses_streak",
+CAPABILITIES = ("default_sublayers", "plan_input", "needs", "uses_generator", "generator_policy", "uses_streak",
                 "batch_independent")  # what the core reads (properties)
 
 
@@ -49,7 +49,7 @@ class MergeStrategy(abc.ABC):
     Class attribute: ``name``, the registry name (set by :func:`tomerge.register_strategy` if missing).
 
     Capabilities the core reads are read-only properties (override them; they may depend on the options):
-    :attr:`default_sublayers`, :attr:`metric`, :attr:`needs`, :attr:`uses_generator`,
+    :attr:`default_sublayers`, :attr:`plan_input`, :attr:`needs`, :attr:`uses_generator`,
     :attr:`generator_policy`, :attr:`uses_streak`, :attr:`batch_independent`.
 
     Field:
@@ -65,6 +65,8 @@ class MergeStrategy(abc.ABC):
         super().__init_subclass__(**kwargs)
         fields = {name for name, kind in cls.__dict__.get("__annotations__", {}).items()
                   if "ClassVar" not in str(kind)}  # ClassVar annotations are constants, not options
+        if "metric" in cls.__dict__:  # the capability's old name: an override of it would be silently ignored
+            raise TypeError(f"{cls.__qualname__}: the capability 'metric' is now called 'plan_input'; rename it")
         hidden = sorted(fields & set(INTERFACE + CAPABILITIES))
         if hidden:  # a dataclass field of that name would replace what the core calls or reads
             raise TypeError(f"{cls.__qualname__}: option(s) {hidden} would hide the MergeStrategy method(s) or "
@@ -81,9 +83,9 @@ class MergeStrategy(abc.ABC):
         return frozenset({"attn", "mlp"})
 
     @property
-    def metric(self) -> str:
-        """What the plan is computed from: ``"sublayer"`` (the normalised tokens entering the first merged
-        sublayer) or ``"block_input"`` (the block's input hidden states, as ToMeSD does)."""
+    def plan_input(self) -> str:
+        """The tensor attached hooks plan from: ``"sublayer"`` (the tokens entering the first merged sublayer)
+        or ``"block_input"`` (the block's input hidden states, as ToMeSD does)."""
         return "sublayer"
 
     @property
