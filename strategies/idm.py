@@ -86,7 +86,7 @@ from tomerge.options import check_bool, check_choice, check_int, check_number
 from tomerge.plan import MergePlan, unit_rows
 from tomerge.strategy import MergeStrategy
 
-from .ssm import EPS, normalized_stat, window_tokens
+from .ssm import EPS, SpaceTimeWindows, normalized_stat, window_tokens
 
 VARIANTS = ("attention", "streak")
 PLAN_FROM = ("sublayer", "block_input")
@@ -94,7 +94,7 @@ RELEASE_ROUND_TOKENS = 16  # the authors' release: reduce_num // 16 * 16 (TR_SDT
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class IDM(MergeStrategy):
+class IDM(SpaceTimeWindows, MergeStrategy):
     """Inattentive-prioritized detail merging (SDTM, CVPR 2025); see the module docstring.
 
     Args:
@@ -159,21 +159,6 @@ class IDM(MergeStrategy):
         return self.plan_from
 
     # ------------------------------------------------------------------ pure helpers
-    @property
-    def window_size(self) -> int:
-        """``K = kt * k * k``, tokens per window (``k * k`` with the default ``temporal_window=1``)."""
-        return self.temporal_window * self.window * self.window
-
-    @property
-    def window_label(self) -> str:
-        """``"kxk"``, or ``"ktxkxk"`` with a temporal window, for messages."""
-        space = f"{self.window}x{self.window}"
-        return space if self.temporal_window == 1 else f"{self.temporal_window}x{space}"
-
-    def windows(self, grid: Grid, device: torch.device | str = "cpu") -> Tensor:
-        """``[nW, K]``: :func:`~tomerge.strategies.ssm.window_tokens` with this strategy's window sizes."""
-        return window_tokens(grid, self.window, device, self.temporal_window)
-
     def priority(self, ctx: MergeContext, batch: int, num_tokens: int, device: torch.device) -> Tensor:
         """Inattentiveness priority ``P = -a / mean(a) + alpha_d * streak / mean(streak)`` (attention variant).
 

@@ -125,8 +125,28 @@ def normalized_stat(stat: Tensor, batch: int) -> Tensor:
     return stat / stat.mean(dim=1, keepdim=True).clamp_min(STAT_EPS)
 
 
+class SpaceTimeWindows:
+    """Window helpers of the strategies with ``window`` (side ``k``) and ``temporal_window`` (``kt`` frames)
+    options: SSM, and IDM's local variant."""
+
+    @property
+    def window_size(self) -> int:
+        """``K = kt * k * k``, tokens per window (``k * k`` with the default ``temporal_window=1``)."""
+        return self.temporal_window * self.window * self.window
+
+    @property
+    def window_label(self) -> str:
+        """``"kxk"``, or ``"ktxkxk"`` with a temporal window, for messages."""
+        space = f"{self.window}x{self.window}"
+        return space if self.temporal_window == 1 else f"{self.temporal_window}x{space}"
+
+    def windows(self, grid: Grid, device: torch.device | str = "cpu") -> Tensor:
+        """``[nW, K]``: :func:`window_tokens` with this strategy's window sizes."""
+        return window_tokens(grid, self.window, device, self.temporal_window)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class SSM(MergeStrategy):
+class SSM(SpaceTimeWindows, MergeStrategy):
     """Similarity-prioritized structure merging (SDTM, CVPR 2025); see the module docstring.
 
     Args:
@@ -157,21 +177,6 @@ class SSM(MergeStrategy):
         check_int(self.temporal_window, "temporal_window", "ssm", low=1, note="frames per window")
         check_number(self.alpha_s, "alpha_s", "ssm", low=0, note="0 disables the prior")
         check_int(self.round_windows, "round_windows", "ssm", low=1, note="1 disables rounding")
-
-    @property
-    def window_size(self) -> int:
-        """``K = kt * k * k``, tokens per window (``k * k`` with the default ``temporal_window=1``)."""
-        return self.temporal_window * self.window * self.window
-
-    @property
-    def window_label(self) -> str:
-        """``"kxk"``, or ``"ktxkxk"`` with a temporal window, for messages."""
-        space = f"{self.window}x{self.window}"
-        return space if self.temporal_window == 1 else f"{self.temporal_window}x{space}"
-
-    def windows(self, grid: Grid, device: torch.device | str = "cpu") -> Tensor:
-        """``[nW, K]``: :func:`window_tokens` with this strategy's window sizes."""
-        return window_tokens(grid, self.window, device, self.temporal_window)
 
     # ------------------------------------------------------------------ pure helpers
     def num_windows(self, num_tokens: int, num_full_windows: int, ctx: MergeContext) -> int:
