@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import tomerge
+from tomerge.options import check_int
 
 
 @tomerge.register_strategy("strided_matching")
@@ -31,8 +32,7 @@ class StridedMatching(tomerge.MergeStrategy):
 
     def __post_init__(self) -> None:
         super().__post_init__()  # validates ratio
-        if self.stride < 2:
-            raise ValueError(f"stride must be >= 2, got {self.stride}")
+        check_int(self.stride, "stride", "strided_matching", low=2)
 
     def select_destinations(self, x: Tensor, ctx: tomerge.MergeContext) -> Tensor:
         B, N, _ = x.shape
@@ -40,10 +40,11 @@ class StridedMatching(tomerge.MergeStrategy):
 
     def merge_matrix(self, x: Tensor, dst: Tensor, ctx: tomerge.MergeContext) -> tomerge.MergePlan:
         B, N, _ = x.shape
-        is_src = torch.ones(N, dtype=torch.bool, device=x.device)
-        is_src[dst[0]] = False
-        src = torch.nonzero(is_src).squeeze(1)  # [S]
-        r = min(ctx.tokens_to_remove(N), src.numel())
+        S = N - dst.shape[1]  # sources: every token that is not a destination (a count known without the data)
+        is_dst = torch.zeros(N, dtype=torch.int8, device=x.device)
+        is_dst[dst[0]] = 1
+        src = torch.sort(is_dst, stable=True).indices[:S]  # [S] sources in raster order, no nonzero()
+        r = min(ctx.tokens_to_remove(N), S)
 
         unit = F.normalize(x.float(), dim=-1, eps=1e-6)  # [B, N, C], fp32 for the similarities
         best, target = (unit[:, src] @ unit[:, dst[0]].transpose(1, 2)).max(-1)  # [B, S] each
