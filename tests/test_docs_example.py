@@ -35,3 +35,13 @@ def test_documented_strategy_passes_the_contract_and_runs_on_a_unet():
             merged = unet(*inputs).sample
         assert handle.stats["tokens_removed"] > 0 and not torch.equal(merged, before)
         assert torch.equal(unet(*inputs).sample, before)
+
+
+def test_documented_strategy_compiles_without_a_graph_break():
+    """What docs/writing-a-strategy.md promises a strategy written like the example: a compiled trajectory
+    with no graph break and nothing compiled after the first step."""
+    from test_compile import compiled_against_eager
+
+    load_example()
+    frames = compiled_against_eager("native_dit", "strided_matching")
+    assert frames[-1] == frames[0], frames
