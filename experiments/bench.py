@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING
 import tomerge
 
 from .allocator import keep_freed_memory
-from .bench_e2e import TOMESD_PACKAGE, WIDTHS, clock_function, e2e_benchmark
+from .bench_e2e import COMPILE_MODES, TOMESD_PACKAGE, WIDTHS, check_sizes, clock_function, e2e_benchmark
 from .bench_e2e import markdown_table as e2e_table
 from .bench_e2e import pivot_table
 from .cli import UsageError, user_input
@@ -218,7 +218,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="--config: override a config entry (dotted keys, YAML values; repeatable)")
     parser.add_argument("--tokens", type=int, nargs="+", default=None,
-                        help="image token counts N, perfect squares (default 1024 4096; --quick: 256)")
+                        help="image token counts N, perfect squares (default 1024 4096; --quick: 256); video widths: "
+                             "N = T * H * W of the patchified latent, e.g. 32760 for 81 frames at 480 x 832 (see --frames)")
     parser.add_argument("--ratios", type=float, nargs="+", default=None,
                         help="merge ratios (default: --e2e 0.5, --kernels 0.25 0.5)")
     parser.add_argument("--batch", type=int, default=2)
@@ -247,9 +248,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     e2e.add_argument("--warmup", type=int, default=0,
                      help="untimed alternating rounds (each timing already follows a warm-up call)")
     e2e.add_argument("--text-tokens", type=int, default=None, help="override the widths' text lengths")
+    e2e.add_argument("--frames", type=int, default=None,
+                     help="video widths (wan, wan14b, hunyuan_video): frames T of the token grid, dividing each N; "
+                          "H x W is the factor pair of N / T closest to 832:480 (default T: the largest divisor of N "
+                          "not above 21, Wan's 81 frames)")
     e2e.add_argument("--quick", action="store_true", help="tiny models, N=256, depth 1, 2 repeats (seconds)")
     e2e.add_argument("--sdpa", choices=["default", "flash", "efficient", "cudnn", "math"], default="default",
                      help="restrict scaled_dot_product_attention to one backend (GPU: flash)")
+    e2e.add_argument("--compile", dest="compile_mode", nargs="?", const="default", default=None,
+                     choices=COMPILE_MODES, metavar="MODE",
+                     help="time baseline and methods compiled with inductor (torch.compile mode, default 'default'; "
+                          "GPU: reduce-overhead for CUDA graphs)")
 
 
 def machine_line() -> str:
@@ -334,16 +343,20 @@ def run(args: argparse.Namespace) -> int:
         dicts = [{**asdict(r), "total_ms": r.total_ms} for r in rows]
     else:
         quick = args.quick
+        with user_input():
+            check_sizes(args.widths or ["sd3", "pixart", "flux", "unet"], args.tokens or [256], args.strategies,
+                        args.frames)
         rows = e2e_benchmark(
             widths=args.widths or ["sd3", "pixart", "flux", "unet"], tokens=args.tokens or ([256] if quick else
                                                                                              [1024, 4096]),
             ratios=args.ratios or [0.5], depth=args.depth or (1 if quick else 2), batch=args.batch,
             methods=args.strategies, steps=args.steps, repeats=args.repeats or (2 if quick else 3),
             warmup=args.warmup, quick=quick, text_tokens=args.text_tokens, dtype=torch_dtype(args.dtype),
-            device=args.device, sdpa=args.sdpa, clock=args.clock)
+            device=args.device, sdpa=args.sdpa, clock=args.clock, compile_mode=args.compile_mode, frames=args.frames)
         models = "quick (tiny) models" if quick else "full widths"
-        header = (f"End-to-end benchmark, B={args.batch}, {args.dtype}, SDPA {args.sdpa}, {models}, {clock_line(args, kept)} "
-                  f"({machine_line()})")
+        compiled = "eager" if args.compile_mode is None else f"torch.compile (inductor, mode {args.compile_mode})"
+        header = (f"End-to-end benchmark, B={args.batch}, {args.dtype}, SDPA {args.sdpa}, {models}, {compiled}, "
+                  f"{clock_line(args, kept)} ({machine_line()})")
         table = (f"{e2e_table(rows)}\n\nSpeed-up / FLOP-ideal speed-up (efficiency) per method:\n\n"
                  f"{pivot_table(rows)}")
         dicts = [r.as_dict() for r in rows]

@@ -3,6 +3,7 @@ every strategy/schedule (and the ``tomesd`` package on a UNet), measured and FLO
 
     tomerge bench --e2e --widths sd3 pixart flux --tokens 1024 4096 --ratios 0.5 --depth 2 --batch 2
     tomerge bench --e2e --quick                                  # tiny models, seconds (what the tests run)
+    tomerge bench --e2e --compile --widths sd3 pixart dit --tokens 1024 4096 --steps 4 --strategies sdtm toma
 
 Per (model, token count, ratio): one transformer forward (``--steps K``: also a ``K``-step Euler
 sampling loop) is timed with ``torch.utils.benchmark`` for the baseline and for every method,
@@ -23,7 +24,20 @@ dit        DiTTransformer2DModel (DiT-XL)  1152    16    2       none (class lab
 flux       FluxTransformer2DModel          3072    24    1 (packed 2x2)  512 (T5), joint
 unet       UNet2DConditionModel, SD1.5 widths (320, 640, 1280, 1280), 1 layer per block, 77 x 768 text;
            N tokens = the full-resolution latent (64 x 64 for 4096); compared with ``tomesd.apply_patch``
+wan        WanTransformer3DModel (Wan 2.1  1536    12    (1, 2, 2)  512 (UMT5), cross-attention;
+           T2V 1.3B), FFN 8960                                    video: N = T * H * W (below)
+wan14b     WanTransformer3DModel (Wan 2.1  5120    40    (1, 2, 2)  512 (UMT5), cross-attention
+           T2V 14B), FFN 13824
+hunyuan_   HunyuanVideoTransformer3DModel  3072    24    (1, 2, 2)  256 (LLaVA), joint; ``depth`` double-
+video      (MLP ratio 4, RoPE 16/56/56)                            and ``depth`` single-stream blocks
 =========  ==============================  =====  =====  ======  =====================================
+
+Video widths take a token count ``N = T * H * W``, the token grid after patchification (81 frames of
+480 x 832: latent 21 x 60 x 104, grid 21 x 30 x 52, N = 32760), and factor it by :func:`video_grid`: ``T``
+is ``frames`` (``--frames``) or else the largest divisor of ``N`` not above 21 (the latent frames of Wan's
+81-frame clips); ``(H, W)`` is the factor pair of ``N / T`` (``H <= W``) whose ``W / H`` is closest to
+832 / 480, Wan's 480p landscape frame. So 32760 -> (21, 30, 52), 4096 -> (16, 16, 16), 16384 -> (16, 32, 32).
+The latent is ``[B, 16, T, 2H, 2W]``; see docs/benchmarks.md, "Video (Wan) widths".
 """
 
 from __future__ import annotations
@@ -45,7 +59,8 @@ if TYPE_CHECKING:
 # and the constants below load without them.
 
 TOMESD_PACKAGE = "tomesd package"
-WIDTHS = ("sd3", "pixart", "dit", "flux", "unet")
+VIDEO_WIDTHS = ("wan", "wan14b", "hunyuan_video")  # token count N = T * H * W, see video_grid
+WIDTHS = ("sd3", "pixart", "dit", "flux", "unet", *VIDEO_WIDTHS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +73,7 @@ class WidthSpec:
     text_tokens: int
     text_dim: int = 4096
     pooled_dim: int = 0
+    ffn: int = 0  # feed-forward width where the family does not derive it from ``hidden`` (Wan)
 
 
 FULL = {
@@ -66,6 +82,9 @@ FULL = {
     "dit": WidthSpec("dit", 1152, 16, 0),
     "flux": WidthSpec("flux", 3072, 24, 512, 4096, 768),
     "unet": WidthSpec("unet", 320, 8, 77, 768),
+    "wan": WidthSpec("wan", 1536, 12, 512, 4096, ffn=8960),  # Wan2.1-T2V-1.3B
+    "wan14b": WidthSpec("wan", 5120, 40, 512, 4096, ffn=13824),  # Wan2.1-T2V-14B
+    "hunyuan_video": WidthSpec("hunyuan_video", 3072, 24, 256, 4096, 768),
 }
 QUICK = {  # tiny models of the same families (tests, smoke runs)
     "sd3": WidthSpec("sd3", 32, 2, 8, 24, 16),
@@ -73,6 +92,9 @@ QUICK = {  # tiny models of the same families (tests, smoke runs)
     "dit": WidthSpec("dit", 32, 2, 0),
     "flux": WidthSpec("flux", 32, 2, 8, 24, 16),
     "unet": WidthSpec("unet", 32, 2, 8, 32),
+    "wan": WidthSpec("wan", 32, 2, 8, 24, ffn=64),
+    "wan14b": WidthSpec("wan", 64, 4, 8, 24, ffn=128),
+    "hunyuan_video": WidthSpec("hunyuan_video", 64, 2, 8, 24, 16),
 }
 
 
@@ -154,46 +176,55 @@ class Bench:
         return out.sample if hasattr(out, "sample") else out[0]
 
     def sample(self, steps: int) -> Tensor:
-        """A ``steps``-step Euler loop from the input latent (velocity = the model output's first channels)."""
+        """A ``steps``-step Euler loop from the input latent (velocity = the model output's first channels;
+        image ``[B, C, H, W]`` and video ``[B, C, T, H, W]`` latents in the timestep's units, Flux's packed
+        ``[B, N, C]`` in ``[0, 1]``)."""
         import torch
 
         x = self.inputs[self.latent_key]
         ts = torch.linspace(self.t_max, 0.0, steps + 1).tolist()
         for t, t_next in zip(ts[:-1], ts[1:]):
             v = self.call(x, t)
-            x = x + (t_next - t) / self.t_max * v[:, : x.shape[1]] if x.dim() == 4 else x + (t_next - t) * v
+            x = x + (t_next - t) / self.t_max * v[:, : x.shape[1]] if x.dim() >= 4 else x + (t_next - t) * v
         return x
 
 
 def build(width: str, tokens: int, depth: int, batch: int, quick: bool = False,
           text_tokens: int | None = None, dtype: torch.dtype | None = None,
-          device: torch.device | str = "cpu", seed: int = 0) -> Bench:
+          device: torch.device | str = "cpu", seed: int = 0, frames: int | None = None) -> Bench:
     """A random-weight model of ``width`` whose blocks see exactly ``tokens`` image tokens, with inputs.
 
     Args:
-        width: ``sd3``, ``pixart``, ``dit``, ``flux`` or ``unet``.
-        tokens: image tokens ``N``, a perfect square (UNet: tokens of its full-resolution blocks).
-        depth: transformer blocks (Flux: of each kind; UNet: layers per block, 1).
+        width: one of :data:`WIDTHS` (see the module docstring).
+        tokens: image tokens ``N``: a perfect square (UNet: tokens of its full-resolution blocks); video
+            widths: ``T * H * W``, factored by :func:`video_grid`.
+        depth: transformer blocks (Flux, HunyuanVideo: of each kind; UNet: layers per block, 1).
         batch: ``B``.
         quick: tiny widths instead of the real ones.
         text_tokens: override the width's default text length.
         dtype, device: where the model runs (``dtype`` default: float32).
         seed: weights and inputs.
+        frames: video widths: the token grid's frames ``T`` (default: see :func:`video_grid`).
     """
     import torch
 
     dtype = torch.float32 if dtype is None else dtype
     if width not in WIDTHS:
         raise ValueError(f"unknown width {width!r}; choose from {WIDTHS}")
-    side = math.isqrt(tokens)
-    if side * side != tokens:
-        raise ValueError(f"--tokens must be perfect squares, got {tokens}")
+    if width in VIDEO_WIDTHS:
+        size: int | tuple[int, int, int] = video_grid(tokens, frames)
+    else:
+        if frames is not None:
+            raise ValueError(f"--frames is for the video widths {VIDEO_WIDTHS}, not {width!r}")
+        size = math.isqrt(tokens)
+        if size * size != tokens:
+            raise ValueError(f"--tokens must be perfect squares for image widths, got {tokens}")
     spec = (QUICK if quick else FULL)[width]
     if text_tokens is not None:
         spec = dataclasses.replace(spec, text_tokens=text_tokens)
     torch.manual_seed(seed)
     g = torch.Generator().manual_seed(seed + 1)
-    model, inputs, latent_key, time_key, t_max = _BUILDERS[width](spec, side, depth, batch, g)
+    model, inputs, latent_key, time_key, t_max = _BUILDERS[width](spec, size, depth, batch, g)
     if dtype != torch.float32 or torch.device(device).type != "cpu":
         model = model.to(device=device, dtype=dtype)
     model = model.eval()
@@ -201,6 +232,33 @@ def build(width: str, tokens: int, depth: int, batch: int, quick: bool = False,
     inputs = {k: v.to(device=device, dtype=dtype if v.is_floating_point() and k not in keep else v.dtype)
               if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
     return Bench(width, model, inputs, latent_key, time_key, t_max, spec, depth)
+
+
+WAN_LATENT_FRAMES = 21  # 81 video frames through Wan's VAE (temporal factor 4): (81 - 1) / 4 + 1
+WAN_ASPECT = 832 / 480  # Wan's 480p landscape frame (W / H)
+
+
+def video_grid(tokens: int, frames: int | None = None) -> tuple[int, int, int]:
+    """The token grid ``(T, H, W)`` of ``tokens = T * H * W`` video tokens (after patchification).
+
+    ``T`` is ``frames``, or else the largest divisor of ``tokens`` not above 21 (:data:`WAN_LATENT_FRAMES`);
+    ``(H, W)`` is the factor pair of ``tokens / T`` with ``H <= W`` whose aspect ``W / H`` is closest (in
+    log) to 832 / 480.
+
+    Example:
+        >>> video_grid(32760), video_grid(4096), video_grid(16384), video_grid(4096, frames=4)
+        ((21, 30, 52), (16, 16, 16), (16, 32, 32), (4, 32, 32))
+    """
+    if tokens < 1:
+        raise ValueError(f"--tokens must be positive, got {tokens}")
+    if frames is None:
+        frames = max(t for t in range(1, WAN_LATENT_FRAMES + 1) if tokens % t == 0)
+    if frames < 1 or tokens % frames:
+        raise ValueError(f"--frames {frames} does not divide --tokens {tokens} (N = T * H * W)")
+    per_frame = tokens // frames
+    pairs = [(h, per_frame // h) for h in range(1, math.isqrt(per_frame) + 1) if per_frame % h == 0]
+    height, width = min(pairs, key=lambda hw: abs(math.log(hw[1] / hw[0] / WAN_ASPECT)))
+    return frames, height, width
 
 
 def _sd3(spec: WidthSpec, side: int, depth: int, batch: int, g: torch.Generator):
@@ -302,7 +360,51 @@ def _unet(spec: WidthSpec, side: int, depth: int, batch: int, g: torch.Generator
     return model, inputs, "sample", "timestep", 1000.0
 
 
-_BUILDERS: dict[str, Callable] = {"sd3": _sd3, "pixart": _pixart, "dit": _dit, "flux": _flux, "unet": _unet}
+
+def _wan(spec: WidthSpec, grid: tuple[int, int, int], depth: int, batch: int, g: torch.Generator):
+    """Wan 2.1 T2V (1.3B or 14B widths): patch (1, 2, 2), 16 latent channels, head dim 128 (quick: the spec's),
+    frequency dim 256, cross-attention to ``text_tokens`` UMT5 embeddings, RMS q/k norm across heads."""
+    import torch
+    from diffusers import WanTransformer3DModel
+
+    frames, height, width = grid
+    model = WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=spec.heads, attention_head_dim=spec.hidden // spec.heads,
+        in_channels=16, out_channels=16, text_dim=spec.text_dim, freq_dim=256 if spec.hidden >= 256 else 32,
+        ffn_dim=spec.ffn, num_layers=depth, cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6)
+    inputs = dict(hidden_states=torch.randn(batch, 16, frames, 2 * height, 2 * width, generator=g),  # [B, C, T, 2H, 2W]
+                  timestep=torch.full((batch,), 500.0),
+                  encoder_hidden_states=torch.randn(batch, spec.text_tokens, spec.text_dim, generator=g))
+    return model, inputs, "hidden_states", "timestep", 1000.0
+
+
+def _hunyuan_video(spec: WidthSpec, grid: tuple[int, int, int], depth: int, batch: int, g: torch.Generator):
+    """HunyuanVideo: patch 2, temporal patch 1, 16 latent channels, ``depth`` double- and ``depth`` single-stream
+    blocks, 1 token refiner block (2 in the release), RoPE axes (16, 56, 56) (quick: split of the head), guidance
+    embedding, joint attention with ``text_tokens`` LLaVA tokens (all valid)."""
+    import torch
+    from diffusers import HunyuanVideoTransformer3DModel
+
+    frames, height, width = grid
+    head_dim = spec.hidden // spec.heads
+    rope = (16, 56, 56) if head_dim == 128 else (head_dim - 2 * (3 * head_dim // 8), 3 * head_dim // 8,
+                                                 3 * head_dim // 8)
+    model = HunyuanVideoTransformer3DModel(
+        in_channels=16, out_channels=16, num_attention_heads=spec.heads, attention_head_dim=head_dim,
+        num_layers=depth, num_single_layers=depth, num_refiner_layers=1, mlp_ratio=4.0, patch_size=2,
+        patch_size_t=1, guidance_embeds=True, text_embed_dim=spec.text_dim, pooled_projection_dim=spec.pooled_dim,
+        rope_axes_dim=rope)
+    inputs = dict(hidden_states=torch.randn(batch, 16, frames, 2 * height, 2 * width, generator=g),  # [B, C, T, 2H, 2W]
+                  timestep=torch.full((batch,), 500.0),
+                  encoder_hidden_states=torch.randn(batch, spec.text_tokens, spec.text_dim, generator=g),
+                  encoder_attention_mask=torch.ones(batch, spec.text_tokens, dtype=torch.long),
+                  pooled_projections=torch.randn(batch, spec.pooled_dim, generator=g),
+                  guidance=torch.full((batch,), 6000.0))
+    return model, inputs, "hidden_states", "timestep", 1000.0
+
+
+_BUILDERS: dict[str, Callable] = {"sd3": _sd3, "pixart": _pixart, "dit": _dit, "flux": _flux, "unet": _unet,
+                               "wan": _wan, "wan14b": _wan, "hunyuan_video": _hunyuan_video}
 
 
 # ---------------------------------------------------------------------- merging, FLOPs, time
@@ -401,6 +503,35 @@ def time_alternating(bench: Bench, methods: Sequence[str | None], ratio: float, 
     return {m: summary(ts) for m, ts in times.items()}
 
 
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+def time_compiled(bench: Bench, methods: Sequence[str | None], ratio: float, fn: Callable[[], object],
+                  repeats: int, warmup: int, threads: int, num_steps: int | None, clock: str,
+                  mode: str, backend: str = "inductor") -> dict[str | None, tuple[float, float | None]]:
+    """As :func:`time_alternating`, with the model compiled (``torch.compile(model, mode=mode)``) after each
+    method is applied: a method stays applied for its warm-up (which compiles: at least one untimed call,
+    and every step of a loop compiles what it needs) and its ``repeats`` timed calls, since a new
+    application has new hooks and recompiles. Compile caches are reset between methods."""
+    import torch
+
+    times: dict[str | None, list[float]] = {}
+    raw = bench.model
+    for method in methods:
+        torch._dynamo.reset()
+        with merged(bench, method, ratio, num_steps):
+            bench.model = torch.compile(raw, mode=None if mode == "default" else mode, backend=backend)
+            try:
+                for _ in range(max(1, warmup)):
+                    fn()
+                times[method] = [time_once(fn, threads, clock) for _ in range(repeats)]
+            finally:
+                bench.model = raw
+    torch._dynamo.reset()
+    return {m: (statistics.median(ts), (max(ts) - min(ts)) / statistics.median(ts) if len(ts) > 1 else None)
+            for m, ts in times.items()}
+
+
 def sdpa_backend(name: str):
     """A context restricting ``scaled_dot_product_attention`` to one backend (``"default"``: no restriction)."""
     if name == "default":
@@ -412,11 +543,40 @@ def sdpa_backend(name: str):
     return sdpa_kernel(backends[name])
 
 
+# Methods that merge with idm, whose received attention the video adapters (wan, hunyuan_video) record no probe for.
+NEEDS_ATTENTION_PROBE = ("idm", "sdtm", "sdtm_paper", "sdtm_release")
+
+
 def default_methods(width: str) -> list[str]:
-    """Every registered strategy and schedule; on the UNet the ``tomesd`` package and tomerge's ``tomesd``."""
+    """Every registered strategy and schedule; on the UNet the ``tomesd`` package and tomerge's ``tomesd``; on the
+    video widths those without idm (:data:`NEEDS_ATTENTION_PROBE`)."""
     if width == "unet":
         return [TOMESD_PACKAGE, "tomesd"]
+    if width in VIDEO_WIDTHS:
+        return [m for m in tomerge.list_strategies() if m not in NEEDS_ATTENTION_PROBE]
     return list(tomerge.list_strategies())
+
+
+def check_sizes(widths: Sequence[str], tokens: Sequence[int], methods: Sequence[str] | None = None,
+                frames: int | None = None) -> None:
+    """Raises ``ValueError`` before any model is built: unknown widths, token counts the widths cannot take
+    (image widths: perfect squares; video widths: ``frames`` must divide them), idm-based methods on video
+    widths, ``frames`` without a video width."""
+    unknown = sorted(set(widths) - set(WIDTHS))
+    if unknown:
+        raise ValueError(f"unknown width(s) {unknown}; choose from {WIDTHS}")
+    video = sorted(set(widths) & set(VIDEO_WIDTHS))
+    if frames is not None and not video:
+        raise ValueError(f"--frames is for the video widths {VIDEO_WIDTHS}")
+    for n in tokens:
+        if video:
+            video_grid(n, frames)
+        if set(widths) - set(VIDEO_WIDTHS) and math.isqrt(n) ** 2 != n:
+            raise ValueError(f"--tokens must be perfect squares for image widths, got {n}")
+    refused = sorted(set(methods or []) & set(NEEDS_ATTENTION_PROBE))
+    if refused and video:
+        raise ValueError(f"{refused} merge with idm, which needs received attention: the video adapters "
+                         f"({', '.join(video)}) have no probe for it")
 
 
 def e2e_benchmark(widths: Sequence[str] = ("sd3", "pixart", "flux", "unet"), tokens: Sequence[int] = (1024, 4096),
@@ -424,12 +584,13 @@ def e2e_benchmark(widths: Sequence[str] = ("sd3", "pixart", "flux", "unet"), tok
                   methods: Sequence[str] | None = None, steps: int = 0, repeats: int = 5, warmup: int = 1,
                   quick: bool = False, text_tokens: int | None = None, threads: int | None = None,
                   dtype: torch.dtype | None = None, device: str = "cpu", sdpa: str = "default",
-                  clock: str = "wall", progress: bool = True) -> list[E2ERow]:
+                  clock: str = "wall", compile_mode: str | None = None, progress: bool = True,
+                  frames: int | None = None) -> list[E2ERow]:
     """Baseline vs every method on every (width, N, ratio): one forward, and a ``steps``-step loop if ``steps``.
 
     Args:
         widths: model families (see the module docstring).
-        tokens: image token counts (perfect squares).
+        tokens: image token counts (perfect squares; video widths: ``T * H * W``, see :func:`video_grid`).
         ratios: merge ratios.
         depth: blocks per model (Flux: of each kind).
         batch: ``B``.
@@ -443,7 +604,10 @@ def e2e_benchmark(widths: Sequence[str] = ("sd3", "pixart", "flux", "unet"), tok
         sdpa: attention backend for every call (``"default"``, ``"flash"``, ``"efficient"``, ``"cudnn"``,
             ``"math"``); on CPU ``"flash"`` is the CPU flash kernel that runs by default anyway.
         clock: ``"wall"`` or ``"cpu"`` (process CPU time; see :func:`time_once`); CUDA always uses events.
+        compile_mode: time the baseline and every method compiled with inductor in this ``torch.compile`` mode
+            (one of :data:`COMPILE_MODES`; see :func:`time_compiled`); ``None``: eager.
         progress: show a progress bar.
+        frames: video widths: the frames ``T`` of every token grid (default: see :func:`video_grid`).
 
     Returns:
         One :class:`E2ERow` per (width, N, ratio, mode, method).
@@ -451,15 +615,21 @@ def e2e_benchmark(widths: Sequence[str] = ("sd3", "pixart", "flux", "unet"), tok
     import torch
     from tqdm import tqdm
 
+    if compile_mode is not None and compile_mode not in COMPILE_MODES:
+        raise ValueError(f"compile_mode must be one of {COMPILE_MODES}, got {compile_mode!r}")
+    if compile_mode is not None and TOMESD_PACKAGE in (methods or []):
+        raise ValueError("the tomesd package is timed eagerly only (its patched forward breaks the graph)")
+    check_sizes(widths, tokens, methods, frames)
     threads = threads or torch.get_num_threads()
     rows: list[E2ERow] = []
     configs = [(w, n) for w in widths for n in tokens]
     bar = tqdm(configs, desc="e2e", disable=not progress)
     with torch.inference_mode(), sdpa_backend(sdpa):
         for width, N in bar:
-            bench = build(width, N, depth, batch, quick=quick, text_tokens=text_tokens, dtype=dtype, device=device)
+            bench = build(width, N, depth, batch, quick=quick, text_tokens=text_tokens, dtype=dtype, device=device,
+                          frames=frames if width in VIDEO_WIDTHS else None)
             names = [m for m in (methods or default_methods(width))
-                     if width == "unet" or m != TOMESD_PACKAGE]
+                     if (width == "unet" and compile_mode is None) or m != TOMESD_PACKAGE]
             modes: list[tuple[str, Callable[[], object], int | None]] = [("forward", bench.call, None)]
             if steps > 0:
                 modes.append((f"loop{steps}", lambda: bench.sample(steps), steps))
@@ -470,8 +640,12 @@ def e2e_benchmark(widths: Sequence[str] = ("sd3", "pixart", "flux", "unet"), tok
                     for m in [None, *names]:
                         with merged(bench, m, ratio, num_steps):
                             flops[m] = count_flops(fn)
-                    secs = time_alternating(bench, [None, *names], ratio, fn, repeats, warmup, threads, num_steps,
-                                            clock)
+                    if compile_mode is None:
+                        secs = time_alternating(bench, [None, *names], ratio, fn, repeats, warmup, threads,
+                                                num_steps, clock)
+                    else:
+                        secs = time_compiled(bench, [None, *names], ratio, fn, repeats, warmup, threads, num_steps,
+                                             clock, compile_mode)
                     for m in names:
                         rows.append(E2ERow(width, bench.spec.hidden, bench.spec.heads, depth, N, bench.spec.text_tokens,
                                            batch, mode, ratio, m, secs[None][0] * 1e3, secs[m][0] * 1e3,

@@ -11,6 +11,9 @@
 #    batch 2, ratio 0.5, bf16, SDPA restricted to the flash kernel, CUDA-event timings, baseline and
 #    every strategy/schedule alternating; measured vs FLOP-ideal speed-up. Merge plans run as dense
 #    batched matmuls (the default on CUDA).
+#    Video: Wan 2.1 T2V 1.3B (1536/12, FFN 8960) and 14B (5120/40, FFN 13824) widths, depth 2, batch 1, at
+#    N = 32760 tokens (81 frames of 480 x 832: token grid 21 x 30 x 52), 512 UMT5 tokens, ratio 0.5, every
+#    method without idm (the wan adapter has no received-attention probe).
 # 2. Kernels: plan + merge + unmerge of every strategy against tomesd's bipartite_soft_matching_random2d,
 #    N = 1024, ratio 0.25 (and 0.5), C = 1536, batch 2, bf16, CUDA events.
 #
@@ -57,13 +60,17 @@ fi
 # --- the two benchmarks ----------------------------------------------------------------------------
 if [ -n "${QUICK:-}" ]; then
     e2e=(--quick --widths sd3 pixart flux unet --repeats 2)
+    video=(--quick --widths wan wan14b --tokens 96 --frames 2 --repeats 2)
     kernels=(--tokens 256 --ratios 0.25 --channels 64)
 else
     e2e=(--widths sd3 pixart flux unet --tokens 1024 4096 --ratios 0.5 --depth 2 --batch 2 --repeats "$REPEATS")
+    video=(--widths wan wan14b --tokens 32760 --ratios 0.5 --depth 2 --batch 1 --repeats "$REPEATS")
     kernels=(--tokens 1024 --ratios 0.25 0.5 --channels 1536 --batch 2)
 fi
 "$PY" -m tomerge.experiments.bench --e2e --device cuda --dtype bf16 --sdpa flash "${e2e[@]}" \
     --out "$OUT/e2e_bf16.csv"
+"$PY" -m tomerge.experiments.bench --e2e --device cuda --dtype bf16 --sdpa flash "${video[@]}" \
+    --out "$OUT/e2e_video_bf16.csv"
 "$PY" -m tomerge.experiments.bench --kernels --device cuda --dtype bf16 "${kernels[@]}" \
     --out "$OUT/kernels_bf16.csv"
 
@@ -100,6 +107,7 @@ lines = [
     "batched matmuls (`backend=\"auto\"` on CUDA)", "",
 ]
 for name, title in (("e2e_bf16", "End-to-end: measured vs FLOP-ideal speed-up"),
+                    ("e2e_video_bf16", "End-to-end, video (Wan) widths at 32760 tokens (21 x 30 x 52)"),
                     ("kernels_bf16", "Kernels: plan + merge + unmerge vs the tomesd package")):
     md_file = out / f"{name}.md"
     lines += [f"## {title}", "", md_file.read_text() if md_file.exists() else "(missing)", ""]

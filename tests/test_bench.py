@@ -148,3 +148,55 @@ def test_keep_freed_memory_rejects_limits_mallopt_cannot_take():
 
     with pytest.raises(ValueError, match="limit_bytes"):
         keep_freed_memory(1 << 31)
+
+
+# ---------------------------------------------------------------------- video widths
+def test_video_grid_factors_a_token_count_into_frames_and_a_480p_like_frame():
+    from tomerge.experiments.bench_e2e import video_grid
+
+    assert video_grid(32760) == (21, 30, 52)  # 81 frames of 480 x 832 through Wan's VAE and patch (1, 2, 2)
+    assert video_grid(4096) == (16, 16, 16) and video_grid(16384) == (16, 32, 32)
+    assert video_grid(4096, frames=4) == (4, 32, 32) and video_grid(7) == (7, 1, 1)
+    with pytest.raises(ValueError, match="does not divide"):
+        video_grid(100, frames=3)
+
+
+@pytest.mark.parametrize("width", ["wan", "wan14b"])
+def test_video_widths_see_their_token_grid(width):
+    """The Wan builders make a latent [B, 16, T, 2H, 2W] whose blocks see T * H * W tokens, and the wan adapter
+    reads the grid (T, H, W) from it; the benchmark's methods merge on it."""
+    import tomerge
+
+    b = build(width, tokens=96, depth=1, batch=1, quick=True, frames=2)
+    assert b.inputs["hidden_states"].shape == (1, 16, 2, 12, 16)  # (T, H, W) = (2, 6, 8)
+    seen = []
+    handle = b.model.blocks[0].register_forward_pre_hook(lambda m, a, k: seen.append(a[0].shape[1]),
+                                                         with_kwargs=True)
+    with torch.no_grad():
+        base = b.call()
+        with tomerge.merging(b.model, "tomesd", ratio=0.5) as merging:
+            merged = b.call()
+            assert merging.adapter.grid_size == (2, 6, 8)
+            assert merging.stats["tokens_removed"] > 0
+    handle.remove()
+    assert seen == [96, 96] and merged.shape == base.shape == b.inputs["hidden_states"].shape
+
+
+def test_e2e_quick_video_rows_and_refusals(tmp_path, capsys):
+    out = tmp_path / "wan.csv"
+    assert bench.main(["--e2e", "--quick", "--widths", "wan", "--tokens", "96", "--frames", "2", "--strategies",
+                       "tomesd", "ssm", "--repeats", "1", "--out", str(out)]) == 0
+    rows = _rows(out)
+    assert [(r["model"], r["method"], int(r["tokens"])) for r in rows] == [("wan", "tomesd", 96), ("wan", "ssm", 96)]
+    assert all(float(r["ideal"]) > 1.0 and float(r["merged_ms"]) > 0 for r in rows)
+    from tomerge.experiments.bench_e2e import default_methods
+
+    assert "sdtm" not in default_methods("wan") and "toma" in default_methods("wan")  # no received-attention probe
+    from tomerge.experiments.cli import UsageError
+
+    with pytest.raises(UsageError, match="idm"):
+        bench.main(["--e2e", "--quick", "--widths", "wan", "--tokens", "96", "--strategies", "sdtm"])
+    with pytest.raises(UsageError, match="does not divide"):
+        bench.main(["--e2e", "--quick", "--widths", "wan", "--tokens", "100", "--frames", "3"])
+    with pytest.raises(UsageError, match="perfect squares"):
+        bench.main(["--e2e", "--quick", "--widths", "wan", "pixart", "--tokens", "96"])

@@ -75,13 +75,14 @@ def call(model: nn.Module, kwargs: dict[str, Any]) -> Tensor:
 
 
 def trajectory(model: nn.Module, backbone: str, strategy: str, compile_backend: Any = None,
-               regional: bool = False) -> tuple[list[Tensor], list[int], int]:
+               regional: bool = False, options: dict[str, Any] | None = None) -> tuple[list[Tensor], list[int], int]:
     """Outputs of one application over a sampling loop (eager, or compiled with ``compile_backend``: the
     whole model, or each block with ``regional``), the backend's compiled frames after each step (``[]``
     eager), and the tokens removed."""
     torch._dynamo.reset()
     frames: list[int] = []
-    with tomerge.merging(model, strategy, ratio=0.5, num_steps=STEPS, seed=3, **OPTIONS.get(strategy, {})) as handle:
+    options = OPTIONS.get(strategy, {}) if options is None else options
+    with tomerge.merging(model, strategy, ratio=0.5, num_steps=STEPS, seed=3, **options) as handle:
         if compile_backend is None:
             runner = model
         elif regional:
@@ -104,12 +105,13 @@ def trajectory(model: nn.Module, backbone: str, strategy: str, compile_backend: 
     return outs, frames, removed
 
 
-def compiled_against_eager(backbone: str, strategy: str, regional: bool = False) -> list[int]:
+def compiled_against_eager(backbone: str, strategy: str, regional: bool = False,
+                           options: dict[str, Any] | None = None) -> list[int]:
     model = build(backbone)
-    eager, _, removed = trajectory(model, backbone, strategy)
+    eager, _, removed = trajectory(model, backbone, strategy, options=options)
     torch._dynamo.utils.counters.clear()
     counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
-    compiled, frames, removed_compiled = trajectory(model, backbone, strategy, counter, regional)
+    compiled, frames, removed_compiled = trajectory(model, backbone, strategy, counter, regional, options)
     breaks = dict(torch._dynamo.utils.counters["graph_break"])
     assert removed > 0 and removed_compiled == removed  # the hooks ran inside the compiled model
     assert not breaks, f"graph breaks: {breaks}"
@@ -144,6 +146,14 @@ def test_deeper_model_compiles_no_more():
         counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
         counts.append(trajectory(model, "native_dit", "ssm", counter)[1][-1])
     assert counts[0] == counts[1], counts
+
+
+def test_toma_with_kept_destinations_compiles_once_more():
+    """ToMA's separate refresh intervals: a call that recomputes only the merge matrices from kept destinations
+    is one more kind of call (facility location's checks of the kept destinations, host reads, are skipped
+    inside compiled graphs)."""
+    frames = compiled_against_eager("native_dit", "toma", options={"num_tiles": 4, "destinations_every": 2})
+    assert frames[-1] - frames[0] <= 1 and frames[-1] == frames[len(frames) // 2], frames
 
 
 def test_diffusers_dit_compiles_once():
@@ -197,3 +207,40 @@ def test_inductor_compiled_trajectory_matches_eager(strategy):
     assert frames[-1] - frames[0] <= EXTRA_GRAPHS.get(strategy, 0), frames
     for a, b in zip(compiled, eager):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_compiled_benchmark_times_every_method_compiled():
+    """``tomerge bench --e2e --compile`` times each method with the model compiled after the method is applied
+    (``bench_e2e.time_compiled``): every method's hooks run inside the compiled model, and the bench model is
+    the eager module again afterwards. ``aot_eager`` here; the CLI uses inductor."""
+    from tomerge.experiments import bench_e2e
+
+    bench = bench_e2e.build("dit", 64, depth=1, batch=2, quick=True)
+    raw = bench.model
+    hooks_before = [(dict(m._forward_pre_hooks), dict(m._forward_hooks)) for m in raw.modules()]
+    removed: dict[str | None, int] = {}
+    original_merged = bench_e2e.merged
+
+    def merged(b, method, ratio, num_steps=None):  # wraps the bench's context to read each method's stats
+        import contextlib
+
+        @contextlib.contextmanager
+        def wrapped():
+            with original_merged(b, method, ratio, num_steps):
+                yield
+                handle = raw.__dict__.get("_tomerge_handle")
+                removed[method] = handle.stats["tokens_removed"] if handle is not None else 0
+        return wrapped()
+
+    bench_e2e.merged = merged
+    try:
+        with torch.inference_mode():
+            secs = bench_e2e.time_compiled(bench, [None, "tomesd", "ssm"], 0.5, bench.call, repeats=2, warmup=1,
+                                           threads=1, num_steps=None, clock="cpu", mode="default",
+                                           backend="aot_eager")
+    finally:
+        bench_e2e.merged = original_merged
+    assert set(secs) == {None, "tomesd", "ssm"} and all(t > 0 for t, _ in secs.values())
+    assert removed[None] == 0 and removed["tomesd"] > 0 and removed["ssm"] > 0
+    assert bench.model is raw
+    assert [(dict(m._forward_pre_hooks), dict(m._forward_hooks)) for m in raw.modules()] == hooks_before
