@@ -248,9 +248,9 @@ class DeclaredPoint(MergePoint):
         """``plan.merge(x)``, computed once for sites that read the same tensor (the cache holds the input, so
         its memory cannot be reused by another tensor while the block call runs)."""
         cached = self.info.merged
-        if (cached is not None and cached[1] is plan and cached[0].data_ptr() == x.data_ptr()
-                and cached[0].shape == x.shape and cached[0].stride() == x.stride()
-                and cached[0].dtype == x.dtype and cached[0]._version == x._version):
+        # The same tensor object (the sites of one projection input): no data_ptr() or _version reads, which
+        # inference tensors lack and compiled graphs cannot trace.
+        if cached is not None and cached[1] is plan and cached[0] is x:
             return cached[2]
         merged = plan.merge(x)
         self.info.merged = (x, plan, merged)

@@ -313,3 +313,16 @@ def test_idm_is_refused_without_a_probe_and_leaves_no_hooks(models, name):
     with pytest.raises(NotImplementedError, match="cannot record received attention"):
         tomerge.apply(model, "idm", ratio=0.5)
     assert no_hooks_left(model) and "_tomerge_handle" not in model.__dict__
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_merging_runs_under_inference_mode(models, name):
+    """Inference tensors (``torch.inference_mode``, what benchmarks and pipelines use) have no version
+    counter: the adapters must not read one. The result equals the ``no_grad`` one."""
+    family, model = FAMILIES[name], models[name]
+    inputs = family.inputs(model)
+    with tomerge.merging(model, "ssm", ratio=0.5, round_windows=1, **ALL_SUBLAYERS):
+        expected = run(model, inputs)
+        with torch.inference_mode():
+            out = model(**inputs).sample
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
