@@ -52,7 +52,9 @@ from torch import Tensor, nn
 from tomerge.adapter import BackboneAdapter, BlockSpec, MergePoint, TextKeys, class_names
 from tomerge.plan import MergePlan
 
-from ._diffusers import call_arg, check_ff_chunking, submodel
+from tomerge.state import MergeState
+
+from ._diffusers import call_arg, check_ff_chunking, probe_self_attention, submodel
 from .flux import BatchedRotaryTable, gather_rotary
 
 Side = Literal["first", "last"]
@@ -90,6 +92,10 @@ class Site:
             site of the block reads it, passes it through and unmerges).
         text_keys: the submodule is a joint text-image attention whose text is its ``encoder_hidden_states``
             (prompt reweighting can bias its text keys).
+        probe: the submodule is a softmax self-attention over the image tokens alone with diffusers-style
+            ``to_q``/``to_k`` (and ``norm_q``/``norm_k``) projections: ``idm`` records the attention each token
+            receives there (:func:`~tomerge.backbones._diffusers.probe_self_attention`, from q and k before
+            the rotary rotation, which the processor applies after them).
     """
 
     sublayer: str
@@ -104,6 +110,7 @@ class Site:
     mask_index: int = 2
     stays_merged_with: str | None = None
     text_keys: bool = False
+    probe: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -531,6 +538,14 @@ class DeclaredAdapter(BackboneAdapter):
         if self.grid_size is None or math.prod(self.grid_size) != num_tokens:
             return None
         return self.grid_size
+
+    def probe(self, block: BlockSpec, point: MergePoint, state: MergeState) -> list[Any]:
+        if not isinstance(point, DeclaredPoint) or not point.site.probe:
+            raise NotImplementedError(
+                f"backbone {self.name!r} cannot record received attention in its {block.kind!r} blocks (no probe is "
+                "declared for their attention: docs/backbones/adding-a-family.md); use a strategy that needs none, "
+                "e.g. idm(variant='streak') or ssm")
+        return probe_self_attention(block, point, state)
 
     def text_keys(self, block: BlockSpec, point: MergePoint) -> TextKeys | None:
         if not isinstance(point, DeclaredPoint) or not point.site.text_keys:

@@ -42,8 +42,10 @@ def probe_self_attention(block: BlockSpec, point: MergePoint, state: MergeState,
     sources = [("q", attn.to_q, None), ("k", attn.to_k, None),
                ("q", fused, fused_part(0)), ("k", fused, fused_part(1)),
                ("q", getattr(attn, "norm_q", None), None), ("k", getattr(attn, "norm_k", None), None)]
+    # diffusers' Attention keeps its logit scale; WanAttention, LTXAttention do not: 1 / sqrt(head size).
+    scale = getattr(attn, "scale", None) or (attn.to_q.out_features // attn.heads) ** -0.5
     return attention_probe(state, attn, sources, lambda captured, grid: received_self_attention(
-        captured, grid, attn.heads, attn.scale, max_queries))
+        captured, grid, attn.heads, scale, max_queries))
 
 
 def fused_part(part: int):

@@ -35,7 +35,7 @@ class LTXAdapter(DeclaredAdapter):
     timestep_index: ClassVar[int] = 2  # forward(hidden_states, encoder_hidden_states, timestep, mask, F, H, W, ...)
     kinds: ClassVar[tuple[Kind, ...]] = (
         Kind("ltx", "transformer_blocks", ("LTXVideoTransformerBlock",), (
-            Site("attn", "attn1", rope=Rope("image_rotary_emb", 3, "batched")),
+            Site("attn", "attn1", rope=Rope("image_rotary_emb", 3, "batched"), probe=True),
             Site("crossattn", "attn2", mask="pass"),
             Site("mlp", "ff"),
         )),

@@ -37,7 +37,7 @@ class WanAdapter(DeclaredAdapter):
     text_index: ClassVar[int] = 2
     kinds: ClassVar[tuple[Kind, ...]] = (
         Kind("wan", "blocks", ("WanTransformerBlock",), (
-            Site("attn", "attn1", rope=Rope("rotary_emb", 3, "wan")),
+            Site("attn", "attn1", rope=Rope("rotary_emb", 3, "wan"), probe=True),
             Site("crossattn", "attn2"),
             Site("mlp", "ffn"),
         )),

@@ -307,10 +307,11 @@ def test_wan_pipeline_loaded_from_a_local_folder_merges_and_is_restored(monkeypa
     assert torch.equal(generate(pipe, "wan"), before)
 
 
-@pytest.mark.parametrize("name", ["wan", "ltx"])
+@pytest.mark.parametrize("name", ["hunyuan_video", "hunyuan_video15"])
 def test_idm_is_refused_without_a_probe_and_leaves_no_hooks(models, name):
+    """Families whose attention declares no probe (joint text-image attention) refuse idm, saying what to use."""
     model = models[name]
-    with pytest.raises(NotImplementedError, match="cannot record received attention"):
+    with pytest.raises(NotImplementedError, match="cannot record received attention.*streak"):
         tomerge.apply(model, "idm", ratio=0.5)
     assert no_hooks_left(model) and "_tomerge_handle" not in model.__dict__
 
@@ -326,3 +327,22 @@ def test_merging_runs_under_inference_mode(models, name):
         with torch.inference_mode():
             out = model(**inputs).sample
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", ["wan", "ltx"])
+def test_idm_and_sdtm_record_received_attention_on_image_self_attention(models, name):
+    """Wan and LTX-Video declare a probe on their image self-attention: idm (the attention variant) gets the
+    received attention of the same block call and merges, and so does sdtm's detail phase."""
+    family, model = FAMILIES[name], models[name]
+    inputs = family.inputs(model)
+    before = run(model, inputs)
+    with tomerge.merging(model, "idm", ratio=0.5) as handle:
+        out = run(model, inputs)
+        assert set(handle.state.attention) == {0, 1}  # both blocks recorded, [B, N] each
+        assert all(a.shape == (2, math.prod(family.grid)) for a in handle.state.attention.values())
+        assert all(r.num_removed > 0 for r in handle.state.records)
+    assert torch.isfinite(out).all() and not torch.equal(out, before)
+    assert torch.equal(run(model, inputs), before)
+    with tomerge.merging(model, "sdtm", ratio=0.5, order="detail_first", switch=1.0, num_steps=2) as handle:
+        run(model, inputs)
+        assert {r.label for r in handle.state.records} == {"detail"}
