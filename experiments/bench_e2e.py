@@ -509,24 +509,35 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-
 def time_compiled(bench: Bench, methods: Sequence[str | None], ratio: float, fn: Callable[[], object],
                   repeats: int, warmup: int, threads: int, num_steps: int | None, clock: str,
                   mode: str, backend: str = "inductor") -> dict[str | None, tuple[float, float | None]]:
-    """As :func:`time_alternating`, with the model compiled (``torch.compile(model, mode=mode)``) after each
-    method is applied: a method stays applied for its warm-up (which compiles: at least one untimed call,
-    and every step of a loop compiles what it needs) and its ``repeats`` timed calls, since a new
-    application has new hooks and recompiles. Compile caches are reset between methods."""
+    """As :func:`time_alternating`, with compiled models: every method gets its own copy of the model, applied
+    once and compiled (``torch.compile(copy, mode=mode)``; a new application would have new hooks and
+    recompile), and ``max(1, warmup)`` untimed calls compile it (every step of a loop compiles what it needs).
+    Then the methods alternate round after round, each calling its own compiled copy, so slow drifts of
+    the machine hit every method alike. Dynamo's recompile limit is raised to hold every method's graphs."""
+    import copy
+
     import torch
 
-    times: dict[str | None, list[float]] = {}
     raw = bench.model
-    for method in methods:
-        torch._dynamo.reset()
-        with merged(bench, method, ratio, num_steps):
-            bench.model = torch.compile(raw, mode=None if mode == "default" else mode, backend=backend)
-            try:
+    runners: dict[str | None, Any] = {}
+    times: dict[str | None, list[float]] = {m: [] for m in methods}
+    torch._dynamo.reset()
+    with contextlib.ExitStack() as applied, \
+            torch._dynamo.config.patch(recompile_limit=max(8, 8 * len(methods))):
+        try:
+            for method in methods:
+                bench.model = raw if method is None else copy.deepcopy(raw)
+                applied.enter_context(merged(bench, method, ratio, num_steps))
+                runners[method] = bench.model = torch.compile(bench.model, mode=None if mode == "default" else mode,
+                                                              backend=backend)
                 for _ in range(max(1, warmup)):
                     fn()
-                times[method] = [time_once(fn, threads, clock) for _ in range(repeats)]
-            finally:
-                bench.model = raw
+            for _ in range(repeats):
+                for method in methods:
+                    bench.model = runners[method]
+                    times[method].append(time_once(fn, threads, clock))
+        finally:
+            bench.model = raw
     torch._dynamo.reset()
     return {m: (statistics.median(ts), (max(ts) - min(ts)) / statistics.median(ts) if len(ts) > 1 else None)
             for m, ts in times.items()}
