@@ -61,16 +61,27 @@ fi
 if [ -n "${QUICK:-}" ]; then
     e2e=(--quick --widths sd3 pixart flux unet --repeats 2)
     video=(--quick --widths wan wan14b --tokens 96 --frames 2 --repeats 2)
+    compiled=(--quick --widths sd3 pixart dit --repeats 2 --strategies tomesd ssm facility_location)
+    compiled_loop=(--quick --widths sd3 --steps 4 --repeats 2 --strategies sdtm toma)
     kernels=(--tokens 256 --ratios 0.25 --channels 64)
 else
     e2e=(--widths sd3 pixart flux unet --tokens 1024 4096 --ratios 0.5 --depth 2 --batch 2 --repeats "$REPEATS")
     video=(--widths wan wan14b --tokens 32760 --ratios 0.5 --depth 2 --batch 1 --repeats "$REPEATS")
+    compiled=(--widths sd3 pixart dit --tokens 1024 4096 --ratios 0.5 --depth 2 --batch 2 --repeats "$REPEATS"
+              --strategies tomesd ssm idm facility_location)
+    compiled_loop=(--widths sd3 --tokens 1024 4096 --ratios 0.5 --depth 2 --batch 2 --steps 10 --repeats "$REPEATS"
+                   --strategies sdtm toma)
     kernels=(--tokens 1024 --ratios 0.25 0.5 --channels 1536 --batch 2)
 fi
 "$PY" -m tomerge.experiments.bench --e2e --device cuda --dtype bf16 --sdpa flash "${e2e[@]}" \
     --out "$OUT/e2e_bf16.csv"
 "$PY" -m tomerge.experiments.bench --e2e --device cuda --dtype bf16 --sdpa flash "${video[@]}" \
     --out "$OUT/e2e_video_bf16.csv"
+# compiled baseline vs compiled merged (inductor, CUDA graphs: mode reduce-overhead), forwards and sampling loops
+"$PY" -m tomerge.experiments.bench --e2e --device cuda --dtype bf16 --sdpa flash --compile reduce-overhead \
+    "${compiled[@]}" --out "$OUT/e2e_compiled_bf16.csv"
+"$PY" -m tomerge.experiments.bench --e2e --device cuda --dtype bf16 --sdpa flash --compile reduce-overhead \
+    "${compiled_loop[@]}" --out "$OUT/e2e_compiled_loop_bf16.csv"
 "$PY" -m tomerge.experiments.bench --kernels --device cuda --dtype bf16 "${kernels[@]}" \
     --out "$OUT/kernels_bf16.csv"
 
@@ -108,6 +119,8 @@ lines = [
 ]
 for name, title in (("e2e_bf16", "End-to-end: measured vs FLOP-ideal speed-up"),
                     ("e2e_video_bf16", "End-to-end, video (Wan) widths at 32760 tokens (21 x 30 x 52)"),
+                    ("e2e_compiled_bf16", "End-to-end, compiled (inductor, mode reduce-overhead): forwards"),
+                    ("e2e_compiled_loop_bf16", "End-to-end, compiled: 10-step sampling loops with sdtm and toma"),
                     ("kernels_bf16", "Kernels: plan + merge + unmerge vs the tomesd package")):
     md_file = out / f"{name}.md"
     lines += [f"## {title}", "", md_file.read_text() if md_file.exists() else "(missing)", ""]
