@@ -317,9 +317,9 @@ def test_a_batch_equals_its_samples_alone(models, name):
     check_batch_equals_samples(model, family.inputs(model, seed=5))
 
 
-@pytest.mark.parametrize("name", FAMILIES)
-def test_grids_with_leftover_rows_merge(models, name):
-    family, model = FAMILIES[name], models[name]
+def check_odd_grid_merges(model: nn.Module, family: Family) -> None:
+    """On the family's grid with leftover rows (and frames): every block merges all of its tokens' grid, and
+    the output is finite, of the right shape, with no hook left."""
     inputs = family.inputs(model, grid=family.odd, seed=6)
     before = run(model, inputs)
     with tomerge.merging(model, "tomesd", ratio=0.5, use_rand=False, **ALL_SUBLAYERS) as handle:
@@ -327,6 +327,12 @@ def test_grids_with_leftover_rows_merge(models, name):
         assert handle.adapter.grid_size == family.odd
         assert all(r.num_tokens == math.prod(family.odd) and r.num_removed > 0 for r in handle.state.records)
     assert out.shape == before.shape and torch.isfinite(out).all()
+    assert no_hooks_left(model)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_grids_with_leftover_rows_merge(models, name):
+    check_odd_grid_merges(models[name], FAMILIES[name])
 
 
 # ---------------------------------------------------------------------- family specifics

@@ -19,8 +19,8 @@ from torch import nn
 import tomerge
 from tomerge.registry import backbone_class
 from test_backbones_current import (ALL_SUBLAYERS, Family, Permute, check_batch_equals_samples, check_bit_identical,
-                                    check_flops, check_permutation_is_exact, generate, load_tiny_pipeline,
-                                    no_hooks_left, run)
+                                    check_flops, check_odd_grid_merges, check_permutation_is_exact, generate,
+                                    load_tiny_pipeline, no_hooks_left, run)
 
 
 def _seed(seed: int) -> torch.Generator:
@@ -227,15 +227,7 @@ def test_a_batch_equals_its_samples_alone(models, name):
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_grids_with_leftover_rows_and_frames_merge(models, name):
-    family, model = FAMILIES[name], models[name]
-    inputs = family.inputs(model, grid=family.odd, seed=6)
-    before = run(model, inputs)
-    with tomerge.merging(model, "tomesd", ratio=0.5, use_rand=False, **ALL_SUBLAYERS) as handle:
-        out = run(model, inputs)
-        assert handle.adapter.grid_size == family.odd
-        assert all(r.num_tokens == math.prod(family.odd) and r.num_removed > 0 for r in handle.state.records)
-    assert out.shape == before.shape and torch.isfinite(out).all()
-    assert no_hooks_left(model)
+    check_odd_grid_merges(models[name], FAMILIES[name])
 
 
 # ---------------------------------------------------------------------- family specifics
