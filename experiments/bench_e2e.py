@@ -513,7 +513,9 @@ def time_compiled(bench: Bench, methods: Sequence[str | None], ratio: float, fn:
     once and compiled (``torch.compile(copy, mode=mode)``; a new application would have new hooks and
     recompile), and ``max(1, warmup)`` untimed calls compile it (every step of a loop compiles what it needs).
     Then the methods alternate round after round, each calling its own compiled copy, so slow drifts of
-    the machine hit every method alike. Dynamo's recompile limit is raised to hold every method's graphs."""
+    the machine hit every method alike. Dynamo's recompile limit is raised to hold every method's graphs, and
+    dynamo guards on module hooks (``skip_nnmodule_hook_guards=False``): by default it does not, and the
+    copies share their blocks' code with the baseline, so a merged copy would run the baseline's graphs."""
     import copy
 
     import torch
@@ -523,7 +525,7 @@ def time_compiled(bench: Bench, methods: Sequence[str | None], ratio: float, fn:
     times: dict[str | None, list[float]] = {m: [] for m in methods}
     torch._dynamo.reset()
     with contextlib.ExitStack() as applied, \
-            torch._dynamo.config.patch(recompile_limit=max(8, 8 * len(methods))):
+            torch._dynamo.config.patch(recompile_limit=max(8, 8 * len(methods)), skip_nnmodule_hook_guards=False):
         try:
             for method in methods:
                 bench.model = raw if method is None else copy.deepcopy(raw)

@@ -243,3 +243,19 @@ def test_compiled_benchmark_times_every_method_compiled():
         assert handles[method].model is not raw and handles[method].stats["tokens_removed"] > 0
     assert bench.model is raw
     assert [(dict(m._forward_pre_hooks), dict(m._forward_hooks)) for m in raw.modules()] == hooks_before
+
+
+def test_apply_refuses_blocks_compiled_before_it():
+    """Dynamo does not guard on module hooks by default: blocks compiled before apply() would keep their
+    unmerged graphs while the eager hooks count merges, so apply() refuses and says to apply first."""
+    model = build("native_dit")
+    model.blocks[0].compile(backend="aot_eager")
+    try:
+        with pytest.raises(RuntimeError, match="Apply first, then compile"):
+            tomerge.apply(model, "ssm", ratio=0.5)
+        assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+        with torch._dynamo.config.patch(skip_nnmodule_hook_guards=False):  # hooks guarded: a changed hook recompiles
+            tomerge.apply(model, "ssm", ratio=0.5).remove()
+    finally:
+        model.blocks[0]._compiled_call_impl = None
+        torch._dynamo.reset()

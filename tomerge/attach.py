@@ -243,6 +243,7 @@ def apply(target: Any, strategy: str | MergeStrategy | Schedule = "tomesd", *, r
     adapter = adapter_cls(model, build(adapter_cls.Options, adapter_opts, what=f"backbone {adapter_cls.name!r}"))
     adapter.check()
     blocks = adapter.blocks()
+    _check_not_compiled(model, blocks)
     if not blocks:
         raise ValueError(
             f"no block of {type(model).__name__} matched the {adapter_cls.name!r} adapter, which looks for "
@@ -361,6 +362,22 @@ def _constant(strategy: MergeStrategy, ratio: float | None, flags: dict[str, boo
     if ratio is None:
         raise TypeError(f"apply() needs ratio=... for strategy {strategy.name!r}")
     return Constant(strategy=strategy, ratio=check_ratio(ratio), **flags)
+
+
+def _check_not_compiled(model: nn.Module, blocks: list[BlockSpec]) -> None:
+    """Raises when the model or a block was compiled in place (``nn.Module.compile``, diffusers'
+    ``compile_repeated_blocks``): dynamo does not guard on module hooks by default
+    (``torch._dynamo.config.skip_nnmodule_hook_guards``), so the compiled graphs would keep running without the
+    merge hooks while the eager bookkeeping still counted merges."""
+    if not torch._dynamo.config.skip_nnmodule_hook_guards:
+        return  # dynamo guards on hooks: the compiled blocks recompile with the merge hooks
+    compiled = [m for m in (model, *(b.module for b in blocks)) if getattr(m, "_compiled_call_impl", None) is not None]
+    if compiled:
+        raise RuntimeError(
+            f"{type(compiled[0]).__name__} was compiled before tomerge.apply: its compiled graphs would not run the "
+            "merge hooks (dynamo does not guard on module hooks by default). Apply first, then compile; or set "
+            "torch._dynamo.config.skip_nnmodule_hook_guards = False, so that changed hooks recompile "
+            "(docs/compile.md)")
 
 
 def _candidate_modules(target: Any) -> list[nn.Module]:
