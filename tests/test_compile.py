@@ -211,16 +211,27 @@ def test_inductor_compiled_trajectory_matches_eager(strategy):
 
 def test_compiled_benchmark_times_every_method_compiled():
     """``tomerge bench --e2e --compile`` times each method on its own compiled copy of the model, applied before
-    compiling (``bench_e2e.time_compiled``): every method's hooks run inside its compiled copy, and the bench's
-    model is the untouched eager module afterwards. ``aot_eager`` here; the CLI uses inductor."""
+    compiling (``bench_e2e.time_compiled``): each copy's compiled calls give that method's eager merged output,
+    and the bench's model is the untouched eager module afterwards. ``aot_eager`` here; the CLI uses inductor."""
     import contextlib
 
     from tomerge.experiments import bench_e2e
 
     bench = bench_e2e.build("dit", 64, depth=1, batch=2, quick=True)
     raw = bench.model
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # DiT's init zeroes the blocks' modulation: random weights make merging visible
+        for p in raw.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
     hooks_before = [(dict(m._forward_pre_hooks), dict(m._forward_hooks)) for m in raw.modules()]
+    methods = ("ssm", "idm")  # deterministic plans that remove tokens on this 8 x 8 grid
+    with torch.inference_mode():
+        expected = {None: bench.call()}
+        for method in methods:
+            with tomerge.merging(raw, method, ratio=0.5):
+                expected[method] = bench.call()
     handles: dict[str | None, Any] = {}
+    outputs: dict[int, Tensor] = {}
     original_merged = bench_e2e.merged
 
     @contextlib.contextmanager
@@ -229,18 +240,26 @@ def test_compiled_benchmark_times_every_method_compiled():
             handles[method] = b.model.__dict__.get("_tomerge_handle")
             yield
 
+    def call():  # the timed function, keeping the last output of each compiled copy
+        out = bench.call()
+        outputs[id(getattr(bench.model, "_orig_mod", bench.model))] = out
+        return out
+
     bench_e2e.merged = merged
     try:
         with torch.inference_mode():
-            secs = bench_e2e.time_compiled(bench, [None, "tomesd", "ssm"], 0.5, bench.call, repeats=2, warmup=1,
-                                           threads=1, num_steps=None, clock="cpu", mode="default",
-                                           backend="aot_eager")
+            secs = bench_e2e.time_compiled(bench, [None, *methods], 0.5, call, repeats=2, warmup=1, threads=1,
+                                           num_steps=None, clock="cpu", mode="default", backend="aot_eager")
     finally:
         bench_e2e.merged = original_merged
-    assert set(secs) == {None, "tomesd", "ssm"} and all(t > 0 for t, _ in secs.values())
+    assert set(secs) == {None, *methods} and all(t > 0 for t, _ in secs.values())
     assert handles[None] is None
-    for method in ("tomesd", "ssm"):  # the copy's calls: one warm-up, then two per timed call (time_once)
-        assert handles[method].model is not raw and handles[method].stats["tokens_removed"] > 0
+    torch.testing.assert_close(outputs[id(raw)], expected[None], rtol=1e-5, atol=1e-5)
+    for method in methods:
+        copy = handles[method].model
+        assert copy is not raw
+        assert not torch.allclose(expected[method], expected[None])  # merging changes the output here
+        torch.testing.assert_close(outputs[id(copy)], expected[method], rtol=1e-5, atol=1e-5)
     assert bench.model is raw
     assert [(dict(m._forward_pre_hooks), dict(m._forward_hooks)) for m in raw.modules()] == hooks_before
 
