@@ -143,7 +143,7 @@ class Kind:
 
 # ---------------------------------------------------------------------- runtime
 @dataclasses.dataclass
-class BlockCall:
+class DeclaredCall:
     """The block call in progress, shared by its points: text and image lengths, the last merge."""
 
     text: int | None = None
@@ -165,7 +165,7 @@ class DeclaredBlock(BlockSpec):
     """A block of a declared kind; reading its input also records the call's text and image lengths."""
 
     decl: Kind = dataclasses.field(kw_only=True)
-    info: BlockCall = dataclasses.field(kw_only=True)
+    info: DeclaredCall = dataclasses.field(kw_only=True)
     model_text: Any = dataclasses.field(kw_only=True)  # () -> T of the model call (joint_input kinds)
 
     def block_input(self, args: tuple, kwargs: dict) -> Tensor:
@@ -190,7 +190,7 @@ class DeclaredPoint(MergePoint):
     """The merge point of a :class:`Site` (see the module docstring)."""
 
     site: Site = dataclasses.field(kw_only=True)
-    info: BlockCall = dataclasses.field(kw_only=True)
+    info: DeclaredCall = dataclasses.field(kw_only=True)
     joint: Side = dataclasses.field(default="first", kw_only=True)
 
     # -------------------------------------------------------------- the tokens
@@ -482,7 +482,7 @@ class DeclaredAdapter(BackboneAdapter):
     def blocks(self) -> list[BlockSpec]:
         specs: list[BlockSpec] = []
         for kind, module in self.block_modules():
-            info = BlockCall()
+            info = DeclaredCall()
             points = []
             for site in kind.sites:
                 sub = _submodule(module, site.path)

@@ -157,9 +157,8 @@ class MergeHandle:
             call = self.state.begin_block(block.layer, block.kind, grid, x, kind_index=kind_index,
                                           num_points=len(block.points))
             self._blocks_with_grid += grid is not None
-            merging = call.decision.strategy is not None
             for point in block.points:
-                point.enter_block(merging and point.sublayer in call.decision.sublayers)
+                point.enter_block(call.decision.merges and point.sublayer in call.decision.sublayers)
         return hook
 
     def _block_post(self, block: BlockSpec):
@@ -195,14 +194,14 @@ class MergeHandle:
             plan = call.active.pop(index, None)
             if plan is None:  # ran at full length
                 if point.sublayer in decision.cache_outputs:
-                    self.state.store_output(call, index, point.get_output(output))
+                    call.store_output(index, point.get_output(output))
                 return None
             if point.keeps_merged(decision.sublayers):
                 return None  # a later point of the block consumes the merged output and unmerges
             y = decision.strategy.unmerge(point.get_output(output), plan)  # [B, M, C'] -> [B, N, C']
-            y = self.state.blend_cached(call, index, y)
+            y = call.blend_cached(index, y)
             if point.sublayer in decision.cache_outputs:
-                self.state.store_output(call, index, y)
+                call.store_output(index, y)
             return point.set_output(output, y)
         return hook
 

@@ -93,10 +93,31 @@ class BlockCall:
     streak: Tensor | None = None  # [B, N] merge streaks before this call (kept when a strategy uses them)
     computed: bool = False  # the plan was computed in this call (end_block caches it and tells the observers)
     new_streak: Tensor | None = None  # [B, N] streaks after this call's merge decision
-    cached_outputs: dict[int, Tensor] = dataclasses.field(default_factory=dict)  # point index -> feature cache
+    cached_outputs: dict[int, Tensor] = dataclasses.field(default_factory=dict)  # point index -> feature cache to blend
     new_outputs: dict[int, Tensor | None] = dataclasses.field(default_factory=dict)  # point index -> to store
     attention: Tensor | None = None  # [B, N] received attention a probe recorded in this call
     active: dict[int, MergePlan] = dataclasses.field(default_factory=dict)  # point index -> plan
+
+    # ------------------------------------------------------------------ the feature cache
+    def store_output(self, point: int, output: Tensor) -> None:
+        """Keeps ``output [B, N, C']`` as the cached output of the block's merge point number ``point`` (stored
+        for this layer and call index when the block call ends, :meth:`MergeState.end_block`)."""
+        self.new_outputs[point] = output.detach()
+
+    def blend_cached(self, point: int, output: Tensor) -> Tensor:
+        """``output [B, N, C']`` (the unmerged output of the block's merge point number ``point``) with the
+        tokens the plan counts as merged replaced by ``w * output + (1 - w) * cached``
+        (``w = decision.cache_weight``); unchanged without a weight, without a cached output of this point, or
+        when the cached one has another shape (it is then dropped: it came from a call of another size)."""
+        w = self.decision.cache_weight
+        cached = self.cached_outputs.get(point)
+        if w is None or self.merged is None or cached is None:
+            return output
+        if cached.shape != output.shape:
+            self.new_outputs.setdefault(point, None)
+            return output
+        blended = torch.lerp(cached.to(output.dtype), output, w)  # [B, N, C'] = w * output + (1 - w) * cached
+        return torch.where(self.merged.unsqueeze(-1), blended, output)  # [B, N, C']
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,10 +200,11 @@ class MergeState:
         if block_input is None:
             return call
         B, N = block_input.shape[:2]
-        for index in range(num_points):
-            cached = self.outputs.get((self.call_index, layer, index))
-            if cached is not None:
-                call.cached_outputs[index] = cached
+        if decision.cache_weight is not None:  # the call blends its merged outputs with the feature cache
+            for index in range(num_points):
+                cached = self.outputs.get((self.call_index, layer, index))
+                if cached is not None:
+                    call.cached_outputs[index] = cached
         strategy = decision.strategy
         if strategy is None or grid is None:
             return call
@@ -268,30 +290,6 @@ class MergeState:
                 num_tokens=plan.num_tokens if plan is not None else 0,
                 num_removed=plan.num_removed if plan is not None else 0,
             ))
-
-    # ------------------------------------------------------------------ the feature cache
-    @staticmethod
-    def store_output(call: BlockCall, point: int, output: Tensor) -> None:
-        """Keeps ``output [B, N, C']`` as the cached output of the block's merge point number ``point`` (stored
-        for this layer and call index when the block call ends)."""
-        call.new_outputs[point] = output.detach()
-
-    @staticmethod
-    def blend_cached(call: BlockCall, point: int, output: Tensor) -> Tensor:
-        """``output [B, N, C']`` (the unmerged output of the block's merge point number ``point``) with the
-        tokens ``call``'s plan counts as merged replaced by ``w * output + (1 - w) * cached``
-        (``w = call.decision.cache_weight``); unchanged without a weight, without a cached output of this
-        point, or when the cached one has another shape (it is then dropped: it came from a call of another
-        size)."""
-        w = call.decision.cache_weight
-        cached = call.cached_outputs.get(point)
-        if w is None or call.merged is None or cached is None:
-            return output
-        if cached.shape != output.shape:
-            call.new_outputs.setdefault(point, None)
-            return output
-        blended = torch.lerp(cached.to(output.dtype), output, w)  # [B, N, C'] = w * output + (1 - w) * cached
-        return torch.where(call.merged.unsqueeze(-1), blended, output)  # [B, N, C']
 
     # ------------------------------------------------------------------ per-token statistics
     def store_attention(self, layer: int, received: Tensor) -> None:
