@@ -28,6 +28,8 @@ pipelines".
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -35,13 +37,13 @@ from typing import Any
 import tomerge
 
 from .cli import user_input
-from .config import AblationConfig, RunSpec, config_help, load_config
+from .config import AblationConfig, RunSpec, config_help, load_config, valid_ratios
 from .generate import GenerateSpec, generate_distributed, generate_local, item_output, prepare
 from .records import RunFolder, environment
 from .sources import Item
 from .speed import NOISY_SPREAD, count_denoiser_flops, time_alternating
 
-__all__ = ["run_ablation", "add_arguments", "run"]
+__all__ = ["run_ablation", "match_flop_speedup", "add_arguments", "run"]
 
 
 def _merging(source: Any, run: RunSpec):
@@ -102,6 +104,40 @@ def measure(source: Any, config: AblationConfig, timing_items: Sequence[Item], r
         records = list(handle.state.records)
     return {"flops": flops, "flops_per_image": flops / n, "denoiser_calls_per_image": calls / n, "maps": maps,
             "grids": grids, "records": records}
+
+
+def match_flop_speedup(source: Any, config: AblationConfig, run: RunSpec, items: Sequence[Item],
+                       steps: int = 10) -> RunSpec:
+    """``run`` at the ratio whose FLOP-ideal speed-up on ``items`` is closest to ``run.flop_target``.
+
+    The speed-up is counted (:func:`measure`) at each ratio a bisection tries, within the ratios the
+    strategy accepts with the run's options (:func:`~tomerge.experiments.config.valid_ratios`). It is a
+    step function of the ratio (token counts are integers) and rises with it, so after ``steps`` halvings
+    the closer of the two bracketing ratios is kept. Raises ``ValueError`` when the target lies outside
+    the speed-ups of the smallest and the largest accepted ratio.
+    """
+    base = measure(source, config, items, None, map_steps=False)["flops"]
+
+    def speedup(ratio: float) -> float:
+        with warnings.catch_warnings():  # e.g. "capping at N windows" at ratios the search only tries
+            warnings.simplefilter("ignore")
+            flops = measure(source, config, items, dataclasses.replace(run, ratio=ratio), map_steps=False)["flops"]
+        return base / flops
+
+    lo, hi = valid_ratios(run.strategy, run.options)
+    at_lo, at_hi = (1.0 if lo == 0 else speedup(lo)), speedup(hi)
+    if not at_lo <= run.flop_target <= at_hi:
+        raise ValueError(f"{run.run_id}: FLOP-ideal speed-up {run.flop_target:g}x is out of reach; the ratios "
+                         f"{run.strategy} accepts ({lo:g} to {hi:g}) give {at_lo:.3f}x to {at_hi:.3f}x")
+    for _ in range(steps):
+        mid = (lo + hi) / 2
+        at_mid = speedup(mid)
+        if at_mid < run.flop_target:
+            lo, at_lo = mid, at_mid
+        else:
+            hi, at_hi = mid, at_mid
+    ratio = lo if run.flop_target - at_lo < at_hi - run.flop_target else hi
+    return dataclasses.replace(run, ratio=round(ratio, 6))
 
 
 def speed_row(source: Any, config: AblationConfig, timing_items: Sequence[Item], run: RunSpec) -> dict[str, Any]:
@@ -168,6 +204,10 @@ def run_ablation(config: AblationConfig, progress: bool = True) -> RunFolder:
     logger = folder.logger(config, env)
     prompts = [i.prompt for i in items] if source.conditioning == "prompt" else None
 
+    todo = [r for r in config.runs() if not folder.has(r.run_id)]
+    # FLOP-matched runs find their ratios first: a target out of reach stops the grid before any image
+    todo = [r if r.flop_target is None else match_flop_speedup(source, config, r, items[:1]) for r in todo]
+
     baseline_files = produce_images(folder, "baseline", _spec(config, None), items, source, config, progress)
     quality = quality_scorer(folder, config, baseline_files, prompts)
     if not folder.has("baseline"):
@@ -178,13 +218,13 @@ def run_ablation(config: AblationConfig, progress: bool = True) -> RunFolder:
         folder.append(row)
         logger.row(row, images=baseline_files, prompts=prompts)
 
-    todo = [r for r in config.runs() if not folder.has(r.run_id)]
     for run in tqdm(todo, desc=f"ablate {config.name}", disable=not progress):
         files = produce_images(folder, run.run_id, _spec(config, run), items, source, config, progress=False)
         measured = measure(source, config, timing_items, run)
         flops_base = folder.baseline_row()["flops"]
         row = {
             "run": run.run_id, "strategy": run.strategy, "ratio": run.ratio, "options": run.options,
+            **({} if run.flop_target is None else {"flop_target": run.flop_target}),
             **speed_row(source, config, timing_items, run),
             "flops_base": flops_base, **_counts(measured), "flop_speedup": flops_base / measured["flops"],
             "tokens_removed_mean": _mean_removed(measured["records"]), **quality.score(files), **env,

@@ -45,18 +45,42 @@ def _check_run(strategy: str, ratio: Any, options: dict[str, Any], backbones: li
     check_options(strategy, ratio=ratio, backbones=backbones, **options)
 
 
+def valid_ratios(strategy: str, options: dict[str, Any], backbones: list[str] | None = None) -> tuple[float, float]:
+    """The smallest and largest of the ratios 0, 0.05, ..., 0.95 that the strategy accepts with ``options``
+    (e.g. ``sdtm`` with a deviation needs ``deviation <= ratio < 1 - deviation``); raises the strategy's
+    own error at ratio 0.5 when it accepts none."""
+    accepted = []
+    for i in range(20):
+        try:
+            _check_run(strategy, i / 20, options, backbones)
+            accepted.append(i / 20)
+        except ValueError:
+            pass
+    if not accepted:
+        _check_run(strategy, 0.5, options, backbones)
+        raise ValueError(f"{strategy} accepts no ratio in [0, 0.95] with options {options}")
+    return accepted[0], accepted[-1]
+
+
 @dataclasses.dataclass(frozen=True)
 class RunSpec:
-    """One cell of the grid: a strategy (or schedule) at one ratio with its options."""
+    """One cell of the grid: a strategy (or schedule) at one ratio with its options.
+
+    A cell of a ``flop_speedups`` entry names its FLOP-ideal speed-up target (``flop_target``) and has
+    ``ratio=None`` until :func:`~tomerge.experiments.ablate.match_flop_speedup` finds the ratio; its
+    run id names the target, so a resumed grid knows the run without searching again.
+    """
 
     strategy: str
-    ratio: float
+    ratio: float | None
     options: dict[str, Any]
+    flop_target: float | None = None
 
     @property
     def run_id(self) -> str:
         opts = "".join(f"-{k}={v}" for k, v in sorted(self.options.items()))
-        return f"{self.strategy}-r{self.ratio:g}{opts}".replace("/", "_").replace(" ", "")
+        amount = f"r{self.ratio:g}" if self.flop_target is None else f"flops{self.flop_target:g}x"
+        return f"{self.strategy}-{amount}{opts}".replace("/", "_").replace(" ", "")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,7 +131,10 @@ class AblationConfig:
         num_prompts, prompt_offset, images_per_prompt: which prompts, and images per prompt.
         seed: noise of item ``i`` comes from ``seed + i``.
         batch_size: images per generation call.
-        grid: entries ``{strategy, ratios, options}``; every strategy x ratio is a run.
+        grid: entries ``{strategy, ratios, options}``; every strategy x ratio is a run. An entry with
+            ``flop_speedups: [1.5, ...]`` instead of ``ratios`` runs the strategy at the ratio whose
+            FLOP-ideal speed-up is closest to each target (found by bisection on FLOP counts of one
+            item; for comparisons at matched FLOPs).
         timing_batch, warmup, repeats: the timed generation call and its alternating repeats.
         fd_reference_images, data_root: Fashion-MNIST test images for the reference model's
             FD-EffNetLite0 (0 disables it) and their IDX folder (default: the Debian package's).
@@ -175,18 +202,27 @@ class AblationConfig:
         elif self.model.conditioning == "prompt":
             check("prompts", self.items)
         for i, entry in enumerate(self.grid):
-            extra = set(entry) - {"strategy", "ratios", "options"} if isinstance(entry, dict) else {"?"}
-            if extra or "strategy" not in entry or "ratios" not in entry:
-                problems.append(f"grid[{i}]: entries are {{strategy, ratios, options}}; got {entry}")
+            extra = set(entry) - {"strategy", "ratios", "flop_speedups", "options"} if isinstance(entry, dict) \
+                else {"?"}
+            if extra or "strategy" not in entry or ("ratios" in entry) == ("flop_speedups" in entry):
+                problems.append(f"grid[{i}]: entries are {{strategy, ratios or flop_speedups, options}}; got {entry}")
                 continue
-            if not isinstance(entry["ratios"], (list, tuple)) or not entry["ratios"]:
-                problems.append(f"grid[{i}] ({entry['strategy']}): ratios must be a non-empty list, "
-                                f"got {entry['ratios']!r}")
+            key = "ratios" if "ratios" in entry else "flop_speedups"
+            if not isinstance(entry[key], (list, tuple)) or not entry[key]:
+                problems.append(f"grid[{i}] ({entry['strategy']}): {key} must be a non-empty list, got {entry[key]!r}")
                 continue
             backbones = ["native_dit"] if self.model.kind == "reference" else None
+            options = dict(entry.get("options") or {})
+            if key == "flop_speedups":
+                bad = [t for t in entry[key] if isinstance(t, bool) or not isinstance(t, (int, float)) or t <= 1]
+                if bad:
+                    problems.append(f"grid[{i}] ({entry['strategy']}): flop_speedups are FLOP-ideal speed-up "
+                                    f"targets > 1, got {bad}")
+                check(f"grid[{i}] ({entry['strategy']})", lambda: valid_ratios(entry["strategy"], options, backbones))
+                continue
             for ratio in entry["ratios"]:
                 check(f"grid[{i}] ({entry['strategy']} at ratio {ratio})",
-                      lambda: _check_run(entry["strategy"], ratio, dict(entry.get("options") or {}), backbones))
+                      lambda: _check_run(entry["strategy"], ratio, options, backbones))
         if problems:
             raise ConfigError(problems)
 
@@ -210,7 +246,15 @@ class AblationConfig:
         return [Item(i, self.seed + i, prompt=p) for i, p in enumerate(expanded)]
 
     def runs(self) -> list[RunSpec]:
-        return [RunSpec(e["strategy"], float(r), dict(e.get("options") or {})) for e in self.grid for r in e["ratios"]]
+        """Every cell of the grid, in order; those of ``flop_speedups`` entries with ``ratio=None``."""
+        runs = []
+        for e in self.grid:
+            options = dict(e.get("options") or {})
+            if "ratios" in e:
+                runs += [RunSpec(e["strategy"], float(r), options) for r in e["ratios"]]
+            else:
+                runs += [RunSpec(e["strategy"], None, options, flop_target=float(t)) for t in e["flop_speedups"]]
+        return runs
 
     def map_steps_for(self, num_steps: int) -> set[int]:
         return {s % num_steps for s in self.map_steps}

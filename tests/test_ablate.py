@@ -116,3 +116,52 @@ def test_the_whole_grid_is_checked_before_any_work_and_every_problem_reported(tm
     assert not (tmp_path / "reference").exists()  # nothing was written
     with pytest.raises(ConfigError, match="model: .*not found"):
         load_config(None, [f"model.reference={tmp_path / 'missing.safetensors'}"])
+
+
+def test_flop_matched_cells_find_the_closest_ratio_and_resume_by_target(setup):
+    """A ``flop_speedups`` entry runs at the ratio whose counted FLOP-ideal speed-up is closest to the target:
+    no ratio a step either side is closer. The row records the target and the ratio found; the run id names
+    the target, so a rerun finds the run done without searching again."""
+    from tomerge.experiments.ablate import match_flop_speedup, measure
+    from tomerge.experiments.config import RunSpec
+
+    root, overrides = setup
+    grid = "grid=[{strategy: ssm, flop_speedups: [1.3], options: {round_windows: 1}}]"
+    config = load_config(None, overrides + [grid, "name=matched"])
+    folder = run_ablation(config, progress=False).path
+    row = rows(folder)[-1]
+    assert row["run"] == "ssm-flops1.3x-round_windows=1" and row["flop_target"] == 1.3
+
+    source = config.model.load()
+    items = config.items()[:1]
+    base = measure(source, config, items, None, map_steps=False)["flops"]
+
+    def speedup(ratio):
+        return base / measure(source, config, items, RunSpec("ssm", ratio, {"round_windows": 1}), map_steps=False)["flops"]
+
+    found = row["ratio"]
+    gap = abs(speedup(found) - 1.3)
+    others = [abs(speedup(r / 20) - 1.3) for r in range(1, 19)]  # 0.05 .. 0.9
+    assert gap <= min(others) + 1e-12 and gap < max(others)
+    assert row["flop_speedup"] == pytest.approx(speedup(found), rel=1e-6)  # the timing batch scales with items
+
+    before = (folder / "results.jsonl").read_text()
+    run_ablation(config, progress=False)
+    assert (folder / "results.jsonl").read_text() == before
+
+    with pytest.raises(ValueError, match="out of reach"):
+        match_flop_speedup(source, config, RunSpec("tomesd", None, {"use_rand": False}, flop_target=50.0), items)
+
+
+def test_flop_matched_entries_are_checked_with_the_grid():
+    from tomerge.experiments.config import ConfigError
+
+    grid = ("grid=[{strategy: ssm, ratios: [0.5], flop_speedups: [1.5]}, {strategy: ssm, flop_speedups: [0.9, 1.5]},"
+            " {strategy: ssm, flop_speedups: [1.5], options: {window: 0}}]")
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [grid])
+    problems = info.value.problems
+    assert len(problems) == 3, problems
+    assert "ratios or flop_speedups" in problems[0]
+    assert "grid[1]" in problems[1] and "[0.9]" in problems[1]
+    assert "grid[2]" in problems[2] and "window" in problems[2]
