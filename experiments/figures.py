@@ -431,7 +431,10 @@ def _point_text(group: list[tuple[str, dict[str, Any]]], several: bool, varying:
     place holds several, the folders when the place holds several points of several folders."""
     lines: dict[tuple[str, str], list[str]] = {}
     for folder, r in group:
-        core = " ".join(t for t in (f"r={r['ratio']:g}", _short_options(r, varying[r["strategy"]])) if t)
+        # a FLOP-matched run (ablate's flop_speedups) is labelled by its target, its ratio rounded
+        amount = f"r={r['ratio']:g}" if r.get("flop_target") is None else \
+            f"{r['flop_target']:g}x FLOPs (r={r['ratio']:.3g})"
+        core = " ".join(t for t in (amount, _short_options(r, varying[r["strategy"]])) if t)
         lines.setdefault((r["strategy"], core), []).append(folder)
     named = len({s for s, _ in lines}) > 1
     return "\n".join(" ".join(t for t in (s if named else "", core,

@@ -393,3 +393,12 @@ def test_an_unknown_metric_is_a_user_error(tmp_path, capsys):
     assert exit_.value.code == 2 and "invalid choice: 'psnrr'" in capsys.readouterr().err
     with pytest.raises(UsageError, match="unknown metric 'psnrr'"):  # the Python API says the same
         figures.make_figures([folder], tmp_path / "figs", metrics=["psnrr"])
+
+
+def test_flop_matched_runs_are_labelled_by_their_target():
+    from tomerge.experiments.figures import _point_text
+
+    matched = {"strategy": "sdtm", "ratio": 0.569629, "flop_target": 1.5, "options": {"switch": 1.0}}
+    plain = {"strategy": "sdtm", "ratio": 0.5, "options": {"switch": 1.0}}
+    assert _point_text([("f", matched)], False, {"sdtm": {"switch"}}) == "1.5x FLOPs (r=0.57) switch=1.0"
+    assert _point_text([("f", plain)], False, {"sdtm": {"switch"}}) == "r=0.5 switch=1.0"
