@@ -37,7 +37,7 @@ from typing import Any
 import tomerge
 
 from .cli import user_input
-from .config import AblationConfig, RunSpec, config_help, load_config, valid_ratios
+from .config import AblationConfig, ConfigError, RunSpec, config_help, load_config, valid_ratios
 from .generate import GenerateSpec, generate_distributed, generate_local, item_output, prepare
 from .records import RunFolder, environment
 from .sources import Item
@@ -113,8 +113,9 @@ def match_flop_speedup(source: Any, config: AblationConfig, run: RunSpec, items:
     The speed-up is counted (:func:`measure`) at each ratio a bisection tries, within the ratios the
     strategy accepts with the run's options (:func:`~tomerge.experiments.config.valid_ratios`). It is a
     step function of the ratio (token counts are integers) and rises with it, so after ``steps`` halvings
-    the closer of the two bracketing ratios is kept. Raises ``ValueError`` when the target lies outside
-    the speed-ups of the smallest and the largest accepted ratio.
+    the closer of the two bracketing ratios is kept. Raises :class:`~tomerge.experiments.config.ConfigError`
+    (a usage error: one message, exit code 2) when the target lies outside the speed-ups of the smallest and
+    the largest accepted ratio.
     """
     base = measure(source, config, items, None, map_steps=False)["flops"]
 
@@ -127,8 +128,8 @@ def match_flop_speedup(source: Any, config: AblationConfig, run: RunSpec, items:
     lo, hi = valid_ratios(run.strategy, run.options)
     at_lo, at_hi = (1.0 if lo == 0 else speedup(lo)), speedup(hi)
     if not at_lo <= run.flop_target <= at_hi:
-        raise ValueError(f"{run.run_id}: FLOP-ideal speed-up {run.flop_target:g}x is out of reach; the ratios "
-                         f"{run.strategy} accepts ({lo:g} to {hi:g}) give {at_lo:.3f}x to {at_hi:.3f}x")
+        raise ConfigError([f"{run.run_id}: FLOP-ideal speed-up {run.flop_target:g}x is out of reach; the ratios "
+                         f"{run.strategy} accepts ({lo:g} to {hi:g}) give {at_lo:.3f}x to {at_hi:.3f}x"])
     for _ in range(steps):
         mid = (lo + hi) / 2
         at_mid = speedup(mid)

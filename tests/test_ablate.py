@@ -123,7 +123,7 @@ def test_flop_matched_cells_find_the_closest_ratio_and_resume_by_target(setup):
     no ratio a step either side is closer. The row records the target and the ratio found; the run id names
     the target, so a rerun finds the run done without searching again."""
     from tomerge.experiments.ablate import match_flop_speedup, measure
-    from tomerge.experiments.config import RunSpec
+    from tomerge.experiments.config import ConfigError, RunSpec
 
     root, overrides = setup
     grid = "grid=[{strategy: ssm, flop_speedups: [1.3], options: {round_windows: 1}}]"
@@ -149,7 +149,7 @@ def test_flop_matched_cells_find_the_closest_ratio_and_resume_by_target(setup):
     run_ablation(config, progress=False)
     assert (folder / "results.jsonl").read_text() == before
 
-    with pytest.raises(ValueError, match="out of reach"):
+    with pytest.raises(ConfigError, match="out of reach"):  # a usage error (exit code 2), not a bug
         match_flop_speedup(source, config, RunSpec("tomesd", None, {"use_rand": False}, flop_target=50.0), items)
 
 
