@@ -43,7 +43,7 @@ from .records import RunFolder, environment
 from .sources import Item
 from .speed import NOISY_SPREAD, count_denoiser_flops, time_alternating
 
-__all__ = ["run_ablation", "match_flop_speedup", "add_arguments", "run"]
+__all__ = ["run_ablation", "match_flop_speedups", "add_arguments", "run"]
 
 
 def _merging(source: Any, run: RunSpec):
@@ -106,39 +106,45 @@ def measure(source: Any, config: AblationConfig, timing_items: Sequence[Item], r
             "grids": grids, "records": records}
 
 
-def match_flop_speedup(source: Any, config: AblationConfig, run: RunSpec, items: Sequence[Item],
-                       steps: int = 10) -> RunSpec:
-    """``run`` at the ratio whose FLOP-ideal speed-up on ``items`` is closest to ``run.flop_target``.
+def match_flop_speedups(source: Any, config: AblationConfig, runs: Sequence[RunSpec], items: Sequence[Item],
+                        steps: int = 10) -> list[RunSpec]:
+    """``runs`` with every FLOP-matched one (``flop_target`` set) at the ratio whose FLOP-ideal speed-up on
+    ``items`` is closest to its target; the others as they are.
 
-    The speed-up is counted (:func:`measure`) at each ratio a bisection tries, within the ratios the
-    strategy accepts with the run's options (:func:`~tomerge.experiments.config.valid_ratios`). It is a
-    step function of the ratio (token counts are integers) and rises with it, so after ``steps`` halvings
-    the closer of the two bracketing ratios is kept. Raises :class:`~tomerge.experiments.config.ConfigError`
-    (a usage error: one message, exit code 2) when the target lies outside the speed-ups of the smallest and
-    the largest accepted ratio.
+    The speed-up is counted (:func:`measure`; the unmerged FLOPs once) at each ratio a bisection tries, within
+    the ratios the strategy accepts with the run's options (:func:`~tomerge.experiments.config.valid_ratios`).
+    It is a step function of the ratio (token counts are integers) and rises with it, so after ``steps``
+    halvings the closer of the two bracketing ratios is kept. Raises
+    :class:`~tomerge.experiments.config.ConfigError` (a usage error: one message, exit code 2) when a target
+    lies outside the speed-ups of the smallest and the largest accepted ratio.
     """
+    if all(run.flop_target is None for run in runs):
+        return list(runs)
     base = measure(source, config, items, None, map_steps=False)["flops"]
 
-    def speedup(ratio: float) -> float:
-        with warnings.catch_warnings():  # e.g. "capping at N windows" at ratios the search only tries
-            warnings.simplefilter("ignore")
-            flops = measure(source, config, items, dataclasses.replace(run, ratio=ratio), map_steps=False)["flops"]
-        return base / flops
+    def matched(run: RunSpec) -> RunSpec:
+        def speedup(ratio: float) -> float:
+            with warnings.catch_warnings():  # e.g. "capping at N windows" at ratios the search only tries
+                warnings.simplefilter("ignore")
+                flops = measure(source, config, items, dataclasses.replace(run, ratio=ratio), map_steps=False)["flops"]
+            return base / flops
 
-    lo, hi = valid_ratios(run.strategy, run.options)
-    at_lo, at_hi = (1.0 if lo == 0 else speedup(lo)), speedup(hi)
-    if not at_lo <= run.flop_target <= at_hi:
-        raise ConfigError([f"{run.run_id}: FLOP-ideal speed-up {run.flop_target:g}x is out of reach; the ratios "
-                         f"{run.strategy} accepts ({lo:g} to {hi:g}) give {at_lo:.3f}x to {at_hi:.3f}x"])
-    for _ in range(steps):
-        mid = (lo + hi) / 2
-        at_mid = speedup(mid)
-        if at_mid < run.flop_target:
-            lo, at_lo = mid, at_mid
-        else:
-            hi, at_hi = mid, at_mid
-    ratio = lo if run.flop_target - at_lo < at_hi - run.flop_target else hi
-    return dataclasses.replace(run, ratio=round(ratio, 6))
+        lo, hi = valid_ratios(run.strategy, run.options)
+        at_lo, at_hi = (1.0 if lo == 0 else speedup(lo)), speedup(hi)  # ratio 0 merges nothing
+        if not at_lo <= run.flop_target <= at_hi:
+            raise ConfigError([f"{run.run_id}: FLOP-ideal speed-up {run.flop_target:g}x is out of reach; the ratios "
+                               f"{run.strategy} accepts ({lo:g} to {hi:g}) give {at_lo:.3f}x to {at_hi:.3f}x"])
+        for _ in range(steps):
+            mid = (lo + hi) / 2
+            at_mid = speedup(mid)
+            if at_mid < run.flop_target:
+                lo, at_lo = mid, at_mid
+            else:
+                hi, at_hi = mid, at_mid
+        ratio = lo if run.flop_target - at_lo < at_hi - run.flop_target else hi
+        return dataclasses.replace(run, ratio=round(ratio, 6))
+
+    return [run if run.flop_target is None else matched(run) for run in runs]
 
 
 def speed_row(source: Any, config: AblationConfig, timing_items: Sequence[Item], run: RunSpec) -> dict[str, Any]:
@@ -205,9 +211,8 @@ def run_ablation(config: AblationConfig, progress: bool = True) -> RunFolder:
     logger = folder.logger(config, env)
     prompts = [i.prompt for i in items] if source.conditioning == "prompt" else None
 
-    todo = [r for r in config.runs() if not folder.has(r.run_id)]
     # FLOP-matched runs find their ratios first: a target out of reach stops the grid before any image
-    todo = [r if r.flop_target is None else match_flop_speedup(source, config, r, items[:1]) for r in todo]
+    todo = match_flop_speedups(source, config, [r for r in config.runs() if not folder.has(r.run_id)], items[:1])
 
     baseline_files = produce_images(folder, "baseline", _spec(config, None), items, source, config, progress)
     quality = quality_scorer(folder, config, baseline_files, prompts)

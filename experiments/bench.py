@@ -291,7 +291,7 @@ def write_rows(path: Path, rows: Sequence[dict], table: str, header: str) -> Non
 def model_benchmark(config_path: Path, overrides: Sequence[str], plugins: Sequence[str] = ()) -> list[dict]:
     """Speed rows of every run of a config's grid on its model: the timing batch's generation call,
     baseline and merged alternating (``warmup``, ``repeats``), denoiser time and FLOPs, spread."""
-    from .ablate import match_flop_speedup, measure, speed_row
+    from .ablate import match_flop_speedups, measure, speed_row
     from .config import load_config
 
     with user_input():
@@ -301,9 +301,7 @@ def model_benchmark(config_path: Path, overrides: Sequence[str], plugins: Sequen
     source.check_items(items)
     flops_base = measure(source, config, items, None, map_steps=False)["flops"]
     rows = []
-    for run in config.runs():
-        if run.flop_target is not None:
-            run = match_flop_speedup(source, config, run, items[:1])
+    for run in match_flop_speedups(source, config, config.runs(), items[:1]):
         flops = measure(source, config, items, run, map_steps=False)["flops"]
         row = {"run": run.run_id, "ratio": run.ratio, **speed_row(source, config, items, run),
                "flops_base": flops_base, "flops": flops, "flop_speedup": flops_base / flops}

@@ -67,7 +67,7 @@ class RunSpec:
     """One cell of the grid: a strategy (or schedule) at one ratio with its options.
 
     A cell of a ``flop_speedups`` entry names its FLOP-ideal speed-up target (``flop_target``) and has
-    ``ratio=None`` until :func:`~tomerge.experiments.ablate.match_flop_speedup` finds the ratio; its
+    ``ratio=None`` until :func:`~tomerge.experiments.ablate.match_flop_speedups` finds the ratio; its
     run id names the target, so a resumed grid knows the run without searching again.
     """
 

@@ -43,7 +43,7 @@ from .records import image_grid, merge_map_rgb
 if TYPE_CHECKING:  # torch is imported where images are drawn: `tomerge figures --help` stays fast
     from torch import Tensor
 
-__all__ = ["RunData", "load_run", "pareto_front", "ablation_table", "timing_interval", "point_styles",
+__all__ = ["RunData", "load_run", "varying_options", "pareto_front", "ablation_table", "timing_interval", "point_styles",
            "place_labels", "pareto_plot", "pareto_figure", "schedule_figure",
            "merge_map_figure", "image_grid_figure", "make_figures", "add_arguments", "run"]
 
@@ -294,6 +294,22 @@ def _save(fig, stem: Path, formats: Sequence[str]) -> list[Path]:
     return paths
 
 
+def varying_options(rows: Sequence[dict[str, Any]]) -> dict[str, set[str]]:
+    """Per strategy of ``rows``, the option names whose values differ between its rows (what tells its runs
+    apart besides the ratio).
+
+    Example:
+        >>> varying_options([{"strategy": "ssm", "options": {"window": 2, "alpha_s": 0.1}},
+        ...                  {"strategy": "ssm", "options": {"window": 3, "alpha_s": 0.1}}])
+        {'ssm': {'window'}}
+    """
+    by_strategy: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for r in rows:
+        by_strategy[r["strategy"]].append(r.get("options") or {})
+    return {s: {k for opts in group for k in opts if len({str(o.get(k)) for o in group}) > 1}
+            for s, group in by_strategy.items()}
+
+
 def _short_options(row: dict[str, Any], varying: set[str]) -> str:
     return " ".join(f"{k}={v}" for k, v in sorted((row.get("options") or {}).items()) if k in varying)
 
@@ -465,9 +481,7 @@ def pareto_plot(runs: Sequence[RunData], metric: str, x_key: str = "speedup") ->
     ax = fig.add_subplot()
     strategies = list(dict.fromkeys(r["strategy"] for d in runs for r in d.merged))
     shown = {r["strategy"] for _, r in pts}
-    varying = {s: {k for _, r in pts if r["strategy"] == s for k in (r.get("options") or {})
-                   if len({str((q.get("options") or {}).get(k)) for _, q in pts if q["strategy"] == s}) > 1}
-               for s in shown}
+    varying = varying_options([r for _, r in pts])
     intervals = {(f, r["run"]): timing_interval(r) for f, r in pts} if x_key == "speedup" else {}
     finite_hi = [iv[1] for iv in intervals.values() if iv and math.isfinite(iv[1])] + [r[x_key] for _, r in pts]
     bars = []

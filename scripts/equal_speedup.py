@@ -1,10 +1,11 @@
 """Which method is best at equal speed-up: each strategy's metric interpolated at given speed-ups.
 
-For every strategy of the run folders (``results.jsonl`` of ``tomerge ablate``), its runs are sorted by
-speed-up (``--x``: ``flop_speedup``, exact, or the measured ``speedup``) and the metric is interpolated
-linearly between the two runs that bracket each ``--at`` value; a strategy whose runs do not span a value
-has no entry there (no extrapolation, and the baseline is not a point of the curves). Runs of one strategy with other options (e.g. ``order``) are
-separate curves, named by their options. Prints a markdown table, best value per column in bold.
+For every strategy of the run folders (read with ``tomerge.experiments.figures.load_run``), its runs are
+sorted by speed-up (``--x``: ``flop_speedup``, exact, or the measured ``speedup``) and the metric is
+interpolated linearly between the two runs that bracket each ``--at`` value; a strategy whose runs do not span
+a value has no entry there (no extrapolation, and the baseline is not a point of the curves). Runs of one
+strategy whose options differ (e.g. ``order``) are separate curves, named by those options. Prints a markdown
+table, best value per column in bold.
 
     python scripts/equal_speedup.py runs/claims_headline runs/claims_headline_presets \\
         --metric fd_effnetlite0 --at 1.1 1.2 1.3 1.5 2.0
@@ -13,27 +14,24 @@ separate curves, named by their options. Prints a markdown table, best value per
 from __future__ import annotations
 
 import argparse
-import json
 from collections import defaultdict
 from pathlib import Path
 
-LOWER_IS_BETTER = {"fd_effnetlite0", "fd_effnetlite0_ref", "fid", "effnet_distance"}
+from tomerge.experiments.figures import METRICS, load_run, varying_options
 
 
 def curves(folders: list[Path], x: str, metric: str) -> dict[str, list[tuple[float, float]]]:
-    """``{curve name: [(speed-up, metric), ...]}`` sorted by speed-up. The baseline is not a point of the
-    curves: quality falls steeply with the first merged tokens, so a line from the baseline to the first run
-    would flatter every method below its smallest ratio."""
+    """``{curve name: [(speed-up, metric), ...]}`` sorted by speed-up, one curve per strategy and value of the
+    options that vary between its runs (:func:`~tomerge.experiments.figures.varying_options`). The baseline is
+    not a point of the curves: quality falls steeply with the first merged tokens, so a line from the baseline
+    to the first run would flatter every method below its smallest ratio."""
+    rows = [r for folder in folders for r in load_run(folder).merged]
+    varying = varying_options(rows)
     found: dict[str, list[tuple[float, float]]] = defaultdict(list)
-    for folder in folders:
-        for line in (folder / "results.jsonl").read_text().splitlines():
-            row = json.loads(line)
-            if row["run"] == "baseline":
-                continue
-            varying = {k: v for k, v in sorted((row.get("options") or {}).items())
-                       if k not in ("use_rand", "num_tiles", "skip_first", "switch_step", "round_windows")}
-            name = row["strategy"] + "".join(f" {k}={v}" for k, v in varying.items())
-            found[name].append((row[x], row[metric]))
+    for row in rows:
+        options = row.get("options") or {}
+        name = row["strategy"] + "".join(f" {k}={options[k]}" for k in sorted(varying[row["strategy"]]) if k in options)
+        found[name].append((row[x], row[metric]))
     return {name: sorted(points) for name, points in found.items()}
 
 
@@ -48,12 +46,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run_dirs", nargs="+", type=Path)
     parser.add_argument("--x", default="flop_speedup", choices=["flop_speedup", "speedup"])
-    parser.add_argument("--metric", default="fd_effnetlite0")
+    parser.add_argument("--metric", default="fd_effnetlite0", choices=sorted(METRICS))
     parser.add_argument("--at", nargs="+", type=float, default=[1.1, 1.2, 1.3, 1.5, 2.0])
     args = parser.parse_args()
     table = curves(args.run_dirs, args.x, args.metric)
     values = {name: [at(points, s) for s in args.at] for name, points in table.items()}
-    pick = min if args.metric in LOWER_IS_BETTER else max
+    pick = max if METRICS[args.metric][1] else min  # (label, higher is better, paired)
     best = [pick((v[i] for v in values.values() if v[i] is not None), default=None) for i in range(len(args.at))]
     print(f"| method | " + " | ".join(f"{args.metric} at {s:g}x" for s in args.at) + " |")
     print("|---|" + "---:|" * len(args.at))

@@ -122,7 +122,7 @@ def test_flop_matched_cells_find_the_closest_ratio_and_resume_by_target(setup):
     """A ``flop_speedups`` entry runs at the ratio whose counted FLOP-ideal speed-up is closest to the target:
     no ratio a step either side is closer. The row records the target and the ratio found; the run id names
     the target, so a rerun finds the run done without searching again."""
-    from tomerge.experiments.ablate import match_flop_speedup, measure
+    from tomerge.experiments.ablate import match_flop_speedups, measure
     from tomerge.experiments.config import ConfigError, RunSpec
 
     root, overrides = setup
@@ -150,7 +150,7 @@ def test_flop_matched_cells_find_the_closest_ratio_and_resume_by_target(setup):
     assert (folder / "results.jsonl").read_text() == before
 
     with pytest.raises(ConfigError, match="out of reach"):  # a usage error (exit code 2), not a bug
-        match_flop_speedup(source, config, RunSpec("tomesd", None, {"use_rand": False}, flop_target=50.0), items)
+        match_flop_speedups(source, config, [RunSpec("tomesd", None, {"use_rand": False}, flop_target=50.0)], items)
 
 
 def test_flop_matched_entries_are_checked_with_the_grid():
