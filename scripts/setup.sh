@@ -25,7 +25,9 @@ PYEOF
 # Skip the install when this exact checkout is already installed with its test extras.
 stamp=".tomerge-installed"
 want="$(cat setup.cfg pyproject.toml "$constraints" | sha1sum | cut -d' ' -f1) $(pwd)"
-if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ] || ! "$PY" -c "import tomerge, tomesd" >/dev/null 2>&1; then
+# The import check runs outside the checkout: from its root, `import tomerge` finds the source folder
+# even when nothing is installed (and `tomerge.backbones`, mapped from backbones/, then fails).
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ] || ! (cd / && "$PY" -c "import tomerge.experiments.cli, tomesd") >/dev/null 2>&1; then
     "$PY" -m pip install -q -c "$constraints" -e ".[test]"
     echo "$want" >"$stamp"
 fi
