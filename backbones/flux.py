@@ -62,7 +62,6 @@ from tomerge.state import MergeState
 from ._diffusers import call_arg, submodel
 
 _EPS = 1e-12
-_PROBE_CHUNK = 64  # text queries per probe matmul (bounds the [B, heads, chunk, T + N] logits)
 
 
 # ---------------------------------------------------------------------- call arguments
@@ -459,15 +458,8 @@ def _received_by_image(q: Tensor, k: Tensor, scale: float, text_len: int) -> Ten
         scale: logit scale; ``text_len``: ``T``.
 
     Returns:
-        ``[B, N]`` fp32, rows sum to 1. Queries go through :func:`~tomerge.probe.received_attention` in chunks
-        of ``_PROBE_CHUNK`` to bound the ``[B, h, chunk, T + N]`` logits.
+        ``[B, N]`` fp32, rows sum to 1 (:func:`~tomerge.probe.received_attention` bounds the logits it holds).
     """
-    keys = k.float().contiguous()  # [B, h, T + N, d]: one copy here, not one inside every chunk's matmul
-    Q = q.shape[2]
-    total = None
-    for start in range(0, Q, _PROBE_CHUNK):
-        chunk = q[:, :, start:start + _PROBE_CHUNK]  # [B, h, c, d]
-        part = received_attention(chunk, keys, scale) * (chunk.shape[2] / Q)  # [B, T + N], the chunk's share
-        total = part if total is None else total.add_(part)
+    total = received_attention(q, k, scale)  # [B, T + N]
     a = total[:, text_len:]  # [B, N]
     return a / a.sum(-1, keepdim=True).clamp_min(_EPS)

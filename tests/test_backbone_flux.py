@@ -291,21 +291,6 @@ def test_idm_received_attention_equals_a_hand_computed_reference(flux):
             hook.remove()
 
 
-@pytest.mark.parametrize("text_len", [1, 64, 150])  # one chunk, exactly one, three with a partial last
-def test_received_by_image_chunks_average_like_one_softmax(text_len):
-    """The probe's query chunks, weighted by their size, give the mean over all queries at once."""
-    from tomerge.backbones.flux import _PROBE_CHUNK, _received_by_image
-
-    g = torch.Generator().manual_seed(3)
-    B, h, N, d = 2, 3, 20, 8
-    q = torch.randn(B, text_len, h, d, generator=g).transpose(1, 2)  # [B, h, T, d], a strided view
-    k = torch.randn(B, text_len + N, h, d, generator=g).transpose(1, 2)  # [B, h, T + N, d]
-    p = (q @ k.transpose(-1, -2) * d ** -0.5).softmax(-1)  # [B, h, T, T + N]
-    a = p.mean(dim=(1, 2))[:, text_len:]
-    assert (text_len > _PROBE_CHUNK) == (text_len == 150)
-    torch.testing.assert_close(_received_by_image(q, k, d ** -0.5, text_len), a / a.sum(-1, keepdim=True))
-
-
 def test_timestep_in_unit_interval_gives_progress(flux):
     with tomerge.merging(flux, "tomesd", ratio=0.5) as handle:
         forward(flux, flux_inputs(t=1.0))
