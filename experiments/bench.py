@@ -40,8 +40,7 @@ from typing import TYPE_CHECKING
 import tomerge
 
 from .allocator import keep_freed_memory
-from .bench_e2e import (COMPILE_MODES, STATISTICS, TOMESD_PACKAGE, WIDTHS, check_sizes, clock_function,
-                        e2e_benchmark)
+from .bench_e2e import COMPILE_MODES, TOMESD_PACKAGE, WIDTHS, check_sizes, clock_function, e2e_benchmark
 from .bench_e2e import markdown_table as e2e_table
 from .bench_e2e import pivot_table
 from .cli import UsageError, user_input
@@ -246,9 +245,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     e2e.add_argument("--depth", type=int, default=None, help="blocks per model; Flux: of each kind (default 2)")
     e2e.add_argument("--steps", type=int, default=0, help="also time an Euler sampling loop of this many steps")
     e2e.add_argument("--repeats", type=int, default=None, help="timed alternating rounds (default 3)")
-    e2e.add_argument("--statistic", choices=STATISTICS, default="median",
-                     help="a method's time from its repeats: the median, or the minimum (the least disturbed call, on "
-                          "a machine whose neighbours slow calls down at random)")
     e2e.add_argument("--warmup", type=int, default=0,
                      help="untimed alternating rounds (each timing already follows a warm-up call)")
     e2e.add_argument("--text-tokens", type=int, default=None, help="override the widths' text lengths")
@@ -356,12 +352,11 @@ def run(args: argparse.Namespace) -> int:
             ratios=args.ratios or [0.5], depth=args.depth or (1 if quick else 2), batch=args.batch,
             methods=args.strategies, steps=args.steps, repeats=args.repeats or (2 if quick else 3),
             warmup=args.warmup, quick=quick, text_tokens=args.text_tokens, dtype=torch_dtype(args.dtype),
-            device=args.device, sdpa=args.sdpa, clock=args.clock, compile_mode=args.compile_mode, frames=args.frames,
-            statistic=args.statistic)
+            device=args.device, sdpa=args.sdpa, clock=args.clock, compile_mode=args.compile_mode, frames=args.frames)
         models = "quick (tiny) models" if quick else "full widths"
         compiled = "eager" if args.compile_mode is None else f"torch.compile (inductor, mode {args.compile_mode})"
         header = (f"End-to-end benchmark, B={args.batch}, {args.dtype}, SDPA {args.sdpa}, {models}, {compiled}, "
-                  f"{clock_line(args, kept)}, {args.statistic} of the repeats ({machine_line()})")
+                  f"{clock_line(args, kept)} ({machine_line()})")
         table = (f"{e2e_table(rows)}\n\nSpeed-up / FLOP-ideal speed-up (efficiency) per method:\n\n"
                  f"{pivot_table(rows)}")
         dicts = [r.as_dict() for r in rows]

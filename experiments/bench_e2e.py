@@ -118,7 +118,6 @@ class E2ERow:
     merged_gflop: float
     base_spread: float | None = None  # (max - min) / median of the timed repeats
     merged_spread: float | None = None
-    statistic: str = "median"  # base_ms and merged_ms are this statistic of the repeats (STATISTICS)
 
     @property
     def spread(self) -> float | None:
@@ -486,26 +485,11 @@ def clock_function(clock: str) -> Callable[[], float]:
     return time.process_time if clock == "cpu" else time.perf_counter
 
 
-#: How the timed repeats of a method become its time: ``"median"`` (default), or ``"min"``, the least disturbed
-#: call (on a machine whose neighbours slow calls down at random, e.g. a shared VM, see docs/benchmarks.md).
-STATISTICS = ("median", "min")
-
-
-def summarize(times: Sequence[float], statistic: str = "median") -> tuple[float, float | None]:
-    """``(value, spread)`` of timed repeats: their median or minimum (:data:`STATISTICS`), and
-    ``(max - min) / median`` (``None`` for one repeat)."""
-    if statistic not in STATISTICS:
-        raise ValueError(f"statistic must be one of {STATISTICS}, got {statistic!r}")
-    median = statistics.median(times)
-    value = min(times) if statistic == "min" else median
-    return value, ((max(times) - min(times)) / median if len(times) > 1 else None)
-
-
 def time_alternating(bench: Bench, methods: Sequence[str | None], ratio: float, fn: Callable[[], object],
                      repeats: int, warmup: int, threads: int, num_steps: int | None = None,
-                     clock: str = "wall", statistic: str = "median") -> dict[str | None, tuple[float, float | None]]:
-    """Seconds of ``fn`` per method (``None`` = baseline), methods alternating round after round: the
-    ``statistic`` of the repeats and their spread (:func:`summarize`)."""
+                     clock: str = "wall") -> dict[str | None, tuple[float, float | None]]:
+    """Median seconds of ``fn`` per method (``None`` = baseline), methods alternating round after round,
+    with the spread of the repeats, ``(max - min) / median`` (``None`` for one repeat)."""
     times: dict[str | None, list[float]] = {m: [] for m in methods}
     for round_ in range(warmup + repeats):
         for method in methods:
@@ -513,7 +497,10 @@ def time_alternating(bench: Bench, methods: Sequence[str | None], ratio: float, 
                 t = time_once(fn, threads, clock)
             if round_ >= warmup:
                 times[method].append(t)
-    return {m: summarize(ts, statistic) for m, ts in times.items()}
+    def summary(ts: list[float]) -> tuple[float, float | None]:
+        median = statistics.median(ts)
+        return median, ((max(ts) - min(ts)) / median if len(ts) > 1 else None)
+    return {m: summary(ts) for m, ts in times.items()}
 
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -521,8 +508,7 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-
 
 def time_compiled(bench: Bench, methods: Sequence[str | None], ratio: float, fn: Callable[[], object],
                   repeats: int, warmup: int, threads: int, num_steps: int | None, clock: str,
-                  mode: str, backend: str = "inductor",
-                  statistic: str = "median") -> dict[str | None, tuple[float, float | None]]:
+                  mode: str, backend: str = "inductor") -> dict[str | None, tuple[float, float | None]]:
     """As :func:`time_alternating`, with compiled models: every method gets its own copy of the model, applied
     once and compiled (``torch.compile(copy, mode=mode)``; a new application would have new hooks and
     recompile), and ``max(1, warmup)`` untimed calls compile it (every step of a loop compiles what it needs).
@@ -555,7 +541,8 @@ def time_compiled(bench: Bench, methods: Sequence[str | None], ratio: float, fn:
         finally:
             bench.model = raw
     torch._dynamo.reset()
-    return {m: summarize(ts, statistic) for m, ts in times.items()}
+    return {m: (statistics.median(ts), (max(ts) - min(ts)) / statistics.median(ts) if len(ts) > 1 else None)
+            for m, ts in times.items()}
 
 
 def sdpa_backend(name: str):
@@ -611,7 +598,7 @@ def e2e_benchmark(widths: Sequence[str] = ("sd3", "pixart", "flux", "unet"), tok
                   quick: bool = False, text_tokens: int | None = None, threads: int | None = None,
                   dtype: torch.dtype | None = None, device: str = "cpu", sdpa: str = "default",
                   clock: str = "wall", compile_mode: str | None = None, progress: bool = True,
-                  frames: int | None = None, statistic: str = "median") -> list[E2ERow]:
+                  frames: int | None = None) -> list[E2ERow]:
     """Baseline vs every method on every (width, N, ratio): one forward, and a ``steps``-step loop if ``steps``.
 
     Args:
@@ -634,7 +621,6 @@ def e2e_benchmark(widths: Sequence[str] = ("sd3", "pixart", "flux", "unet"), tok
             (one of :data:`COMPILE_MODES`; see :func:`time_compiled`); ``None``: eager.
         progress: show a progress bar.
         frames: video widths: the frames ``T`` of every token grid (default: see :func:`video_grid`).
-        statistic: a method's time from its repeats, ``"median"`` or ``"min"`` (:data:`STATISTICS`).
 
     Returns:
         One :class:`E2ERow` per (width, N, ratio, mode, method).
@@ -647,7 +633,6 @@ def e2e_benchmark(widths: Sequence[str] = ("sd3", "pixart", "flux", "unet"), tok
     if compile_mode is not None and TOMESD_PACKAGE in (methods or []):
         raise ValueError("the tomesd package is timed eagerly only (its patched forward breaks the graph)")
     check_sizes(widths, tokens, methods, frames)
-    summarize([1.0], statistic)  # an unknown statistic fails before any model is built
     threads = threads or torch.get_num_threads()
     rows: list[E2ERow] = []
     configs = [(w, n) for w in widths for n in tokens]
@@ -670,14 +655,14 @@ def e2e_benchmark(widths: Sequence[str] = ("sd3", "pixart", "flux", "unet"), tok
                             flops[m] = count_flops(fn)
                     if compile_mode is None:
                         secs = time_alternating(bench, [None, *names], ratio, fn, repeats, warmup, threads,
-                                                num_steps, clock, statistic)
+                                                num_steps, clock)
                     else:
                         secs = time_compiled(bench, [None, *names], ratio, fn, repeats, warmup, threads, num_steps,
-                                             clock, compile_mode, statistic=statistic)
+                                             clock, compile_mode)
                     for m in names:
                         rows.append(E2ERow(width, bench.spec.hidden, bench.spec.heads, depth, N, bench.spec.text_tokens,
                                            batch, mode, ratio, m, secs[None][0] * 1e3, secs[m][0] * 1e3,
-                                           flops[None] / 1e9, flops[m] / 1e9, secs[None][1], secs[m][1], statistic))
+                                           flops[None] / 1e9, flops[m] / 1e9, secs[None][1], secs[m][1]))
             del bench
     return rows
 

@@ -32,25 +32,6 @@ def test_e2e_quick_transformer_rows(tmp_path):
     assert "| pixart |" in out.with_suffix(".md").read_text()
 
 
-def test_repeats_summarize_to_median_or_minimum_with_the_spread():
-    from tomerge.experiments.bench_e2e import summarize
-
-    assert summarize([3.0, 1.0, 2.0]) == (2.0, 1.0)  # median 2, (3 - 1) / 2
-    assert summarize([3.0, 1.0, 2.0], "min") == (1.0, 1.0)  # the spread stays relative to the median
-    assert summarize([4.0], "min") == (4.0, None)
-    with pytest.raises(ValueError, match="statistic"):
-        summarize([1.0], "mean")
-
-
-def test_e2e_minimum_of_the_repeats_is_recorded(tmp_path):
-    out = tmp_path / "e2e.csv"
-    assert bench.main(["--e2e", "--quick", "--widths", "dit", "--strategies", "ssm", "--repeats", "2",
-                       "--statistic", "min", "--out", str(out)]) == 0
-    (row,) = _rows(out)
-    assert row["statistic"] == "min" and float(row["merged_ms"]) > 0
-    assert "min of the repeats" in out.with_suffix(".md").read_text()
-
-
 def test_e2e_quick_unet_against_the_tomesd_package(tmp_path):
     out = tmp_path / "unet.csv"
     assert bench.main(["--e2e", "--quick", "--widths", "unet", "--repeats", "1", "--out", str(out)]) == 0
