@@ -25,9 +25,13 @@ PYEOF
 # Skip the install when this exact checkout is already installed with its test extras.
 stamp=".tomerge-installed"
 want="$(cat setup.cfg pyproject.toml "$constraints" | sha1sum | cut -d' ' -f1) $(pwd)"
-# The import check runs outside the checkout: from its root, `import tomerge` finds the source folder
-# even when nothing is installed (and `tomerge.backbones`, mapped from backbones/, then fails).
-if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ] || ! (cd / && "$PY" -c "import tomerge.experiments.cli, tomesd") >/dev/null 2>&1; then
+# The import check runs outside the checkout (from its root, `import tomerge` finds the source folder even
+# when nothing is installed) and asks that the tomerge found be this checkout (not another clone's install).
+installed() {
+    (cd / && "$PY" -c 'import pathlib, sys, tomesd, tomerge.experiments.cli as cli
+sys.exit(pathlib.Path(cli.__file__).resolve().parent != pathlib.Path(sys.argv[1]).resolve() / "experiments")' "$1")
+}
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ] || ! installed "$(pwd)" >/dev/null 2>&1; then
     "$PY" -m pip install -q -c "$constraints" -e ".[test]"
     echo "$want" >"$stamp"
 fi
