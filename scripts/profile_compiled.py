@@ -109,6 +109,10 @@ def least_disturbed(forwards: list[tuple[float, OpTimes]]) -> dict[str, float]:
     return ms
 
 
+def label(method: str | None, compiled: bool) -> str:
+    return f"{method or 'baseline'} {'compiled' if compiled else 'eager'}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--width", default="sd3")
@@ -149,7 +153,7 @@ def main() -> None:
             for _ in range(args.warmup + 1):  # + 1: the profiler's own first-call cost
                 with profile(activities=[ProfilerActivity.CPU]):
                     bench.call()
-            print(f"# ready: {method or 'baseline'} {'compiled' if compiled else 'eager'}", flush=True)
+            print(f"# ready: {label(method, compiled)}", flush=True)
         for run in runs:  # one untimed round: a compiled model may recompile once after the others compiled
             bench.model = runners[run]
             bench.call()
@@ -157,8 +161,8 @@ def main() -> None:
             for run in runs:
                 bench.model = runners[run]
                 forwards[run].append(profiled_forward(bench.call))
-            print(f"# round {round_ + 1} of {args.rounds}: " + ", ".join(
-                f"{m or 'baseline'} {'compiled' if c else 'eager'} {forwards[m, c][-1][0]:.0f} ms" for m, c in runs), flush=True)
+            walls = ", ".join(f"{label(*run)} {forwards[run][-1][0]:.0f} ms" for run in runs)
+            print(f"# round {round_ + 1} of {args.rounds}: {walls}", flush=True)
     bench.model = raw
     rows = [(method, compiled, least_disturbed(forwards[method, compiled]),
              statistics.median(wall for wall, _ in forwards[method, compiled])) for method, compiled in runs]

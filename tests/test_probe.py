@@ -22,9 +22,10 @@ def _inputs(Q: int, N: int = 20, B: int = 2, H: int = 3, d: int = 8):
 
 
 @pytest.mark.parametrize("compiling", [False, True], ids=["cpu-eager", "compiling"])
-@pytest.mark.parametrize("budget, Q", [(1, 5), (40, 5), (120, 7), (10_000, 7)])
+@pytest.mark.parametrize("budget, Q", [(1, 5), (80, 5), (240, 7), (10_000, 7)])
 def test_chunks_average_like_one_softmax(monkeypatch, compiling, budget, Q):
-    """Chunks of 1 query, of 1 query per head with several heads, a partial last chunk, and one chunk."""
+    """Queries per chunk (B = 2, H = 3, N = 20; one head per chunk eager on CPU, all three when compiling):
+    1 and 1; 2 (a partial last chunk) and 1; 6 (partial) and 2 (partial); all queries in one chunk."""
     monkeypatch.setattr(probe, "CPU_CHUNK_ELEMENTS", budget)
     monkeypatch.setattr(probe, "CHUNK_ELEMENTS", budget)
     if compiling:  # the path CUDA and torch.compile take: all heads in a chunk
