@@ -61,8 +61,6 @@ from tomerge.state import MergeState
 
 from ._diffusers import call_arg, submodel
 
-_EPS = 1e-12
-
 
 # ---------------------------------------------------------------------- call arguments
 def _with_arg(args: tuple, kwargs: dict, name: str, index: int, value: Any) -> tuple[tuple, dict]:
@@ -445,21 +443,7 @@ def probe_flux_attention(block: BlockSpec, attn: nn.Module, state: MergeState) -
 
             q_txt = apply_rotary_emb(q_txt, (freqs[0][:T], freqs[1][:T]), sequence_dim=1)
             k = apply_rotary_emb(k, freqs, sequence_dim=1)
-        return _received_by_image(q_txt.transpose(1, 2), k.transpose(1, 2), k.shape[-1] ** -0.5, T)  # [B, N]
+        q_txt, k = q_txt.transpose(1, 2), k.transpose(1, 2)  # [B, h, T, d], [B, h, T + N, d]
+        return received_attention(q_txt, k, k.shape[-1] ** -0.5, keys=slice(T, None))  # [B, N]: image keys
 
     return attention_probe(state, attn, sources, compute, before=before)
-
-
-def _received_by_image(q: Tensor, k: Tensor, scale: float, text_len: int) -> Tensor:
-    """Mean over heads and queries of ``softmax(q k^T * scale)``, image keys only, renormalised.
-
-    Args:
-        q: ``[B, h, Q, d]`` probe queries; ``k``: ``[B, h, T + N, d]`` all keys, text first.
-        scale: logit scale; ``text_len``: ``T``.
-
-    Returns:
-        ``[B, N]`` fp32, rows sum to 1 (:func:`~tomerge.probe.received_attention` bounds the logits it holds).
-    """
-    total = received_attention(q, k, scale)  # [B, T + N]
-    a = total[:, text_len:]  # [B, N]
-    return a / a.sum(-1, keepdim=True).clamp_min(_EPS)

@@ -50,8 +50,6 @@ from tomerge.state import MergeState
 
 from ._diffusers import FeedForwardPoint, PatchifiedAdapter, call_arg, fused_part
 
-_EPS = 1e-12
-
 
 @dataclasses.dataclass(frozen=True)
 class SD3Options:
@@ -170,7 +168,6 @@ def probe_joint_attention(block: BlockSpec, attn: nn.Module, state: MergeState) 
             return None
         q = split_heads(q_txt, attn.heads)  # [B, h, T, d]
         k = torch.cat([k_img, split_heads(k_txt, attn.heads).to(k_img.dtype)], dim=2)  # [B, h, N + T, d]
-        a = received_attention(q, k, attn.scale)[:, : H * W]  # [B, N]: text -> image share of the softmax
-        return a / a.sum(-1, keepdim=True).clamp_min(_EPS)
+        return received_attention(q, k, attn.scale, keys=slice(0, H * W))  # [B, N]: text -> image share
 
     return attention_probe(state, attn, sources, compute)

@@ -18,6 +18,10 @@ alternating round after round. Every (op, input shapes) keeps its least self tim
   regions' and AOT wrappers' own time.
 * ``other``: the rest, including Python between ops (the forward's wall time minus the classified self times).
 
+On CPU it first lets malloc keep freed blocks, as ``tomerge bench`` does (``experiments/allocator.py``;
+``--no-keep-freed-memory`` turns it off): otherwise every full-length activation is page-faulted in anew, and
+that cost, a larger share of a merged forward than of the baseline, shows up in the gathers and element-wise ops.
+
     python scripts/profile_compiled.py --width sd3 --tokens 4096 --depth 2 --threads 2 --rounds 3 \\
         --methods tomesd ssm idm facility_location
     python scripts/profile_compiled.py --quick --tokens 256      # a tiny check of the script itself
@@ -36,6 +40,7 @@ import torch._dynamo
 import torch._inductor.config
 from torch.profiler import ProfilerActivity, profile
 
+from tomerge.experiments.allocator import keep_freed_memory
 from tomerge.experiments.bench_e2e import build, count_flops, merged
 
 MATMUL = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_dot_product_flash_attention_for_cpu",
@@ -127,7 +132,10 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", choices=["eager", "compiled"], default=["eager", "compiled"])
     parser.add_argument("--quick", action="store_true", help="tiny widths (checks the script)")
     parser.add_argument("--methods", nargs="+", default=["tomesd", "ssm", "idm", "facility_location"])
+    parser.add_argument("--no-keep-freed-memory", dest="keep_freed_memory", action="store_false",
+                        help="leave glibc's malloc as it is (every large activation page-faulted in anew)")
     args = parser.parse_args()
+    kept = args.keep_freed_memory and keep_freed_memory()
     torch.set_num_threads(args.threads)
     torch._inductor.config.cpp.enable_kernel_profile = True
     bench = build(args.width, args.tokens, args.depth, args.batch, quick=args.quick)
@@ -168,7 +176,8 @@ def main() -> None:
              statistics.median(wall for wall, _ in forwards[method, compiled])) for method, compiled in runs]
     base = {compiled: (ms, wall) for method, compiled, ms, wall in rows if method is None}
     print(f"\n{args.width}, N = {args.tokens}, depth {args.depth}, batch {args.batch}, ratio {args.ratio}, "
-          f"{args.threads} threads, torch {torch.__version__}, {args.rounds} round(s); ms of one forward by class, "
+          f"{args.threads} threads, torch {torch.__version__}, {args.rounds} round(s), "
+          f"{'freed memory kept (mallopt)' if kept else 'default malloc'}; ms of one forward by class, "
           "every op at its least over the rounds\n")
     print("| method | mode | total | " + " | ".join(CLASSES) + " | measured / FLOP-ideal | median wall ms | "
           "from median walls |")

@@ -48,25 +48,46 @@ def strided_queries(q: Tensor, max_queries: int = 64) -> Tensor:
 #: this project's CPU (AVX2, 1 MiB L2 per core, 32 MiB L3): SD3 width (333 text queries, 24 heads, d = 64)
 #: 532 -> 246 ms, Flux width (512 text queries, d = 128) 863 -> 729 ms; 2**18 and 2**20 were within the noise.
 CPU_CHUNK_ELEMENTS = 1 << 19
-#: Elsewhere (CUDA, or while compiling, where inductor fuses the softmax and the sum): all heads in a chunk
-#: and at most 2**26 logits (256 MiB fp32), one chunk for image models; it bounds long video sequences.
+#: Elsewhere at most 2**26 logits (256 MiB fp32) in a chunk: one chunk per head for image models when compiling
+#: on CPU, one chunk of all heads on CUDA; it bounds long video sequences.
 CHUNK_ELEMENTS = 1 << 26
+_EPS = 1e-12  # a share of attention of at most this is taken as none (no division by 0)
 
 
-def received_attention(q: Tensor, k: Tensor, scale: float) -> Tensor:
+def chunk_shape(q: Tensor, num_keys: int) -> tuple[int, int]:
+    """``(heads, queries)`` per chunk of :func:`received_attention` for the probe queries ``q [B, H, Q, d]``.
+
+    * Eager on CPU: one head and at most :data:`CPU_CHUNK_ELEMENTS` logits (cache-sized).
+    * Compiling on CPU: one head and at most :data:`CHUNK_ELEMENTS` logits, so a graph holds a few dozen chunks
+      (cache-sized queries would unroll into hundreds for Flux: 80 s to compile). Per head, inductor's fused
+      softmax and sum run from cache as well: SD3 width, N = 4096, batch 1, 2 threads, 60 -> 33 ms per probe
+      against all heads at once; Flux width, batch 2, unchanged (its larger matmuls dominate).
+    * CUDA: all heads, at most :data:`CHUNK_ELEMENTS` logits (one chunk for image models).
+    """
+    B, H, _, _ = q.shape
+    heads = 1 if q.device.type == "cpu" else H
+    eager_cpu = q.device.type == "cpu" and not torch.compiler.is_compiling()
+    budget = CPU_CHUNK_ELEMENTS if eager_cpu else CHUNK_ELEMENTS
+    return heads, max(1, budget // (B * heads * num_keys))
+
+
+def received_attention(q: Tensor, k: Tensor, scale: float, keys: slice | None = None) -> Tensor:
     """Mean over heads and queries of ``softmax(q k^T * scale)``, in chunks of queries.
 
     Args:
         q: ``[B, H, Q, d]`` probe queries.
         k: ``[B, H, N, d]`` keys (all keys of the attention, so the softmax is the model's own).
         scale: the attention's logit scale (usually ``d ** -0.5``).
+        keys: only these keys (e.g. the image part of a joint text-image attention), their share of the
+            attention renormalised to sum to 1 per sample; ``None``: all keys.
 
     Returns:
-        ``[B, N]`` fp32 attention received by every key; each row sums to 1.
+        ``[B, N]`` (``keys``: ``[B, n]``) fp32 attention received by every key; each row sums to 1.
 
-    The ``[B, H, Q, N]`` logits are never held at once: eager on CPU one head and at most
-    :data:`CPU_CHUNK_ELEMENTS` of them (otherwise the probe is a memory-bound few percent of an SD3 forward
-    that FLOPs do not count), elsewhere all heads and at most :data:`CHUNK_ELEMENTS`.
+    The ``[B, H, Q, N]`` logits are never held at once; :func:`chunk_shape` sets the chunks (otherwise the probe
+    is a memory-bound few percent of an SD3 forward on CPU that FLOPs do not count). Every chunk's sum is kept
+    and they are added at the end: a running ``total +=`` compiled to slower code on CPU (SD3 width: 55 against
+    33 ms per probe).
 
     Example:
         >>> q, k = torch.zeros(1, 2, 4, 8), torch.randn(1, 2, 5, 8)
@@ -77,15 +98,17 @@ def received_attention(q: Tensor, k: Tensor, scale: float) -> Tensor:
     N = k.shape[2]
     q = q.float() * scale  # [B, H, Q, d]: the scale goes on the small side
     k = k.float().transpose(-1, -2)  # [B, H, d, N]
-    cache_sized = q.device.type == "cpu" and not torch.compiler.is_compiling()
-    heads = 1 if cache_sized else H  # heads per chunk
-    rows = max(1, (CPU_CHUNK_ELEMENTS if cache_sized else CHUNK_ELEMENTS) // (B * heads * N))  # queries per chunk
-    total = q.new_zeros(B, N)
+    heads, rows = chunk_shape(q, N)
+    sums = []
     for h in range(0, H, heads):
         for start in range(0, Q, rows):
             logits = q[:, h:h + heads, start:start + rows] @ k[:, h:h + heads]  # [B, heads, rows, N]
-            total += logits.softmax(dim=-1).sum(dim=(1, 2))  # [B, N]
-    return total.div_(H * Q)
+            sums.append(logits.softmax(dim=-1).sum(dim=(1, 2)))  # [B, N]
+    total = torch.stack(sums).sum(0) if len(sums) > 1 else sums[0]  # [B, N]
+    if keys is None:
+        return total.div_(H * Q)
+    part = total[:, keys]  # [B, n]
+    return part / part.sum(-1, keepdim=True).clamp_min(_EPS)
 
 
 def attention_probe(state: MergeState, attn: nn.Module, sources: Iterable[Source],
