@@ -45,12 +45,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import tomerge
+
+from .speed import NOISY_SPREAD, median_and_spread
 
 if TYPE_CHECKING:
     import torch
@@ -128,8 +129,6 @@ class E2ERow:
     @property
     def noisy(self) -> bool:
         """The repeats disagree by more than :data:`~tomerge.experiments.speed.NOISY_SPREAD` (10%)."""
-        from .speed import NOISY_SPREAD
-
         return self.spread is not None and self.spread > NOISY_SPREAD
 
     @property
@@ -497,10 +496,7 @@ def time_alternating(bench: Bench, methods: Sequence[str | None], ratio: float, 
                 t = time_once(fn, threads, clock)
             if round_ >= warmup:
                 times[method].append(t)
-    def summary(ts: list[float]) -> tuple[float, float | None]:
-        median = statistics.median(ts)
-        return median, ((max(ts) - min(ts)) / median if len(ts) > 1 else None)
-    return {m: summary(ts) for m, ts in times.items()}
+    return {m: median_and_spread(ts) for m, ts in times.items()}
 
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -541,8 +537,7 @@ def time_compiled(bench: Bench, methods: Sequence[str | None], ratio: float, fn:
         finally:
             bench.model = raw
     torch._dynamo.reset()
-    return {m: (statistics.median(ts), (max(ts) - min(ts)) / statistics.median(ts) if len(ts) > 1 else None)
-            for m, ts in times.items()}
+    return {m: median_and_spread(ts) for m, ts in times.items()}
 
 
 def sdpa_backend(name: str):

@@ -12,7 +12,7 @@ import contextlib
 import dataclasses
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -135,7 +135,13 @@ class Timing:
     @property
     def spread(self) -> float | None:
         """``(max - min) / median`` of the wall-clock repeats (``None`` for a single repeat)."""
-        return (max(self.wall) - min(self.wall)) / self.median if len(self.wall) > 1 else None
+        return median_and_spread(self.wall)[1]
+
+
+def median_and_spread(times: Sequence[float]) -> tuple[float, float | None]:
+    """The median of timed repeats and their spread ``(max - min) / median`` (``None`` for a single repeat)."""
+    median = statistics.median(times)
+    return median, ((max(times) - min(times)) / median if len(times) > 1 else None)
 
 
 @contextlib.contextmanager
