@@ -11,7 +11,7 @@ same per-item seeds as the baseline (noise of item ``i`` from ``seed + i``), wri
 ``runs/<name>/images/<run>/`` (resumable, optionally over several processes with Lightning DDP), and
 records: its config; speed of the timing batch's generation call, baseline and merged alternating in
 one process (median and spread of the repeats, wall-clock and denoiser time, per image); FLOPs of
-the denoiser (``FlopCounterMode`` around every denoiser call) and the FLOP-ideal speed-up; peak CUDA
+the denoiser (:mod:`tomerge.experiments.flops` around every denoiser call) and the FLOP-ideal speed-up; peak CUDA
 memory; PSNR/SSIM and EfficientNet-Lite0 feature distance against the baseline image of the same
 item; FD-EffNetLite0 against the baseline set and against real images; CLIP score and FID when
 their local weights are given; versions and the git commit. Results are appended to
@@ -41,7 +41,7 @@ from .config import AblationConfig, ConfigError, RunSpec, config_help, load_conf
 from .generate import GenerateSpec, generate_distributed, generate_local, item_output, prepare
 from .records import RunFolder, environment
 from .sources import Item
-from .speed import NOISY_SPREAD, count_denoiser_flops, time_alternating
+from .speed import NOISY_SPREAD, time_alternating
 
 __all__ = ["run_ablation", "match_flop_speedups", "add_arguments", "run"]
 
@@ -82,6 +82,8 @@ def measure(source: Any, config: AblationConfig, timing_items: Sequence[Item], r
     """FLOPs of the denoiser for the timing batch (with the run's merging), the merge maps of its first
     image (``[N]`` slots per key, with each map's token grid in ``grids``) and every block call's decision
     record."""
+    from .flops import count_denoiser_flops
+
     call = lambda: source.generate(timing_items)  # noqa: E731
     n = len(timing_items)
     if run is None:

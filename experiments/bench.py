@@ -8,7 +8,7 @@
 
 End-to-end mode (:mod:`tomerge.experiments.bench_e2e`): random-weight diffusers models at SD3-Medium,
 PixArt/DiT-XL and Flux widths with reduced depth, baseline and every strategy/schedule alternating in
-one process; measured speed-up, FLOP-ideal speed-up (``FlopCounterMode``) and their ratio; on a
+one process; measured speed-up, FLOP-ideal speed-up (:mod:`tomerge.experiments.flops`) and their ratio; on a
 UNet, the ``tomesd`` package's own patch against tomerge's ``tomesd`` at the same ratio.
 
 Config mode (``--config``): the generation call of a config's model (the bundled reference DiT or a

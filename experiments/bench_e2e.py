@@ -8,9 +8,8 @@ every strategy/schedule (and the ``tomesd`` package on a UNet), measured and FLO
 Per (model, token count, ratio): one transformer forward (``--steps K``: also a ``K``-step Euler
 sampling loop) is timed with ``torch.utils.benchmark`` for the baseline and for every method,
 alternating in one process (round after round: baseline, method 1, method 2, ...), median over
-``--repeats`` rounds after ``--warmup`` untimed ones. FLOPs come from ``FlopCounterMode`` with the CPU
-flash-attention kernel counted like the GPU ones (plan computation, e.g. similarity matmuls, is counted
-in the merged FLOPs). Reported: ``speedup = t_base / t_merged``, ``ideal = flops_base / flops_merged``
+``--repeats`` rounds after ``--warmup`` untimed ones. FLOPs come from :mod:`tomerge.experiments.flops`
+(every attention kernel priced; plan computation, e.g. similarity matmuls, is counted in the merged FLOPs). Reported: ``speedup = t_base / t_merged``, ``ideal = flops_base / flops_merged``
 and ``efficiency = speedup / ideal`` (the share of the FLOP saving that survives the merge overhead).
 
 Models (random weights, ``depth`` blocks; Flux: ``depth`` double-stream and ``depth`` single-stream):
@@ -426,24 +425,6 @@ def merged(bench: Bench, method: str | None, ratio: float, num_steps: int | None
             yield
 
 
-def _cpu_sdpa_flops(query, key, value, *args, out_shape=None, **kwargs) -> int:
-    from torch.utils.flop_counter import sdpa_flop_count
-
-    return sdpa_flop_count(query, key, value)
-
-
-def count_flops(fn: Callable[[], object]) -> int:
-    """FLOPs of ``fn()``; the CPU flash-attention kernel (unknown to ``FlopCounterMode``) counted like the GPU ones."""
-    import torch
-    from torch.utils.flop_counter import FlopCounterMode
-
-    mapping = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_sdpa_flops}
-    counter = FlopCounterMode(display=False, custom_mapping=mapping)
-    with counter:
-        fn()
-    return counter.get_total_flops()
-
-
 def time_once(fn: Callable[[], object], threads: int, clock: str = "wall") -> float:
     """Seconds of one call of ``fn``, after one untimed warm-up call (CUDA: two).
 
@@ -622,6 +603,8 @@ def e2e_benchmark(widths: Sequence[str] = ("sd3", "pixart", "flux", "unet"), tok
     """
     import torch
     from tqdm import tqdm
+
+    from .flops import count_flops
 
     if compile_mode is not None and compile_mode not in COMPILE_MODES:
         raise ValueError(f"compile_mode must be one of {COMPILE_MODES}, got {compile_mode!r}")

@@ -1,4 +1,5 @@
-"""Speed of a generation call: wall-clock, denoiser time, denoiser FLOPs, peak memory, and their spread.
+"""Speed of a generation call: wall-clock, denoiser time, peak memory, and their spread (FLOPs:
+:mod:`tomerge.experiments.flops`).
 
 The denoiser (the transformer or UNet; the whole model for the reference DiT) is observed with
 forward hooks, so the numbers separate what merging can save (the denoiser) from what it cannot
@@ -19,7 +20,7 @@ if TYPE_CHECKING:
     from torch import nn
 # torch is imported in the functions (it is loaded whenever they run), so importing this module is cheap.
 
-__all__ = ["NOISY_SPREAD", "Timing", "DenoiserProbe", "count_denoiser_flops", "time_alternating"]
+__all__ = ["NOISY_SPREAD", "Timing", "DenoiserProbe", "median_and_spread", "time_alternating"]
 
 # A timing whose repeats disagree by more than this (max - min over the median) is flagged as noisy.
 NOISY_SPREAD = 0.10
@@ -82,38 +83,6 @@ class DenoiserProbe:
             torch.cuda.synchronize()
             return sum(a.elapsed_time(b) for a, b in self._intervals) / 1000.0
         return sum(b - a for a, b in self._intervals)
-
-
-def count_denoiser_flops(denoiser: nn.Module, call: Callable[[], Any]) -> tuple[int, int]:
-    """FLOPs of every denoiser call made by ``call()`` (``FlopCounterMode`` entered around each call, so
-    text encoders and the VAE are not counted and a schedule's per-step changes are), and the number
-    of calls."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    counter = FlopCounterMode(display=False)
-    depth, total = [0], [0]
-
-    def enter(module: nn.Module, args: tuple) -> None:
-        if depth[0] == 0:
-            counter.__enter__()  # clears the counts of the previous call
-        depth[0] += 1
-
-    def leave(module: nn.Module, args: tuple, output: Any) -> None:
-        depth[0] -= 1
-        if depth[0] == 0:
-            counter.__exit__(None, None, None)
-            total[0] += counter.get_total_flops()
-
-    handles = [denoiser.register_forward_pre_hook(enter), denoiser.register_forward_hook(leave)]
-    try:
-        with DenoiserProbe(denoiser) as probe:
-            call()
-    finally:
-        for handle in handles:
-            handle.remove()
-        if depth[0]:
-            counter.__exit__(None, None, None)
-    return int(total[0]), probe.calls
 
 
 @dataclasses.dataclass

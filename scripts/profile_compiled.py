@@ -41,7 +41,8 @@ import torch._inductor.config
 from torch.profiler import ProfilerActivity, profile
 
 from tomerge.experiments.allocator import keep_freed_memory
-from tomerge.experiments.bench_e2e import build, count_flops, merged
+from tomerge.experiments.bench_e2e import build, merged
+from tomerge.experiments.flops import count_flops
 
 MATMUL = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_dot_product_flash_attention_for_cpu",
           "aten::_scaled_dot_product_attention_math", "mkldnn::_linear_pointwise", "aten::mkldnn_rnn_layer",

@@ -8,11 +8,11 @@ import types
 
 import pytest
 import torch
-from torch.utils.flop_counter import FlopCounterMode
 
 import tomerge
 from tomerge.backbones.flux import (BatchedRotaryTable, CallLengths, DoubleAttentionPoint, FluxAdapter,
                                     gather_rotary, grid_from_ids)
+from tomerge.experiments.flops import count_flops
 
 
 STRATEGIES = {"tomesd": {}, "ssm": {}, "idm": {}, "facility_location": {"num_tiles": 4}}
@@ -56,13 +56,8 @@ def forward(model, inputs: dict) -> torch.Tensor:
 
 
 def flops(model, inputs: dict) -> int:
-    """FLOPs of one forward; SDPA runs its math kernel so that the attention is counted too (the CPU flash
-    kernel is not in torch's FLOP registry)."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
-        forward(model, inputs)
-    return counter.get_total_flops()
+    """FLOPs of one forward."""
+    return count_flops(lambda: forward(model, inputs))
 
 
 def no_hooks_left(model) -> bool:

@@ -22,11 +22,11 @@ from collections.abc import Callable
 import pytest
 import torch
 from torch import Tensor, nn
-from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
 import tomerge
 from tomerge.backbones._declared import (BatchedComplexTable, DeclaredAdapter, DeclaredPoint, gather_key_mask,
                                          gather_rope)
+from tomerge.experiments.flops import FlopCounter
 
 
 # ---------------------------------------------------------------------- families
@@ -149,14 +149,9 @@ def no_hooks_left(model: nn.Module) -> bool:
     return all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
 
 
-def _cpu_sdpa_flops(query, key, value, *args, out_shape=None, **kwargs) -> int:
-    return sdpa_flop_count(query, key, value)
-
-
 def flop_counts(model: nn.Module, inputs: dict, containers: tuple[str, ...]) -> tuple[int, int]:
-    """``(whole model, blocks only)`` FLOPs of one call; the CPU SDPA kernel is counted like the GPU ones."""
-    counter = FlopCounterMode(display=False, custom_mapping={
-        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_sdpa_flops})
+    """``(whole model, blocks only)`` FLOPs of one call."""
+    counter = FlopCounter()
     with counter:
         run(model, inputs)
     counts = counter.get_flop_counts()

@@ -18,13 +18,13 @@ from collections.abc import Callable
 import pytest
 import torch
 from torch import Tensor, nn
-from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
 import tomerge
 from tomerge.backbones.dit import DiTAdapter
 from tomerge.backbones.pixart import PixArtAdapter
 from tomerge.backbones.sd3 import SD3Adapter
 from tomerge.backbones.unet import UNetAdapter, block_levels
+from tomerge.experiments.flops import count_flops
 
 
 STRATEGIES = ["tomesd", "ssm", "idm", "facility_location"]
@@ -119,17 +119,9 @@ def no_hooks_left(model: nn.Module) -> bool:
     return all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
 
 
-def _cpu_sdpa_flops(query: tuple, key: tuple, value: tuple, *args, out_shape=None, **kwargs) -> int:
-    return sdpa_flop_count(query, key, value)
-
-
 def flops(model: nn.Module, inputs: dict) -> int:
-    """FLOPs of one call; the CPU SDPA kernel, which FlopCounterMode does not know, counted like the GPU ones."""
-    counter = FlopCounterMode(display=False, custom_mapping={
-        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_sdpa_flops})
-    with counter:
-        run(model, inputs)
-    return counter.get_total_flops()
+    """FLOPs of one call."""
+    return count_flops(lambda: run(model, inputs))
 
 
 def token_counts(module: nn.Module) -> tuple[list[int], Callable[[], None]]:

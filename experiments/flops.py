@@ -1,0 +1,160 @@
+"""FLOPs of a call: the one counter of tomerge (``tomerge ablate``, ``tomerge bench``, the scripts, the tests).
+
+torch's ``FlopCounterMode`` prices matrix products, convolutions and the GPU attention kernels, but nothing
+it does not know: ``F.scaled_dot_product_attention`` on CPU dispatches to
+``aten._scaled_dot_product_flash_attention_for_cpu`` and would count zero. :class:`FlopCounter` adds a
+formula for every attention kernel torch may pick (the CPU flash kernel, the fused kernel of other
+accelerators, the MPS math kernel; flash, memory-efficient and cuDNN are torch's own; the math kernel
+decomposes into the ``bmm`` it runs) and for matrix-vector products, and raises :class:`UnpricedOpError`
+when a call runs an op whose name says it moves FLOPs (a matrix product, a convolution, an attention
+kernel, ``linear``, ``einsum``) and that no formula prices, so a new kernel cannot count as free.
+
+This module imports torch: the command line's modules import it in the functions that count.
+
+Element-wise work (softmax, norms, activations) is not counted: FLOPs here are those of matrix products
+and attention, as in the papers' FLOP figures. A multiply-add counts 2.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
+
+__all__ = ["UnpricedOpError", "FlopCounter", "count_flops", "count_denoiser_flops", "moves_flops"]
+
+
+class UnpricedOpError(RuntimeError):
+    """A counted call ran an op that moves FLOPs and that no formula prices."""
+
+
+# Op names (split at "_", "." and "::") whose words say the op moves FLOPs.
+_FLOP_WORDS = re.compile(r"(?:[a-z]*mm|matmul|mv|addmv|dot|vdot|conv(?:olution|\d?d)?|attention|attn|sdpa|linear"
+                         r"|einsum|gemm|gemv|addr)")
+
+
+def moves_flops(op_name: str) -> bool:
+    """Whether an op's qualified name (``"aten::mm"``) names a matrix product, convolution or attention."""
+    words = re.split(r"[_.:]+", op_name.split("::")[-1].lower())
+    return any(_FLOP_WORDS.fullmatch(word) for word in words)
+
+
+def _sdpa(query, key, value, *args, out_shape=None, **kwargs) -> int:
+    return sdpa_flop_count(query, key, value)  # 4 B H N_q N_k d (query @ key^T and weights @ value)
+
+
+def _mv(matrix, vector, *args, out_shape=None, **kwargs) -> int:
+    return 2 * matrix[0] * matrix[1]
+
+
+def _addmv(bias, matrix, vector, *args, out_shape=None, **kwargs) -> int:
+    return 2 * matrix[0] * matrix[1]
+
+
+def _dot(a, b, *args, out_shape=None, **kwargs) -> int:
+    return 2 * a[0]
+
+
+def _addr(bias, a, b, *args, out_shape=None, **kwargs) -> int:
+    return 2 * a[0] * b[0]  # the outer product and the addition
+
+
+def _addmm(bias, a, b, *args, out_shape=None, **kwargs) -> int:
+    return 2 * a[0] * a[1] * b[1]  # a [n, m] @ b [m, p]
+
+
+def _baddbmm(bias, a, b, *args, out_shape=None, **kwargs) -> int:
+    return 2 * a[0] * a[1] * a[2] * b[2]  # a [B, n, m] @ b [B, m, p]
+
+
+def _int_mm(a, b, *args, out_shape=None, **kwargs) -> int:
+    return 2 * a[0] * a[1] * b[1]
+
+
+_addbmm = _baddbmm  # the same products, summed over B
+
+
+def _native_multi_head_attention(query, key, value, embed_dim, num_heads, *args, out_shape=None, **kwargs) -> int:
+    b, n, e = query  # nn.MultiheadAttention's fused inference path: [B, N, E] queries, [B, S, E] keys and values
+    s = key[1]
+    projections = 2 * b * n * e * e * 2 + 2 * b * s * e * e * 2  # q and output; k and v
+    return projections + 4 * b * n * s * e
+
+
+def _extra_formulas() -> dict[Any, Callable[..., int]]:
+    aten = torch.ops.aten
+    formulas = {
+        aten._scaled_dot_product_flash_attention_for_cpu: _sdpa,
+        aten._native_multi_head_attention: _native_multi_head_attention,
+        aten.mv: _mv, aten.addmv: _addmv, aten.addmv_: _addmv, aten.dot: _dot, aten.vdot: _dot, aten.addr: _addr,
+        aten._int_mm: _int_mm, aten._addmm_activation: _addmm, aten.addbmm: _addbmm, aten.addbmm_: _addbmm,
+        aten.addmm_: _addmm, aten.baddbmm_: _baddbmm,  # in-place forms of products torch prices out of place
+    }
+    for name in ("_scaled_dot_product_fused_attention_overrideable", "_scaled_dot_product_attention_math_for_mps"):
+        if hasattr(aten, name):  # kernels of other accelerators; their first three arguments are q, k, v
+            formulas[getattr(aten, name)] = _sdpa
+    return formulas
+
+
+class FlopCounter(FlopCounterMode):
+    """``FlopCounterMode`` (a context manager; ``get_total_flops()``, ``get_flop_counts()`` by module) with
+    every attention kernel priced, raising :class:`UnpricedOpError` on an op that moves FLOPs unpriced."""
+
+    def __init__(self) -> None:
+        super().__init__(display=False, custom_mapping=_extra_formulas())
+
+    def _count_flops(self, func_packet, out, args, kwargs):
+        if func_packet not in self.flop_registry:
+            name = getattr(func_packet, "_qualified_op_name", str(func_packet))
+            if moves_flops(name):
+                raise UnpricedOpError(
+                    f"the FLOP counter has no formula for {name}, which moves FLOPs; counting it as zero would "
+                    "overstate every speed-up. Add a formula to tomerge.experiments.flops, or run the model with "
+                    "a kernel the counter prices (e.g. under torch.nn.attention.sdpa_kernel)")
+        return super()._count_flops(func_packet, out, args, kwargs)
+
+
+def count_flops(fn: Callable[[], object]) -> int:
+    """FLOPs of ``fn()``."""
+    counter = FlopCounter()
+    with counter:
+        fn()
+    return counter.get_total_flops()
+
+
+def count_denoiser_flops(denoiser: nn.Module, call: Callable[[], Any]) -> tuple[int, int]:
+    """FLOPs of every denoiser call made by ``call()`` and the number of calls.
+
+    The counter is entered around each call of ``denoiser`` (forward hooks), so text encoders and the VAE
+    are not counted and a schedule's per-step changes are.
+    """
+    from .speed import DenoiserProbe
+
+    counter = FlopCounter()
+    depth, total = [0], [0]
+
+    def enter(module: nn.Module, args: tuple) -> None:
+        if depth[0] == 0:
+            counter.__enter__()  # clears the counts of the previous call
+        depth[0] += 1
+
+    def leave(module: nn.Module, args: tuple, output: Any) -> None:
+        depth[0] -= 1
+        if depth[0] == 0:
+            counter.__exit__(None, None, None)
+            total[0] += counter.get_total_flops()
+
+    handles = [denoiser.register_forward_pre_hook(enter), denoiser.register_forward_hook(leave)]
+    try:
+        with DenoiserProbe(denoiser) as probe:
+            call()
+    finally:
+        for handle in handles:
+            handle.remove()
+        if depth[0]:
+            counter.__exit__(None, None, None)
+    return int(total[0]), probe.calls
