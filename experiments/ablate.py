@@ -248,8 +248,11 @@ def run_ablation(config: AblationConfig, progress: bool = True) -> RunFolder:
 
 
 def _counts(measured: dict[str, Any]) -> dict[str, float]:
-    """The FLOP and call counts of :func:`measure` that go into a result row."""
-    return {k: measured[k] for k in ("flops", "flops_per_image", "denoiser_calls_per_image")}
+    """The FLOP and call counts of :func:`measure` that go into a result row, with the counter's version."""
+    from .flops import COUNTER_VERSION
+
+    return {**{k: measured[k] for k in ("flops", "flops_per_image", "denoiser_calls_per_image")},
+            "flop_counter": COUNTER_VERSION}
 
 
 def _mean_removed(records: Sequence) -> float:

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from .cli import UsageError
-from .records import image_grid, merge_map_rgb
+from .records import image_grid, merge_map_rgb, other_counter_message, other_counter_runs
 
 if TYPE_CHECKING:  # torch is imported where images are drawn: `tomerge figures --help` stays fast
     from torch import Tensor
@@ -186,9 +186,18 @@ def load_run(path: str | Path, runs: Sequence[str] | None = None) -> RunData:
     rows = [r for r in latest.values()
             if r["run"] == "baseline" or not runs or any(fnmatch.fnmatch(r["run"], p) for p in runs)]
     rows.sort(key=lambda r: r["run"] != "baseline")  # stable: baseline first, then file order
+    _check_counter(path, rows)
     config_file = path / "config.yaml"
     config = yaml.safe_load(config_file.read_text()) if config_file.exists() else {}
     return RunData(path, path.name, config or {}, rows)
+
+
+def _check_counter(path: Path, rows: list[dict[str, Any]]) -> None:
+    """Refuses rows whose FLOPs another FLOP counter made: their FLOP-ideal speed-ups follow other rules."""
+    stale = other_counter_runs(rows)
+    if stale:
+        raise UsageError(f"{other_counter_message(path, stale)}; rerun tomerge ablate with the folder's config to "
+                         "measure them again (their images are reused)")
 
 
 def _finite(value: Any) -> bool:

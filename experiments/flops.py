@@ -25,7 +25,11 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
-__all__ = ["UnpricedOpError", "FlopCounter", "count_flops", "count_denoiser_flops", "moves_flops"]
+__all__ = ["COUNTER_VERSION", "UnpricedOpError", "FlopCounter", "count_flops", "count_denoiser_flops", "moves_flops"]
+
+# Recorded with every result row (``flop_counter``). Counts of another version follow other rules (version 1
+# priced no attention on CPU): a run folder re-measures such rows and figures refuse them.
+COUNTER_VERSION = 2
 
 
 class UnpricedOpError(RuntimeError):

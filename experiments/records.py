@@ -117,7 +117,7 @@ class RunFolder:
         results = path / "results.jsonl"
         if results.exists():
             rows = [json.loads(line) for line in results.read_text().splitlines() if line.strip()]
-        return cls(path, rows)
+        return cls(path, current_counts(rows, path))
 
     @property
     def table_path(self) -> Path:
@@ -176,6 +176,33 @@ class RunFolder:
 
     def logger(self, config: AblationConfig, env: dict[str, Any]) -> WandbLogger:
         return WandbLogger(config, env, self.path)
+
+
+def current_counts(rows: list[dict[str, Any]], path: Path) -> list[dict[str, Any]]:
+    """The rows whose FLOPs the current counter made; the others are left out with a warning, so that their
+    runs are measured again (their images are reused)."""
+    import warnings
+
+    stale = set(other_counter_runs(rows))
+    if stale:
+        warnings.warn(f"{other_counter_message(path, sorted(stale))}; they are measured again, reusing their images",
+                      stacklevel=3)
+    return [r for r in rows if r["run"] not in stale]
+
+
+def other_counter_runs(rows: list[dict[str, Any]]) -> list[str]:
+    """Runs with a row whose FLOPs another FLOP counter made (``flop_counter`` is not
+    :data:`~tomerge.experiments.flops.COUNTER_VERSION`): their FLOP-ideal speed-ups follow other rules."""
+    from .flops import COUNTER_VERSION
+
+    return list(dict.fromkeys(r["run"] for r in rows if "flops" in r and r.get("flop_counter") != COUNTER_VERSION))
+
+
+def other_counter_message(path: Path, runs: list[str]) -> str:
+    from .flops import COUNTER_VERSION
+
+    shown = ", ".join(runs[:3]) + (", ..." if len(runs) > 3 else "")
+    return f"{path}: {len(runs)} runs ({shown}) have FLOPs of another FLOP counter (not version {COUNTER_VERSION})"
 
 
 def _plain(value: Any) -> Any:

@@ -77,6 +77,30 @@ def test_ablation_writes_every_run_resumes_and_logs_to_wandb_offline(setup):
     assert "ssm-r0.5-round_windows=1/psnr" in logged and "tomesd-r0.5-use_rand=False/speedup" in logged
 
 
+def test_rows_of_another_flop_counter_are_measured_again_reusing_their_images(setup):
+    """A run folder whose FLOPs an older counter made (no ``flop_counter``) is not mixed with current counts:
+    on resume those runs are measured again, and their images are not regenerated."""
+    from tomerge.experiments.flops import COUNTER_VERSION
+
+    root, overrides = setup
+    overrides = [*overrides, "name=recount", "grid=[{strategy: tomesd, ratios: [0.5], options: {use_rand: false}}]"]
+    folder = run_ablation(load_config(None, overrides), progress=False).path
+    first = rows(folder)
+    assert [r["flop_counter"] for r in first] == [COUNTER_VERSION] * 2
+    images = sorted((folder / "images" / "tomesd-r0.5-use_rand=False").glob("*.png"))
+    stamps = [f.stat().st_mtime_ns for f in images]
+    old = [{k: v for k, v in r.items() if k != "flop_counter"} for r in first]
+    (folder / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in old))
+    with pytest.warns(UserWarning, match="2 runs .* another FLOP counter"):
+        run_ablation(load_config(None, overrides), progress=False)
+    again = rows(folder)
+    assert [r["run"] for r in again] == ["baseline", "tomesd-r0.5-use_rand=False"] * 2  # appended, the old kept
+    assert [r.get("flop_counter") for r in again[2:]] == [COUNTER_VERSION] * 2
+    assert again[3]["flops"] == first[1]["flops"] and again[3]["psnr"] == first[1]["psnr"]
+    assert [f.stat().st_mtime_ns for f in images] == stamps  # images reused
+    assert "tomesd-r0.5-use_rand=False" in (folder / "table.md").read_text()
+
+
 def _history_keys(record: dict) -> list[str]:
     return list(record["history"].get("item", {}))  # {"key": value, ...} per logged step
 

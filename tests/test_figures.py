@@ -14,6 +14,7 @@ import yaml
 pytest.importorskip("matplotlib")
 
 from tomerge.experiments import figures  # noqa: E402
+from tomerge.experiments.flops import COUNTER_VERSION  # noqa: E402
 
 STEPS, LAYERS, SIDE, N_IMAGES = 10, 3, 16, 6  # 16x16 images, patch 2 -> 8x8 = 64 tokens
 # run id, strategy, ratio, options, speed-up, PSNR, FD-EffNetLite0 (vs baseline images)
@@ -84,7 +85,8 @@ def make_run_folder(root: Path, name: str = "synthetic", prompts: list[str] | No
     (folder / "maps").mkdir()
     (folder / "config.yaml").write_text(yaml.safe_dump({"name": name, "num_steps": STEPS, "seed": 0}))
     gen = torch.Generator().manual_seed(0)
-    rows = [{"run": "baseline", "strategy": "none", "ratio": 0.0, "options": {}, "flops": 1000, "psnr": 100.0,
+    rows = [{"run": "baseline", "strategy": "none", "ratio": 0.0, "options": {}, "flops": 1000, "flop_counter": COUNTER_VERSION,
+             "psnr": 100.0,
              "ssim": 1.0, "fd_effnetlite0": 0.0, "versions": {}, "git_commit": None}]
     channels = 3 if prompts else 1
     save_images(folder, "baseline", torch.rand(N_IMAGES, channels, SIDE, SIDE, generator=gen) * 2 - 1, prompts,
@@ -96,7 +98,7 @@ def make_run_folder(root: Path, name: str = "synthetic", prompts: list[str] | No
         rows.append({"run": run, "strategy": strategy, "ratio": ratio, "options": options, "time_base_s": 1.0,
                      "time_spread_base": sb, "time_spread": sm, "timing_spread": spread,
                      "timing_noisy": spread is not None and spread > NOISY, "timing_repeats": 1 if sb is None else 3,
-                     "time_s": 1 / speedup, "speedup": speedup, "flops_base": 1000, "flops": 600,
+                     "time_s": 1 / speedup, "speedup": speedup, "flops_base": 1000, "flops": 600, "flop_counter": COUNTER_VERSION,
                      "flop_speedup": 1000 / 600, "overhead_ratio": speedup / (1000 / 600), "peak_memory_mb": None,
                      "tokens_removed_mean": 0.4, "psnr": psnr, "ssim": psnr / 40, "fd_effnetlite0": fd,
                      "versions": {}, "git_commit": None})
@@ -402,3 +404,14 @@ def test_flop_matched_runs_are_labelled_by_their_target():
     plain = {"strategy": "sdtm", "ratio": 0.5, "options": {"switch": 1.0}}
     assert _point_text([("f", matched)], False, {"sdtm": {"switch"}}) == "1.5x FLOPs (r=0.57) switch=1.0"
     assert _point_text([("f", plain)], False, {"sdtm": {"switch"}}) == "r=0.5 switch=1.0"
+
+
+def test_rows_of_another_flop_counter_are_refused_with_what_to_do(tmp_path):
+    """FLOP-ideal speed-ups of an older counter (no CPU attention) must not enter a figure beside current ones."""
+    folder = make_run_folder(tmp_path)
+    results = folder / "results.jsonl"
+    rows = [json.loads(line) for line in results.read_text().splitlines()]
+    rows[-1].pop("flop_counter")  # the last row of a run is the one read
+    results.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(figures.UsageError, match=rf"1 runs \({re.escape(rows[-1]['run'])}\).*rerun tomerge ablate"):
+        figures.load_run(folder)
