@@ -170,8 +170,8 @@ def quality_scorer(folder: RunFolder, config: AblationConfig, baseline_files: Se
                    prompts: Sequence[str] | None):
     """The run folder's :class:`~tomerge.experiments.metrics.ImageSetQuality`: EfficientNet-Lite0
     features of the baseline images and of the real reference images are computed once
-    (``features.safetensors``) and reused by every run, with the optional CLIP score and FID of
-    ``metrics:``.
+    (``features.safetensors``) and reused by every run, with the optional CLIP score, FID and DINO
+    distance of ``metrics:``.
 
     Reference images: ``metrics.reference_images`` (a folder), else for the reference DiT
     ``fd_reference_images`` Fashion-MNIST test images (0: none).
@@ -191,8 +191,8 @@ def quality_scorer(folder: RunFolder, config: AblationConfig, baseline_files: Se
     reference_files = image_files(m.reference_images, m.reference_limit) if m.reference_images else None
     scorer = ImageSetQuality(baseline_files, prompts=prompts, baseline_features=cached.get("baseline"),
                              reference_features=reference, reference_files=reference_files,
-                             clip_model=m.clip_model, fid_weights=m.fid_weights, batch_size=m.batch_size,
-                             device=config.model.device)
+                             clip_model=m.clip_model, fid_weights=m.fid_weights, dino_model=m.dino_model,
+                             batch_size=m.batch_size, device=config.model.device)
     cached["baseline"] = scorer.baseline_features
     if scorer.reference_features is not None:
         cached["reference"] = scorer.reference_features

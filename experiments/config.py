@@ -90,6 +90,9 @@ class MetricsConfig:
     Args:
         clip_model: a local ``transformers`` CLIP folder: CLIP score of every image with its prompt.
         fid_weights: the torch-fidelity Inception-v3 state dict: FID against ``reference_images``.
+        dino_model: a local ``transformers`` DINO/DINOv2 folder (e.g. facebook/dinov2-base saved with
+            ``save_pretrained``): ``dino_dist``, ToMA's DINO distance (1 - cosine of the CLS embeddings) of
+            every image to the baseline image of the same item; lower is better.
         reference_images: a folder of real images (PNG/JPEG): FD-EffNetLite0 (and FID) against it.
         reference_limit: at most this many reference images (sorted by name).
         batch_size: images per feature-extractor forward.
@@ -97,19 +100,24 @@ class MetricsConfig:
 
     clip_model: str | None = None
     fid_weights: str | None = None
+    dino_model: str | None = None
     reference_images: str | None = None
     reference_limit: int | None = None
     batch_size: int = 32
 
     def __post_init__(self) -> None:
         for key, what in (("clip_model", "CLIP model folder"), ("fid_weights", "Inception weights"),
-                          ("reference_images", "reference image folder")):
+                          ("dino_model", "DINO model folder"), ("reference_images", "reference image folder")):
             value = getattr(self, key)
             if value is not None and not Path(value).exists():
                 from .metrics import MissingWeightsError  # imports torch: only when it is raised
 
                 raise MissingWeightsError(f"metrics.{key}: {what} {value} not found (local paths only; "
                                           "nothing is downloaded)")
+        if self.dino_model is not None:  # a folder that will not load fails here, before any image is made
+            from .metrics import check_dino_model
+
+            check_dino_model(self.dino_model)
         if self.fid_weights is not None and self.reference_images is None:
             raise ValueError("metrics.fid_weights needs metrics.reference_images (FID compares with real images)")
         if self.batch_size < 1:

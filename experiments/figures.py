@@ -52,7 +52,8 @@ METRICS = {"psnr": ("PSNR vs baseline (dB)", True, True), "ssim": ("SSIM vs base
            "fd_effnetlite0": ("FD-EffNetLite0 vs baseline images (lower is better)", False, True),
            "fd_effnetlite0_ref": ("FD-EffNetLite0 vs real images (lower is better)", False, False),
            "fid": ("FID, Inception-v3, vs real images (lower is better)", False, False),
-           "clip_score": ("CLIP score", True, False)}
+           "clip_score": ("CLIP score", True, False),
+           "dino_dist": ("DINO distance vs baseline images, 1 - cos of CLS (lower is better)", False, True)}
 X_AXES = {"speedup": "measured speed-up (x)", "flop_speedup": "FLOP-ideal speed-up (x)"}
 # key, title, format, higher is better (None: no bold); a column appears when some row has its key
 COLUMNS = [("ratio", "ratio", "{:g}", None), ("speedup", "speed-up", "{:.2f}", True),
@@ -60,7 +61,7 @@ COLUMNS = [("ratio", "ratio", "{:g}", None), ("speedup", "speed-up", "{:.2f}", T
            ("tokens_removed_mean", "removed", "{:.2f}", None), ("psnr", "PSNR", "{:.2f}", True),
            ("ssim", "SSIM", "{:.3f}", True), ("fd_effnetlite0", "FD-EffNetLite0", "{:.2f}", False),
            ("fd_effnetlite0_ref", "FD-EffNetLite0 vs ref", "{:.2f}", False), ("fid", "FID", "{:.2f}", False),
-           ("clip_score", "CLIP", "{:.2f}", True)]
+           ("clip_score", "CLIP", "{:.2f}", True), ("dino_dist", "DINO dist", "{:.3f}", False)]
 PHASE_COLOURS = {"structure": "tab:blue", "detail": "tab:orange", "protected": "tab:gray", "merge": "tab:green",
                  "skip_step": "tab:gray", "skip_block": "tab:brown", "skip": "tab:gray"}
 MARKERS = "osD^vP*Xh<>p"

