@@ -19,8 +19,10 @@ A :class:`~tomerge.Schedule` combining the two SDTM strategies (docs/schedules.m
   code): from ``ratio + dev`` at the first step to ``ratio - dev`` at the last. ``curve="linear"``:
   ``(ratio + dev) - 2 * dev * p``; ``curve="constant"``: ``ratio`` (``deviation`` must be 0).
   ``deviation=0`` is the plain "SDTM", ``ratio=0.3, deviation=0.2`` the authors' "SDTM*". The value is
-  clamped to ``[0, 0.99]`` (it only matters for rounding: ``ratio +- deviation`` is validated to lie in
-  ``[0, 1)``).
+  clipped to ``[0, 0.99]``. ``ratio - dev < 0`` is accepted (the paper's ``ratio=0.3, deviation=0.4`` run): on
+  the steps where the curve is below 0 the ratio is 0 and the call merges nothing (its streaks stay as they
+  are), as in the authors' code, where a negative ratio gives ``int(N * r) <= 0`` tokens and the call returns
+  unmerged. ``ratio + dev`` must be ``< 1`` (the upper clip at 0.99 only matters for rounding).
 * **Protection.** ``protect_every=k`` runs the full block on every step with ``step % k == 0``
   (the authors' ``protect_steps_frequency``, default 3 in their release, so step 0 is protected);
   ``protect_layers`` lists layer indices that are never merged; ``protect_layers_every=k`` protects
@@ -47,7 +49,9 @@ A :class:`~tomerge.Schedule` combining the two SDTM strategies (docs/schedules.m
 
 Options of the two strategies are flattened into this schedule (one flat config for logs and sweeps):
 ``window`` (shared ``k x k`` window side), ``temporal_window`` (shared window depth in frames on a
-``(T, H, W)`` video grid, default 1: windows per frame; docs/strategies.md, "3-D (video) token grids"), ``alpha_s`` and ``round_windows`` (SSM), ``alpha_d``,
+``(T, H, W)`` video grid, default 1: windows per frame; docs/strategies.md, "3-D (video) token grids"), ``alpha_s``,
+``round_windows`` and ``include_self`` (SSM: window score over all ``K * K`` pairs, the diagonal included, as the
+authors' code; default off, the paper's off-diagonal mean), ``alpha_d``,
 ``idm_variant`` (IDM's ``variant``: ``"attention"`` paper, ``"streak"`` released code),
 ``idm_local`` (IDM's ``local``) and ``idm_round_tokens`` (IDM's ``round_tokens``: ``None`` takes the
 variant's default, 16 for ``"streak"`` as the release's ``min(3N/4, r) // 16 * 16``, 1 = none for
@@ -111,7 +115,8 @@ class SDTM(Schedule):
 
     Args:
         ratio: centre of the ratio curve, in ``[0, 1)``.
-        deviation: half-width ``dev`` of the curve; ``ratio - dev >= 0`` and ``ratio + dev < 1``.
+        deviation: half-width ``dev`` of the curve; ``ratio + dev < 1``. Where the curve is below 0 (only
+            when ``ratio - dev < 0``) the ratio is 0: those calls merge nothing.
         switch: last progress of the structure phase, in ``[0, 1]`` (``p <= switch`` is structure).
         switch_step: absolute last structure step (``step <= switch_step``); overrides ``switch``.
         curve: ``"cosine"`` (authors), ``"linear"`` or ``"constant"``.
@@ -126,6 +131,8 @@ class SDTM(Schedule):
         temporal_window: window depth in frames of both SSM and IDM on a ``(T, H, W)`` grid (1: per frame).
         alpha_s: SSM persistence-prior weight.
         round_windows: SSM rounds the merged-window count down to a multiple of this (1: off).
+        include_self: SSM ``include_self``: the window score averages all ``K * K`` similarity pairs, the
+            diagonal included (the authors' code), not the ``K * (K - 1)`` off-diagonal ones (the paper).
         alpha_d: IDM streak weight.
         idm_variant: IDM ``variant``: ``"attention"`` (paper) or ``"streak"`` (released code).
         idm_local: IDM ``local``: merge each source into its own window's destination only.
@@ -161,6 +168,7 @@ class SDTM(Schedule):
     temporal_window: int = 1
     alpha_s: float = 0.05
     round_windows: int = 16
+    include_self: bool = False
     alpha_d: float = 0.05
     idm_variant: str = "attention"
     idm_local: bool = False
@@ -179,10 +187,10 @@ class SDTM(Schedule):
         what = "sdtm"
         check_ratio_option(self.ratio, what)
         dev = check_number(self.deviation, "deviation", what, low=0)
-        if self.ratio - dev < 0 or self.ratio + dev >= 1:
+        if self.ratio + dev >= 1:  # below 0 is accepted: ratio_at clips it to 0 (those calls merge nothing)
             raise ValueError(
-                f"{what}: ratio +- deviation must stay in [0, 1), got ratio={self.ratio}, deviation={dev} "
-                f"(range [{self.ratio - dev:g}, {self.ratio + dev:g}])")
+                f"{what}: ratio + deviation (the curve's highest ratio) must be < 1, got ratio={self.ratio}, "
+                f"deviation={dev} (peak {self.ratio + dev:g})")
         check_number(self.switch, "switch", what, low=0, high=1)
         check_int(self.switch_step, "switch_step", what, low=0, optional=True)
         check_choice(self.curve, "curve", what, CURVES)
@@ -210,7 +218,7 @@ class SDTM(Schedule):
         set_(self, "_detail", frozenset(self.detail_sublayers))
         set_(self, "_cached", self._structure | self._detail if self.cache_weight is not None else frozenset())
         set_(self, "_ssm", SSM(window=self.window, temporal_window=self.temporal_window, alpha_s=self.alpha_s,
-                               round_windows=self.round_windows))
+                               round_windows=self.round_windows, include_self=self.include_self))
         set_(self, "_idm", IDM(window=self.window, temporal_window=self.temporal_window, alpha_d=self.alpha_d,
                                variant=self.idm_variant, local=self.idm_local, round_tokens=self.idm_round_tokens,
                                plan_from=self.idm_plan_from))
@@ -233,7 +241,8 @@ class SDTM(Schedule):
             progress: ``p = step / (num_steps - 1)``.
 
         Returns:
-            ``r(p)`` for the configured curve, clamped to ``[0, 0.99]``.
+            ``r(p)`` for the configured curve, clipped to ``[0, 0.99]``: 0 where the curve is negative
+            (``ratio - deviation < 0`` near the end), so that call merges nothing.
         """
         dev = self.deviation
         if self.curve == "cosine":
@@ -340,7 +349,9 @@ class SDTMRelease(SDTM):
     """``sdtm_release``: SDTM* as the authors' code runs it (``sample.py`` defaults with ``TR_SDTM.py``, commit
     dfaf461): ``ratio=0.3, deviation=0.2`` on the cosine curve, ``switch_step=20`` (of their 50 steps), every
     3rd step protected (``protect_steps_frequency=3``; layers: ``-1``, none), ``2x2`` windows,
-    ``a_s = a_d = 0.05``, detail merging by merge streaks (``FIDM``: ``idm_variant="streak"`` with its
+    ``a_s = a_d = 0.05``, windows scored by the mean over all ``K * K`` similarity pairs, the diagonal included
+    (``include_self=True``: ``TR_SDTM.py``'s ``sims.sum(-1).sum(-1) / (K * K)``, to which the persistence
+    prior ``a_s * ...`` is added), detail merging by merge streaks (``FIDM``: ``idm_variant="streak"`` with its
     ``// 16 * 16`` token count), the feature cache at ``mcw = 0.1``, and no prompt reweighting (``a_p`` is
     passed in but never read by the released code).
 
@@ -354,6 +365,7 @@ class SDTMRelease(SDTM):
     deviation: float = 0.2
     switch_step: int | None = 20
     protect_every: int | None = 3
+    include_self: bool = True
     idm_variant: str = "streak"
     prompt_reweight: float | None = None
     cache_weight: float | None = 0.1

@@ -15,14 +15,19 @@ tokens are already alike can share one computation. The algorithm, per batch ele
    over when ``T`` is not divisible by ``kt`` keep one slot per token (so does a 2-D grid, one frame).
 2. Score every window by the mean pairwise cosine similarity of its ``K`` features (fp32, features
    normalised with an epsilon so an all-zero token gives similarity 0, never NaN).
-   *Off-diagonal vs diagonal-included mean*: the paper averages the ``K * (K - 1)`` off-diagonal
-   pairs, the authors' code all ``K * K`` pairs including the diagonal. For nonzero tokens the two are
-   an increasing affine map of each other (``P_code = 1/K + (1 - 1/K) * P_paper``) and rank windows
-   identically; we use the off-diagonal mean. (With the persistence prior the scale of the score
-   matters slightly: the prior weight ``alpha_s`` is relative to the off-diagonal score.)
+   *Off-diagonal vs diagonal-included mean* (``include_self``): by default (``include_self=False``, the
+   paper's definition) the mean is over the ``K * (K - 1)`` off-diagonal pairs. ``include_self=True``
+   averages all ``K * K`` pairs, the diagonal (each token's similarity with itself: 1, or 0 for an
+   all-zero token) included, as the authors' ``TR_SDTM.py`` does (``sims.sum(-1).sum(-1) / (K * K)``).
+   Without a prior the two rank windows identically (for nonzero tokens
+   ``P_self = 1/K + (1 - 1/K) * P_off``, an increasing map); with the persistence prior they do not:
+   the prior is added to the score, so the same ``alpha_s`` weighs it ``K / (K - 1)`` times as much
+   against the similarity under ``include_self=True`` (4/3 for ``2 x 2`` windows). With ``include_self=True``
+   the score is the authors' up to floating point: they compute it in the model's dtype (fp16 in their
+   release) and divide the streak by ``mean + 1e-6``, tomerge computes in fp32 and divides by the mean.
 3. Persistence prior (``alpha_s``, default 0.05): with ``ctx.streak [B, N]`` (consecutive merge
-   decisions in which each token was merged), add ``alpha_s * mean_window(streak / mean(streak))``.
-   Without a streak the prior is 0. The counter is the authors' ``last_independent``, kept by
+   decisions in which each token was merged), add ``alpha_s * mean_window(streak / mean(streak))``
+   to the score of step 2. Without a streak the prior is 0. The counter is the authors' ``last_independent``, kept by
    :class:`tomerge.state.MergeState`: all ``K`` tokens of a merged window count as merged, its top-left
    destination included, and protected layers of the SDTM schedule reset it.
 4. Select the ``n_win = floor(r / (K - 1))`` best windows (``r = int(N * ratio)``), capped at the
@@ -60,7 +65,7 @@ import torch
 from torch import Tensor
 
 from tomerge.context import Grid, MergeContext, grid_frames
-from tomerge.options import check_int, check_number
+from tomerge.options import check_bool, check_int, check_number
 from tomerge.plan import MergePlan, unit_rows
 from tomerge.strategy import MergeStrategy
 
@@ -157,6 +162,8 @@ class SSM(SpaceTimeWindows, MergeStrategy):
         alpha_s: weight of the persistence prior (uses ``ctx.streak`` when given); ``>= 0``.
         round_windows: round the number of merged windows down to a multiple of this (authors'
             code: 16); 1 disables. Never rounds a positive count down to 0.
+        include_self: score windows by the mean over all ``K * K`` similarity pairs, the diagonal included
+            (the authors' code), instead of the ``K * (K - 1)`` off-diagonal pairs (the paper; default).
         ratio: default ratio when applied alone (planning uses ``ctx.ratio``).
     """
 
@@ -166,6 +173,7 @@ class SSM(SpaceTimeWindows, MergeStrategy):
     temporal_window: int = 1
     alpha_s: float = 0.05
     round_windows: int = 16
+    include_self: bool = False
 
     @property
     def uses_streak(self) -> bool:
@@ -177,6 +185,7 @@ class SSM(SpaceTimeWindows, MergeStrategy):
         check_int(self.temporal_window, "temporal_window", "ssm", low=1, note="frames per window")
         check_number(self.alpha_s, "alpha_s", "ssm", low=0, note="0 disables the prior")
         check_int(self.round_windows, "round_windows", "ssm", low=1, note="1 disables rounding")
+        check_bool(self.include_self, "include_self", "ssm")
 
     # ------------------------------------------------------------------ pure helpers
     def num_windows(self, num_tokens: int, num_full_windows: int, ctx: MergeContext) -> int:
@@ -204,7 +213,8 @@ class SSM(SpaceTimeWindows, MergeStrategy):
         return rounded if rounded > 0 else n_win
 
     def window_scores(self, x: Tensor, ctx: MergeContext) -> Tensor:
-        """Score of every full window: off-diagonal mean cosine similarity + persistence prior.
+        """Score of every full window: mean cosine similarity (off-diagonal, or all ``K * K`` pairs with
+        ``include_self``) + persistence prior.
 
         Args:
             x: ``[B, N, C]`` token features (any float dtype; computed in fp32).
@@ -219,8 +229,11 @@ class SSM(SpaceTimeWindows, MergeStrategy):
         (xw,) = unit_rows(x, windows.flatten(), eps=EPS)  # [B, nW*K, C] unit rows
         xw = xw.view(B, *windows.shape, x.shape[-1])  # [B, nW, K, C]
         gram = xw @ xw.transpose(-1, -2)  # [B, nW, K, K]
-        off_diagonal = ~torch.eye(K, dtype=torch.bool, device=x.device)  # [K, K]
-        score = (gram * off_diagonal).sum(dim=(-1, -2)) / (K * (K - 1))  # [B, nW]
+        if self.include_self:
+            score = gram.sum(dim=(-1, -2)) / (K * K)  # [B, nW], the diagonal (1 per nonzero token) included
+        else:
+            off_diagonal = ~torch.eye(K, dtype=torch.bool, device=x.device)  # [K, K]
+            score = (gram * off_diagonal).sum(dim=(-1, -2)) / (K * (K - 1))  # [B, nW]
         if ctx.streak is not None and self.alpha_s > 0:
             prior = normalized_stat(ctx.streak, B)[:, windows].mean(dim=-1)  # [B, nW]
             score = score + self.alpha_s * prior

@@ -83,6 +83,30 @@ def test_sdtm_ratio_is_clamped():
     assert SDTM(ratio=0.2, deviation=0.2, curve="linear").ratio_at(1.5) == 0.0  # never negative
 
 
+@pytest.mark.parametrize("curve", ["cosine", "linear"])
+def test_sdtm_accepts_a_curve_below_zero_and_clips_the_ratio_at_zero(curve):
+    # The SDTM paper's ratio=0.3, deviation=0.4 run: the curve ends at -0.1. The authors' code computes the
+    # negative ratio and returns unmerged when int(N * r) <= 0 (TR_SDTM.py compute_ratio, compute_merge), so
+    # those steps merge nothing: the ratio is clipped at 0.
+    ratio, dev = 0.3, 0.4
+    s = SDTM(ratio=ratio, deviation=dev, curve=curve)
+    negative = []
+    for t in range(STEPS):
+        p = t / (STEPS - 1)
+        raw = (ratio - dev) + 2 * dev * math.cos(p * math.pi / 2) if curve == "cosine" else (ratio + dev) - 2 * dev * p
+        assert s.ratio_at(p) == pytest.approx(max(raw, 0.0), abs=1e-12)
+        if raw < 0:
+            negative.append(t)
+            assert s.ratio_at(p) == 0.0 and int(4096 * raw) <= 0  # the authors' reduce_num <= 0: no merge
+    # Cosine: -0.1 + 0.8 cos(pi p / 2) < 0 where cos(pi p / 2) < 1/8, p > 0.9202: steps 46..49 of 50.
+    # Linear: 0.7 - 0.8 p < 0 where p > 0.875: steps 43..49 (42/49 = 0.857 gives 0.014).
+    assert negative == (list(range(46, 50)) if curve == "cosine" else list(range(43, 50)))
+    assert s.ratio_at(0.0) == pytest.approx(0.7)
+    for w in trajectory():
+        d = s.decide(w)
+        assert d.label in ("structure", "detail") and (d.ratio == 0.0) == (w.step in negative)
+
+
 def test_sdtm_protected_steps_and_layers_run_unmerged():
     s = SDTM(ratio=0.3, deviation=0.2, protect_every=3, protect_layers=[5, 0])
     assert s.protect_layers == (0, 5)
@@ -115,8 +139,8 @@ def test_sdtm_forwards_strategy_options_and_builds_them_once():
 
 @pytest.mark.parametrize("options, match", [
     (dict(ratio=1.0), "ratio"),
-    (dict(ratio=0.3, deviation=0.4), r"ratio \+- deviation"),
-    (dict(ratio=0.8, deviation=0.2), r"ratio \+- deviation"),
+    (dict(ratio=0.8, deviation=0.2), r"ratio \+ deviation .* must be < 1"),
+    (dict(ratio=0.5, deviation=0.6), r"ratio \+ deviation .* must be < 1"),
     (dict(deviation=-0.1), "deviation"),
     (dict(switch=1.5), "switch"),
     (dict(switch_step=-1), "switch_step"),
@@ -320,6 +344,31 @@ def test_sdtm_with_ratio_zero_is_bit_identical(unet, baseline):
         assert handle.stats["tokens_removed"] == 0 and {r.label for r in handle.state.records} == {"structure", "detail"}
 
 
+@QUIET
+def test_sdtm_below_zero_merges_nothing_on_the_clipped_steps_and_leaves_the_streaks(unet):
+    # ratio=0.3, deviation=0.4, linear, 10 steps: r_t = 0.7 - 0.8 t / 9, negative at t = 8 (-0.011) and
+    # t = 9 (-0.1); t = 7 gives 0.078 (int(64 * 0.078) = 4 > 0 tokens: it merges).
+    sample, _, text = unet_inputs()
+    with tomerge.merging(unet, "sdtm", ratio=0.3, deviation=0.4, curve="linear", switch=0.4, num_steps=10,
+                         max_downsample=2) as handle, torch.no_grad():
+        for step, t in enumerate(TIMESTEPS):
+            unet(sample, torch.tensor(t), text)
+            if step == 7:
+                after_7 = {k: v.clone() for k, v in handle.state.streaks.items()}
+        assert after_7 and all(after_7[k].max() > 0 for k in after_7)
+        assert after_7.keys() == handle.state.streaks.keys()
+        assert all(torch.equal(after_7[k], v) for k, v in handle.state.streaks.items())  # 8, 9 count nothing
+        records = handle.state.records
+        for r in records:
+            expected = max(0.7 - 0.8 * r.step / 9, 0.0)
+            assert r.ratio == pytest.approx(expected, abs=1e-12)
+            if r.step >= 8:
+                assert (r.label, r.ratio, r.num_removed) == ("detail", 0.0, 0)
+            else:
+                assert r.num_removed > 0
+        assert {r.step for r in records if r.num_removed == 0} == {8, 9}
+
+
 @pytest.fixture
 def plan_calls(monkeypatch):
     calls: list[tuple[int, int]] = []  # (step, layer) of every computed facility-location plan
@@ -434,7 +483,8 @@ def test_toma_kind_sublayers_override_the_sublayers_of_one_block_kind():
 
 def test_presets_hold_the_authors_released_settings():
     """Values read from the authors' code: SDTM ``sample.py`` argparse defaults (ratio 0.3, deviation 0.2,
-    switch step 20, mcw 0.1, protect steps every 3, layers -1) with ``TR_SDTM.py`` (FIDM, a_p never read);
+    switch step 20, mcw 0.1, protect steps every 3, layers -1) with ``TR_SDTM.py`` (FIDM, a_p never read, window
+    score over all K * K pairs);
     ToMA ``run_flux.py`` / ``config/*.yaml`` / ``FluxScheduler`` (ratio 0.5, 256 tiles, merge steps
     ``range(0, 35, 3)``, recompute every step, the first 5 blocks of each type unmerged, one plan per type)."""
     release = tomerge.get_strategy("sdtm_release")
@@ -442,6 +492,7 @@ def test_presets_hold_the_authors_released_settings():
     assert (release.protect_every, release.protect_layers_every, release.cache_weight) == (3, None, 0.1)
     assert (release.idm_variant, release.idm.round_tokens, release.ssm.round_windows) == ("streak", 16, 16)
     assert (release.window, release.alpha_s, release.alpha_d, release.prompt_reweight) == (2, 0.05, 0.05, None)
+    assert release.ssm.include_self and not SDTM().ssm.include_self  # TR_SDTM.py's window score: diagonal included
     assert release.to_dict()["schedule"] == "sdtm_release"
     paper = tomerge.get_strategy("sdtm_paper", ratio=0.4)  # presets take overrides
     assert (paper.ratio, paper.deviation, paper.idm_variant, paper.cache_weight, paper.protect_every) \

@@ -78,7 +78,62 @@ def test_window_score_is_off_diagonal_mean() -> None:
     x[0, [0, 1]], x[0, [4, 5]] = e[0], e[1]
     x[0, [2, 3, 6]] = torch.tensor([1.0, 2.0, 3.0, 4.0])
     score = SSM().window_scores(x, MergeContext(grid=(2, 4), ratio=0.5))
-    torch.testing.assert_close(score, torch.tensor([[1 / 3, 1 / 2]]))  # diagonal-included: 1/2 and 9/16
+    torch.testing.assert_close(score, torch.tensor([[1 / 3, 1 / 2]]))
+    # include_self: all 16 pairs; the diagonal adds 4 (window (0,0)) and 3 (the zero token's own is 0).
+    score = SSM(include_self=True).window_scores(x, MergeContext(grid=(2, 4), ratio=0.5))
+    torch.testing.assert_close(score, torch.tensor([[8 / 16, 9 / 16]]))
+
+
+def authors_window_scores(x: torch.Tensor, streak: torch.Tensor, H: int, W: int, a_s: float) -> list[float]:
+    """The released code's window score (TR_SDTM.py, SSM), written out in float64 for a ``[N, C]`` grid of
+    2x2 windows: the mean of the cosine similarities of all 16 ordered pairs of a window, its 4 diagonal
+    entries (a token with itself) included, plus ``a_s`` times the window mean of ``streak / mean(streak)``."""
+    x, streak = x.double(), streak.double()
+    priority = streak / streak.mean()
+    scores = []
+    for wy in range(H // 2):
+        for wx in range(W // 2):
+            members = sorted(window_members(H, W, 2, wy, wx))
+            sims = [float(x[i] @ x[j] / (x[i].norm() * x[j].norm())) for i in members for j in members]
+            scores.append(sum(sims) / 16 + a_s * sum(float(priority[i]) for i in members) / 4)
+    return scores
+
+
+def test_sdtm_release_ranks_windows_as_the_authors_score_them() -> None:
+    # Four 2x2 windows on a 4x4 grid (e_k: unit vectors):
+    #   w0 = (0,0): e0 e0 e0 e0   pairs: all 16 equal                 -> off-diagonal mean 1
+    #   w1 = (0,1): e1 e1 e1 e2   6 of 12 off-diagonal pairs equal    -> 1/2
+    #   w2 = (1,0): e3 e3 e4 e4   4 of 12                             -> 1/3
+    #   w3 = (1,1): e5 e6 e7 e0   none                                -> 0
+    # Streaks: 2 on w2's tokens, 1 on w3's, 0 elsewhere: mean 12/16, priorities 8/3 (w2) and 4/3 (w3).
+    # With a_s = 0.05 the authors' score (diagonal included) is 1/4 + 3/4 * P_off + a_s * prior:
+    #   w0 1, w1 0.625, w2 0.25 + 0.25 + 0.1333 = 0.6333, w3 0.25 + 0.0667 = 0.3167 -> top two {w0, w2};
+    # the off-diagonal score P_off + a_s * prior: w0 1, w1 0.5, w2 0.4667, w3 0.0667 -> {w0, w1}.
+    H = W = 4
+    e = torch.eye(8, dtype=torch.float64)
+    rows = {0: [0, 0, 0, 0], 1: [1, 1, 1, 2], 2: [3, 3, 4, 4], 3: [5, 6, 7, 0]}
+    windows = [(0, 0), (0, 1), (1, 0), (1, 1)]
+    x = torch.zeros(H * W, 8, dtype=torch.float64)
+    streak = torch.zeros(H * W, dtype=torch.float64)
+    for w, (wy, wx) in enumerate(windows):
+        for token, k in zip(sorted(window_members(H, W, 2, wy, wx)), rows[w]):
+            x[token] = e[k]
+            streak[token] = {2: 2.0, 3: 1.0}.get(w, 0.0)
+    expected = authors_window_scores(x, streak, H, W, a_s=0.05)
+    assert expected == pytest.approx([1.0, 0.625, 0.25 + 0.25 + 0.4 / 3, 0.25 + 0.2 / 3], abs=1e-12)
+    order = sorted(range(4), key=lambda w: -expected[w])
+    assert order == [0, 2, 1, 3]
+    assert min(expected[a] - expected[b] for a, b in zip(order, order[1:])) > 5e-3  # no near tie
+    ctx = MergeContext(grid=(H, W), ratio=6 / 16, streak=streak[None].float())  # r = 6: two windows
+    release = tomerge.get_strategy("sdtm_release").ssm
+    assert release.include_self and release.alpha_s == 0.05
+    torch.testing.assert_close(release.window_scores(x[None], ctx).double(), torch.tensor([expected], dtype=torch.float64))
+    plan = release.plan(x[None], ctx)
+    assert merged_groups(plan) == {window_members(H, W, 2, *windows[w]) for w in order[:2]}  # w0, w2
+    # The paper's off-diagonal score (plain ssm and sdtm) picks w1 over w2 on the same input.
+    for plain in (SSM(), tomerge.get_strategy("sdtm").ssm, tomerge.get_strategy("sdtm_paper").ssm):
+        assert not plain.include_self
+        assert merged_groups(plain.plan(x[None], ctx)) == {window_members(H, W, 2, *windows[w]) for w in (0, 1)}
 
 
 def test_persistence_prior_breaks_tie() -> None:
