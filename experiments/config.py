@@ -47,8 +47,8 @@ def _check_run(strategy: str, ratio: Any, options: dict[str, Any], backbones: li
 
 def valid_ratios(strategy: str, options: dict[str, Any], backbones: list[str] | None = None) -> tuple[float, float]:
     """The smallest and largest of the ratios 0, 0.05, ..., 0.95 that the strategy accepts with ``options``
-    (e.g. ``sdtm`` with a deviation needs ``deviation <= ratio < 1 - deviation``); raises the strategy's
-    own error at ratio 0.5 when it accepts none."""
+    (e.g. ``sdtm`` with a deviation needs ``ratio < 1 - deviation``; a centre ratio below the deviation is
+    accepted, its curve clipped at 0); raises the strategy's own error at ratio 0.5 when it accepts none."""
     accepted = []
     for i in range(20):
         try:
