@@ -132,7 +132,7 @@ def match_flop_speedups(source: Any, config: AblationConfig, runs: Sequence[RunS
             return base / flops
 
         lo, hi = valid_ratios(run.strategy, run.options)
-        at_lo, at_hi = (1.0 if lo == 0 else speedup(lo)), speedup(hi)  # ratio 0 merges nothing
+        at_lo, at_hi = speedup(lo), speedup(hi)  # ratio 0 may merge (sdtm's curve around centre 0)
         if not at_lo <= run.flop_target <= at_hi:
             raise ConfigError([f"{run.run_id}: FLOP-ideal speed-up {run.flop_target:g}x is out of reach; the ratios "
                                f"{run.strategy} accepts ({lo:g} to {hi:g}) give {at_lo:.3f}x to {at_hi:.3f}x"])

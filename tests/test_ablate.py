@@ -176,6 +176,14 @@ def test_flop_matched_cells_find_the_closest_ratio_and_resume_by_target(setup):
     with pytest.raises(ConfigError, match="out of reach"):  # a usage error (exit code 2), not a bug
         match_flop_speedups(source, config, [RunSpec("tomesd", None, {"use_rand": False}, flop_target=50.0)], items)
 
+    # sdtm's curve around centre 0 still merges its first steps: a target below that speed-up is out of reach,
+    # not matched by a ratio near 0.
+    curve = {"curve": "cosine", "deviation": 0.2}
+    at_zero = base / measure(source, config, items, RunSpec("sdtm", 0.0, curve), map_steps=False)["flops"]
+    assert at_zero > 1.01
+    with pytest.raises(ConfigError, match="out of reach"):
+        match_flop_speedups(source, config, [RunSpec("sdtm", None, curve, flop_target=1 + (at_zero - 1) / 2)], items)
+
 
 def test_flop_matched_entries_are_checked_with_the_grid():
     from tomerge.experiments.config import ConfigError

@@ -16,7 +16,7 @@ owns it (prefixed to the message), raises :class:`ValueError` when the value is 
 * ``optional=True`` also accepts ``None`` (an option whose ``None`` means "off" or "default").
 * ``note`` adds a short explanation in parentheses after the rule (what a bound means, what to do instead).
 
-Checks that relate two options (``ratio +- deviation`` within ``[0, 1)``, a multiple of another option) stay
+Checks that relate two options (``ratio + deviation`` below 1, a multiple of another option) stay
 in the strategy's ``__post_init__``, written as ``raise ValueError(f"{what}: ...")`` in the same style.
 
 Example:
