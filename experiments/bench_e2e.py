@@ -36,7 +36,7 @@ Video widths take a token count ``N = T * H * W``, the token grid after patchifi
 is ``frames`` (``--frames``) or else the largest divisor of ``N`` not above 21 (the latent frames of Wan's
 81-frame clips); ``(H, W)`` is the factor pair of ``N / T`` (``H <= W``) whose ``W / H`` is closest to
 832 / 480, Wan's 480p landscape frame. So 32760 -> (21, 30, 52), 4096 -> (16, 16, 16), 16384 -> (16, 32, 32).
-The latent is ``[B, 16, T, 2H, 2W]``; see docs/benchmarks.md, "Video (Wan) widths".
+The latent is ``[B, 16, T, 2H, 2W]``; see docs/benchmarks.md, "Video (Wan)".
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 #!/bin/bash
-# The CPU measurements of the "Compiled" section of docs/benchmarks.md, one after another (run it alone).
+# The CPU measurements of the "Compiled (CPU)" section of docs/benchmarks.md, one after another (run it alone).
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 WANDB_MODE=offline
 O=${OUT_DIR:-runs/bench17}; mkdir -p "$O"

@@ -1,5 +1,5 @@
-"""Where a merged forward's time goes, eager and compiled: the profile table of docs/benchmarks.md ("Compiled:
-where the time goes").
+"""Where a merged forward's time goes, eager and compiled: the SD3 table of docs/benchmarks.md ("Compiled
+(CPU)").
 
 For the baseline and each method, on its own copy of a bench model (``tomerge.experiments.bench_e2e.build``),
 eager and compiled with inductor (``skip_nnmodule_hook_guards=False``, as ``tomerge bench --e2e --compile``
