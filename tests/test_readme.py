@@ -117,3 +117,69 @@ def test_readme_snippet_runs(line, source, tmp_path, monkeypatch):
         assert _HANDLE_ATTR not in handle.model.__dict__
     for name in re.findall(r'["\']([^"\'\n]+\.png)["\']', source):
         assert (tmp_path / name).is_file(), f"the snippet did not write {name}"
+
+
+# ------------------------------------------------------------------ the main job's table
+
+#: Columns of ``tomerge ablate``'s table that only a configured metric fills (``records.markdown_table`` shows
+#: a column when some row has a value): column key -> the ``metrics.*`` field that enables it.
+OPTIONAL_METRIC_COLUMNS = {"clip_score": "clip_model", "fid": "fid_weights", "dino_dist": "dino_model"}
+
+
+def main_job_table(text: str) -> tuple[list[str], list[list[str]]]:
+    """Header cells and body rows of the README table right after the sentence introducing the main job's
+    output ("Its output on ...")."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("Its output on"))
+    first = next(i for i in range(start, len(lines)) if lines[i].startswith("|"))
+    table = []
+    for line in lines[first:]:
+        if not line.startswith("|"):
+            break
+        table.append([cell.strip() for cell in line.strip().strip("|").split("|")])
+    header, rule, *rows = table
+    assert all(set(cell) <= set("-:") for cell in rule), f"the README table's second line is not a rule: {rule}"
+    return header, rows
+
+
+def test_readme_main_job_table_runs_are_the_default_grid():
+    """One row per run of `experiments/configs/ablate.yaml`, in the grid's order, the baseline first: a grid
+    entry added to (or removed from) the default config without the README's table following fails here."""
+    from tomerge.experiments.config import DEFAULT_CONFIG, load_config
+
+    header, rows = main_job_table(README.read_text())
+    assert header[0] == "run"
+    config = load_config(DEFAULT_CONFIG)
+    expected = ["baseline"] + [run.run_id for run in config.runs()]
+    assert [row[0] for row in rows] == expected, (
+        f"README.md's main-job table lists runs {[row[0] for row in rows]}, but {DEFAULT_CONFIG.name} produces "
+        f"{expected}: rerun `tomerge ablate` and paste its table")
+
+
+def test_readme_main_job_table_columns_are_the_ablate_table_columns():
+    """The table's header is what `tomerge ablate` prints for the default config (records.TABLE_COLUMNS, less
+    the metrics the default config does not compute), and every row has a cell per column."""
+    from tomerge.experiments.config import DEFAULT_CONFIG, load_config
+    from tomerge.experiments.records import TABLE_COLUMNS
+
+    header, rows = main_job_table(README.read_text())
+    metrics = load_config(DEFAULT_CONFIG).metrics
+    expected = [title for key, title in TABLE_COLUMNS
+                if key not in OPTIONAL_METRIC_COLUMNS or getattr(metrics, OPTIONAL_METRIC_COLUMNS[key], None)]
+    assert header == expected, f"README.md's main-job table has columns {header}; `tomerge ablate` prints {expected}"
+    assert all(len(row) == len(header) for row in rows)
+
+
+def test_main_job_table_parser_sees_an_added_grid_entry(monkeypatch, tmp_path):
+    """The check above fails when the default grid gains an entry the README does not list."""
+    import yaml
+
+    from tomerge.experiments import config as config_module
+
+    grid = yaml.safe_load(config_module.DEFAULT_CONFIG.read_text())
+    grid["grid"].append({"strategy": "ssm", "ratios": [0.25]})
+    extended = tmp_path / "ablate.yaml"
+    extended.write_text(yaml.safe_dump(grid))
+    monkeypatch.setattr(config_module, "DEFAULT_CONFIG", extended)
+    with pytest.raises(AssertionError, match="ssm-r0.25"):
+        test_readme_main_job_table_runs_are_the_default_grid()
