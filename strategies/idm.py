@@ -54,7 +54,7 @@ Common rules:
   block's input), so with attention unmerged they never see that tensor; attached IDM therefore plans
   from the block's input hidden states by default (``"block_input"``), which on the reference DiT gives
   plans closer to the ``norm1``-planned ones than the MLP input does (docs/strategies.md);
-  ``"sublayer"`` plans from the MLP input (tomerge before issue 13). On bare tensors
+  ``"sublayer"`` plans from the MLP input. On bare tensors
   (:meth:`MergeStrategy.plan`) the plan is of the tensor given.
 * Merge streaks (:meth:`IDM.merged_tokens`, also what a feature cache blends): as in the authors' counter,
   every destination of a full window counts as merged in this call, with or without sources merged into it,

@@ -44,9 +44,8 @@ def strided_queries(q: Tensor, max_queries: int = 64) -> Tensor:
 
 
 #: Logits held at once by :func:`received_attention`, eager on CPU: 2**19 fp32 (2 MiB) of one head, so the
-#: softmax and the sum over queries read a chunk from cache, not from memory. 2 threads, batch 2, N = 4096 on
-#: this project's CPU (AVX2, 1 MiB L2 per core, 32 MiB L3): SD3 width (333 text queries, 24 heads, d = 64)
-#: 532 -> 246 ms, Flux width (512 text queries, d = 128) 863 -> 729 ms; 2**18 and 2**20 were within the noise.
+#: softmax and the sum over queries read a chunk from cache, not from memory.
+#: Measured in docs/benchmarks.md ("Received-attention probe"): 2**18 and 2**20 read the same.
 CPU_CHUNK_ELEMENTS = 1 << 19
 #: Elsewhere at most 2**26 logits (256 MiB fp32) in a chunk: one chunk per head for image models when compiling
 #: on CPU, one chunk of all heads on CUDA; it bounds long video sequences.
@@ -59,9 +58,8 @@ def chunk_shape(q: Tensor, num_keys: int) -> tuple[int, int]:
 
     * Eager on CPU: one head and at most :data:`CPU_CHUNK_ELEMENTS` logits (cache-sized).
     * Compiling on CPU: one head and at most :data:`CHUNK_ELEMENTS` logits, so a graph holds a few dozen chunks
-      (cache-sized queries would unroll into hundreds for Flux: 80 s to compile). Per head, inductor's fused
-      softmax and sum run from cache as well: SD3 width, N = 4096, batch 1, 2 threads, 60 -> 33 ms per probe
-      against all heads at once; Flux width, batch 2, unchanged (its larger matmuls dominate).
+      (cache-sized queries would unroll into hundreds for Flux). Per head, inductor's fused softmax and sum
+      run from cache as well (docs/benchmarks.md, "Received-attention probe").
     * CUDA: all heads, at most :data:`CHUNK_ELEMENTS` logits (one chunk for image models).
     """
     B, H, _, _ = q.shape
@@ -86,8 +84,7 @@ def received_attention(q: Tensor, k: Tensor, scale: float, keys: slice | None = 
 
     The ``[B, H, Q, N]`` logits are never held at once; :func:`chunk_shape` sets the chunks (otherwise the probe
     is a memory-bound few percent of an SD3 forward on CPU that FLOPs do not count). Every chunk's sum is kept
-    and they are added at the end: a running ``total +=`` compiled to slower code on CPU (SD3 width: 55 against
-    33 ms per probe).
+    and they are added at the end: a running ``total +=`` compiles to slower code on CPU (docs/benchmarks.md).
 
     Example:
         >>> q, k = torch.zeros(1, 2, 4, 8), torch.randn(1, 2, 5, 8)
