@@ -185,7 +185,8 @@ def quality_scorer(folder: RunFolder, config: AblationConfig, baseline_files: Se
             and config.model.kind == "reference":
         from .data import FashionMNIST
 
-        real = FashionMNIST(config.data_root, split="test", limit=config.fd_reference_images)
+        real = FashionMNIST(config.data_root, split="test", limit=config.fd_reference_images,
+                            root_hint="--set data_root=DIR")
         extract = FeatureExtractor(device=config.model.device, batch_size=m.batch_size)
         reference = extract(real.images.float().div(127.5).sub(1.0).unsqueeze(1))  # [n, 1, H, W] -> [n, 1280]
     reference_files = image_files(m.reference_images, m.reference_limit) if m.reference_images else None
@@ -201,9 +202,16 @@ def quality_scorer(folder: RunFolder, config: AblationConfig, baseline_files: Se
 
 
 def run_ablation(config: AblationConfig, progress: bool = True) -> RunFolder:
-    """Runs (or resumes) the grid; returns the run folder with every result written."""
+    """Runs (or resumes) the grid; returns the run folder with every result written.
+
+    The inputs besides the config's own files (Fashion-MNIST for FD, EfficientNet-Lite0) are checked
+    first (:meth:`~tomerge.experiments.config.AblationConfig.input_problems`; a :class:`ConfigError`), so a
+    missing one stops the grid before the first image."""
     from tqdm import tqdm
 
+    problems = config.input_problems()
+    if problems:
+        raise ConfigError(problems)
     folder = RunFolder.open(config)
     source = config.model.load()
     items = config.items()
@@ -278,7 +286,8 @@ def run(args: argparse.Namespace) -> int:
     if args.out_dir is not None:
         overrides.append(f"out_dir={args.out_dir}")
     with user_input():
-        config = load_config(args.config, overrides, plugins=list(getattr(args, "plugins", None) or []))
+        config = load_config(args.config, overrides, plugins=list(getattr(args, "plugins", None) or []),
+                             check_inputs=True)
     folder = run_ablation(config)
     print()
     print(folder.table_path.read_text())

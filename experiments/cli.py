@@ -93,6 +93,20 @@ def user_input() -> Iterator[None]:
         raise UsageError(str(message)) from err
 
 
+def did_you_mean(word: str, choices: Iterable[str], quote: Callable[[str], str] = repr) -> str:
+    """``"; did you mean 'X'?"`` for the choice closest to ``word`` (:func:`difflib.get_close_matches`),
+    ``""`` when none is close: the end of an "unknown ..." message.
+
+    Example:
+        >>> did_you_mean("per_clas", ["per_class", "seed"]), did_you_mean("zzz", ["per_class"])
+        ("; did you mean 'per_class'?", '')
+    """
+    import difflib
+
+    close = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1)
+    return f"; did you mean {quote(close[0])}?" if close else ""
+
+
 def is_user_error(err: BaseException) -> bool:
     """Whether ``err`` is reported in one line (see the module docstring)."""
     return isinstance(err, (UserError, FileNotFoundError))

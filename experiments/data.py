@@ -21,7 +21,8 @@ import torch
 from torch import Tensor
 from torch.utils.data import Dataset
 
-__all__ = ["DEFAULT_FASHION_MNIST_ROOT", "FASHION_MNIST_CLASSES", "read_idx", "write_idx", "FashionMNIST"]
+__all__ = ["DEFAULT_FASHION_MNIST_ROOT", "FASHION_MNIST_CLASSES", "read_idx", "write_idx", "fashion_mnist_files",
+           "FashionMNIST"]
 
 DEFAULT_FASHION_MNIST_ROOT = "/usr/share/datasets/fashion-mnist"
 FASHION_MNIST_CLASSES = (
@@ -83,15 +84,39 @@ def write_idx(path: str | os.PathLike, tensor: Tensor) -> None:
         f.write(payload)
 
 
-def _find(root: Path, stem: str) -> Path:
+def _find(root: Path, stem: str, root_hint: str) -> Path:
     for name in (stem + ".gz", stem):
         if (root / name).is_file():
             return root / name
     raise FileNotFoundError(
         f"Fashion-MNIST file {stem}(.gz) not found in {root}; install the Debian package "
-        f"dataset-fashion-mnist (files under {DEFAULT_FASHION_MNIST_ROOT}) or pass --data-root "
+        f"dataset-fashion-mnist (files under {DEFAULT_FASHION_MNIST_ROOT}) or {root_hint} "
         "with a folder holding the IDX files"
     )
+
+
+def fashion_mnist_files(root: str | os.PathLike | None = None, split: str = "train",
+                        root_hint: str = "pass root=DIR") -> tuple[Path, Path]:
+    """The images and labels IDX files of ``split`` in ``root`` (default: the Debian package's folder), without
+    reading them; raises ``FileNotFoundError`` naming the folder or file and how to give another folder
+    (``root_hint``: what the caller's user writes, e.g. ``"pass --data-root DIR"``).
+
+    Example:
+        >>> fashion_mnist_files("/nonexistent", "test", root_hint="--set data_root=DIR")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+            ...
+        FileNotFoundError: Fashion-MNIST folder /nonexistent does not exist; install ... or --set data_root=DIR with ...
+    """
+    if split not in ("train", "test"):
+        raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+    root = Path(root if root is not None else DEFAULT_FASHION_MNIST_ROOT)
+    if not root.is_dir():
+        raise FileNotFoundError(
+            f"Fashion-MNIST folder {root} does not exist; install the Debian package dataset-fashion-mnist "
+            f"(files under {DEFAULT_FASHION_MNIST_ROOT}) or {root_hint} with a folder holding the IDX files"
+        )
+    prefix = "train" if split == "train" else "t10k"
+    return _find(root, f"{prefix}-images-idx3-ubyte", root_hint), _find(root, f"{prefix}-labels-idx1-ubyte", root_hint)
 
 
 class FashionMNIST(Dataset):
@@ -102,23 +127,19 @@ class FashionMNIST(Dataset):
         split: ``"train"`` (60k) or ``"test"`` (10k).
         limit: keep only the first ``limit`` images (smoke tests).
         pad: pixels of background added on each side (2 gives 32x32).
+        root_hint: how the caller's user gives another folder, in the message of a missing file
+            (``tomerge train-reference``: ``"pass --data-root DIR"``).
 
     Returns (per item):
         ``(image [1, 28+2*pad, 28+2*pad] float32 in [-1, 1], label long)``.
     """
 
     def __init__(self, root: str | os.PathLike | None = None, split: str = "train", limit: int | None = None,
-                 pad: int = 2) -> None:
-        if split not in ("train", "test"):
-            raise ValueError(f"split must be 'train' or 'test', got {split!r}")
-        root = Path(root if root is not None else DEFAULT_FASHION_MNIST_ROOT)
-        if not root.is_dir():
-            raise FileNotFoundError(
-                f"Fashion-MNIST folder {root} does not exist; install dataset-fashion-mnist or pass --data-root"
-            )
-        prefix = "train" if split == "train" else "t10k"
-        images = read_idx(_find(root, f"{prefix}-images-idx3-ubyte"))  # [N, 28, 28] uint8
-        labels = read_idx(_find(root, f"{prefix}-labels-idx1-ubyte"))  # [N] uint8
+                 pad: int = 2, root_hint: str = "pass root=DIR") -> None:
+        images_file, labels_file = fashion_mnist_files(root, split, root_hint)
+        root = images_file.parent
+        images = read_idx(images_file)  # [N, 28, 28] uint8
+        labels = read_idx(labels_file)  # [N] uint8
         if images.ndim != 3 or labels.ndim != 1 or images.shape[0] != labels.shape[0]:
             raise ValueError(f"inconsistent IDX files in {root}: images {tuple(images.shape)}, labels {tuple(labels.shape)}")
         if limit is not None:

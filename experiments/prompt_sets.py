@@ -109,7 +109,11 @@ class PromptSet:
         values.update(overrides)
         unknown = sorted(set(values) - set(_field_names()))
         if unknown:
-            raise ValueError(f"unknown prompts key(s) {unknown}; valid keys: {_field_names()}")
+            import difflib
+
+            close = {u: m[0] for u in unknown if (m := difflib.get_close_matches(str(u), _field_names(), n=1))}
+            hint = f" (did you mean {', '.join(f'{m!r} for {u!r}' for u, m in close.items())}?)" if close else ""
+            raise ValueError(f"unknown prompts key(s) {unknown}; valid keys: {_field_names()}{hint}")
         if "file" not in values:
             raise ValueError(f"prompts: a mapping needs 'file'; valid keys: {_field_names()}")
         return cls(**values)

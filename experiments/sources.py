@@ -29,11 +29,11 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .cli import UsageError
+from .cli import UsageError, did_you_mean
 
 if TYPE_CHECKING:
     import torch
@@ -85,6 +85,34 @@ RESERVED_CALL_ARGS = ("prompt", "generator", "output_type", "num_images_per_prom
                       "return_dict", "class_labels", "latents", "prompt_embeds")
 
 
+# The reference DiT's sampler argument and the pipeline call argument that means the same.
+SAME_CALL_ARGS = {"num_steps": "num_inference_steps", "cfg_scale": "guidance_scale"}
+# Keys of the model mapping of earlier versions -> where they are now (under model.).
+MOVED_MODEL_KEYS = {"checkpoint": "reference"}
+
+
+def unknown_call_arguments(unknown: Sequence[str], valid: Iterable[str], what: str) -> str:
+    """The message for ``model.call`` arguments ``what`` (the reference DiT, a pipeline class) does not take:
+    each with the valid one of the other model kind's name (``num_steps`` <-> ``num_inference_steps``,
+    ``cfg_scale`` <-> ``guidance_scale``) or the closest valid name.
+
+    Example:
+        >>> print(unknown_call_arguments(["num_inference_steps", "sheft"], ["num_steps", "shift"], "the reference DiT"))
+        unknown model.call argument(s) ['num_inference_steps', 'sheft'] for the reference DiT ('num_inference_steps': \
+the reference DiT calls it 'num_steps'; 'sheft': did you mean 'shift'?); valid: ['num_steps', 'shift']
+    """
+    valid = sorted(valid)
+    same = {**SAME_CALL_ARGS, **{v: k for k, v in SAME_CALL_ARGS.items()}}
+    hints = []
+    for name in unknown:
+        if same.get(name) in valid:
+            hints.append(f"{name!r}: {what} calls it {same[name]!r}")
+        elif close := did_you_mean(name, valid):
+            hints.append(f"{name!r}: {close.removeprefix('; ')}")
+    hint = f" ({'; '.join(hints)})" if hints else ""
+    return f"unknown model.call argument(s) {sorted(unknown)} for {what}{hint}; valid: {valid}"
+
+
 def check_call(pipeline_class: type, call: dict[str, Any]) -> None:
     """Raises unless every ``call`` argument is a named parameter of the pipeline's ``__call__`` (its
     ``**kwargs``, where it has them, would swallow a typo) and the pipeline takes prompts."""
@@ -92,8 +120,7 @@ def check_call(pipeline_class: type, call: dict[str, Any]) -> None:
     valid = {k for k, p in params.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and k != "self"}
     unknown = sorted(set(call) - valid)
     if unknown:
-        raise ValueError(f"unknown model.call argument(s) {unknown} for {pipeline_class.__name__}; valid: "
-                         f"{sorted(valid - set(RESERVED_CALL_ARGS))}")
+        raise ValueError(unknown_call_arguments(unknown, valid - set(RESERVED_CALL_ARGS), pipeline_class.__name__))
     if "prompt" not in valid:
         raise ValueError(f"{pipeline_class.__name__} takes no prompt: tomerge generates from prompt sets with "
                          "text-to-image pipelines (use model: reference for class labels)")
@@ -163,30 +190,48 @@ class ModelSpec:
     REFERENCE_CALL = {"num_steps": 20, "cfg_scale": 2.0, "shift": 1.0}
 
     def __post_init__(self) -> None:
-        if self.kind not in ("reference", "pipeline"):
-            raise ValueError(f"model kind must be reference or pipeline, got {self.kind!r}")
-        if self.dtype not in DTYPE_NAMES:
-            raise ValueError(f"model.dtype must be one of {sorted(DTYPE_NAMES)}, got {self.dtype!r}")
-        if not (self.device == "cpu" or self.device.startswith("cuda")):
-            raise ValueError(f"model.device must be cpu or cuda, got {self.device!r}")
-        if not isinstance(self.call, dict):
-            raise ValueError(f"model.call must be a mapping of call arguments, got {self.call!r}")
-        if self.kind == "reference":
-            unknown = sorted(set(self.call) - set(self.REFERENCE_CALL))
+        problems = self.field_problems(self.kind, self.path, self.dtype, self.device, self.call)
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    @classmethod
+    def field_problems(cls, kind: Any, path: Any, dtype: Any, device: Any, call: Any) -> list[str]:
+        """Every problem of these fields, one message each (what the constructor raises, joined by ``; ``),
+        without touching the disk (:meth:`check` does)."""
+        problems = []
+        if kind not in ("reference", "pipeline"):
+            problems.append(f"model kind must be reference or pipeline, got {kind!r}")
+        if dtype not in DTYPE_NAMES:
+            problems.append(f"model.dtype must be one of {sorted(DTYPE_NAMES)}, got {dtype!r}"
+                            f"{did_you_mean(str(dtype), DTYPE_NAMES)}")
+        if not isinstance(device, str) or not (device == "cpu" or device.startswith("cuda")):
+            problems.append(f"model.device must be cpu or cuda, got {device!r}")
+        if not isinstance(call, dict):
+            problems.append(f"model.call must be a mapping of call arguments, got {call!r}")
+        elif kind == "reference":
+            unknown = sorted(set(call) - set(cls.REFERENCE_CALL))
             if unknown:
-                raise ValueError(f"unknown model.call argument(s) {unknown} for the reference DiT; "
-                                 f"valid: {sorted(self.REFERENCE_CALL)}")
-        else:
-            if not self.path:
-                raise ValueError("model.pipeline needs the path of a local diffusers pipeline folder")
-            reserved = sorted(set(self.call) & set(RESERVED_CALL_ARGS))
+                problems.append(unknown_call_arguments(unknown, cls.REFERENCE_CALL, "the reference DiT"))
+            steps, scale, shift = call.get("num_steps", 1), call.get("cfg_scale", 1.0), call.get("shift", 1.0)
+            if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+                problems.append(f"model.call.num_steps must be an integer >= 1, got {steps!r}")
+            if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+                problems.append(f"model.call.cfg_scale must be a number, got {scale!r}")
+            if isinstance(shift, bool) or not isinstance(shift, (int, float)) or shift <= 0:
+                problems.append(f"model.call.shift must be a number > 0, got {shift!r}")
+        if kind == "pipeline":
+            if not path:
+                problems.append("model.pipeline needs the path of a local diffusers pipeline folder")
+            reserved = sorted(set(call) & set(RESERVED_CALL_ARGS)) if isinstance(call, dict) else []
             if reserved:
-                raise ValueError(f"model.call sets {reserved}, which tomerge sets per item; remove them "
-                                 "(prompts come from `prompts:`, seeds from `seed:`)")
+                problems.append(f"model.call sets {reserved}, which tomerge sets per item; remove them "
+                                "(prompts come from `prompts:`, seeds from `seed:`)")
+        return problems
 
     @classmethod
     def from_config(cls, value: Any) -> ModelSpec:
-        """``"reference"``, ``{reference: PATH, ...}`` or ``{pipeline: PATH, dtype, device, call}``.
+        """``"reference"``, ``{reference: PATH, ...}`` or ``{pipeline: PATH, dtype, device, call}``; raises a
+        ``ValueError`` with every problem of the value (:meth:`parse`), joined by ``; ``.
 
         Example:
             >>> ModelSpec.from_config("reference").kind
@@ -194,26 +239,73 @@ class ModelSpec:
             >>> ModelSpec.from_config({"pipeline": "/m/sd3", "dtype": "bf16"}).dtype
             'bf16'
         """
+        spec, problems = cls.parse(value)
+        if problems:
+            raise ValueError("; ".join(problems))
+        return spec
+
+    @classmethod
+    def parse(cls, value: Any) -> tuple[ModelSpec | None, list[str]]:
+        """A config's ``model`` value and every problem of it, one message each (unknown keys with the
+        closest valid one, call arguments written one level too high, bad values): the spec with the
+        fields that are right (defaults for the others, unknown call arguments left out), so that what
+        depends on the model can still be checked; ``None`` when not even the kind of source is clear.
+
+        Example:
+            >>> spec, problems = ModelSpec.parse({"reference": "bundled", "dtpye": "fp16", "num_steps": 8})
+            >>> spec.kind, problems[0], problems[1]
+            ('reference', "unknown key 'model.dtpye'; did you mean 'model.dtype'?", "unknown key 'model.num_steps': \
+it is a call argument, model.call.num_steps")
+        """
         if value is None or value == "reference":
-            return cls()
+            return cls(), []
         if isinstance(value, ModelSpec):
-            return value
+            return value, []
         if isinstance(value, str):
-            raise ValueError(f"model must be `reference` or a mapping {{pipeline: PATH, ...}}, got {value!r}; "
-                             "for a pipeline folder write model: {pipeline: PATH}")
+            return None, [f"model must be `reference` or a mapping {{pipeline: PATH, ...}}, got {value!r}; "
+                          "for a pipeline folder write model: {pipeline: PATH}"]
         if not isinstance(value, dict):
-            raise ValueError(f"model must be `reference` or a mapping, got {value!r}")
+            return None, [f"model must be `reference` or a mapping, got {value!r}"]
         value = dict(value)
+        problems = []
         kinds = [k for k in ("reference", "pipeline") if k in value]
         if len(kinds) != 1:
-            raise ValueError("model needs exactly one of `reference: CHECKPOINT` or `pipeline: FOLDER`, "
-                             f"got keys {sorted(value)}")
-        kind = kinds[0]
-        path = value.pop(kind)
-        unknown = sorted(set(value) - {"dtype", "device", "call"})
-        if unknown:
-            raise ValueError(f"unknown model key(s) {unknown}; valid: {kind}, dtype, device, call")
-        return cls(kind=kind, path=None if path in (None, "bundled") else str(path), **value)
+            problems.append("model needs exactly one of `reference: CHECKPOINT` or `pipeline: FOLDER`, "
+                            f"got keys {sorted(value)}")
+        valid = ("reference", "pipeline", "dtype", "device", "call")
+        call_names = {*cls.REFERENCE_CALL, *(k for d in CALL_DEFAULTS.values() for k in d)}
+        for key in [k for k in value if k not in valid]:
+            if key in MOVED_MODEL_KEYS:
+                problems.append(f"unknown key 'model.{key}': moved to model.{MOVED_MODEL_KEYS[key]}")
+            elif key in call_names:
+                problems.append(f"unknown key 'model.{key}': it is a call argument, model.call.{key}")
+            else:
+                problems.append(f"unknown key 'model.{key}'"
+                                + (did_you_mean(f"model.{key}", [f"model.{v}" for v in valid])
+                                   or f"; valid: {', '.join(valid)}"))
+        fields = {k: value[k] for k in ("dtype", "device", "call") if k in value}
+        if len(kinds) != 1:
+            return None, problems
+        kind, path = kinds[0], value[kinds[0]]
+        path = None if path in (None, "bundled") else str(path)
+        defaults = cls()
+        problems += cls.field_problems(kind, path, fields.get("dtype", defaults.dtype),
+                                       fields.get("device", defaults.device), fields.get("call", {}))
+        if fields.get("dtype", "fp32") not in DTYPE_NAMES:  # the right fields only, for the checks that follow
+            del fields["dtype"]
+        if cls.field_problems("reference", None, "fp32", fields.get("device", "cpu"), {}):
+            del fields["device"]
+        if not isinstance(fields.get("call", {}), dict):
+            del fields["call"]
+        elif "call" in fields:
+            fields["call"] = {k: v for k, v in fields["call"].items()
+                              if (k in cls.REFERENCE_CALL if kind == "reference" else k not in RESERVED_CALL_ARGS)}
+        for call in (fields.get("call", {}), {}):  # without the call arguments if one of their values is bad
+            try:
+                return cls(kind=kind, path=path, **{**fields, "call": call}), problems
+            except ValueError:  # e.g. a pipeline without a path
+                pass
+        return None, problems
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -323,7 +323,7 @@ def run(args: argparse.Namespace) -> int:
     with user_input():
         config = _config_from_args(args)
         data_root = args.data_root or DEFAULT_FASHION_MNIST_ROOT
-        dataset = FashionMNIST(data_root, split="train", limit=args.limit_images)
+        dataset = FashionMNIST(data_root, split="train", limit=args.limit_images, root_hint="pass --data-root DIR")
         if len(dataset) < args.batch_size:
             raise ValueError(f"{len(dataset)} images are fewer than --batch-size {args.batch_size}")
     pl.seed_everything(args.seed, workers=True)

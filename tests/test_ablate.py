@@ -113,7 +113,7 @@ def test_changed_config_in_the_same_folder_is_refused(setup):
 
 
 def test_bad_config_keys_and_strategies_raise():
-    with pytest.raises(ValueError, match="unknown config key"):
+    with pytest.raises(ValueError, match="unknown key 'num_stepz'; did you mean 'model.call.num_steps'"):
         load_config(None, ["num_stepz=3"])
     with pytest.raises(ValueError, match="unknown strategy"):
         load_config(None, ["grid=[{strategy: nope, ratios: [0.5]}]"])

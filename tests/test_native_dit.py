@@ -141,8 +141,10 @@ def test_fashion_mnist_dataset(tmp_path):
     assert image.shape == (1, 32, 32) and label.dtype == torch.long and int(label) == 3
     assert image.min() >= -1 and image.max() <= 1
     assert torch.all(image[:, :2] == -1) and torch.all(image[:, :, -2:] == -1)  # padding is background
-    with pytest.raises(FileNotFoundError, match="--data-root"):
+    with pytest.raises(FileNotFoundError, match="pass root=DIR"):  # the Python argument; callers name their own
         FashionMNIST(tmp_path, split="test")
+    with pytest.raises(FileNotFoundError, match="pass --data-root DIR"):
+        FashionMNIST(tmp_path, split="test", root_hint="pass --data-root DIR")
 
 
 def test_sampler_deterministic_and_shape():

@@ -289,6 +289,26 @@ def check_options(strategy: str, *, ratio: float | None = None, backbones: Seque
     _make_schedule(strategy, ratio, rest, adapter_fields)
 
 
+def option_names(strategy: str, backbones: Sequence[str] | None = None) -> list[str]:
+    """Every option name :func:`check_options` (and :func:`apply`) accepts with the registered ``strategy``:
+    its own (a strategy's or schedule's fields), ``apply()``'s and the adapter options of ``backbones``
+    (default: every registered one). A config check names the unknown ones all at once with it.
+
+    Example:
+        >>> "use_rand" in tomerge.attach.option_names("tomesd")      # doctest: +SKIP
+        True
+    """
+    names = list(backbones) if backbones is not None else list_backbones()
+    valid = set(_STATE_OPTIONS)
+    for name in names:
+        valid |= {f.name for f in dataclasses.fields(backbone_class(name).Options)}
+    cls = strategy_class(strategy)
+    valid |= {f.name for f in dataclasses.fields(cls) if f.init}
+    if not issubclass(cls, Schedule):
+        valid |= set(_CONSTANT_OPTIONS)
+    return sorted(valid)
+
+
 def remove(target: Any) -> None:
     """Undoes :func:`apply` on a model or pipeline; raises if nothing was applied."""
     for module in _candidate_modules(target):

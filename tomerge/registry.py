@@ -208,9 +208,25 @@ def get_strategy(name: str, **options: Any) -> Any:
 
 def build(cls: type, options: dict[str, Any], what: str, also_valid: Iterable[str] = ()) -> Any:
     """``cls(**options)`` for a dataclass, with an error naming unknown options and the valid ones (``also_valid``:
-    names the caller takes itself, listed with them, e.g. ``apply()``'s own options)."""
+    names the caller takes itself, listed with them, e.g. ``apply()``'s own options); a close valid name is
+    suggested (``(did you mean 'use_rand'?)``)."""
     fields = {f.name for f in dataclasses.fields(cls) if f.init}
     unknown = sorted(set(options) - fields)
     if unknown:
-        raise TypeError(f"unknown option(s) {unknown} for {what}; valid options: {sorted(fields | set(also_valid))}")
+        valid = sorted(fields | set(also_valid))
+        hint = _did_you_mean(unknown, valid)
+        raise TypeError(f"unknown option(s) {unknown} for {what}{hint}; valid options: {valid}")
     return cls(**options)
+
+
+def _did_you_mean(unknown: list[str], valid: list[str]) -> str:
+    """`` (did you mean 'a'?)`` (one unknown name) or `` (did you mean 'a' for 'x', 'b' for 'y'?)``; ``""``
+    when no valid name is close."""
+    import difflib
+
+    close = {u: m[0] for u in unknown if (m := difflib.get_close_matches(str(u), valid, n=1))}
+    if not close:
+        return ""
+    if len(unknown) == 1:
+        return f" (did you mean {next(iter(close.values()))!r}?)"
+    return f" (did you mean {', '.join(f'{m!r} for {u!r}' for u, m in close.items())}?)"
