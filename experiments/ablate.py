@@ -38,7 +38,8 @@ import tomerge
 
 from .cli import user_input
 from .config import AblationConfig, ConfigError, RunSpec, config_help, load_config, valid_ratios
-from .generate import GenerateSpec, generate_distributed, generate_local, item_output, prepare
+from .files import output_complete
+from .generate import INDEX_FILE, GenerateSpec, generate_distributed, generate_local, item_output, prepare
 from .records import RunFolder, environment
 from .sources import Item
 from .speed import NOISY_SPREAD, time_alternating
@@ -71,7 +72,7 @@ def produce_images(folder: RunFolder, run_id: str, spec: GenerateSpec, items: Se
     else:
         generate_local(items, spec, out, source=source, progress=progress)
     files = [item_output(out, item, source.video) for item in items]
-    missing = [f.name for f in files if not f.exists()]
+    missing = [f.name for f in files if not output_complete(f)]
     if missing:
         raise RuntimeError(f"{len(missing)} images of {run_id} were not written (first: {missing[0]})")
     return files
@@ -207,12 +208,35 @@ def run_ablation(config: AblationConfig, progress: bool = True) -> RunFolder:
     The inputs besides the config's own files (Fashion-MNIST for FD, EfficientNet-Lite0) are checked
     first (:meth:`~tomerge.experiments.config.AblationConfig.input_problems`; a :class:`ConfigError`), so a
     missing one stops the grid before the first image."""
-    from tqdm import tqdm
-
     problems = config.input_problems()
     if problems:
         raise ConfigError(problems)
-    folder = RunFolder.open(config)
+    folder = RunFolder.open(config)  # locked: one process per run folder
+    try:
+        return _run_grid(config, folder, progress)
+    finally:
+        folder.close()  # on success, on an error and on Ctrl-C
+
+
+def complete_finished_runs(folder: RunFolder, config: AblationConfig, items: Sequence[Item], source: Any) -> None:
+    """Regenerates the missing or truncated images of the grid's runs that already have a row (deleted, a
+    broken copy): the same seeds give the same images, so the row stays true and figures find them all."""
+    cells = {run.run_id: run for run in config.runs()}
+    ratios = {r["run"]: r.get("ratio") for r in folder.rows}
+    for run_id, ratio in ratios.items():
+        if run_id not in cells or ratio is None:
+            continue
+        out = folder.images_dir(run_id)
+        if (out / INDEX_FILE).is_file() and all(output_complete(item_output(out, i, source.video)) for i in items):
+            continue
+        warnings.warn(f"{out}: images (or their {INDEX_FILE}) missing or truncated; writing them again", stacklevel=2)
+        run = dataclasses.replace(cells[run_id], ratio=ratio)  # a FLOP-matched run: the ratio it was run at
+        produce_images(folder, run_id, _spec(config, run), items, source, config, progress=False)
+
+
+def _run_grid(config: AblationConfig, folder: RunFolder, progress: bool) -> RunFolder:
+    from tqdm import tqdm
+
     source = config.model.load()
     items = config.items()
     source.check_items(items)
@@ -233,6 +257,7 @@ def run_ablation(config: AblationConfig, progress: bool = True) -> RunFolder:
         folder.save_grid("baseline", baseline_files)
         folder.append(row)
         logger.row(row, images=baseline_files, prompts=prompts)
+    complete_finished_runs(folder, config, items, source)
 
     for run in tqdm(todo, desc=f"ablate {config.name}", disable=not progress):
         files = produce_images(folder, run.run_id, _spec(config, run), items, source, config, progress=False)

@@ -17,6 +17,8 @@ exits with 2, without a traceback. That is
 * a :class:`UserError` anywhere: :class:`UsageError` (a bad value, a refused request),
   ``ConfigError`` (every problem of a config, one per line), ``MissingWeightsError``, ``PluginError``;
 * a ``FileNotFoundError`` anywhere (a missing input file, folder or checkpoint);
+* an ``OSError`` of a full disk or quota anywhere (``ENOSPC``, ``EDQUOT``; the run folders' writes name
+  their file: ``files.DiskFullError``);
 * a ``ValueError``, ``TypeError`` or ``KeyError`` raised inside a :func:`user_input` block: the
   subcommands read and check their configs and arguments in one.
 
@@ -109,7 +111,10 @@ def did_you_mean(word: str, choices: Iterable[str], quote: Callable[[str], str] 
 
 def is_user_error(err: BaseException) -> bool:
     """Whether ``err`` is reported in one line (see the module docstring)."""
-    return isinstance(err, (UserError, FileNotFoundError))
+    import errno
+
+    disk_full = isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT)
+    return isinstance(err, (UserError, FileNotFoundError)) or disk_full
 
 
 def report_errors(command: str, call: Callable[[], int], debug: bool = False) -> int:

@@ -20,6 +20,11 @@ Reads what ``tomerge ablate`` wrote (``results.jsonl``, ``images/``, ``maps/``, 
 A W&B offline run directory inside a run folder (``runs/<name>/wandb/offline-run-*``) resolves to
 that run folder; standalone W&B runs are not supported (their binary logs hold no more than the
 run folder does).
+
+A broken run folder is named in one line, with what to do (:class:`~tomerge.experiments.files.DamagedFileError`):
+a truncated or unreadable image, ``prompts.jsonl`` or merge map, a broken row of ``results.jsonl``, rows
+lacking the keys figures need (a folder of another tomerge version). An unfinished last row (a killed
+``tomerge ablate``) is left out and missing images are left out of the grids, each with a warning.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from .cli import UsageError
+from .files import DamagedFileError, read_jsonl
 from .records import image_grid, merge_map_rgb, other_counter_message, other_counter_runs
 
 if TYPE_CHECKING:  # torch is imported where images are drawn: `tomerge figures --help` stays fast
@@ -88,7 +94,10 @@ class RunData:
     def index(self, run: str) -> list[dict[str, Any]]:
         """The run's items (``images/<run>/prompts.jsonl``): index, seed, file, prompt or label."""
         file = self.path / "images" / run / "prompts.jsonl"
-        return [json.loads(line) for line in file.read_text().splitlines() if line.strip()] if file.exists() else []
+        if not file.exists():
+            return []
+        return read_jsonl(file, f"delete it and {regenerate(self.path)}", required=("index", "file"),
+                          appended=False)[0]
 
     def items(self, run: str, indices: Sequence[int] | None = None) -> list[dict[str, Any]]:
         """The run's items with these ``index`` values, in that order (all items: ``None``); an index the
@@ -107,7 +116,18 @@ class RunData:
         items = self.items(run, indices) if indices is not None else self.index(run)[:k]
         files = [self.path / "images" / run / item["file"] for item in items]
         files = [f for f in files if f.exists()]
-        return load_image_files(files) if files else None
+        if not files:
+            return None
+        try:
+            return load_image_files(files)
+        except (OSError, SyntaxError, ValueError) as err:  # PIL: truncated, not an image
+            for file in files:
+                try:
+                    load_image_files([file])
+                except (OSError, SyntaxError, ValueError) as one:
+                    raise DamagedFileError(f"{file} is damaged ({one}); delete it and {regenerate(self.path)}") \
+                        from one
+            raise err
 
     def prompts(self, k: int | None = None, indices: Sequence[int] | None = None) -> list[str] | None:
         """Prompts of the baseline's items with these ``index`` values (``indices``), else of its first ``k``
@@ -151,11 +171,42 @@ class RunData:
             return {}
         from safetensors.torch import load_file
 
-        return load_file(file)
+        try:
+            return load_file(file)
+        except Exception as err:  # noqa: BLE001 - safetensors raises its own SafetensorError
+            raise DamagedFileError(f"{file} is damaged ({type(err).__name__}: {err}); delete it (the figures then "
+                                   "leave out that run's merge maps)") from err
 
     def records(self, run: str) -> list[dict[str, Any]]:
         file = self.path / "maps" / f"{run}.json"
-        return json.loads(file.read_text()) if file.exists() else []
+        if not file.exists():
+            return []
+        try:
+            records = json.loads(file.read_text())
+        except ValueError as err:
+            raise DamagedFileError(f"{file} is damaged ({err}); delete it (the figures then leave out that run's "
+                                   "schedule)") from err
+        if not isinstance(records, list) or not all(isinstance(r, dict) for r in records):
+            raise DamagedFileError(f"{file} is not a list of block-call records; delete it (the figures then "
+                                   "leave out that run's schedule)")
+        return records
+
+    def missing_images(self) -> list[Path]:
+        """Image files (video folders) that the rows' ``prompts.jsonl`` list but that are not there, and the
+        image folders of rows that have none."""
+        missing = []
+        for r in self.rows:
+            folder = self.path / "images" / r["run"]
+            if not (folder / "prompts.jsonl").exists():
+                missing.append(folder)
+            missing += [folder / item["file"] for item in self.index(r["run"]) if not (folder / item["file"]).exists()]
+        return missing
+
+
+def regenerate(path: Path) -> str:
+    """What recreates the images of a run folder (the end of an error message)."""
+    return (f"rerun the `tomerge ablate` command that made {path} (the same config and --set values; "
+            "config.yaml there holds them), which generates missing images again")
 
 
 def _resolve(path: Path) -> Path:
@@ -178,19 +229,49 @@ def load_run(path: str | Path, runs: Sequence[str] | None = None) -> RunData:
         >>> [r["run"] for r in data.rows][:2]                      # doctest: +SKIP
         ['baseline', 'tomesd-r0.5-use_rand=False']
     """
+    import warnings
+
     path = _resolve(Path(path))
     latest: dict[str, dict[str, Any]] = {}
-    for line in (path / "results.jsonl").read_text().splitlines():
-        if line.strip():
-            row = json.loads(line)
-            latest[row["run"]] = row
+    fix = "fix or delete that line (`tomerge ablate` then redoes its run)"
+    for row in read_jsonl(path / "results.jsonl", fix, required=("run",))[0]:
+        latest[row["run"]] = row
     rows = [r for r in latest.values()
             if r["run"] == "baseline" or not runs or any(fnmatch.fnmatch(r["run"], p) for p in runs)]
     rows.sort(key=lambda r: r["run"] != "baseline")  # stable: baseline first, then file order
+    _check_keys(path, rows)
     _check_counter(path, rows)
     config_file = path / "config.yaml"
-    config = yaml.safe_load(config_file.read_text()) if config_file.exists() else {}
-    return RunData(path, path.name, config or {}, rows)
+    config: Any = {}
+    if config_file.exists():
+        try:
+            config = yaml.safe_load(config_file.read_text())
+        except yaml.YAMLError as err:
+            warnings.warn(f"{config_file} is damaged ({type(err).__name__}); figures do without it", stacklevel=2)
+    data = RunData(path, path.name, config if isinstance(config, dict) else {}, rows)
+    missing = data.missing_images()
+    if missing:
+        warnings.warn(f"{path}: {len(missing)} images or image folders are missing (first: {missing[0]}); the grids "
+                      f"leave them out; to draw them, {regenerate(path)}", stacklevel=2)
+    return data
+
+
+OTHER_VERSION = ("a run folder written by another tomerge version is read by that version (its rows name it: "
+                 "versions, git_commit)")
+# keys every row (and every merged row) needs to be drawn
+ROW_KEYS = ("run",)
+MERGED_ROW_KEYS = ("strategy",)
+
+
+def _check_keys(path: Path, rows: list[dict[str, Any]]) -> None:
+    """Refuses rows that lack the keys figures need (a folder written by another tomerge version)."""
+    lacking = {r["run"]: [k for k in (*ROW_KEYS, *(MERGED_ROW_KEYS if r["run"] != "baseline" else ())) if k not in r]
+               for r in rows}
+    lacking = {run: keys for run, keys in lacking.items() if keys}
+    if lacking:
+        run, keys = next(iter(lacking.items()))
+        raise DamagedFileError(f"{path / 'results.jsonl'}: {len(lacking)} rows lack keys figures need (first: {run} "
+                               f"has no {', '.join(map(repr, keys))}): {OTHER_VERSION}")
 
 
 def _check_counter(path: Path, rows: list[dict[str, Any]]) -> None:

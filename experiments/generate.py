@@ -35,18 +35,22 @@ used by the tests).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import json
 import os
+import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import tomerge
 
-from .cli import UsageError, user_input
+from .cli import UsageError, UserError, user_input
 from .config import apply_override, parse_override
+from .files import append_line, atomic_path, lock_folder, output_complete, remove_temp_files, \
+    repair_jsonl_tail, write_text_atomic
 from .sources import REFERENCE_CHECKPOINT, Item, ModelSpec
 
 if TYPE_CHECKING:
@@ -170,7 +174,13 @@ def check_settings(out: Path, spec: GenerateSpec) -> None:
     file = out / SETTINGS_FILE
     current = json.loads(json.dumps(spec.to_dict()))
     if file.exists():
-        previous = json.loads(file.read_text())
+        try:
+            previous = json.loads(file.read_text())
+        except ValueError as err:
+            from .files import DamagedFileError
+
+            raise DamagedFileError(f"{file} is damaged ({err}); if the images in {out} were made with these "
+                                   "settings, delete it and rerun, else use another --out") from err
         if previous != current:
             changed = sorted(k for k in set(previous) | set(current) if previous.get(k) != current.get(k))
             raise UsageError(f"{out} holds images generated with other settings (changed: {changed}); "
@@ -204,9 +214,7 @@ def read_index(out: Path) -> list[Item]:
 
 
 def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    write_text_atomic(path, text)
 
 
 # ---------------------------------------------------------------------------------------- work
@@ -241,40 +249,43 @@ def save_image(image: Tensor, path: Path) -> None:
         pil = Image.fromarray(array.permute(1, 2, 0).contiguous().numpy(), mode="RGB")
     else:
         raise ValueError(f"can write 1- or 3-channel images, got {array.shape[0]} channels")
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    pil.save(tmp, format="PNG")
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:  # a full disk: DiskFullError naming the file, no half file left
+        pil.save(tmp, format="PNG")
 
 
 def save_video(frames: Tensor, folder: Path) -> None:
     """``[T, C, H, W]`` in ``[-1, 1]`` -> ``folder/frame_000.png``, ... (one PNG per frame), written into a
     temporary folder that is renamed to ``folder`` once complete (no half videos on resume)."""
-    import shutil
-
     if frames.ndim != 4:
         raise ValueError(f"a video is [T, C, H, W], got shape {tuple(frames.shape)}")
-    tmp = folder.with_name(f".{folder.name}.tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)  # left by an interrupted write of this process id
-    tmp.mkdir()
-    for t, frame in enumerate(frames):  # frame: [C, H, W]
-        save_image(frame, tmp / f"frame_{t:03d}.png")
-    os.replace(tmp, folder)
+    if folder.is_dir():  # a damaged video (process_batch regenerates it): os.replace cannot replace a folder
+        import shutil
+
+        shutil.rmtree(folder)
+    with atomic_path(folder) as tmp:
+        tmp.mkdir()
+        for t, frame in enumerate(frames):  # frame: [C, H, W]
+            save_image(frame, tmp / f"frame_{t:03d}.png")
 
 
 def process_batch(source: Any, batch: Sequence[Item], spec: GenerateSpec, out: Path, rank: int = 0) -> int:
-    """Generates a batch unless all its files (video: frame folders) exist; writes only the missing ones;
-    returns how many."""
+    """Generates a batch unless all its files (video: frame folders) exist whole; writes only the missing
+    ones (a truncated PNG counts as missing: :func:`~tomerge.experiments.files.output_complete`); returns
+    how many."""
+    import warnings
+
     video = bool(getattr(source, "video", False))
-    missing = [k for k, item in enumerate(batch) if not item_output(out, item, video).exists()]
+    missing = [k for k, item in enumerate(batch) if not output_complete(item_output(out, item, video))]
     if not missing:
         return 0
+    damaged = [item_output(out, batch[k], video) for k in missing if item_output(out, batch[k], video).exists()]
+    if damaged:
+        warnings.warn(f"{', '.join(map(str, damaged))}: truncated or damaged, written again", stacklevel=2)
     outputs = generate_batch(source, batch, spec)  # [B, C, H, W] or [B, T, C, H, W]
-    with (out / LOG_FILE).open("a") as log:
-        for k in missing:
-            target = item_output(out, batch[k], video)
-            (save_video if video else save_image)(outputs[k], target)
-            log.write(json.dumps({"file": target.name, "rank": rank}) + "\n")
-            log.flush()
+    for k in missing:
+        target = item_output(out, batch[k], video)
+        (save_video if video else save_image)(outputs[k], target)
+        append_line(out / LOG_FILE, json.dumps({"file": target.name, "rank": rank}), sync=False)
     return len(missing)
 
 
@@ -283,6 +294,27 @@ def prepare(out: Path, items: Sequence[Item], spec: GenerateSpec) -> None:
     out.mkdir(parents=True, exist_ok=True)
     check_settings(out, spec)
     write_index(out, items, video=spec.model.is_video)
+
+
+def tidy(out: Path) -> None:
+    """What killed writers left in ``out``: their temporary files go, and an unfinished last line of
+    ``generated.jsonl`` is cut off. Only for the holder of the folder's lock (:func:`lock_output`)."""
+    remove_temp_files(out, depth=1)
+    repair_jsonl_tail(out / LOG_FILE)
+
+
+def lock_output(out: Path, command: str = "tomerge generate"):
+    """Locks the output folder for this process (one writer per folder; see
+    :func:`~tomerge.experiments.files.lock_folder`) and tidies it (:func:`tidy`); returns the lock to
+    ``release()`` (or use in ``with``)."""
+    out.mkdir(parents=True, exist_ok=True)
+    lock = lock_folder(out, command)
+    try:
+        tidy(out)
+    except BaseException:
+        lock.release()
+        raise
+    return lock
 
 
 def generate_local(items: Sequence[Item], spec: GenerateSpec, out: Path, source: Any = None,
@@ -314,9 +346,10 @@ def _lightning_module_class() -> type:
         """Loads the model on its rank's device in ``setup``, generates this rank's shard of batches in
         ``predict_step`` and writes the PNGs."""
 
-        def __init__(self, items: list[Item], spec: GenerateSpec, out: str, threads: int | None = None) -> None:
+        def __init__(self, items: list[Item], spec: GenerateSpec, out: str, threads: int | None = None,
+                     timeout: float = DEFAULT_TIMEOUT_S) -> None:
             super().__init__()
-            self.items, self.spec, self.out, self.threads = items, spec, out, threads
+            self.items, self.spec, self.out, self.threads, self.timeout = items, spec, out, threads, timeout
             self.source = None
 
         def setup(self, stage: str) -> None:
@@ -346,6 +379,20 @@ def _lightning_module_class() -> type:
                 return 0
             return process_batch(self.source, items, self.spec, Path(self.out), rank=self.trainer.global_rank)
 
+        def on_predict_end(self) -> None:
+            """Every rank waits here for the others to finish their shares, at most ``timeout`` seconds: a rank
+            that hangs (or died unnoticed) stops the job with an error naming it instead of blocking it."""
+            import datetime
+
+            import torch.distributed as dist
+
+            if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+                return
+            if dist.get_backend() == "gloo":  # names the late ranks
+                dist.monitored_barrier(timeout=datetime.timedelta(seconds=self.timeout), wait_all_ranks=True)
+            else:  # NCCL: its watchdog enforces the process-group timeout
+                dist.barrier()
+
     GenerateModule.__qualname__ = "GenerateModule"
     GenerateModule.__module__ = "tomerge.experiments.generate"
     return GenerateModule
@@ -357,16 +404,115 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+DEFAULT_TIMEOUT_S = 1800.0  # PyTorch's default process-group timeout
+
+
+class RankFailedError(UserError):
+    """A rank of a distributed generation died (killed, out of memory) or failed with a user error; the
+    other ranks were stopped. Not a bug in tomerge: the message says which rank and how, and that a rerun
+    resumes."""
+
+
+RESUME = "the images written so far are kept: rerun the same command to resume"
+
+
+LOST_RANK = re.compile(r"failed to pass monitoredBarrier|Connection (closed|reset) by peer|[Tt]imed out")
+
+
+def _rank_failure(err: BaseException, world_size: int, rank: int, timeout: float) -> RankFailedError | None:
+    """The :class:`RankFailedError` for a fault of a rank: what ``torch.multiprocessing`` raised when a rank of
+    ``ddp_spawn`` / ``ddp_fork`` was killed, exited with a code, raised a tomerge user error (a full disk, ...)
+    or lost the others (:data:`LOST_RANK`: a rank that waited ``timeout`` seconds for them at the end, a
+    connection closed); or that error raised in this process (rank ``rank``: ``ddp``, torchrun, SLURM).
+    ``None`` for another exception (a bug: its traceback is shown)."""
+    import importlib
+
+    from torch.multiprocessing.spawn import ProcessException, ProcessExitedException
+
+    lost = (f"the other ranks did not all reach the end within --timeout {timeout:g} s, or a connection to one "
+            "closed (a rank hangs, died or lost its node)")
+    if not isinstance(err, ProcessException):  # raised in this process
+        detail = next((line for line in str(err).splitlines() if LOST_RANK.search(line)), None)
+        if isinstance(err, RuntimeError) and detail is not None:
+            return RankFailedError(f"rank {rank} of {world_size}: {lost}: {_short(detail)}; {RESUME}")
+        return None
+    who = f"rank {err.error_index} of {world_size} (pid {err.error_pid})"
+    if isinstance(err, ProcessExitedException):
+        how = (f"was killed by {err.signal_name}" if err.signal_name else f"exited with code {err.exit_code}")
+        return RankFailedError(f"{who} {how} (out of memory? killed?); the other ranks were stopped; {RESUME}")
+    last = next((line for line in reversed(str(err).splitlines()) if line.strip()), "")
+    name, _, message = last.partition(": ")
+    module, _, cls = name.rpartition(".")
+    try:
+        raised = getattr(importlib.import_module(module), cls) if module else None
+    except (ImportError, ValueError):
+        raised = None
+    if isinstance(raised, type) and issubclass(raised, UserError):
+        return RankFailedError(f"{who}: {message}")
+    if re.match(r"(OSError|\w+Error): \[Errno (28|122)\]", last):  # ENOSPC, EDQUOT, as cli.is_user_error
+        return RankFailedError(f"{who}: {message}; {RESUME}")
+    if LOST_RANK.search(last):
+        return RankFailedError(f"{who}: {lost}: {_short(message)}; the other ranks were stopped; {RESUME}")
+    return None
+
+
+def _short(detail: str) -> str:
+    """A gloo message without its source location and advice: ``Connection closed by peer [127.0.0.1]:39059``."""
+    detail = re.sub(r"\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", detail.strip())
+    return detail.split(". ")[0].rstrip(".")
+
+
+@functools.cache
+def _report_dead_children() -> None:
+    """With ``launcher="ddp"`` Lightning's observer thread in rank 0 kills every rank (rank 0 too, with
+    SIGKILL) a few seconds after a rank it started died: say which rank and how first, as a one-line
+    error, instead of dying silently."""
+    try:
+        from lightning_fabric.strategies.launchers import subprocess_script as launchers
+        observer = launchers._ChildProcessObserver
+        original = observer._terminate_all
+    except (ImportError, AttributeError):  # another Lightning: its own message stays
+        return
+    import signal
+    import sys
+
+    def terminate_all(self) -> None:
+        try:
+            children = self._child_processes
+            world = len(children) + 1
+            for i, proc in enumerate(children, 1):
+                if proc.returncode:
+                    code = proc.returncode
+                    how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+                    print(f"tomerge generate: error: rank {i} of {world} on this node (pid {proc.pid}) {how}; "
+                          f"the other ranks are stopped; {RESUME}", file=sys.stderr, flush=True)
+                    break
+        except Exception:  # noqa: BLE001 - never keep Lightning from stopping the ranks
+            pass
+        original(self)
+
+    observer._terminate_all = terminate_all
+
+
 def generate_distributed(items: Sequence[Item], spec: GenerateSpec, out: Path, devices: int = 2,
                          accelerator: str = "cpu", num_nodes: int = 1, launcher: str = "ddp",
-                         threads: int | None = None, progress: bool = True) -> bool:
+                         threads: int | None = None, progress: bool = True,
+                         timeout: float = DEFAULT_TIMEOUT_S) -> bool:
     """``Trainer.predict`` with DDP over ``devices x num_nodes`` ranks; returns True on global rank 0.
 
     Every rank loads the model itself (``spec.model`` on its own device). With ``launcher="ddp"``
     Lightning re-executes the current command for the other local ranks, so call this from a script
     or console entry point; from Python (notebooks, tests, ``tomerge ablate``) use ``"ddp_fork"``
     (CPU) or ``"ddp_spawn"``. The caller prepares ``out`` (:func:`prepare`) on one rank first.
+
+    Faults: a rank that dies (killed, out of memory) or fails with a user error stops the others and
+    raises :class:`RankFailedError` (``ddp_fork`` / ``ddp_spawn``: at once; ``ddp``: Lightning stops every
+    rank of the node within about 5 s, after a one-line error naming the rank). A rank waiting for the
+    others in a collective (start-up, the end) longer than ``timeout`` seconds fails (the process-group
+    timeout; a node that vanished, a rank that hangs).
     """
+    import datetime
+
     import pytorch_lightning as pl
     from pytorch_lightning.strategies import DDPStrategy
 
@@ -374,12 +520,27 @@ def generate_distributed(items: Sequence[Item], spec: GenerateSpec, out: Path, d
     start = {"ddp": "popen", "ddp_spawn": "spawn", "ddp_fork": "fork"}
     if launcher not in start:
         raise ValueError(f"launcher must be one of {sorted(start)}, got {launcher!r}")
-    strategy = DDPStrategy(process_group_backend=backend, start_method=start[launcher])
+    if launcher == "ddp":
+        _report_dead_children()
+    strategy = DDPStrategy(process_group_backend=backend, start_method=start[launcher],
+                           timeout=datetime.timedelta(seconds=timeout))
     trainer = pl.Trainer(accelerator=accelerator, devices=devices, num_nodes=num_nodes, strategy=strategy,
                          logger=False, enable_checkpointing=False, enable_model_summary=False,
                          enable_progress_bar=progress, use_distributed_sampler=False, default_root_dir=str(out))
-    module = _lightning_module_class()(list(items), spec, str(out), threads)
-    trainer.predict(module, return_predictions=False)
+    module = _lightning_module_class()(list(items), spec, str(out), threads, timeout)
+    try:
+        trainer.predict(module, return_predictions=False)
+    except Exception as err:
+        failure = _rank_failure(err, devices * num_nodes, trainer.global_rank, timeout)
+        if failure is None:
+            raise
+        launcher = getattr(trainer.strategy, "launcher", None)
+        if hasattr(launcher, "kill"):  # ddp: the ranks this process started, which may hang (forked: stopped)
+            import signal
+
+            with contextlib.suppress(Exception):
+                launcher.kill(signal.SIGKILL)
+        raise failure from err
     return trainer.is_global_zero
 
 
@@ -426,6 +587,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     procs.add_argument("--launcher", choices=["ddp", "ddp_spawn", "ddp_fork"], default="ddp",
                        help="how Lightning starts the extra ranks (default: %(default)s)")
     procs.add_argument("--threads", type=int, default=None, help="torch CPU threads per process")
+    procs.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
+                       help="with --devices/--num-nodes: a rank waiting longer than this for the others (at "
+                            "start-up, at the end) stops with an error (default: %(default)g)")
     procs.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -523,19 +687,36 @@ def run(args: argparse.Namespace) -> int:
             check_options(spec.strategy, ratio=spec.ratio, backbones=backbones, **spec.options)  # before any work
     out = Path(args.out)
     accelerator = _accelerator(args)
-    if args.devices * args.num_nodes > 1:
-        if int(os.environ.get("LOCAL_RANK", "0")) == 0 and int(os.environ.get("NODE_RANK", "0")) == 0:
-            prepare(out, items, spec)
-        is_zero = generate_distributed(items, spec, out, args.devices, accelerator, args.num_nodes, args.launcher,
-                                       args.threads, progress=not args.no_progress)
-        if not is_zero:
-            return 0
-    else:
-        generate_local(items, spec, out, progress=not args.no_progress)
+    # One writer per folder: the first process of the job locks it (the ranks it starts, or torchrun's /
+    # SLURM's other ranks, share its work); a second `tomerge generate` on the folder is refused.
+    lock = lock_output(out) if _first_process() else None
+    try:
+        if args.devices * args.num_nodes > 1:
+            if int(os.environ.get("LOCAL_RANK", "0")) == 0 and int(os.environ.get("NODE_RANK", "0")) == 0:
+                prepare(out, items, spec)
+            is_zero = generate_distributed(items, spec, out, args.devices, accelerator, args.num_nodes,
+                                           args.launcher, args.threads, progress=not args.no_progress,
+                                           timeout=args.timeout)
+            if not is_zero:
+                return 0
+        else:
+            generate_local(items, spec, out, progress=not args.no_progress)
+    finally:
+        if lock is not None:
+            lock.release()
     video = model.is_video
-    done = sum(item_output(out, i, video).exists() for i in items)
-    print(f"{done}/{len(items)} {'videos' if video else 'images'} in {out}")
+    done = sum(output_complete(item_output(out, i, video)) for i in items)
+    kind = "videos" if video else "images"
+    print(f"{done}/{len(items)} {kind} in {out}")
+    if done < len(items) and args.devices * args.num_nodes > 1:  # ddp: the end barrier passed a dead rank
+        raise RankFailedError(f"{len(items) - done} of {len(items)} {kind} were not written: a rank stopped before "
+                              f"finishing its share (killed? out of memory? see above); {RESUME}")
     return 0 if done == len(items) else 1
+
+
+def _first_process() -> bool:
+    """Whether this is the job's first process (global rank 0, or no distributed launcher around)."""
+    return all(int(os.environ.get(key) or 0) == 0 for key in ("RANK", "LOCAL_RANK", "NODE_RANK", "SLURM_PROCID"))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

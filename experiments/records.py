@@ -8,6 +8,12 @@ frames per video), ``features.safetensors`` (EfficientNet-Lite0 features of the 
 ``maps/<run>.safetensors`` (slot of every token of the first timed image at the kept steps/layers) and
 ``maps/<run>.json`` (every block call's decision in the timed batch). Figures are built from these
 files alone.
+
+One process writes to a run folder at a time: :meth:`RunFolder.open` locks it (``tomerge.lock``, see
+:func:`~tomerge.experiments.files.lock_folder`) until :meth:`RunFolder.close`. Every file is written
+whole (a temporary file renamed into place) and rows are appended whole, so a process killed at any
+moment leaves finished files and rows intact; the next :meth:`RunFolder.open` removes the temporary
+files it left and drops an unfinished last row (with a warning).
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ import yaml
 
 from .cli import UsageError
 from .config import AblationConfig
+from .files import DamagedFileError, FolderLock, append_line, lock_folder, read_jsonl, remove_temp_files, \
+    repair_jsonl_tail, write_text_atomic, write_with
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -90,7 +98,12 @@ def preview_grid(files: list[Path]) -> Tensor:
 def save_png(array: Tensor, path: Path) -> None:
     from PIL import Image
 
-    Image.fromarray(array.numpy()).save(path)
+    write_with(path, lambda tmp: Image.fromarray(array.numpy()).save(tmp, format="PNG"))
+
+
+RESULTS = "results.jsonl"
+# What to do about a broken row of results.jsonl (the end of DamagedFileError's message)
+FIX_ROW = "fix or delete that line (`tomerge ablate` then redoes its run)"
 
 
 @dataclasses.dataclass
@@ -99,26 +112,55 @@ class RunFolder:
 
     path: Path
     rows: list[dict[str, Any]]
+    lock: FolderLock | None = dataclasses.field(default=None, repr=False, compare=False)
 
     @classmethod
     def open(cls, config: AblationConfig) -> RunFolder:
+        """Locks the folder (a second process on it gets a :class:`~tomerge.experiments.files.FolderInUseError`
+        naming the first), tidies what a killed process left, checks the config and reads the rows;
+        :meth:`close` releases the lock."""
         path = Path(config.out_dir) / config.name
-        (path / "images").mkdir(parents=True, exist_ok=True)
+        path.mkdir(parents=True, exist_ok=True)
+        lock = lock_folder(path, "tomerge ablate")
+        try:
+            return cls(path, cls._read(path, config), lock)
+        except BaseException:
+            lock.release()
+            raise
+
+    @staticmethod
+    def _read(path: Path, config: AblationConfig) -> list[dict[str, Any]]:
+        (path / "images").mkdir(exist_ok=True)
         (path / "maps").mkdir(exist_ok=True)
+        remove_temp_files(path, depth=2)  # of writes a killed process did not finish (we hold the lock)
+        for log in (path / "images").glob("*/generated.jsonl"):
+            repair_jsonl_tail(log)
         saved = path / "config.yaml"
         current = yaml.safe_dump(config.to_dict(), sort_keys=True)
         if saved.exists() and saved.read_text() != current:
-            previous = yaml.safe_load(saved.read_text())
+            try:
+                previous = yaml.safe_load(saved.read_text())
+            except yaml.YAMLError as err:
+                raise DamagedFileError(f"{saved} is damaged ({type(err).__name__}); if {path} was made with this "
+                                       "config, delete that file and rerun, else use another name "
+                                       "(--set name=...)") from err
+            previous = previous if isinstance(previous, dict) else {}
             changed = sorted(k for k, v in config.to_dict().items() if previous.get(k) != _plain(v))
             if set(changed) - {"grid", "wandb", "out_dir", "plugins"}:
                 raise UsageError(f"{path} holds an ablation with another config (changed: {changed}); "
                                  "use another name (--set name=...) or delete the folder")
-        saved.write_text(current)
+        write_text_atomic(saved, current)
         rows = []
-        results = path / "results.jsonl"
+        results = path / RESULTS
         if results.exists():
-            rows = [json.loads(line) for line in results.read_text().splitlines() if line.strip()]
-        return cls(path, current_counts(rows, path))
+            rows, _ = read_jsonl(results, FIX_ROW, required=("run",))
+            repair_jsonl_tail(results)  # an unfinished last row (warned about) goes: the next row starts a line
+        return current_counts(rows, path)
+
+    def close(self) -> None:
+        """Releases the folder's lock (a second call does nothing)."""
+        if self.lock is not None:
+            self.lock.release()
 
     @property
     def table_path(self) -> Path:
@@ -131,10 +173,8 @@ class RunFolder:
         return next(r for r in self.rows if r["run"] == "baseline")
 
     def append(self, row: dict[str, Any]) -> None:
-        with (self.path / "results.jsonl").open("a") as f:
-            f.write(json.dumps(row, default=str) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        """Appends a row whole, fsynced (a full disk: a one-line error, and the file as it was)."""
+        append_line(self.path / RESULTS, json.dumps(row, default=str))
         self.rows.append(row)
 
     def images_dir(self, run_id: str) -> Path:
@@ -149,7 +189,8 @@ class RunFolder:
     def save_tensors(self, key: str, tensors: dict[str, Tensor]) -> None:
         from safetensors.torch import save_file
 
-        save_file({k: v.contiguous() for k, v in tensors.items()}, self.path / f"{key}.safetensors")
+        write_with(self.path / f"{key}.safetensors",
+                   lambda tmp: save_file({k: v.contiguous() for k, v in tensors.items()}, tmp))
 
     def load_tensors(self, key: str) -> dict[str, Tensor] | None:
         file = self.path / f"{key}.safetensors"
@@ -163,17 +204,22 @@ class RunFolder:
         from safetensors.torch import save_file
 
         if maps:
-            save_file({k: v.contiguous() for k, v in maps.items()}, self.path / "maps" / f"{run_id}.safetensors")
-        (self.path / "maps" / f"{run_id}.json").write_text(json.dumps([dataclasses.asdict(r) for r in records]))
+            write_with(self.path / "maps" / f"{run_id}.safetensors",
+                       lambda tmp: save_file({k: v.contiguous() for k, v in maps.items()}, tmp))
+        write_text_atomic(self.path / "maps" / f"{run_id}.json", json.dumps([dataclasses.asdict(r) for r in records]))
 
     def finish(self) -> None:
         """Rewrites ``results.csv`` and ``table.md`` from the rows."""
         keys = sorted({k for r in self.rows for k in r if not isinstance(r[k], dict)})
-        with (self.path / "results.csv").open("w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
-            writer.writeheader()
-            writer.writerows(self.rows)
-        self.table_path.write_text(markdown_table(self.rows))
+
+        def write_csv(tmp: Path) -> None:
+            with tmp.open("w", newline="") as f:
+                writer = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
+                writer.writeheader()
+                writer.writerows(self.rows)
+
+        write_with(self.path / "results.csv", write_csv)
+        write_text_atomic(self.table_path, markdown_table(self.rows))
 
     def logger(self, config: AblationConfig, env: dict[str, Any]) -> WandbLogger:
         return WandbLogger(config, env, self.path)
@@ -264,7 +310,7 @@ class WandbLogger:
 
         id_file = folder / "wandb_id.txt"
         run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:12]
-        id_file.write_text(run_id)
+        write_text_atomic(id_file, run_id)
         self.run = wandb.init(project="tomerge", name=config.name, id=run_id, resume="allow", dir=str(folder),
                               mode=self.mode, config={**config.to_dict(), **env}, reinit="finish_previous",
                               settings=wandb.Settings(silent=True, console="off"))
