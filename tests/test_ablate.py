@@ -7,25 +7,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from tomerge.backbones.timm_dit import DiT, DiTConfig, save_dit
 from tomerge.experiments.ablate import run_ablation
 from tomerge.experiments.config import load_config
-from tomerge.experiments.data import write_idx
+from tiny_reference import write_test_set, write_tiny_dit
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("ablate")
-    torch.manual_seed(0)
-    model = DiT(DiTConfig(input_size=16, patch_size=2, in_channels=1, hidden_size=32, depth=2, num_heads=2,
-                          num_classes=3))
-    for p in model.parameters():  # leave adaLN-Zero's identity init so merging changes the output
-        p.data.normal_(0, 0.05)
-    save_dit(model, root / "tiny.safetensors")
-    data = root / "data"
-    data.mkdir()
-    write_idx(data / "t10k-images-idx3-ubyte", torch.randint(0, 256, (6, 12, 12), dtype=torch.uint8))
-    write_idx(data / "t10k-labels-idx1-ubyte", torch.randint(0, 10, (6,), dtype=torch.uint8))
+    write_tiny_dit(root / "tiny.safetensors")
+    data = write_test_set(root / "data")
     overrides = [f"model.reference={root / 'tiny.safetensors'}", "model.call.num_steps=2", f"data_root={data}",
                  f"out_dir={root / 'runs'}", "name=tiny", "classes=[0, 1]", "per_class=2", "batch_size=4",
                  "timing_batch=2",

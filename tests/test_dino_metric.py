@@ -128,18 +128,13 @@ def test_video_frames_are_paired_with_the_same_frame_of_the_baseline(tmp_path, d
 
 
 def test_ablate_records_the_dino_distance(tmp_path, dino_folder):
-    from tomerge.backbones.timm_dit import DiT, DiTConfig, save_dit
+    from tiny_reference import write_tiny_dit
     from tomerge.experiments import figures
     from tomerge.experiments.ablate import run_ablation
     from tomerge.experiments.config import load_config
     from tomerge.experiments.records import TABLE_COLUMNS
 
-    torch.manual_seed(0)
-    model = DiT(DiTConfig(input_size=16, patch_size=2, in_channels=1, hidden_size=32, depth=2, num_heads=2,
-                          num_classes=3))
-    for p in model.parameters():  # leave adaLN-Zero's identity init so merging changes the output
-        p.data.normal_(0, 0.05)
-    save_dit(model, tmp_path / "tiny.safetensors")
+    write_tiny_dit(tmp_path / "tiny.safetensors")
     overrides = [f"model.reference={tmp_path / 'tiny.safetensors'}", "model.call.num_steps=2",
                  f"out_dir={tmp_path / 'runs'}", "name=dino", "classes=[0]", "per_class=2", "batch_size=2",
                  "timing_batch=1", "warmup=0", "repeats=1", "fd_reference_images=0", "wandb=disabled",

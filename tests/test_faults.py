@@ -29,7 +29,6 @@ from tomerge.experiments import ablate, cli, files
 from tomerge.experiments import generate as gen
 from tomerge.experiments.ablate import run_ablation
 from tomerge.experiments.config import load_config
-from tomerge.experiments.data import write_idx
 
 MERGED = "tomesd-r0.5-use_rand=False"
 # the numbers of a row that do not depend on timing
@@ -40,20 +39,12 @@ TEMP = re.compile(r"^\..+\.tmp\d+$")
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> Path:
-    """A tiny DiT checkpoint and Fashion-MNIST stand-in files (as tests/test_ablate.py)."""
-    from tomerge.backbones.timm_dit import DiT, DiTConfig, save_dit
+    """A tiny DiT checkpoint and Fashion-MNIST stand-in files (tests/tiny_reference.py)."""
+    from tiny_reference import write_test_set, write_tiny_dit
 
     root = tmp_path_factory.mktemp("faults")
-    torch.manual_seed(0)
-    model = DiT(DiTConfig(input_size=16, patch_size=2, in_channels=1, hidden_size=32, depth=2, num_heads=2,
-                          num_classes=3))
-    for p in model.parameters():
-        p.data.normal_(0, 0.05)
-    save_dit(model, root / "tiny.safetensors")
-    data = root / "data"
-    data.mkdir()
-    write_idx(data / "t10k-images-idx3-ubyte", torch.randint(0, 256, (6, 12, 12), dtype=torch.uint8))
-    write_idx(data / "t10k-labels-idx1-ubyte", torch.randint(0, 10, (6,), dtype=torch.uint8))
+    write_tiny_dit(root / "tiny.safetensors")
+    write_test_set(root / "data")
     return root
 
 
