@@ -138,6 +138,8 @@ DIT_PRESETS: dict[str, DiTConfig] = {
                            num_heads=6, mlp_ratio=4.0, num_classes=10, class_dropout_prob=0.1,
                            learn_sigma=False),
 }
+# The same network on 64 x 64 Fashion-MNIST: 32 x 32 = 1,024 image tokens (the second reference model).
+DIT_PRESETS["reference-1024"] = dataclasses.replace(DIT_PRESETS["reference"], input_size=64)
 
 
 # ------------------------------------------------------------------------------------ embeddings

@@ -7,6 +7,7 @@ Example:
     >>> from tomerge.experiments.data import FashionMNIST
     >>> ds = FashionMNIST()                      # doctest: +SKIP
     >>> image, label = ds[0]                     # image [1, 32, 32] in [-1, 1], label long
+    >>> big = FashionMNIST(size=64)              # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -120,22 +121,28 @@ def fashion_mnist_files(root: str | os.PathLike | None = None, split: str = "tra
 
 
 class FashionMNIST(Dataset):
-    """Fashion-MNIST as 32x32 images in ``[-1, 1]`` (28x28 zero-padded by 2 pixels on each side).
+    """Fashion-MNIST as ``size x size`` images in ``[-1, 1]``.
+
+    ``size`` 32 is the 28x28 image zero-padded by 2 pixels on each side; a multiple ``32 k`` is the image
+    upsampled bilinearly to ``28 k`` and padded by ``2 k`` (64: 28 -> 56, padded to 64), so every size
+    shows the garment at the same fraction of the frame.
 
     Args:
         root: folder with ``{train,t10k}-{images-idx3,labels-idx1}-ubyte[.gz]``.
         split: ``"train"`` (60k) or ``"test"`` (10k).
         limit: keep only the first ``limit`` images (smoke tests).
-        pad: pixels of background added on each side (2 gives 32x32).
+        size: the image side, a multiple of 32 (32 for the reference model, 64 for ``reference-1024``).
         root_hint: how the caller's user gives another folder, in the message of a missing file
             (``tomerge train-reference``: ``"pass --data-root DIR"``).
 
     Returns (per item):
-        ``(image [1, 28+2*pad, 28+2*pad] float32 in [-1, 1], label long)``.
+        ``(image [1, size, size] float32 in [-1, 1], label long)``.
     """
 
     def __init__(self, root: str | os.PathLike | None = None, split: str = "train", limit: int | None = None,
-                 pad: int = 2, root_hint: str = "pass root=DIR") -> None:
+                 size: int = 32, root_hint: str = "pass root=DIR") -> None:
+        if size < 32 or size % 32:
+            raise ValueError(f"Fashion-MNIST image size must be a multiple of 32, got {size}")
         images_file, labels_file = fashion_mnist_files(root, split, root_hint)
         root = images_file.parent
         images = read_idx(images_file)  # [N, 28, 28] uint8
@@ -144,11 +151,14 @@ class FashionMNIST(Dataset):
             raise ValueError(f"inconsistent IDX files in {root}: images {tuple(images.shape)}, labels {tuple(labels.shape)}")
         if limit is not None:
             images, labels = images[:limit], labels[:limit]
-        if pad:
-            images = torch.nn.functional.pad(images, (pad, pad, pad, pad))  # [N, 28+2p, 28+2p], background 0
+        scale = size // 32
+        if scale > 1:
+            images = _upsample(images, 28 * scale)  # [N, 28k, 28k] uint8
+        pad = 2 * scale
+        images = torch.nn.functional.pad(images, (pad, pad, pad, pad))  # [N, size, size], background 0
         self.images = images.contiguous()
         self.labels = labels.long()
-        self.root, self.split = root, split
+        self.root, self.split, self.size = root, split, size
 
     def __len__(self) -> int:
         return self.images.shape[0]
@@ -156,3 +166,13 @@ class FashionMNIST(Dataset):
     def __getitem__(self, index: int) -> tuple[Tensor, Tensor]:
         image = self.images[index].float().div_(127.5).sub_(1.0).unsqueeze(0)  # [1, H, W] in [-1, 1]
         return image, self.labels[index]
+
+
+def _upsample(images: Tensor, side: int, chunk: int = 4096) -> Tensor:
+    """``[N, h, w]`` uint8 -> ``[N, side, side]`` uint8, bilinear (rounded), in chunks to bound memory."""
+    out = torch.empty(images.shape[0], side, side, dtype=torch.uint8)
+    for start in range(0, images.shape[0], chunk):
+        part = images[start : start + chunk].unsqueeze(1).float()  # [n, 1, h, w]
+        up = torch.nn.functional.interpolate(part, size=(side, side), mode="bilinear", align_corners=False)
+        out[start : start + chunk] = up.squeeze(1).round_().clamp_(0, 255).to(torch.uint8)
+    return out

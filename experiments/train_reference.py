@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from tomerge.backbones.timm_dit import DiT, DiTConfig
 # torch, the model (timm), the data and Lightning are imported where they are used: `--help` needs none.
 
-__all__ = ["add_arguments", "run", "main", "export_checkpoint", "build_module"]
+__all__ = ["add_arguments", "run", "main", "export_checkpoint", "build_module", "EpochPermutations"]
 
 EMA_EXPORT_NAME = "dit_reference_ema.safetensors"
 
@@ -56,7 +56,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              "DEFAULT_FASHION_MNIST_ROOT)")
     parser.add_argument("--out-dir", default="checkpoints/reference",
                         help="checkpoints, logs and exports go here (default: %(default)s)")
-    parser.add_argument("--preset", default="reference", help="DiTConfig preset (default: %(default)s)")
+    parser.add_argument("--preset", default="reference",
+                        help="DiTConfig preset: 'reference' (32 x 32, 256 tokens) or 'reference-1024' (64 x 64, "
+                             "1,024 tokens) or any of tomerge.backbones.timm_dit.DIT_PRESETS (default: %(default)s)")
+    parser.add_argument("--image-size", type=int, default=None,
+                        help="override the preset's image side (a multiple of 32: Fashion-MNIST is upsampled to it)")
+    parser.add_argument("--patch-size", type=int, default=None, help="override the preset's patch side")
     parser.add_argument("--hidden-size", type=int, default=None, help="override the preset's width")
     parser.add_argument("--depth", type=int, default=None, help="override the preset's depth")
     parser.add_argument("--num-heads", type=int, default=None, help="override the preset's heads")
@@ -99,9 +104,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def _config_from_args(args: argparse.Namespace) -> DiTConfig:
     from tomerge.backbones.timm_dit import DiTConfig
 
-    overrides = {k: v for k, v in (("hidden_size", args.hidden_size), ("depth", args.depth),
+    overrides = {k: v for k, v in (("input_size", args.image_size), ("patch_size", args.patch_size),
+                                   ("hidden_size", args.hidden_size), ("depth", args.depth),
                                    ("num_heads", args.num_heads)) if v is not None}
-    return DiTConfig.preset(args.preset, **overrides)
+    config = DiTConfig.preset(args.preset, **overrides)
+    h, w = config.image_hw
+    if h != w or config.in_channels != 1:
+        raise ValueError(f"the reference model trains on square 1-channel Fashion-MNIST images; the config has "
+                         f"input_size {config.input_size} and in_channels {config.in_channels}")
+    return config
 
 
 # ------------------------------------------------------------------------------- lightning module
@@ -143,7 +154,7 @@ def _module_class():
             return torch.sigmoid(torch.randn(n, device=device))  # logit-normal(0, 1), SD3
 
         def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
-            x0, y = batch  # [B, 1, 32, 32] in [-1, 1], [B]
+            x0, y = batch  # [B, 1, S, S] in [-1, 1] (S = config image side), [B]
             noise = torch.randn_like(x0)
             t = self.sample_t(x0.shape[0], x0.device)  # [B]
             tb = t.view(-1, 1, 1, 1)
@@ -281,6 +292,43 @@ def export_checkpoint(ckpt: str | os.PathLike, out_path: str | os.PathLike) -> d
                          source=str(ckpt))
 
 
+# ------------------------------------------------------------------------------------------ data
+class EpochPermutations:
+    """Batches of a fixed random permutation per epoch, resumable at any step.
+
+    Epoch ``e`` visits the ``n`` images in the order ``randperm(n)`` of a generator seeded with
+    ``seed + e`` (the last incomplete batch is dropped), so the order is a function of the step alone: a
+    run resumed at step ``start_batch`` sees exactly the images that the uninterrupted run would have
+    seen. The first iteration yields the rest of epoch ``start_batch // len(self)``; each further
+    iteration one full epoch. ``len()`` is the number of batches per epoch (what Lightning counts on).
+    """
+
+    def __init__(self, n: int, batch_size: int, seed: int = 0, start_batch: int = 0) -> None:
+        if batch_size < 1 or n < batch_size:
+            raise ValueError(f"{n} images cannot fill a batch of {batch_size}")
+        self.n, self.batch_size, self.seed = n, batch_size, seed
+        self.epoch, self.skip = divmod(start_batch, len(self))
+
+    def __len__(self) -> int:
+        return self.n // self.batch_size
+
+    def __iter__(self):
+        import torch
+
+        order = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + self.epoch))
+        batches = order[: len(self) * self.batch_size].view(len(self), self.batch_size)  # [batches, B]
+        skip, self.epoch, self.skip = self.skip, self.epoch + 1, 0
+        for batch in batches[skip:]:
+            yield batch.tolist()
+
+
+def _checkpoint_steps(ckpt: Path) -> int:
+    """The optimizer steps a Lightning checkpoint has done (read without loading the tensors' data)."""
+    import torch
+
+    return int(torch.load(ckpt, map_location="cpu", weights_only=True, mmap=True)["global_step"])
+
+
 # ------------------------------------------------------------------------------------------- run
 def _wandb_logger(args: argparse.Namespace, out_dir: Path, config: DiTConfig):
     if args.wandb == "disabled":
@@ -323,13 +371,19 @@ def run(args: argparse.Namespace) -> int:
     with user_input():
         config = _config_from_args(args)
         data_root = args.data_root or DEFAULT_FASHION_MNIST_ROOT
-        dataset = FashionMNIST(data_root, split="train", limit=args.limit_images, root_hint="pass --data-root DIR")
+        size = config.image_hw[0]
+        dataset = FashionMNIST(data_root, split="train", limit=args.limit_images, size=size,
+                               root_hint="pass --data-root DIR")
         if len(dataset) < args.batch_size:
             raise ValueError(f"{len(dataset)} images are fewer than --batch-size {args.batch_size}")
     pl.seed_everything(args.seed, workers=True)
-    loader = DataLoader(dataset, batch_size=args.batch_size, shuffle=True, drop_last=True, num_workers=0)
+    ckpt = _resolve_checkpoint(args)
+    done = _checkpoint_steps(ckpt) if ckpt is not None else 0
+    sampler = EpochPermutations(len(dataset), args.batch_size, seed=args.seed, start_batch=done)
+    loader = DataLoader(dataset, batch_sampler=sampler, num_workers=0)
     out_dir.mkdir(parents=True, exist_ok=True)
-    data = f"Fashion-MNIST train ({len(dataset)} images, 28x28 padded to 32x32) from {data_root}"
+    shown = "28x28 padded to 32x32" if size == 32 else f"28x28 upsampled to {28 * size // 32} and padded to {size}x{size}"
+    data = f"Fashion-MNIST train ({len(dataset)} images, {shown}) from {data_root}"
     module = build_module(config, lr=args.lr, weight_decay=args.weight_decay, warmup_steps=args.warmup_steps,
                           ema_decay=args.ema_decay, t_sampling=args.t_sampling, data=data)
 
@@ -356,9 +410,8 @@ def run(args: argparse.Namespace) -> int:
         gradient_clip_val=args.grad_clip or None, enable_progress_bar=args.progress_refresh > 0,
         default_root_dir=str(out_dir), num_sanity_val_steps=0, enable_model_summary=True,
     )
-    ckpt = _resolve_checkpoint(args)
     if ckpt is not None:
-        print(f"resuming from {ckpt}", flush=True)
+        print(f"resuming from {ckpt} (step {done}; the data order continues where it stopped)", flush=True)
     elif args.init_from:
         from tomerge.backbones.timm_dit import load_dit
 
@@ -366,11 +419,16 @@ def run(args: argparse.Namespace) -> int:
         module.model.load_state_dict(weights)
         module.ema.load_state_dict(weights)
         print(f"warm start from {args.init_from} (fresh optimizer)", flush=True)
+    import warnings
+
+    # EpochPermutations resumes the data order from the checkpoint's step itself (start_batch), which
+    # Lightning cannot see: its "dataloader is not resumable" warning does not apply here.
+    warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch ended")
     try:
-        trainer.fit(module, train_dataloaders=loader, ckpt_path=str(ckpt) if ckpt else None)
+        trainer.fit(module, train_dataloaders=loader, ckpt_path=str(ckpt) if ckpt else None, weights_only=True)
     finally:
         if trainer.global_step > 0:
-            trainer.save_checkpoint(out_dir / "last.ckpt")  # also on Ctrl-C / SIGTERM
+            trainer.save_checkpoint(out_dir / "last.ckpt", weights_only=False)  # with optimizer state; also on Ctrl-C / SIGTERM
         if wb is not None:
             import wandb
 
