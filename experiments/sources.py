@@ -41,10 +41,16 @@ if TYPE_CHECKING:
 
 # torch is imported where a model is loaded or run, so that configs (and `tomerge ... --help`) load without it.
 
-__all__ = ["Item", "ModelSpec", "check_call", "ReferenceSource", "PipelineSource", "CALL_DEFAULTS", "DTYPES",
+__all__ = ["Item", "ModelSpec", "BUNDLED_REFERENCES", "reference_checkpoint", "check_call", "ReferenceSource", "PipelineSource", "CALL_DEFAULTS", "DTYPES",
            "DTYPE_NAMES", "torch_dtype"]
 
-REFERENCE_CHECKPOINT = Path(__file__).parent / "reference" / "dit_reference.safetensors"
+# The reference models shipped with the package, by the name a config gives (`model: {reference: NAME}`):
+# the same DiT at 256 (32 x 32 images) and 1,024 image tokens (64 x 64), docs/reference-model.md.
+BUNDLED_REFERENCES = {
+    "bundled": Path(__file__).parent / "reference" / "dit_reference.safetensors",
+    "bundled-1024": Path(__file__).parent / "reference" / "dit_reference_1024.safetensors",
+}
+REFERENCE_CHECKPOINT = BUNDLED_REFERENCES["bundled"]
 DTYPE_NAMES = ("fp32", "fp16", "bf16")
 
 
@@ -168,13 +174,27 @@ def _cpu_generator(seed: int) -> torch.Generator:
     return torch.Generator("cpu").manual_seed(int(seed))
 
 
+def reference_checkpoint(path: str | None) -> Path:
+    """The file of ``model.reference``: ``None`` is the default bundled model, a name of
+    :data:`BUNDLED_REFERENCES` its file, anything else a path.
+
+    Example:
+        >>> reference_checkpoint("bundled-1024").name
+        'dit_reference_1024.safetensors'
+    """
+    if path is None:
+        return REFERENCE_CHECKPOINT
+    return BUNDLED_REFERENCES.get(path, Path(path))
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
     """A model source as plain data (what configs hold, what is pickled to worker processes).
 
     Args:
         kind: ``"reference"`` (native DiT) or ``"pipeline"`` (a diffusers pipeline folder).
-        path: the DiT checkpoint (``None``: the bundled reference model) or the pipeline folder.
+        path: the DiT checkpoint (``None``: the bundled reference model; ``"bundled-1024"``: the bundled
+            1,024-token one, :data:`BUNDLED_REFERENCES`) or the pipeline folder.
         dtype: ``fp32``, ``fp16`` or ``bf16`` (pipelines).
         device: ``cpu`` or ``cuda`` (``cuda:N`` too).
         call: sampler arguments: for the reference model ``num_steps``, ``cfg_scale``, ``shift``; for a
@@ -314,9 +334,11 @@ it is a call argument, model.call.num_steps")
         """Fails fast, without loading weights: the checkpoint or pipeline folder exists, the folder is a
         diffusers pipeline, and every ``call`` argument is one its ``__call__`` takes."""
         if self.kind == "reference":
-            path = Path(self.path) if self.path else REFERENCE_CHECKPOINT
+            path = reference_checkpoint(self.path)
             if not path.is_file():
-                raise FileNotFoundError(f"model.reference: checkpoint {path} not found (local weights only)")
+                bundled = (f" (the bundled model {self.path!r} is not in this installation; "
+                           f"docs/reference-model.md says how to train it)" if self.path in BUNDLED_REFERENCES else "")
+                raise FileNotFoundError(f"model.reference: checkpoint {path} not found (local weights only){bundled}")
             return
         folder = Path(self.path).expanduser()
         if not folder.is_dir():
@@ -383,7 +405,7 @@ class ReferenceSource:
 
         self.spec = spec
         spec.check()
-        path = Path(spec.path) if spec.path else REFERENCE_CHECKPOINT
+        path = reference_checkpoint(spec.path)
         self.checkpoint = path
         self.model = load_dit(path, map_location=spec.device).eval().to(torch_dtype(spec.dtype))
         self.call = {**ModelSpec.REFERENCE_CALL, **spec.call}
