@@ -48,6 +48,9 @@ SUBCOMMANDS = {
                 "example: tomerge figures runs/reference --out figures/reference"),
     "bench": ("tomerge.experiments.bench", "speed benchmarks",
               "example: tomerge bench --kernels --tokens 1024 4096 --ratios 0.25 0.5"),
+    "search": ("tomerge.experiments.search",
+               "multi-objective search over strategies, ratios and options (Optuna); the Pareto front, held out",
+               "example: tomerge search --config experiments/configs/search.yaml --set search.trials=10"),
     "train-reference": ("tomerge.experiments.train_reference", "train the bundled reference DiT",
                         "example: tomerge train-reference --max-steps 4000 --out-dir checkpoints/reference"),
 }
@@ -56,6 +59,7 @@ SUBCOMMANDS = {
 INTERRUPTED = {
     "ablate": "finished runs and images are kept, rerun the same command to resume",
     "generate": "finished images are kept, rerun the same command to resume",
+    "search": "finished trials are kept, rerun the same command to resume",
     "train-reference": "the last checkpoint is kept, rerun the same command with --resume to continue",
 }
 

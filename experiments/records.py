@@ -44,6 +44,11 @@ TABLE_COLUMNS = [("run", "run"), ("ratio", "ratio"), ("speedup", "speed-up"), ("
                  ("feat_cos_dist", "EffNetLite0 cos dist"), ("fd_effnetlite0", "FD-EffNetLite0 vs baseline"),
                  ("fd_effnetlite0_ref", "FD-EffNetLite0 vs test"), ("clip_score", "CLIP score"), ("fid", "FID"),
                  ("dino_dist", "DINO dist (lower is better)")]
+# Which way each numeric column of a result row is better (what `tomerge search` optimises, and figures mark).
+BETTER = {"flops": "lower", "flops_per_image": "lower", "speedup": "higher", "flop_speedup": "higher",
+          "denoiser_speedup": "higher", "time_s": "lower", "time_per_image_s": "lower", "peak_memory_mb": "lower",
+          "psnr": "higher", "ssim": "higher", "feat_cos_dist": "lower", "fd_effnetlite0": "lower",
+          "fd_effnetlite0_ref": "lower", "clip_score": "higher", "fid": "lower", "dino_dist": "lower"}
 GRID_IMAGES = 20  # images in a run's grid PNG and logged to W&B
 GRID_VIDEOS = 4  # videos in a run's grid PNG (one row of frames each) and logged to W&B
 

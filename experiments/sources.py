@@ -330,6 +330,20 @@ it is a call argument, model.call.num_steps")
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def to_config(self) -> dict[str, Any]:
+        """The ``model:`` mapping of a config file that gives this spec back (:meth:`parse`).
+
+        Example:
+            >>> ModelSpec(call={"num_steps": 8}).to_config()
+            {'reference': 'bundled', 'call': {'num_steps': 8}}
+        """
+        values: dict[str, Any] = {self.kind: self.path if self.path is not None else "bundled"}
+        defaults = ModelSpec()
+        values.update({k: getattr(self, k) for k in ("dtype", "device") if getattr(self, k) != getattr(defaults, k)})
+        if self.call:
+            values["call"] = dict(self.call)
+        return values
+
     def check(self) -> None:
         """Fails fast, without loading weights: the checkpoint or pipeline folder exists, the folder is a
         diffusers pipeline, and every ``call`` argument is one its ``__call__`` takes."""
