@@ -1,5 +1,6 @@
-"""Editing and reference-image calls: FLUX.1 Kontext, FLUX.2 with reference images (appended, and prepended as
-in klein's KV-cache "extract" call) and Qwen-Image-Edit, on the tiny random-weight models of
+"""Editing and reference-image calls: FLUX.1 Kontext, FLUX.2 with reference images (appended, prepended, and
+prepended in klein's KV-cache "extract" call, whose processor attends ``[text, reference, target]`` by the
+``num_ref_tokens`` split) and Qwen-Image-Edit, on the tiny random-weight models of
 ``test_backbone_flux.py`` and ``test_backbones_current.py``.
 
 The reference images' latent tokens share the image stream with the generated image's (the target); only the
@@ -84,6 +85,8 @@ CASES = {
     "flux_kontext": EditCase(lambda: tiny_flux(), kontext_inputs, 0),
     "flux2_reference": EditCase(build_flux2, flux2_reference_inputs, 0),
     "flux2_reference_first": EditCase(build_flux2, lambda m, **kw: flux2_reference_inputs(m, first=True, **kw), R),
+    "flux2_kv_extract": EditCase(build_flux2, lambda m, **kw: dict(flux2_reference_inputs(m, first=True, **kw),
+                                                                   kv_cache_mode="extract", num_ref_tokens=R), R),
     "qwenimage_edit": EditCase(build_qwenimage, qwen_edit_inputs, 0),
 }
 
@@ -92,7 +95,7 @@ CASES = {
 def models() -> dict[str, nn.Module]:
     built = {"flux": tiny_flux(), "flux2": build_flux2(), "qwenimage": build_qwenimage()}
     return {"flux_kontext": built["flux"], "flux2_reference": built["flux2"], "flux2_reference_first": built["flux2"],
-            "qwenimage_edit": built["qwenimage"]}
+            "flux2_kv_extract": built["flux2"], "qwenimage_edit": built["qwenimage"]}
 
 
 def shuffle_target(before: int) -> Callable[[dict, Tensor], dict]:
@@ -152,7 +155,7 @@ def test_only_the_target_is_merged_and_reference_tokens_pass_every_merged_sublay
             for hook in hooks:
                 hook.remove()
         records = handle.state.records
-    assert torch.isfinite(out).all() and out.shape[1] == N + R
+    assert torch.isfinite(out).all() and out.shape[1] == (N if "kv_cache_mode" in inputs else N + R)  # extract: target
     assert records and all(r.num_tokens == N and r.num_removed == N // 2 for r in records)
     merged_here = {c["sublayer"] for c in calls if c["raw_in"].shape[1] > c["in"].shape[1]}
     assert merged_here == {"attn", "mlp"}
