@@ -32,6 +32,12 @@ a plain table shared by the batch):
   is gathered; per-sample ones go as :class:`BatchedComplexTable`, which Qwen's ``apply_rotary_emb_qwen``
   broadcasts per sample.
 
+Context tokens (reference images of editing calls, :mod:`tomerge.backbones._context`): a model call's image
+stream may hold context tokens before or after the generated image's (the *target*), as
+:meth:`DeclaredAdapter.call_layout` reads them from the call. The grid and the plan are the target's; every
+site merges the target part of its stream (inside a joint sequence: of the stream after or before the text) and
+passes the context tokens through; rotary tables and key masks keep the context rows, as they keep the text's.
+
 Attention masks (:class:`Site` ``mask``): ``None``: a mask on a merged call raises (it would cover the
 unmerged sequence); ``"pass"``: passed through (text-only masks, or biases over text keys, that broadcast
 over any number of queries or that the processor pads itself); ``"keys"``: a key mask ``[B, 1, 1, L]`` or
@@ -54,6 +60,7 @@ from tomerge.plan import MergePlan
 
 from tomerge.state import MergeState
 
+from ._context import NO_CONTEXT, ContextTokens
 from ._diffusers import call_arg, check_ff_chunking, probe_self_attention, submodel
 from .flux import BatchedRotaryTable, gather_rotary
 
@@ -144,10 +151,12 @@ class Kind:
 # ---------------------------------------------------------------------- runtime
 @dataclasses.dataclass
 class DeclaredCall:
-    """The block call in progress, shared by its points: text and image lengths, the last merge."""
+    """The block call in progress, shared by its points: text and target image lengths, the model call's
+    context tokens in the image stream, the last merge."""
 
     text: int | None = None
     image: int | None = None
+    context: ContextTokens = NO_CONTEXT
     merged: tuple[Tensor, MergePlan, Tensor] | None = None  # (input view, plan, merged): reused for the same input
     shapes: dict[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)  # conv points: [H, W] of the input
     merging: dict[str, bool] = dataclasses.field(default_factory=dict)  # sublayer -> this call merges it
@@ -155,6 +164,7 @@ class DeclaredCall:
 
     def reset(self) -> None:
         self.text = self.image = self.merged = None
+        self.context = NO_CONTEXT
         self.shapes.clear()
         self.merging.clear()
         self.kept.clear()
@@ -162,11 +172,13 @@ class DeclaredCall:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class DeclaredBlock(BlockSpec):
-    """A block of a declared kind; reading its input also records the call's text and image lengths."""
+    """A block of a declared kind; reading its input also records the call's text and image lengths and the
+    model call's context tokens. Its input is the target part of the image stream."""
 
     decl: Kind = dataclasses.field(kw_only=True)
     info: DeclaredCall = dataclasses.field(kw_only=True)
     model_text: Any = dataclasses.field(kw_only=True)  # () -> T of the model call (joint_input kinds)
+    model_context: Any = dataclasses.field(default=lambda: NO_CONTEXT, kw_only=True)  # () -> ContextTokens
 
     def block_input(self, args: tuple, kwargs: dict) -> Tensor:
         self.info.reset()
@@ -181,6 +193,10 @@ class DeclaredBlock(BlockSpec):
         elif self.decl.text_arg is not None:
             text = call_arg(args, kwargs, self.decl.text_arg, self.decl.text_index)
             self.info.text = int(text.shape[1]) if isinstance(text, Tensor) else 0
+        context = self.model_context()
+        context.check(x, f"the {self.decl.name!r} block")
+        self.info.context = context
+        x = context.target(x)  # [B, N, C]: the target part of the image stream
         self.info.image = int(x.shape[1])
         return x
 
@@ -199,35 +215,50 @@ class DeclaredPoint(MergePoint):
 
     def _text(self, joint: Tensor) -> int:
         T = self.info.text
-        if T is None or joint.shape[1] < T:
+        if T is None or joint.shape[1] < T + self.info.context.count:
             raise RuntimeError(f"tomerge: {type(self.module).__name__} got {tuple(joint.shape)}, expected a joint "
-                               f"sequence with T={T} text and N={self.info.image} image tokens of this block call")
+                               f"sequence with T={T} text and N={self.info.image} image tokens of this block call"
+                               + (f" and {self.info.context.count} context tokens" if self.info.context else ""))
         return T
 
-    def _image_part(self, joint: Tensor) -> Tensor:
+    def _stream(self, joint: Tensor) -> Tensor:
+        """The image stream of a joint sequence (``[B, before + N + after, C]``, or ``M`` when merged)."""
         T = self._text(joint)
         return joint[:, T:] if self.joint == "first" else joint[:, : joint.shape[1] - T]
 
-    def _with_image(self, joint: Tensor, x: Tensor) -> Tensor:
+    def _with_stream(self, joint: Tensor, stream: Tensor) -> Tensor:
         T = self._text(joint)
         if self.joint == "first":
-            return torch.cat([joint[:, :T], x], dim=1)
-        return torch.cat([x, joint[:, joint.shape[1] - T:]], dim=1)
+            return torch.cat([joint[:, :T], stream], dim=1)
+        return torch.cat([stream, joint[:, joint.shape[1] - T:]], dim=1)
+
+    def _target(self, tokens: Tensor) -> Tensor:
+        """The target image tokens of a site's input or output (a joint sequence or an image stream)."""
+        stream = self._stream(tokens) if self.site.tokens == "joint" else tokens
+        return self.info.context.target(stream)
+
+    def _with_target(self, tokens: Tensor, x: Tensor) -> Tensor:
+        """``tokens`` (a joint sequence or an image stream) with its target image tokens replaced by ``x``."""
+        context = self.info.context
+        if self.site.tokens == "joint":
+            return self._with_stream(tokens, context.with_target(self._stream(tokens), x))
+        return context.with_target(tokens, x)
 
     def get_input(self, args: tuple, kwargs: dict) -> Tensor:
         raw = self._raw(args, kwargs)
-        if self.site.tokens == "joint":
-            return self._image_part(raw)  # [B, N, C] (or [B, M, C] when an earlier site kept it merged)
         if self.site.tokens == "conv":
+            if self.info.context:
+                raise RuntimeError(f"tomerge: {type(self.module).__name__} takes a channels-first grid, which holds "
+                                   "no context (reference-image) tokens")
             self.info.shapes[id(self)] = tuple(raw.shape[2:])
             return raw.flatten(2).transpose(1, 2)  # [B, C, H, W] -> [B, H*W, C]
-        return raw
+        return self._target(raw)  # [B, N, C] (or [B, M, C] when an earlier site kept it merged)
 
     def set_input(self, args: tuple, kwargs: dict, x: Tensor) -> tuple[tuple, dict]:
-        if self.site.tokens == "joint":
-            x = self._with_image(self._raw(args, kwargs), x)
-        elif self.site.tokens == "conv":
+        if self.site.tokens == "conv":
             x = x.transpose(1, 2).unsqueeze(-1)  # [B, M, C] -> [B, C, M, 1]: a 1x1 convolution takes any layout
+        else:
+            x = self._with_target(self._raw(args, kwargs), x)
         return with_arg(args, kwargs, self.arg, self.site.index, x)
 
     def enter_block(self, merges: bool) -> None:
@@ -268,17 +299,15 @@ class DeclaredPoint(MergePoint):
 
     def get_output(self, out: Any) -> Tensor:
         y = out if self.output is None else out[self.output]
-        if self.site.tokens == "joint":
-            return self._image_part(y)
         if self.site.tokens == "conv":
             return y.flatten(2).transpose(1, 2)  # [B, C', M, 1] -> [B, M, C']
-        return y
+        return self._target(y)
 
     def set_output(self, out: Any, y: Tensor) -> Any:
-        if self.site.tokens == "joint":
-            y = self._with_image(out if self.output is None else out[self.output], y)
-        elif self.site.tokens == "conv":
+        if self.site.tokens == "conv":
             y = y.transpose(1, 2).unflatten(2, self.info.shapes[id(self)])  # [B, N, C'] -> [B, C', H, W]
+        else:
+            y = self._with_target(out if self.output is None else out[self.output], y)
         return super().set_output(out, y)
 
     # -------------------------------------------------------------- what follows the tokens
@@ -290,15 +319,23 @@ class DeclaredPoint(MergePoint):
             raise ValueError(f"tomerge: {type(self.module).__name__} got an attention mask ({self.site.mask_arg}) over "
                              "the unmerged sequence, which merged image tokens cannot use; run without the mask or "
                              "without merging")
+        dst, stream = self._stream_positions(plan)
         return with_arg(args, kwargs, self.site.mask_arg, self.site.mask_index,
-                        gather_key_mask(mask, plan.dst, plan.num_tokens, text_side=self.joint))
+                        gather_key_mask(mask, dst, stream, text_side=self.joint))
 
     def _merge_rope(self, args: tuple, kwargs: dict, plan: MergePlan) -> tuple[tuple, dict]:
         rope = self.site.rope
         freqs = call_arg(args, kwargs, rope.arg, rope.index)
         if freqs is None:
             return args, kwargs
-        return with_arg(args, kwargs, rope.arg, rope.index, gather_rope(freqs, plan.dst, plan.num_tokens, rope.layout))
+        dst, stream = self._stream_positions(plan)
+        return with_arg(args, kwargs, rope.arg, rope.index, gather_rope(freqs, dst, stream, rope.layout))
+
+    def _stream_positions(self, plan: MergePlan) -> tuple[Tensor, int]:
+        """``(positions [B, before + M + after], before + N + after)``: the plan's representatives in the image
+        stream (each context token its own), and the stream's length, for the gathers below."""
+        context = self.info.context
+        return context.stream_positions(plan.dst, plan.num_tokens), plan.num_tokens + context.count
 
 
 # ---------------------------------------------------------------------- gathers
@@ -462,6 +499,7 @@ class DeclaredAdapter(BackboneAdapter):
     def __init__(self, model: nn.Module, options: Any) -> None:
         super().__init__(model, options)
         self.grid_size: tuple[int, ...] | None = None
+        self.context = NO_CONTEXT  # context tokens in the image stream of the model call in progress
         self.model_text: int | None = None
         self._warned_grid = False
 
@@ -490,7 +528,8 @@ class DeclaredAdapter(BackboneAdapter):
                     points.append(DeclaredPoint(site.sublayer, sub, arg=site.arg, output=site.output, site=site,
                                                 info=info, joint=kind.joint))
             specs.append(DeclaredBlock(module, layer=len(specs), kind=kind.name, points=tuple(points), arg=kind.arg,
-                                       decl=kind, info=info, model_text=lambda: self.model_text))
+                                       decl=kind, info=info, model_text=lambda: self.model_text,
+                                       model_context=lambda: self.context))
         return specs
 
     def check(self) -> None:
@@ -500,7 +539,7 @@ class DeclaredAdapter(BackboneAdapter):
     def on_model_call(self, args: tuple, kwargs: dict) -> Tensor | float | None:
         text = call_arg(args, kwargs, self.text_arg, self.text_index)
         self.model_text = int(text.shape[1]) if isinstance(text, Tensor) else None
-        self.grid_size = self.call_grid(args, kwargs)
+        self.grid_size, self.context = self.call_layout(args, kwargs)
         if self.grid_size is None and not self._warned_grid:
             self._warned_grid = True
             warnings.warn(f"tomerge {self.name}: the token grid of this {type(self.model).__name__} call is unknown "
@@ -521,6 +560,11 @@ class DeclaredAdapter(BackboneAdapter):
             value = getattr(self.model.config, attr)
             sizes.extend(int(v) for v in value) if isinstance(value, (tuple, list)) else sizes.append(int(value))
         return tuple(sizes)
+
+    def call_layout(self, args: tuple, kwargs: dict) -> tuple[tuple[int, ...] | None, ContextTokens]:
+        """The target's token grid and the context tokens of a model call's image stream (default:
+        :meth:`call_grid`, no context). Families whose calls carry reference images override it."""
+        return self.call_grid(args, kwargs), NO_CONTEXT
 
     def call_grid(self, args: tuple, kwargs: dict) -> tuple[int, ...] | None:
         """The image-token grid of a model call (default: the latent's sizes divided by the patch sizes)."""

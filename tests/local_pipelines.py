@@ -370,3 +370,25 @@ def _build_wan():
 
 
 _BUILDERS.update({"sana": _build_sana, "wan": _build_wan})
+
+
+# ---------------------------------------------------------------------- editing pipelines (input images)
+# | family | loads as | input image | output | merged token grid |
+# |---|---|---|---|---|
+# | ``flux_kontext`` | FluxKontextPipeline (the ``flux`` components) | any size (a multiple of 4) | 32 x 32 | 8 x 8 target tokens; the input image's tokens are context |
+#
+# ``max_area`` keeps the output at 32 x 32 (Kontext scales height and width to it, default 1024^2) and
+# ``_auto_resize=False`` the input image at its own size (not one of Kontext's preferred resolutions).
+EDIT_CALL_DEFAULTS: dict[str, dict[str, Any]] = {
+    "flux_kontext": {**_SIZE, "guidance_scale": 2.5, "max_sequence_length": 16, "max_area": 32 * 32,
+                     "_auto_resize": False},
+}
+
+
+def _build_flux_kontext():
+    from diffusers import FluxKontextPipeline
+
+    return FluxKontextPipeline(**_build_flux().components)  # Kontext is a FLUX.1 transformer with reference tokens
+
+
+_BUILDERS.update({"flux_kontext": _build_flux_kontext})
