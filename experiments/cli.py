@@ -50,6 +50,8 @@ SUBCOMMANDS = {
               "example: tomerge bench --kernels --tokens 1024 4096 --ratios 0.25 0.5"),
     "train-reference": ("tomerge.experiments.train_reference", "train the bundled reference DiT",
                         "example: tomerge train-reference --max-steps 4000 --out-dir checkpoints/reference"),
+    "backbones": ("tomerge.experiments.coverage", "which diffusers model classes tomerge merges, with which strategies",
+                  "example: tomerge backbones --json"),
 }
 
 # What an interrupted command leaves behind (printed after "interrupted; ").
