@@ -93,6 +93,14 @@ def test_a_bug_prints_its_traceback_and_asks_for_a_report(monkeypatch, capsys):
         cli.main(["ablate", "--debug"])
 
 
+def test_a_closed_output_pipe_ends_the_command_quietly(monkeypatch, capsys):
+    _patch_run(monkeypatch, "backbones", BrokenPipeError(32, "Broken pipe"))
+    assert cli.main(["backbones"]) == 141
+    assert capsys.readouterr().err == ""
+    with pytest.raises(BrokenPipeError):
+        cli.main(["--debug", "backbones"])
+
+
 def test_ctrl_c_says_that_rerunning_resumes(monkeypatch, capsys):
     _patch_run(monkeypatch, "ablate", KeyboardInterrupt())
     assert cli.main(["ablate"]) == 130
