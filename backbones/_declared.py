@@ -55,7 +55,7 @@ from typing import Any, ClassVar, Literal
 import torch
 from torch import Tensor, nn
 
-from tomerge.adapter import BackboneAdapter, BlockSpec, MergePoint, TextKeys, class_names
+from tomerge.adapter import BackboneAdapter, BlockSpec, KindSummary, MergePoint, TextKeys, class_names
 from tomerge.plan import MergePlan
 
 from tomerge.state import MergeState
@@ -481,7 +481,6 @@ class DeclaredAdapter(BackboneAdapter):
             a tuple, e.g. Wan's ``patch_size = (1, 2, 2)``; a single int for a 2-D latent is used for both axes).
     """
 
-    model_class: ClassVar[str] = ""
     kinds: ClassVar[tuple[Kind, ...]] = ()
     timestep_arg: ClassVar[str] = "timestep"
     timestep_index: ClassVar[int] = 1
@@ -583,8 +582,43 @@ class DeclaredAdapter(BackboneAdapter):
             return None
         return self.grid_size
 
+    # -------------------------------------------------------------- what it merges (tomerge backbones)
+    @staticmethod
+    def probes_site(site: Site) -> bool:
+        """Whether :meth:`probe` records received attention at an ``"attn"`` site (the one rule it and
+        :meth:`probed_kinds` share)."""
+        return site.probe
+
+    @classmethod
+    def probed_kinds(cls) -> frozenset[str]:
+        """The kinds with at least one ``"attn"`` site, all of which :meth:`probes_site`."""
+        return frozenset(kind.name for kind in cls.kinds
+                         if (attn := [site for site in kind.sites if site.sublayer == "attn"])
+                         and all(cls.probes_site(site) for site in attn))
+
+    @classmethod
+    def kind_summaries(cls) -> tuple[KindSummary, ...]:
+        """Read from :attr:`kinds`. The context is a joint attention (text on the kind's side) when the block input
+        is a joint sequence (``joint_input``), the block takes text for joint sites (``text_arg``) or an ``"attn"``
+        site returns a tuple (``output`` set: the image and text streams of a joint attention); else a
+        cross-attention when there is a ``"crossattn"`` site."""
+        summaries = []
+        for kind in cls.kinds:
+            attn = [site for site in kind.sites if site.sublayer == "attn"]
+            if kind.joint_input is not None or kind.text_arg is not None or any(s.output is not None for s in attn):
+                context = f"joint attention, text {kind.joint_input or kind.joint}"
+            elif any(site.sublayer == "crossattn" for site in kind.sites):
+                context = "cross-attention"
+            else:
+                context = "none in these blocks"
+            ropes = dict.fromkeys(site.rope.layout for site in kind.sites if site.rope is not None)
+            summaries.append(KindSummary(kind.name, tuple(dict.fromkeys(site.sublayer for site in kind.sites)),
+                                         context=context, rope=", ".join(ropes) or None))
+        return tuple(summaries)
+
+    # -------------------------------------------------------------- probes, text keys
     def probe(self, block: BlockSpec, point: MergePoint, state: MergeState) -> list[Any]:
-        if not isinstance(point, DeclaredPoint) or not point.site.probe:
+        if not isinstance(point, DeclaredPoint) or not self.probes_site(point.site):
             raise NotImplementedError(
                 f"backbone {self.name!r} cannot record received attention in its {block.kind!r} blocks (no probe is "
                 "declared for their attention: docs/backbones/adding-a-family.md); use a strategy that needs none, "

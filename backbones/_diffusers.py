@@ -197,7 +197,6 @@ class PatchifiedAdapter(BackboneAdapter):
     :meth:`merge_points`.
     """
 
-    model_class: ClassVar[str] = ""
     block_kind: ClassVar[str] = "basic"
     timestep_index: ClassVar[int] = 1
 

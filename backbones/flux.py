@@ -60,7 +60,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
-from tomerge.adapter import BackboneAdapter, BlockSpec, MergePoint, TextKeys, class_names
+from tomerge.adapter import BackboneAdapter, BlockSpec, KindSummary, MergePoint, TextKeys, class_names
 from tomerge.plan import MergePlan
 from tomerge.probe import attention_probe, received_attention
 from tomerge.state import MergeState
@@ -396,6 +396,7 @@ class FluxAdapter(BackboneAdapter):
     """
 
     name: ClassVar[str] = "flux"
+    model_class: ClassVar[str] = "FluxTransformer2DModel"
     block_names: ClassVar[tuple[str, ...]] = ("FluxTransformerBlock", "FluxSingleTransformerBlock")
     t_max: ClassVar[float] = 1.0  # Flux is called with t in [0, 1] (it multiplies by 1000 inside)
 
@@ -408,7 +409,16 @@ class FluxAdapter(BackboneAdapter):
     @classmethod
     def find_model(cls, obj: Any) -> nn.Module | None:
         """The transformer: ``obj`` itself or a pipeline's ``obj.transformer``."""
-        return submodel(obj, "transformer", "FluxTransformer2DModel")
+        return submodel(obj, "transformer", cls.model_class)
+
+    @classmethod
+    def kind_summaries(cls) -> tuple[KindSummary, ...]:
+        return tuple(KindSummary(kind, ("attn", "mlp"), context="joint attention, text first", rope="rows")
+                     for kind in ("double", "single"))
+
+    @classmethod
+    def probed_kinds(cls) -> frozenset[str]:
+        return frozenset({"double", "single"})
 
     def blocks(self) -> list[BlockSpec]:
         specs: list[BlockSpec] = []

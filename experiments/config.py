@@ -496,7 +496,7 @@ def config_keys() -> list[tuple[list[str], dict[str, Any], str]]:
             (["pipeline"], {}, "instead of reference: a local diffusers pipeline folder (never downloaded); "
              "items are prompts."),
             *[(names, {n: ModelSpec.REFERENCE_CALL if n == "call" else _defaults(ModelSpec)[n] for n in names}, text)
-              for names, text in docstring_args(ModelSpec) if names[0] in ("dtype", "device", "call")],
+              for names, text in docstring_args(ModelSpec) if names[0] in ("dtype", "device", "offload", "call")],
         ],
         "prompts": [(names, {n: _defaults(PromptSet)[n] for n in names if n in _defaults(PromptSet)}, text)
                     for names, text in docstring_args(PromptSet)

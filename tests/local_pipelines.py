@@ -27,9 +27,12 @@ tokenizer is case-sensitive and maps characters outside printable ASCII to ``<un
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
+import logging
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -271,6 +274,21 @@ def pipeline_folder(family: str) -> Path:
     if family not in _BUILDERS:
         raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
     return save_tiny_pipeline(family, _temp_dir(f"tomerge-tiny-{family}-"))
+
+
+@contextlib.contextmanager
+def diffusers_log() -> Iterator[list[logging.LogRecord]]:
+    """The records diffusers logs inside the block (its library logger does not propagate to the root logger,
+    so pytest's ``caplog`` does not see them)."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("diffusers")
+    logger.addHandler(handler)
+    try:
+        yield records
+    finally:
+        logger.removeHandler(handler)
 
 
 # ---------------------------------------------------------------------- CLIP (for metrics)
