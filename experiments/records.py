@@ -153,7 +153,7 @@ class RunFolder:
                                        "config, delete that file and rerun, else use another name "
                                        "(--set name=...)") from err
             previous = previous if isinstance(previous, dict) else {}
-            changed = sorted(k for k, v in config.to_dict().items() if previous.get(k) != _plain(v))
+            changed = sorted(k for k, v in config.to_dict().items() if not _same_setting(previous.get(k), _plain(v)))
             if set(changed) - {"grid", "wandb", "out_dir", "plugins"}:
                 raise UsageError(f"{path} holds an ablation with another config (changed: {changed}); "
                                  "use another name (--set name=...) or delete the folder")
@@ -262,6 +262,15 @@ def other_counter_message(path: Path, runs: list[str]) -> str:
 
     shown = ", ".join(runs[:3]) + (", ..." if len(runs) > 3 else "")
     return f"{path}: {len(runs)} runs ({shown}) have FLOPs of another FLOP counter (not version {COUNTER_VERSION})"
+
+
+def _same_setting(saved: Any, current: Any) -> bool:
+    """A config value saved in a run folder means the current one. A key that the saved mapping lacks (a
+    setting added since, e.g. ``model.offload``) matches its off value, ``None``."""
+    if isinstance(saved, dict) and isinstance(current, dict):
+        return all(_same_setting(saved[k], v) if k in saved else v is None for k, v in current.items()) \
+            and set(saved) <= set(current)
+    return saved == current
 
 
 def _plain(value: Any) -> Any:

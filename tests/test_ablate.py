@@ -103,6 +103,25 @@ def test_changed_config_in_the_same_folder_is_refused(setup):
         run_ablation(load_config(None, overrides + ["model.call.num_steps=3"]), progress=False)
 
 
+def test_a_folder_saved_before_a_setting_existed_resumes(setup):
+    """A run folder whose config.yaml lacks a key added since (``model.offload``) is the same ablation: it
+    resumes without a run again; a saved key the current config does not have is a change."""
+    import yaml
+
+    root, overrides = setup
+    folder = run_ablation(load_config(None, [*overrides, "name=older"]), progress=False).path
+    before = rows(folder)
+    saved = yaml.safe_load((folder / "config.yaml").read_text())
+    assert saved["model"].pop("offload") is None
+    (folder / "config.yaml").write_text(yaml.safe_dump(saved))
+    run_ablation(load_config(None, [*overrides, "name=older"]), progress=False)
+    assert rows(folder) == before
+    saved["model"]["removed_setting"] = 1
+    (folder / "config.yaml").write_text(yaml.safe_dump(saved))
+    with pytest.raises(ValueError, match=r"another config \(changed: \['model'\]\)"):
+        run_ablation(load_config(None, [*overrides, "name=older"]), progress=False)
+
+
 def test_bad_config_keys_and_strategies_raise():
     with pytest.raises(ValueError, match="unknown key 'num_stepz'; did you mean 'model.call.num_steps'"):
         load_config(None, ["num_stepz=3"])
