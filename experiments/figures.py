@@ -1,15 +1,15 @@
 """`tomerge figures`: paper figures and tables from run folders only (never runs a model).
 
     tomerge figures runs/reference --out figures/reference
-    tomerge figures runs/quick runs/big --out figures/all --metrics psnr fd_effnetlite0 --formats png pdf
+    tomerge figures runs/quick runs/big --out figures/all --metrics psnr fd_effnetlite0 --formats png
 
-Reads what ``tomerge ablate`` wrote (``results.jsonl``, ``images/``, ``maps/``, ``config.yaml``) and writes:
+Reads what ``tomerge ablate`` wrote (``results.jsonl``, ``images/``, ``maps/``, ``config.yaml``) and writes,
+each figure in every format of ``--formats`` (default PNG and PDF):
 
-* ``OUT/pareto_<metric>.png``: speed-up (measured, or ``--x flop_speedup``) vs quality, colour per
-  strategy, marker per run folder (one folder: per strategy), ratios annotated without overlap, the
-  Pareto front of the merged runs as a line, the baseline marked; on the measured axis a bar per run
-  shows the speed-up range its timing repeats allow (``timing_interval``) and noisy runs are hollow;
-  ``OUT/pareto.json`` names the runs on each front.
+* ``OUT/pareto_<metric>.png`` (and ``.pdf``, ...): speed-up (measured, or ``--x flop_speedup``) vs quality, one
+  line per method through its ratios, named once in the legend, the Pareto front highlighted, the model, metric
+  and image count in the title (:mod:`~tomerge.experiments.pareto`); ``OUT/pareto.json`` names the runs on
+  each front.
 * ``OUT/ablation.md`` and ``OUT/ablation.tex`` (booktabs): one row per run, best merged value in bold.
 * per run folder, ``OUT/<folder>/``: ``schedules.png`` (fraction of tokens removed per step, requested
   ratio dashed, phases shaded), ``maps/<run>.png`` (tokens sharing a slot share a colour, unmerged
@@ -55,11 +55,9 @@ from .records import image_grid, merge_map_rgb, other_counter_message, other_cou
 if TYPE_CHECKING:  # torch is imported where images are drawn: `tomerge figures --help` stays fast
     from torch import Tensor
 
-__all__ = ["RunData", "load_run", "varying_options", "pareto_front", "ablation_table", "timing_interval", "point_styles",
-           "place_labels", "pareto_plot", "pareto_figure", "schedule_figure",
-           "merge_map_figure", "image_grid_figure", "frame_indices", "frame_strip", "frame_strip_plot",
-           "frame_strip_figure", "video_merge_map_figure", "frame_quality_figure", "make_figures", "add_arguments",
-           "run"]
+__all__ = ["RunData", "load_run", "metric_name", "ablation_table", "schedule_figure", "merge_map_figure",
+           "image_grid_figure", "frame_indices", "frame_strip", "frame_strip_plot", "frame_strip_figure",
+           "video_merge_map_figure", "frame_quality_figure", "make_figures", "add_arguments", "run"]
 
 # metric -> (axis label, higher is better, paired with the baseline images); keys as in metrics.compute_quality
 METRICS = {"psnr": ("PSNR vs baseline (dB)", True, True), "ssim": ("SSIM vs baseline", True, True),
@@ -78,7 +76,6 @@ COLUMNS = [("ratio", "ratio", "{:g}", None), ("speedup", "speed-up", "{:.2f}", T
            ("clip_score", "CLIP", "{:.2f}", True), ("dino_dist", "DINO dist", "{:.3f}", False)]
 PHASE_COLOURS = {"structure": "tab:blue", "detail": "tab:orange", "protected": "tab:gray", "merge": "tab:green",
                  "skip_step": "tab:gray", "skip_block": "tab:brown", "skip": "tab:gray"}
-MARKERS = "osD^vP*Xh<>p"
 GRID_SELECT = {"distinct": "one image per class or prompt", "first": "the first items"}
 STRIP_FRAMES = 5  # frames per video in the frame strips
 FRAME_METRICS = ("psnr", "ssim", "dino_dist")  # per-frame keys of video rows: <metric>_per_frame
@@ -339,20 +336,14 @@ def _finite(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def pareto_front(points: Sequence[tuple[float, float]], higher_y: bool = True) -> list[int]:
-    """Indices of the non-dominated points (x is maximised, y maximised or minimised), sorted by x.
-
-    A point is dominated when another is at least as good on both axes and better on one.
+def metric_name(metric: str) -> str:
+    """A metric's name in titles and small labels: its axis label without the parenthesis.
 
     Example:
-        >>> pareto_front([(1.0, 30.0), (2.0, 25.0), (1.5, 24.0), (2.0, 25.0)])
-        [0, 1, 3]
+        >>> metric_name("fd_effnetlite0")
+        'FD-EffNetLite0 vs baseline images'
     """
-    sign = 1.0 if higher_y else -1.0
-    pts = [(x, sign * y) for x, y in points]
-    front = [i for i, (x, y) in enumerate(pts)
-             if not any(bx >= x and by >= y and (bx > x or by > y) for bx, by in pts)]
-    return sorted(front, key=lambda i: (points[i][0], i))
+    return METRICS[metric][0].split(" (")[0]
 
 
 # ------------------------------------------------------------------------------------------ tables
@@ -436,280 +427,6 @@ def _save(fig, stem: Path, formats: Sequence[str]) -> list[Path]:
     for p in paths:
         fig.savefig(p)
     return paths
-
-
-def varying_options(rows: Sequence[dict[str, Any]]) -> dict[str, set[str]]:
-    """Per strategy of ``rows``, the option names whose values differ between its rows (what tells its runs
-    apart besides the ratio).
-
-    Example:
-        >>> varying_options([{"strategy": "ssm", "options": {"window": 2, "alpha_s": 0.1}},
-        ...                  {"strategy": "ssm", "options": {"window": 3, "alpha_s": 0.1}}])
-        {'ssm': {'window'}}
-    """
-    by_strategy: dict[str, list[dict[str, Any]]] = defaultdict(list)
-    for r in rows:
-        by_strategy[r["strategy"]].append(r.get("options") or {})
-    return {s: {k for opts in group for k in opts if len({str(o.get(k)) for o in group}) > 1}
-            for s, group in by_strategy.items()}
-
-
-def _short_options(row: dict[str, Any], varying: set[str]) -> str:
-    return " ".join(f"{k}={v}" for k, v in sorted((row.get("options") or {}).items()) if k in varying)
-
-
-def timing_interval(row: dict[str, Any]) -> tuple[float, float] | None:
-    """The range of the measured speed-up ``s = t_base / t_merged`` that the timing repeats allow, or
-    ``None`` when the row has no spreads (one repeat, or a row from before they were recorded).
-
-    With ``sb`` and ``sm`` the spreads ``(max - min) / median`` of the baseline and merged repeats
-    (``time_spread_base``, ``time_spread``), each time is taken within ``median * (1 -+ spread / 2)``
-    and the ratio at its extremes (slowest baseline over fastest merged, and the reverse):
-    ``[s (1 - sb/2) / (1 + sm/2), s (1 + sb/2) / (1 - sm/2)]``; the upper end is infinite when ``sm >= 2``.
-
-    Example:
-        >>> lo, hi = timing_interval({"speedup": 2.0, "time_spread_base": 0.1, "time_spread": 0.2})
-        >>> round(lo, 4), round(hi, 4)
-        (1.7273, 2.3333)
-        >>> timing_interval({"speedup": 2.0, "time_spread_base": None, "time_spread": None}) is None
-        True
-    """
-    s, sb, sm = row.get("speedup"), row.get("time_spread_base"), row.get("time_spread")
-    if not (_finite(s) and _finite(sb) and _finite(sm)):
-        return None
-    lo = s * (1 - sb / 2) / (1 + sm / 2)
-    hi = s * (1 + sb / 2) / (1 - sm / 2) if sm < 2 else math.inf
-    return max(lo, 0.0), hi
-
-
-@dataclasses.dataclass(frozen=True)
-class PointStyle:
-    """How a run is drawn in the speed-vs-quality plots."""
-
-    colour: str   # per strategy
-    marker: str   # per run folder when there are several, else per strategy
-    hollow: bool  # timing noisy (``timing_noisy``), on the measured speed-up axis only
-
-
-def point_styles(runs: Sequence[RunData], x_key: str = "speedup") -> dict[tuple[str, str], PointStyle]:
-    """``(folder name, run id) -> PointStyle`` of every merged run: colour per strategy (in order of first
-    appearance over all folders, so every figure agrees), marker per folder when there are several
-    folders (one folder: per strategy, as colour), hollow when the run's timing is noisy and the x axis
-    is the measured speed-up."""
-    strategies = list(dict.fromkeys(r["strategy"] for d in runs for r in d.merged))
-    several = len(runs) > 1
-    styles = {}
-    for j, d in enumerate(runs):
-        for r in d.merged:
-            i = strategies.index(r["strategy"])
-            styles[(d.name, r["run"])] = PointStyle(f"C{i % 10}", MARKERS[(j if several else i) % len(MARKERS)],
-                                                    x_key == "speedup" and bool(r.get("timing_noisy")))
-    return styles
-
-
-LABEL_RADII = (5, 14, 26, 40, 56, 76)  # points from the anchor, nearest first
-LABEL_DIRECTIONS = ((1, 0), (0.7, 0.7), (0.7, -0.7), (-1, 0), (-0.7, 0.7), (-0.7, -0.7), (0, 1), (0, -1))
-LABEL_BOX = {"boxstyle": "round,pad=0.1", "facecolor": "white", "edgecolor": "none", "alpha": 0.75}
-
-
-def _freeze_layout(fig, ax) -> Any:
-    """Draws once (the constrained layout settles), then fixes layout and axis limits; returns the renderer."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-
-    canvas = FigureCanvasAgg(fig)
-    fig.draw_without_rendering()
-    fig.set_layout_engine("none")
-    ax.set_xlim(ax.get_xlim())
-    ax.set_ylim(ax.get_ylim())
-    return canvas.get_renderer()
-
-
-def _overlap(a: tuple[float, float, float, float], b: tuple[float, float, float, float]) -> float:
-    return max(0.0, min(a[2], b[2]) - max(a[0], b[0])) * max(0.0, min(a[3], b[3]) - max(a[1], b[1]))
-
-
-def place_labels(ax, renderer, anchors: Sequence[tuple[float, float]], texts: Sequence[str], fontsize: float = 7,
-                 markers: Sequence[tuple[float, float]] = (), marker_radius_pt: float = 4.0,
-                 bars: Sequence[tuple[float, float, float]] = ()) -> list[Any]:
-    """Annotates ``texts`` at data ``anchors`` without overlap where the axes leave room (deterministic,
-    greedy): the most crowded anchors first, each label takes the first of ``LABEL_RADII`` x
-    ``LABEL_DIRECTIONS`` offsets whose box (the renderer's text extent plus the box padding) overlaps
-    no label placed before, no marker (data points ``markers``) and no bar (``(x0, x1, y)`` in data), and
-    stays inside the axes; when none is free, the one with the least overlap. Labels away from their
-    point get a thin leader line. The layout and axis limits must be fixed (``_freeze_layout``)."""
-    px = ax.figure.dpi / 72
-    frame = ax.get_window_extent(renderer)
-    to_px = ax.transData.transform
-    pad = 0.1 * fontsize * px + 1.0  # the box's padding, and a pixel of air
-    r = marker_radius_pt * px
-    obstacles = [(x - r, y - r, x + r, y + r) for x, y in (to_px(m) for m in markers)]
-    weighted = [(box, 1.0) for box in obstacles]
-    for x0, x1, y in bars:
-        (a, yy), (b, _) = to_px((x0, y)), to_px((x1, y))
-        weighted.append(((a, yy - 1.5 * px, b, yy + 1.5 * px), 0.5))
-    where = [tuple(to_px(a)) for a in anchors]
-    crowd = [sum(math.dist(p, q) < 60 * px for q in where) for p in where]
-    order = sorted(range(len(anchors)), key=lambda i: (-crowd[i], anchors[i][0], anchors[i][1]))
-    placed: list[tuple[float, float, float, float]] = []
-    annotations: list[Any] = [None] * len(anchors)
-    for i in order:
-        probe = ax.text(0, 0, texts[i], fontsize=fontsize)
-        ext = probe.get_window_extent(renderer)
-        probe.remove()
-        w, h = ext.width, ext.height
-        best = None
-        for k, radius in enumerate(LABEL_RADII):
-            for ux, uy in LABEL_DIRECTIONS:
-                ox, oy = where[i][0] + radius * ux * px, where[i][1] + radius * uy * px
-                ha = "left" if ux > 0.3 else "right" if ux < -0.3 else "center"
-                va = "bottom" if uy > 0.3 else "top" if uy < -0.3 else "center"
-                x0 = ox if ha == "left" else ox - w if ha == "right" else ox - w / 2
-                y0 = oy if va == "bottom" else oy - h if va == "top" else oy - h / 2
-                box = (x0 - pad, y0 - pad, x0 + w + pad, y0 + h + pad)
-                area = (box[2] - box[0]) * (box[3] - box[1])
-                inside = _overlap(box, (frame.x0, frame.y0, frame.x1, frame.y1))
-                cost = (sum(_overlap(box, b) for b in placed) + sum(wt * _overlap(box, b) for b, wt in weighted)
-                        + 4 * (area - inside))
-                if best is None or cost < best[0]:
-                    best = (cost, k, (radius * ux, radius * uy), ha, va, box)
-                if cost == 0:
-                    break
-            if best[0] == 0:
-                break
-        _, k, offset, ha, va, box = best
-        leader = {"arrowstyle": "-", "color": "0.45", "linewidth": 0.5, "shrinkA": 0, "shrinkB": 3}
-        ann = ax.annotate(texts[i], anchors[i], xytext=offset, textcoords="offset points", fontsize=fontsize,
-                          zorder=5, bbox=LABEL_BOX, ha=ha, va=va, annotation_clip=False,
-                          arrowprops=leader if k > 0 else None)
-        placed.append(box)
-        annotations[i] = ann
-    return annotations
-
-
-def _point_text(group: list[tuple[str, dict[str, Any]]], several: bool, varying: dict[str, set[str]]) -> str:
-    """The label of the points drawn at one place: ratio and varying options, the strategy when the
-    place holds several, the folders when the place holds several points of several folders."""
-    lines: dict[tuple[str, str], list[str]] = {}
-    for folder, r in group:
-        # a FLOP-matched run (ablate's flop_speedups) is labelled by its target, its ratio rounded
-        amount = f"r={r['ratio']:g}" if r.get("flop_target") is None else \
-            f"{r['flop_target']:g}x FLOPs (r={r['ratio']:.3g})"
-        core = " ".join(t for t in (amount, _short_options(r, varying[r["strategy"]])) if t)
-        lines.setdefault((r["strategy"], core), []).append(folder)
-    named = len({s for s, _ in lines}) > 1
-    return "\n".join(" ".join(t for t in (s if named else "", core,
-                                          f"({', '.join(folders)})" if several and len(group) > 1 else "") if t)
-                     for (s, core), folders in lines.items())
-
-
-def pareto_plot(runs: Sequence[RunData], metric: str, x_key: str = "speedup") -> tuple[Any, list[str]]:
-    """The speed-vs-quality figure of every merged run (a matplotlib ``Figure``, layout fixed) and the
-    ``folder/run`` ids on the Pareto front.
-
-    Colour: strategy; marker: run folder when there are several (else strategy); see ``point_styles``.
-    Points at the same place share one label; labels are placed without overlap (``place_labels``). On
-    the measured speed-up axis, a horizontal bar shows the range the timing repeats allow
-    (``timing_interval``: ``[s (1 - sb/2) / (1 + sm/2), s (1 + sb/2) / (1 - sm/2)]``, ``sb``, ``sm`` the
-    baseline's and the merged run's ``(max - min) / median``; rows without spreads get none) and runs
-    whose timing is noisy are hollow.
-    """
-    from matplotlib.lines import Line2D
-
-    from .speed import NOISY_SPREAD
-
-    label, higher, paired = METRICS[metric]
-    pts = [(d.name, r) for d in runs for r in d.merged if _finite(r.get(x_key)) and _finite(r.get(metric))]
-    styles = point_styles(runs, x_key)
-    several = len(runs) > 1
-    fig = _figure(7.5, 4.6)
-    ax = fig.add_subplot()
-    strategies = list(dict.fromkeys(r["strategy"] for d in runs for r in d.merged))
-    shown = {r["strategy"] for _, r in pts}
-    varying = varying_options([r for _, r in pts])
-    intervals = {(f, r["run"]): timing_interval(r) for f, r in pts} if x_key == "speedup" else {}
-    finite_hi = [iv[1] for iv in intervals.values() if iv and math.isfinite(iv[1])] + [r[x_key] for _, r in pts]
-    bars = []
-    for f, r in pts:
-        st = styles[(f, r["run"])]
-        x, y = r[x_key], r[metric]
-        iv = intervals.get((f, r["run"]))
-        if iv:
-            lo, hi = iv[0], iv[1] if math.isfinite(iv[1]) else max(finite_hi) * 1.1  # unbounded: to the edge
-            ax.errorbar([x], [y], xerr=[[x - lo], [hi - x]], fmt="none", ecolor=st.colour, elinewidth=1,
-                        capsize=2.5, zorder=2.5, gid=f"{f}/{r['run']}")
-            bars.append((lo, hi, y))
-        ax.scatter([x], [y], s=42, marker=st.marker, zorder=3, gid=f"{f}/{r['run']}",
-                   facecolors="white" if st.hollow else st.colour, edgecolors=st.colour if st.hollow else "black",
-                   linewidths=1.3 if st.hollow else 0.4)
-    front = pareto_front([(r[x_key], r[metric]) for _, r in pts], higher)
-    if front:
-        ax.plot([pts[i][1][x_key] for i in front], [pts[i][1][metric] for i in front], "--", color="black",
-                linewidth=1, zorder=2, label="Pareto front")
-    base_fd = [d.baseline[metric] for d in runs if d.baseline and _finite(d.baseline.get(metric))]
-    if paired or not base_fd:
-        ax.axvline(1.0, color="gray", linestyle=":", linewidth=1.2, label="baseline (speed-up 1)")
-    else:
-        ax.scatter([1.0] * len(base_fd), base_fd, marker="*", s=160, color="gold", edgecolors="black",
-                   linewidths=0.6, zorder=4, label="baseline (unmerged)")
-    ax.set_xlabel("measured speed-up s = t_base / t_run (x); bars: range from the timing repeats" if bars
-                  else X_AXES[x_key])
-    ax.set_ylabel(label)
-    ax.set_title(f"Speed vs quality: {', '.join(d.name for d in runs)}", fontsize=10)
-    ax.grid(True, alpha=0.3)
-    ax.margins(x=0.12, y=0.1)
-
-    def key(marker: str, face: str, edge: str = "black", width: float = 0.4) -> Line2D:
-        return Line2D([], [], linestyle="none", marker=marker, markersize=6.5, markerfacecolor=face,
-                      markeredgecolor=edge, markeredgewidth=width)
-
-    handles, names, headers = [], [], []
-    if several:
-        headers.append(len(names))
-        handles.append(Line2D([], [], linestyle="none"))
-        names.append("colour: strategy")
-    for i, s in enumerate(strategies):
-        if s in shown:
-            handles.append(key("o" if several else MARKERS[i % len(MARKERS)], f"C{i % 10}"))
-            names.append(s)
-    if several:
-        headers.append(len(names))
-        handles.append(Line2D([], [], linestyle="none"))
-        names.append("marker: run folder")
-        for j, d in enumerate(runs):
-            if any(f == d.name for f, _ in pts):
-                handles.append(key(MARKERS[j % len(MARKERS)], "lightgray"))
-                names.append(d.name)
-    if bars or any(styles[(f, r["run"])].hollow for f, r in pts):
-        handles.append(Line2D([], [], linestyle="none"))
-        headers.append(len(names))
-        names.append("timing repeats")
-    if bars:
-        handles.append(Line2D([], [], color="0.3", linewidth=1, marker="|", markersize=7))
-        names.append("bar: s(1 - sb/2)/(1 + sm/2)\n  to s(1 + sb/2)/(1 - sm/2),\n  sb, sm: (max - min)/median\n"
-                     "  of the baseline's and the\n  run's repeats")
-    if any(styles[(f, r["run"])].hollow for f, r in pts):
-        handles.append(key("o", "white", "0.3", 1.3))
-        names.append(f"hollow: noisy timing\n(repeats differ > {NOISY_SPREAD:.0%})")
-    more, more_names = ax.get_legend_handles_labels()
-    if pts or base_fd:
-        legend = fig.legend(handles + more, names + more_names, loc="outside right upper", fontsize=8, frameon=False)
-        for i in headers:
-            legend.get_texts()[i].set_fontweight("bold")
-    renderer = _freeze_layout(fig, ax)
-    groups: dict[tuple[float, float], list[tuple[str, dict[str, Any]]]] = defaultdict(list)
-    for f, r in pts:
-        groups[(r[x_key], r[metric])].append((f, r))
-    markers = list(groups) + [(1.0, b) for b in base_fd if not paired]
-    place_labels(ax, renderer, list(groups), [_point_text(g, several, varying) for g in groups.values()],
-                 markers=markers, bars=bars)
-    return fig, [f"{pts[i][0]}/{pts[i][1]['run']}" for i in front]
-
-
-def pareto_figure(runs: Sequence[RunData], metric: str, stem: Path, x_key: str = "speedup",
-                  formats: Sequence[str] = ("png",)) -> tuple[list[Path], list[str]]:
-    """``pareto_plot`` saved as ``stem.<format>``; returns the files and the ``folder/run`` ids on the front."""
-    fig, front = pareto_plot(runs, metric, x_key)
-    return _save(fig, stem, formats), front
 
 
 def step_profile(records: Sequence[dict[str, Any]]) -> tuple[list[int], list[float], list[float], list[str]]:
@@ -1051,7 +768,7 @@ def frame_quality_figure(data: RunData, stem: Path, formats: Sequence[str] = ("p
         for run, values in series.items():
             colour = colours.setdefault(run, f"C{len(colours) % 10}")
             ax.plot(range(len(values)), values, marker=".", color=colour, linewidth=1.2, label=run)
-        ax.set_ylabel(METRICS[metric][0].split(" (")[0], fontsize=8)
+        ax.set_ylabel(metric_name(metric), fontsize=8)
         ax.grid(True, alpha=0.3)
     axes[-1].set_xlabel("frame")
     axes[-1].xaxis.get_major_locator().set_params(integer=True)
@@ -1082,8 +799,9 @@ def video_figures(data: RunData, out: Path, k: int = 8, formats: Sequence[str] =
 def make_figures(paths: Sequence[str | Path], out: str | Path, metrics: Sequence[str] | None = None,
                  x_key: str = "speedup", k: int = 8, formats: Sequence[str] = ("png",),
                  runs: Sequence[str] | None = None, grid_items: str = "distinct") -> list[Path]:
-    """Every figure and table of the given run folders; returns the files written. ``k`` and
-    ``grid_items`` choose the images of the grids (``RunData.grid_items``)."""
+    """Every figure and table of the given run folders, each figure in every format of ``formats`` (``tomerge
+    figures``: PNG and PDF by default); returns the files written. ``k`` and ``grid_items`` choose the images of
+    the grids (``RunData.grid_items``)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     data = [load_run(p, runs) for p in paths]
@@ -1096,6 +814,8 @@ def make_figures(paths: Sequence[str | Path], out: str | Path, metrics: Sequence
     for latex, suffix in ((False, "md"), (True, "tex")):
         (out / f"ablation.{suffix}").write_text(ablation_table(data, latex=latex))
         written.append(out / f"ablation.{suffix}")
+    from .pareto import pareto_figure  # pareto.py draws with this module's RunData and helpers
+
     fronts = {}
     available = [m for m in METRICS if any(_finite(r.get(m)) for d in data for r in d.merged)]
     for metric in metrics or available:
@@ -1129,8 +849,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grid-items", choices=sorted(GRID_SELECT), default="distinct",
                         help="images of the grids, the same items for every run: distinct (default) the first "
                              "image of each class or prompt, first the first K items")
-    parser.add_argument("--formats", nargs="+", default=["png"], choices=["png", "pdf", "svg"],
-                        help="figure file formats (default: png)")
+    parser.add_argument("--formats", nargs="+", default=["png", "pdf"], choices=["png", "pdf", "svg"],
+                        help="figure file formats (default: png pdf)")
     parser.add_argument("--runs", nargs="+", default=None, metavar="GLOB",
                         help="only runs whose id matches one of these globs (the baseline is always kept)")
 

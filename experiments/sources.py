@@ -44,8 +44,9 @@ if TYPE_CHECKING:
 
 # torch is imported where a model is loaded or run, so that configs (and `tomerge ... --help`) load without it.
 
-__all__ = ["Item", "ModelSpec", "BUNDLED_REFERENCES", "reference_checkpoint", "check_call", "ReferenceSource",
-           "PipelineSource", "CALL_DEFAULTS", "DTYPES", "DTYPE_NAMES", "OFFLOAD_MODES", "torch_dtype", "place_pipeline"]
+__all__ = ["Item", "ModelSpec", "BUNDLED_REFERENCES", "BUNDLED_REFERENCE_NAMES", "reference_checkpoint", "check_call",
+           "ReferenceSource", "PipelineSource", "CALL_DEFAULTS", "DTYPES", "DTYPE_NAMES", "OFFLOAD_MODES", "torch_dtype",
+           "place_pipeline"]
 
 # The reference models shipped with the package, by the name a config gives (`model: {reference: NAME}`):
 # the same DiT at 256 (32 x 32 images) and 1,024 image tokens (64 x 64), docs/reference-model.md.
@@ -54,6 +55,10 @@ BUNDLED_REFERENCES = {
     "bundled-1024": Path(__file__).parent / "reference" / "dit_reference_1024.safetensors",
 }
 REFERENCE_CHECKPOINT = BUNDLED_REFERENCES["bundled"]
+# what figures call them (ModelSpec.display_name); the token counts are those of DIT_PRESETS "reference" and
+# "reference-1024", which tests check
+BUNDLED_REFERENCE_NAMES = {"bundled": "bundled reference DiT (256 tokens)",
+                           "bundled-1024": "bundled reference DiT (1,024 tokens)"}
 DTYPE_NAMES = ("fp32", "fp16", "bf16")
 OFFLOAD_MODES = ("model", "sequential")
 
@@ -358,6 +363,21 @@ it is a call argument, model.call.num_steps")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    @property
+    def display_name(self) -> str:
+        """The model as figures name it: a bundled reference DiT by :data:`BUNDLED_REFERENCE_NAMES`, another
+        checkpoint by its file stem, a pipeline by its folder's name.
+
+        Example:
+            >>> ModelSpec().display_name, ModelSpec(path="/ckpt/dit_xl.safetensors").display_name
+            ('bundled reference DiT (256 tokens)', 'dit_xl')
+            >>> ModelSpec(kind="pipeline", path="/models/sd3-medium/").display_name
+            'sd3-medium'
+        """
+        if self.kind == "reference":
+            return BUNDLED_REFERENCE_NAMES.get(self.path or "bundled") or Path(self.path).stem
+        return Path(self.path).name
 
     def to_config(self) -> dict[str, Any]:
         """The ``model:`` mapping of a config file that gives this spec back (:meth:`parse`).

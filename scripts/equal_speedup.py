@@ -17,21 +17,20 @@ import argparse
 from collections import defaultdict
 from pathlib import Path
 
-from tomerge.experiments.figures import METRICS, load_run, varying_options
+from tomerge.experiments.figures import METRICS, load_run
+from tomerge.experiments.pareto import method_name, varying_options
 
 
 def curves(folders: list[Path], x: str, metric: str) -> dict[str, list[tuple[float, float]]]:
     """``{curve name: [(speed-up, metric), ...]}`` sorted by speed-up, one curve per strategy and value of the
-    options that vary between its runs (:func:`~tomerge.experiments.figures.varying_options`). The baseline is
+    options that vary between its runs (:func:`~tomerge.experiments.pareto.method_name`). The baseline is
     not a point of the curves: quality falls steeply with the first merged tokens, so a line from the baseline
     to the first run would flatter every method below its smallest ratio."""
     rows = [r for folder in folders for r in load_run(folder).merged]
     varying = varying_options(rows)
     found: dict[str, list[tuple[float, float]]] = defaultdict(list)
     for row in rows:
-        options = row.get("options") or {}
-        name = row["strategy"] + "".join(f" {k}={options[k]}" for k in sorted(varying[row["strategy"]]) if k in options)
-        found[name].append((row[x], row[metric]))
+        found[method_name(row, varying[row["strategy"]])].append((row[x], row[metric]))
     return {name: sorted(points) for name, points in found.items()}
 
 

@@ -13,7 +13,7 @@ import yaml
 
 pytest.importorskip("matplotlib")
 
-from tomerge.experiments import figures  # noqa: E402
+from tomerge.experiments import figures, pareto  # noqa: E402
 from tomerge.experiments.flops import COUNTER_VERSION  # noqa: E402
 
 STEPS, LAYERS, SIDE, N_IMAGES = 10, 3, 16, 6  # 16x16 images, patch 2 -> 8x8 = 64 tokens
@@ -72,26 +72,32 @@ def save_images(folder: Path, run: str, images: torch.Tensor, prompts: list[str]
 
 def make_run_folder(root: Path, name: str = "synthetic", prompts: list[str] | None = None,
                     labels: list[int] | None = None, spreads: dict | None = None, speed_scale: float = 1.0,
-                    psnr_shift: float = 0.0) -> Path:
-    """A run folder as ``tomerge ablate`` writes it, with the rows of ``RUNS`` (speed-ups times
-    ``speed_scale``, PSNR plus ``psnr_shift``), timing spreads ``spreads`` (default ``SPREADS``; runs not
-    in it: 0.01 and 0.01), item class ``labels`` (default all 0) or ``prompts``."""
+                    psnr_shift: float = 0.0, runs: list[tuple] = RUNS, row_keys: dict | None = None,
+                    model: dict | None = None) -> Path:
+    """A run folder as ``tomerge ablate`` writes it, with the rows of ``runs`` (default ``RUNS``; speed-ups
+    times ``speed_scale``, PSNR plus ``psnr_shift``; ``row_keys[run]`` added to a run's row), timing spreads
+    ``spreads`` (default ``SPREADS``; runs not in it: 0.01 and 0.01), item class ``labels`` (default all 0) or
+    ``prompts``, made with the ``ModelSpec(**model)`` (default: the bundled reference DiT)."""
     from safetensors.torch import save_file
 
+    from tomerge.experiments.sources import ModelSpec
+
     spreads = SPREADS if spreads is None else spreads
+    row_keys = row_keys or {}
 
     folder = root / name
     (folder / "images").mkdir(parents=True)
     (folder / "maps").mkdir()
-    (folder / "config.yaml").write_text(yaml.safe_dump({"name": name, "num_steps": STEPS, "seed": 0}))
+    config = {"name": name, "num_steps": STEPS, "seed": 0, "model": ModelSpec(**(model or {})).to_dict()}
+    (folder / "config.yaml").write_text(yaml.safe_dump(config))
     gen = torch.Generator().manual_seed(0)
     rows = [{"run": "baseline", "strategy": "none", "ratio": 0.0, "options": {}, "flops": 1000, "flop_counter": COUNTER_VERSION,
-             "psnr": 100.0,
-             "ssim": 1.0, "fd_effnetlite0": 0.0, "versions": {}, "git_commit": None}]
+             "psnr": 100.0, "ssim": 1.0, "fd_effnetlite0": 0.0, "fd_effnetlite0_ref": 90.0, "n_images": N_IMAGES,
+             "versions": {}, "git_commit": None}]
     channels = 3 if prompts else 1
     save_images(folder, "baseline", torch.rand(N_IMAGES, channels, SIDE, SIDE, generator=gen) * 2 - 1, prompts,
                 labels)
-    for run, strategy, ratio, options, speedup, psnr, fd in RUNS:
+    for run, strategy, ratio, options, speedup, psnr, fd in runs:
         speedup, psnr = speedup * speed_scale, psnr + psnr_shift
         sb, sm = spreads.get(run, (0.01, 0.01))
         spread = None if sb is None else max(sb, sm)
@@ -101,7 +107,8 @@ def make_run_folder(root: Path, name: str = "synthetic", prompts: list[str] | No
                      "time_s": 1 / speedup, "speedup": speedup, "flops_base": 1000, "flops": 600, "flop_counter": COUNTER_VERSION,
                      "flop_speedup": 1000 / 600, "overhead_ratio": speedup / (1000 / 600), "peak_memory_mb": None,
                      "tokens_removed_mean": 0.4, "psnr": psnr, "ssim": psnr / 40, "fd_effnetlite0": fd,
-                     "versions": {}, "git_commit": None})
+                     "fd_effnetlite0_ref": fd + 100, "n_images": N_IMAGES, "versions": {}, "git_commit": None,
+                     **row_keys.get(run, {})})
         save_images(folder, run, torch.rand(N_IMAGES, channels, SIDE, SIDE, generator=gen) * 2 - 1, prompts, labels)
         records, maps = [], {}
         for step in range(STEPS):
@@ -122,7 +129,7 @@ def make_run_folder(root: Path, name: str = "synthetic", prompts: list[str] | No
 
 
 def non_dominated(points: dict[str, tuple[float, float]], higher_y: bool) -> set[str]:
-    """Brute force, independent of figures.pareto_front: maximise x, and y (or -y)."""
+    """Brute force, independent of pareto.pareto_front: maximise x, and y (or -y)."""
     s = 1 if higher_y else -1
     return {a for a, (xa, ya) in points.items()
             if not any((xb >= xa and s * yb >= s * ya) and (xb, yb) != (xa, ya) for xb, yb in points.values())}
@@ -134,7 +141,7 @@ def test_pareto_front_random_points():
         pts = [(rng.choice([1.0, 1.2, 1.5, 2.0]), rng.choice([20.0, 25.0, 30.0])) for _ in range(rng.randint(1, 9))]
         for higher in (True, False):
             expected = non_dominated({str(i): p for i, p in enumerate(pts)}, higher)
-            assert {str(i) for i in figures.pareto_front(pts, higher)} == expected
+            assert {str(i) for i in pareto.pareto_front(pts, higher)} == expected
 
 
 def test_figures_from_synthetic_run_folder(tmp_path):
@@ -142,15 +149,18 @@ def test_figures_from_synthetic_run_folder(tmp_path):
     out = tmp_path / "figs"
     assert figures.main([str(folder), "--out", str(out), "--k", "4", "--metrics", "psnr", "fd_effnetlite0"]) == 0
 
-    expected = ["ablation.md", "ablation.tex", "pareto.json", "pareto_psnr.png", "pareto_fd_effnetlite0.png",
-                "synthetic/schedules.png", "synthetic/grid.png", *[f"synthetic/maps/{r[0]}.png" for r in RUNS]]
-    for name in expected:
-        assert (out / name).is_file() and (out / name).stat().st_size > 0, name
+    stems = ["pareto_psnr", "pareto_fd_effnetlite0", "synthetic/schedules", "synthetic/grid",
+             *[f"synthetic/maps/{r[0]}" for r in RUNS]]
+    figures_written = [f"{stem}.{fmt}" for stem in stems for fmt in ("png", "pdf")]  # PDF beside PNG by default
+    expected = ["ablation.md", "ablation.tex", "pareto.json", *figures_written]
+    assert sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()) == sorted(expected)
     from PIL import Image
 
     for png in out.rglob("*.png"):
         with Image.open(png) as im:
             assert im.size[0] > 300 and im.size[1] > 150, png
+    for pdf in out.rglob("*.pdf"):
+        assert pdf.read_bytes()[:5] == b"%PDF-", pdf
 
     # Pareto fronts: exactly the non-dominated merged runs
     fronts = json.loads((out / "pareto.json").read_text())["fronts"]
@@ -225,7 +235,7 @@ def test_text_to_image_grid_has_one_row_per_prompt(tmp_path):
     assert class_data.prompts() is None
 
 
-# ------------------------------------------------------------------ figures that compare runs (issue 16)
+# ------------------------------------------------------------------ figures that compare runs
 def _folders(tmp_path: Path, *specs: tuple[str, dict]) -> list:
     """Loaded run folders named as given, built by ``make_run_folder`` with the given arguments."""
     return [figures.load_run(make_run_folder(tmp_path / f"root{i}", name, **kw)) for i, (name, kw) in enumerate(specs)]
@@ -238,10 +248,27 @@ def _marker_path(marker: str):
     return style.get_path().transformed(style.get_transform())
 
 
-def _label_boxes(fig, ax):
-    renderer = fig.canvas.get_renderer()
-    fig.draw(renderer)
-    return [t.get_bbox_patch().get_window_extent(renderer) for t in ax.texts]
+def _drawn_texts(fig) -> list[tuple[str, object]]:
+    """``(text, window extent)`` of every text the figure draws, after a draw with its layout: titles, axis
+    labels, the tick labels in view, legend entries, annotations."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.text import Text
+
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    renderer = canvas.get_renderer()
+    tick_labels, in_view = set(), []
+    for ax in fig.axes:
+        for axis in (ax.xaxis, ax.yaxis):
+            lo, hi = sorted(axis.get_view_interval())
+            locs = axis.get_majorticklocs()
+            ticks = axis.get_major_ticks(len(locs))
+            tick_labels |= {id(t) for tick in ticks + axis.get_minor_ticks() for t in (tick.label1, tick.label2)}
+            in_view += [t for tick, loc in zip(ticks, locs) if lo - 1e-9 <= loc <= hi + 1e-9
+                        for t in (tick.label1, tick.label2)]
+    texts = [t for t in fig.findobj(Text) if id(t) not in tick_labels] + in_view
+    return [(t.get_text(), (t.get_bbox_patch() or t).get_window_extent(renderer))
+            for t in texts if t.get_visible() and t.get_text().strip()]
 
 
 def _intersecting(boxes) -> list[tuple[int, int]]:
@@ -251,81 +278,188 @@ def _intersecting(boxes) -> list[tuple[int, int]]:
     return [(i, j) for i in range(len(boxes)) for j in range(i + 1, len(boxes)) if area(boxes[i], boxes[j]) > 0]
 
 
-def test_two_folders_marker_per_folder_colour_per_strategy(tmp_path):
+# more methods of the same strategies (another option value, a FLOP-matched run), and the strategies of a presets
+# folder: the crowded figure of the issue
+CROWDED = RUNS + [
+    ("ssm-r0.75", "ssm", 0.75, {}, 1.30, 26.0, 6.0),  # slower than ssm r0.5: the line turns back
+    ("sdtm-r0.25-order=detail_first", "sdtm", 0.25, {"order": "detail_first"}, 1.25, 31.0, 3.0),
+    ("sdtm-r0.5-order=detail_first", "sdtm", 0.5, {"order": "detail_first"}, 1.50, 28.0, 6.0),
+    ("sdtm-flops1.5x", "sdtm", 0.5696, {}, 1.45, 29.5, 4.5),
+    ("toma-r0.5-merge_every=1", "toma", 0.5, {"merge_every": 1}, 1.00, 35.0, 1.2),
+    ("facility_location-r0.25", "facility_location", 0.25, {}, 1.15, 30.5, 3.2),
+    ("facility_location-r0.5", "facility_location", 0.5, {}, 1.35, 27.0, 5.5),
+    ("sdtm_release-r0.2", "sdtm_release", 0.2, {}, 1.12, 35.5, 0.8),
+    ("sdtm_release-r0.65", "sdtm_release", 0.65, {}, 1.50, 33.5, 1.1),
+    ("sdtm_paper-r0.35", "sdtm_paper", 0.35, {}, 1.30, 29.0, 5.1),
+    ("toma_release-r0.35", "toma_release", 0.35, {}, 1.20, 32.0, 2.2),
+]
+CROWDED_KEYS = {run: {"flop_speedup": round(1.25 * speedup, 6)} for run, *_, speedup, _, _ in CROWDED}
+CROWDED_KEYS["sdtm-flops1.5x"]["flop_target"] = 1.5
+# the legend's method entries, written out: each method once, its ratios (and FLOP targets) over every folder
+CROWDED_LEGEND = ["tomesd (r 0.25-0.75)", "ssm (r 0.25-0.75)", "sdtm (r 0.5; FLOP-matched 1.5x)",
+                  "sdtm order=detail_first (r 0.25-0.5)", "toma merge_every=2 (r 0.5)", "toma merge_every=1 (r 0.5)",
+                  "idm (r 0.5)", "facility_location (r 0.25-0.5)", "sdtm_release (r 0.2-0.65)", "sdtm_paper (r 0.35)",
+                  "toma_release (r 0.35)"]
+
+
+def _crowded(tmp_path: Path, *specs: tuple[str, dict]) -> list:
+    return _folders(tmp_path, *[(name, {"runs": CROWDED, "row_keys": CROWDED_KEYS, **kw}) for name, kw in specs])
+
+
+def _legend(fig) -> tuple[list[str], list]:
+    """The legend's entries (wrapped lines joined) and handles."""
+    (legend,) = [a for ax in fig.axes for a in [ax.get_legend()] if a] + fig.legends
+    return [t.get_text().replace("\n  ", " ") for t in legend.get_texts()], legend.legend_handles
+
+
+def test_one_line_per_method_through_its_ratios(tmp_path):
     import numpy as np
     from matplotlib.colors import to_rgba
 
-    a, b = _folders(tmp_path, ("a", {}), ("b", {"speed_scale": 1.02, "psnr_shift": 0.3, "spreads": {}}))
-    styles = figures.point_styles([a, b])
-    strategies = list(dict.fromkeys(r[1] for r in RUNS))
-    for run, strategy, *_ in RUNS:
-        sa, sb = styles[("a", run)], styles[("b", run)]
-        assert sa.colour == sb.colour == f"C{strategies.index(strategy)}"  # colour: strategy
-        assert (sa.marker, sb.marker) == (figures.MARKERS[0], figures.MARKERS[1])  # marker: folder
-        sm = max(SPREADS.get(run, (0.01, 0.01)), key=lambda v: v or 0)
-        assert sa.hollow == (sm is not None and sm > NOISY) and not sb.hollow  # b: spreads 0.01, never noisy
-    assert {s.hollow for s in styles.values()} == {True, False}
+    a, b = _crowded(tmp_path, ("a", {}), ("b", {"speed_scale": 1.02, "psnr_shift": 0.3, "spreads": {}}))
+    strategies = list(dict.fromkeys(r[1] for r in CROWDED))
+    second_variants = {"sdtm order=detail_first", "toma merge_every=1"}  # each strategy's second option values
+    found = pareto.methods([a, b])
+    assert [(m.folder, m.name) for m in found] == [(f, n.split(" (")[0]) for f in "ab" for n in CROWDED_LEGEND]
+    for m in found:
+        strategy = m.name.split()[0]
+        assert m.colour == f"C{strategies.index(strategy)}"  # colour: strategy
+        assert m.marker == pareto.MARKERS["ab".index(m.folder)]  # marker: folder
+        assert m.linestyle == pareto.LINESTYLES[m.name in second_variants]  # line style: option values
+        ratios = [r["ratio"] for r in m.rows]
+        assert ratios == sorted(ratios)
 
-    fig, _ = figures.pareto_plot([a, b], "psnr")
+    fig, _ = pareto.pareto_plot([a, b], "psnr")
     ax = fig.axes[0]
-    drawn = {c.get_gid(): c for c in ax.collections if c.get_gid()}
-    assert set(drawn) == {f"{f}/{r[0]}" for f in "ab" for r in RUNS}
-    for (folder, run), st in styles.items():
-        c = drawn[f"{folder}/{run}"]
-        assert np.allclose(c.get_paths()[0].vertices, _marker_path(st.marker).vertices)
-        face = to_rgba("white") if st.hollow else to_rgba(st.colour)
-        assert np.allclose(c.get_facecolor()[0], face)
-        if st.hollow:
-            assert np.allclose(c.get_edgecolor()[0], to_rgba(st.colour))
-    legend = fig.legends[0]
-    entries = dict(zip([t.get_text() for t in legend.get_texts()], legend.legend_handles))
-    for header in ("colour: strategy", "marker: run folder", "timing repeats"):
-        assert header in entries
-    for i, s in enumerate(strategies):
-        assert entries[s].get_marker() == "o" and np.allclose(to_rgba(entries[s].get_markerfacecolor()),
-                                                               to_rgba(f"C{i}"))
-    assert entries["a"].get_marker() == figures.MARKERS[0] and entries["b"].get_marker() == figures.MARKERS[1]
-    assert any(name.startswith("hollow: noisy timing") for name in entries)
+    assert not ax.texts  # no text by the points
+    caps = {id(line) for c in ax.containers for line in c.lines[1]}  # the error bars' caps
+    lines = {line.get_gid(): line for line in ax.lines if id(line) not in caps and line.get_gid()}
+    scale = {"a": 1.0, "b": 1.02}
+    for folder in "ab":  # the ssm line through its ratios 0.25, 0.5, 0.75, not by speed-up
+        ssm = [r for r in CROWDED if r[1] == "ssm"]
+        assert [r[2] for r in ssm] == [0.25, 0.5, 0.75] and ssm[2][4] < ssm[1][4]
+        assert np.allclose(lines[f"{folder}/ssm"].get_xdata(), [r[4] * scale[folder] for r in ssm])
+        sdtm = [r for r in CROWDED if r[1] == "sdtm" and not r[3]]  # r 0.5, then the FLOP-matched r 0.5696
+        assert np.allclose(lines[f"{folder}/sdtm"].get_ydata(), [r[5] + (folder == "b") * 0.3 for r in sdtm])
+    assert set(lines) == {f"{f}/{n.split(' (')[0]}" for f in "ab" for n in CROWDED_LEGEND} | {"pareto-front"}
+    points = {c.get_gid(): c for c in ax.collections if c.get_gid() and c.get_gid() != "pareto-front-points"}
+    assert set(points) == {f"{f}/{r[0]}" for f in "ab" for r in CROWDED}
+    for m in found:
+        for r in m.rows:
+            c = points[f"{m.folder}/{r['run']}"]
+            assert np.allclose(c.get_paths()[0].vertices, _marker_path(m.marker).vertices)
+            sb, sm = SPREADS.get(r["run"], (0.01, 0.01)) if m.folder == "a" else (0.01, 0.01)
+            noisy = sm is not None and max(sb, sm) > NOISY
+            assert np.allclose(c.get_facecolor()[0], to_rgba("white" if noisy else m.colour))  # hollow: noisy
+    assert any(r[0] in SPREADS and max(v or 0 for v in SPREADS[r[0]]) > NOISY for r in CROWDED)  # some hollow
 
-    # one folder: marker per strategy as before, no folder entries
-    one = figures.point_styles([a])
-    assert len({one[("a", r[0])].marker for r in RUNS}) == len(strategies)
-    fig, _ = figures.pareto_plot([a], "psnr")
-    names = [t.get_text() for t in fig.legends[0].get_texts()]
-    assert "marker: run folder" not in names and "colour: strategy" not in names
+    names, handles = _legend(fig)
+    assert names[:len(CROWDED_LEGEND)] == CROWDED_LEGEND  # each method named once, for both folders
+    for name, handle in zip(CROWDED_LEGEND, handles):
+        m = next(m for m in found if m.name == name.split(" (")[0])
+        assert to_rgba(handle.get_color()) == to_rgba(m.colour) and handle.get_marker() in (None, "None", "")
+    entries = dict(zip(names, handles))
+    assert names[len(CROWDED_LEGEND):len(CROWDED_LEGEND) + 3] == ["run folder", "a", "b"]
+    assert (entries["a"].get_marker(), entries["b"].get_marker()) == tuple(pareto.MARKERS[:2])
+    assert {"Pareto front", "baseline (speed-up 1)", "timing repeats"} <= set(entries)
+    assert any(name.startswith("hollow: noisy timing") for name in names)
+
+    # one folder: the marker is the strategy's, in the legend too; no folder entries
+    fig, _ = pareto.pareto_plot([a], "psnr")
+    names, handles = _legend(fig)
+    assert names[:len(CROWDED_LEGEND)] == CROWDED_LEGEND and "run folder" not in names
+    markers = [h.get_marker() for h in handles[:len(CROWDED_LEGEND)]]
+    assert markers == [pareto.MARKERS[strategies.index(n.split()[0])] for n in CROWDED_LEGEND]
     # FLOP-ideal axis: timing does not move the points, so no bars and nothing hollow
-    fig, _ = figures.pareto_plot([a, b], "psnr", x_key="flop_speedup")
+    fig, _ = pareto.pareto_plot([a, b], "psnr", x_key="flop_speedup")
     assert not fig.axes[0].containers
-    assert not any(s.hollow for s in figures.point_styles([a, b], "flop_speedup").values())
+    faces = [c.get_facecolor()[0] for c in fig.axes[0].collections if c.get_gid() != "pareto-front-points"]
+    assert len(faces) == 2 * len(CROWDED) and not any(np.allclose(f, to_rgba("white")) for f in faces)
+    assert "timing repeats" not in _legend(fig)[0]
 
 
-def test_labels_do_not_overlap(tmp_path):
-    """Three folders: two with identical points, one shifted a little (the labels the fixed offset overprinted)."""
-    data = _folders(tmp_path, ("reference", {}), ("reference", {}),
-                    ("reference-quiet", {"speed_scale": 1.015, "psnr_shift": 0.25}))
-    data[1].name = "reference-1"
-    for metric, x_key in (("psnr", "speedup"), ("fd_effnetlite0", "speedup"), ("psnr", "flop_speedup")):
-        fig, _ = figures.pareto_plot(data, metric, x_key)
+def test_the_pareto_front_is_highlighted_and_written(tmp_path):
+    import numpy as np
+
+    (data,) = _folders(tmp_path, ("a", {}))
+    for metric, column, higher in (("psnr", 5, True), ("fd_effnetlite0", 6, False)):
+        fig, front = pareto.pareto_plot([data], metric)
+        expected = non_dominated({r[0]: (r[4], r[column]) for r in RUNS}, higher)
+        assert {f.split("/", 1)[1] for f in front} == expected and len(front) == len(expected)
+        xy = sorted((r[4], r[column]) for r in RUNS if r[0] in expected)
         ax = fig.axes[0]
-        places = {(r[x_key], r[metric]) for d in data for r in d.merged}
-        assert len(ax.texts) == len(places)  # one label per place: coincident points share it
-        assert _intersecting(_label_boxes(fig, ax)) == [], (metric, x_key)
-        # the same labels at the old fixed offset (5, 3) points overprint: the case is a real one
-        for t in ax.texts:
-            t.xyann, t.arrowprops, t.arrow_patch = (5, 3), None, None
-            t.set_horizontalalignment("left")
-            t.set_verticalalignment("baseline")
-        assert _intersecting(_label_boxes(fig, ax))
-    # the labels of identical points name every folder they hold
-    fig, _ = figures.pareto_plot(data, "psnr")
-    texts = [t.get_text() for t in fig.axes[0].texts]
-    assert "tomesd r=0.5 (reference, reference-1)\nssm r=0.5 (reference, reference-1)" in texts
-    assert "r=0.75 (reference, reference-1)" in texts and "r=0.75" in texts  # reference-quiet's alone
+        (band,) = [line for line in ax.lines if line.get_gid() == "pareto-front"]
+        (rings,) = [c for c in ax.collections if c.get_gid() == "pareto-front-points"]
+        assert np.allclose(np.c_[band.get_xdata(), band.get_ydata()], xy) and band.get_linewidth() > 4
+        assert band.get_alpha() < 0.5 and band.get_zorder() < min(c.get_zorder() for c in ax.collections)
+        assert np.allclose(sorted(map(tuple, rings.get_offsets())), xy) and not rings.get_facecolor().any()
+
+
+def test_no_text_overlaps_in_crowded_figures(tmp_path):
+    """Three folders, two with identical points, one shifted a little, each with 11 methods."""
+    data = _crowded(tmp_path, ("quick", {}), ("quick", {}), ("quick-quiet", {"speed_scale": 1.015, "psnr_shift": 0.25}))
+    data[1].name = "quick-1"
+    cases = [(data, "psnr", "speedup"), (data, "fd_effnetlite0_ref", "flop_speedup"), (data[:1], "psnr", "speedup")]
+    for runs, metric, x_key in cases:
+        fig, _ = pareto.pareto_plot(runs, metric, x_key)
+        texts = _drawn_texts(fig)
+        drawn = [t for t, _ in texts]
+        names, _ = _legend(fig)
+        # every text is there: title, axis labels, tick labels, each legend entry
+        assert fig.get_suptitle() in drawn and fig.axes[0].get_xlabel() in drawn and fig.axes[0].get_ylabel() in drawn
+        assert len(drawn) >= 3 + len(names) + 6 and set(CROWDED_LEGEND) <= {t.replace("\n  ", " ") for t in drawn}
+        assert _intersecting([box for _, box in texts]) == [], (metric, x_key)
+        frame = fig.bbox
+        assert all(frame.x0 <= b.x0 and b.x1 <= frame.x1 and frame.y0 <= b.y0 and b.y1 <= frame.y1 for _, b in texts)
+        # the ratios written by the points at a fixed offset would overprint: the case is a real one
+        ax = fig.axes[0]
+        for m in pareto.methods(runs):
+            for r in m.rows:
+                ax.annotate(f"r={r['ratio']:g}", (r[x_key], r[metric]), xytext=(5, 3), textcoords="offset points",
+                            fontsize=7)
+        assert _intersecting([box for _, box in _drawn_texts(fig)])
+
+
+def test_title_names_the_model_metric_and_image_count(tmp_path):
+    import dataclasses
+    import warnings
+
+    from tomerge.experiments.sources import ModelSpec
+
+    sd3 = {"kind": "pipeline", "path": "/models/sd3-medium/"}
+    a, b = _folders(tmp_path, ("quick", {}), ("big", {"model": sd3}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # both folders name their model
+        fig, _ = pareto.pareto_plot([a], "psnr")
+        assert fig.get_suptitle() == "bundled reference DiT (256 tokens), 6 images: PSNR vs baseline"
+        fig, _ = pareto.pareto_plot([a, b], "fd_effnetlite0", "flop_speedup")
+    assert fig.get_suptitle().replace("\n", " ") == ("bundled reference DiT (256 tokens) / sd3-medium, 6 images: "
+                                                     "FD-EffNetLite0 vs baseline images")  # wrapped to the width
+    assert "quick" not in fig.get_suptitle() and "big" not in fig.get_suptitle()
+    checkpoint = dataclasses.replace(a, config={"model": ModelSpec(path="/ckpt/dit_b2.safetensors").to_dict()})
+    big = dataclasses.replace(b, rows=[{**r, "n_images": 12} for r in b.rows])
+    assert pareto.pareto_title([checkpoint, big], "ssim", checkpoint.rows + big.rows) == \
+        "dit_b2 / sd3-medium, 6-12 images: SSIM vs baseline"
+    videos = [{**r, "n_frames": 4 * r["n_images"]} for r in b.merged]
+    assert pareto.pareto_title([b], "psnr", videos) == "sd3-medium, 6 videos: PSNR vs baseline"
+    unknown = dataclasses.replace(a, config={"name": "quick"})
+    with pytest.warns(UserWarning, match="no model entry"):
+        assert pareto.pareto_title([unknown], "psnr", a.merged) == "6 images: PSNR vs baseline"
+
+
+def test_the_bundled_references_are_named_by_their_token_counts():
+    from tomerge.backbones.timm_dit import DIT_PRESETS
+    from tomerge.experiments.sources import BUNDLED_REFERENCE_NAMES
+
+    grids = {"bundled": DIT_PRESETS["reference"].grid_hw, "bundled-1024": DIT_PRESETS["reference-1024"].grid_hw}
+    assert grids == {"bundled": (16, 16), "bundled-1024": (32, 32)}
+    assert BUNDLED_REFERENCE_NAMES == {name: f"bundled reference DiT ({h * w:,} tokens)"
+                                       for name, (h, w) in grids.items()}
 
 
 def test_error_bars_show_the_timing_range(tmp_path):
     (a,) = _folders(tmp_path, ("a", {}))
-    fig, _ = figures.pareto_plot([a], "psnr")
+    fig, _ = pareto.pareto_plot([a], "psnr")
     ax = fig.axes[0]
     bars = sorted(tuple(round(float(v), 9) for v in (seg[0][0], seg[1][0], seg[0][1]))
                   for c in ax.containers for seg in c.lines[2][0].get_segments())
@@ -336,11 +470,11 @@ def test_error_bars_show_the_timing_range(tmp_path):
             expected.append((round(s * (1 - sb / 2) / (1 + sm / 2), 9), round(s * (1 + sb / 2) / (1 - sm / 2), 9),
                              psnr))
     assert bars == sorted(expected) and len(bars) == len(RUNS) - 1  # toma: one repeat, no bar
-    assert "timing repeats" in ax.get_xlabel()
-    legend = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert ax.get_xlabel() == "measured speed-up (x)"
+    legend, _ = _legend(fig)
     assert any("s(1 - sb/2)/(1 + sm/2)" in t and "s(1 + sb/2)/(1 - sm/2)" in t for t in legend)
-    assert figures.timing_interval({"speedup": 1.5, "time_spread_base": 0.1, "time_spread": 2.5})[1] == float("inf")
-    assert figures.timing_interval({"speedup": 1.5}) is None
+    assert pareto.timing_interval({"speedup": 1.5, "time_spread_base": 0.1, "time_spread": 2.5})[1] == float("inf")
+    assert pareto.timing_interval({"speedup": 1.5}) is None
 
 
 def test_grid_shows_one_image_per_class(tmp_path):
@@ -376,14 +510,15 @@ def test_grid_shows_one_image_per_prompt(tmp_path):
     with Image.open(written[0]) as im:  # 3 prompt rows of 9 runs: wider than tall
         assert im.size[0] > im.size[1] > 300
     assert figures.main([str(data.path), "--out", str(tmp_path / "figs"), "--metrics", "psnr",
-                         "--grid-items", "first", "--k", "2"]) == 0
+                         "--grid-items", "first", "--k", "2", "--formats", "png"]) == 0
 
 
-def test_doctests_of_the_module_pass():
+def test_doctests_of_the_modules_pass():
     import doctest
 
-    result = doctest.testmod(figures, optionflags=doctest.ELLIPSIS)
-    assert result.attempted > 0 and result.failed == 0
+    for module in (figures, pareto):
+        result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+        assert result.attempted > 0 and result.failed == 0, module.__name__
 
 
 def test_an_unknown_metric_is_a_user_error(tmp_path, capsys):
@@ -395,15 +530,6 @@ def test_an_unknown_metric_is_a_user_error(tmp_path, capsys):
     assert exit_.value.code == 2 and "invalid choice: 'psnrr'" in capsys.readouterr().err
     with pytest.raises(UsageError, match="unknown metric 'psnrr'"):  # the Python API says the same
         figures.make_figures([folder], tmp_path / "figs", metrics=["psnrr"])
-
-
-def test_flop_matched_runs_are_labelled_by_their_target():
-    from tomerge.experiments.figures import _point_text
-
-    matched = {"strategy": "sdtm", "ratio": 0.569629, "flop_target": 1.5, "options": {"switch": 1.0}}
-    plain = {"strategy": "sdtm", "ratio": 0.5, "options": {"switch": 1.0}}
-    assert _point_text([("f", matched)], False, {"sdtm": {"switch"}}) == "1.5x FLOPs (r=0.57) switch=1.0"
-    assert _point_text([("f", plain)], False, {"sdtm": {"switch"}}) == "r=0.5 switch=1.0"
 
 
 def test_rows_of_another_flop_counter_are_refused_with_what_to_do(tmp_path):

@@ -190,7 +190,8 @@ def test_figures_for_a_text_to_image_run(tmp_path):
     folder = run_ablation(load_config(write_config(tmp_path, "sd", "fig")), progress=False).path
     out = tmp_path / "figs"
     assert cli(["figures", str(folder), "--out", str(out), "--k", "2"]) == 0
-    for name in ("ablation.md", "pareto_psnr.png", "fig/grid.png", "fig/schedules.png"):
+    for name in ("ablation.md", "pareto_psnr.png", "pareto_psnr.pdf", "fig/grid.png", "fig/schedules.png",
+                 "fig/schedules.pdf"):
         assert (out / name).is_file(), name
 
 

@@ -20,6 +20,7 @@ import local_pipelines
 from tomerge.experiments.ablate import run_ablation
 from tomerge.experiments.config import load_config
 from tomerge.experiments.figures import frame_indices, frame_strip_plot, load_run, make_figures
+from tomerge.experiments.pareto import pareto_plot
 
 pytest.importorskip("transformers", reason="the text pipelines of diffusers import transformers")
 pytestmark = pytest.mark.filterwarnings("ignore:__array__ implementation:DeprecationWarning")
@@ -82,6 +83,10 @@ def test_video_figures_draw_frame_strips_maps_per_frame_and_quality_per_frame(fo
     independent = np.mean(per_video, axis=0)
     assert len(plotted["psnr"][RUN]) == FRAMES and np.all(independent < 100)
     np.testing.assert_allclose(plotted["psnr"][RUN], independent, rtol=1e-6)  # the metrics read frames as float32
+
+    # the Pareto plot's title, from the folder's config.yaml (the pipeline folder) and rows (2 videos)
+    fig, _ = pareto_plot([data], "psnr")
+    assert fig.get_suptitle() == "tiny-wan, 2 videos: PSNR vs baseline"
 
 
 def test_wandb_offline_run_holds_the_videos(folder):
