@@ -297,6 +297,22 @@ def test_a_trajectory_after_another_starts_from_a_full_step(dit, baseline):
     assert torch.equal(again, baseline[0][0]) and not handle.state.records[-1].reused
 
 
+def test_remove_leaves_a_forward_another_library_wrapped_after_it_and_passes_through(dit, baseline):
+    handle = tomerge.apply(dit, "fora", num_steps=STEPS)
+    block = dit.blocks[0]
+    inner = block.forward
+    block.forward = lambda *args, **kwargs: inner(*args, **kwargs)  # e.g. an offloading hook, installed later
+    outer = block.forward
+    with pytest.warns(UserWarning, match="wrapped again after tomerge's"):
+        handle.remove()
+    try:
+        assert block.forward is outer and "forward" not in dit.blocks[1].__dict__
+        out = [call(dit, inputs("native_dit", t)) for t in times(STEPS)]
+        assert all(torch.equal(a, b) for a, b in zip(out, baseline[0]))  # tomerge's wrapper passes through
+    finally:
+        del block.forward
+
+
 def test_no_host_read_after_the_step_starts_but_the_criterions_one(dit):
     """Static caching reads nothing on the host but the clock's timestep; the adaptive criterion reads its one
     number per model call (the relative L1 change), outside compiled graphs."""

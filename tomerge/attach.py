@@ -159,10 +159,11 @@ class MergeHandle:
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
             x = block.block_input(args, kwargs)
             grid = self.adapter.grid(block, x.shape[1])
-            streams = block.streams(args, kwargs) if self.schedule.caches_blocks else None
+            caching = self.schedule.caches_blocks
             call = self.state.begin_block(block.layer, block.kind, grid, x, kind_index=kind_index,
-                                          num_points=len(block.points), streams=streams,
-                                          image_stream=block.image_stream)
+                                          num_points=len(block.points),
+                                          streams=block.streams(args, kwargs) if caching else None,
+                                          image_stream=block.image_stream if caching else 0)
             self._blocks_with_grid += grid is not None
             for point in block.points:
                 point.enter_block(call.decision.merges and point.sublayer in call.decision.sublayers)
@@ -373,8 +374,11 @@ class _ForwardPatch:
 
     def remove(self) -> None:
         if self.module.__dict__.get("forward") is not self.wrapper:
-            raise RuntimeError(f"tomerge: the forward of {type(self.module).__name__} was replaced after tomerge wrapped "
-                               "it; remove that wrapper first")
+            # Another library wrapped the forward after tomerge: removing ours would remove theirs. Ours stays inside
+            # theirs and passes every call through (no block call of this handle is ever in progress again).
+            warnings.warn(f"tomerge: the forward of {type(self.module).__name__} was wrapped again after tomerge's; "
+                          "tomerge's wrapper stays inside it and passes calls through", stacklevel=3)
+            return
         if self.previous is self._ABSENT:
             del self.module.forward
         else:
