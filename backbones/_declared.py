@@ -134,6 +134,8 @@ class Kind:
         joint_input: the block input is itself a joint sequence with text on this side, ``T`` taken from the
             model call's text (``DeclaredAdapter.model_text``); ``None``: the block input is image tokens.
         joint: the side of text in the block's joint sequences (``"joint"`` sites, ``"keys"`` masks).
+        outputs: the block returns a tuple: the argument each element is the new value of (``BlockSpec.outputs``,
+            for the block cache of caching schedules); ``None``: it returns the new value of its token input.
     """
 
     name: str
@@ -146,6 +148,7 @@ class Kind:
     text_index: int = 1
     joint_input: Side | None = None
     joint: Side = "first"
+    outputs: tuple[str, ...] | None = None
 
 
 # ---------------------------------------------------------------------- runtime
@@ -527,7 +530,7 @@ class DeclaredAdapter(BackboneAdapter):
                     points.append(DeclaredPoint(site.sublayer, sub, arg=site.arg, output=site.output, site=site,
                                                 info=info, joint=kind.joint))
             specs.append(DeclaredBlock(module, layer=len(specs), kind=kind.name, points=tuple(points), arg=kind.arg,
-                                       decl=kind, info=info, model_text=lambda: self.model_text,
+                                       outputs=kind.outputs, decl=kind, info=info, model_text=lambda: self.model_text,
                                        model_context=lambda: self.context))
         return specs
 

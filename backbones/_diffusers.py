@@ -193,12 +193,13 @@ class PatchifiedAdapter(BackboneAdapter):
     """Base of the adapters of patchified diffusers transformers with ``transformer_blocks`` of one class.
 
     Subclasses set ``model_class`` (class name of the transformer), ``block_names`` (the block class),
-    ``block_kind``, ``timestep_index`` (position of ``timestep`` in the model's forward), and implement
-    :meth:`merge_points`.
+    ``block_kind``, ``timestep_index`` (position of ``timestep`` in the model's forward), ``block_outputs`` (the
+    blocks' ``BlockSpec.outputs``, when they return a tuple), and implement :meth:`merge_points`.
     """
 
     block_kind: ClassVar[str] = "basic"
     timestep_index: ClassVar[int] = 1
+    block_outputs: ClassVar[tuple[str, ...] | None] = None
 
     def __init__(self, model: nn.Module, options: Any) -> None:
         super().__init__(model, options)
@@ -221,8 +222,8 @@ class PatchifiedAdapter(BackboneAdapter):
         raise NotImplementedError
 
     def blocks(self) -> list[BlockSpec]:
-        return [BlockSpec(module, layer=i, kind=self.block_kind, points=self.merge_points(module))
-                for i, module in enumerate(self._block_modules())]
+        return [BlockSpec(module, layer=i, kind=self.block_kind, points=self.merge_points(module),
+                          outputs=self.block_outputs) for i, module in enumerate(self._block_modules())]
 
     def on_model_call(self, args: tuple, kwargs: dict) -> Tensor | float | None:
         sample = call_arg(args, kwargs, "hidden_states", 0)  # [B, C, H0, W0]

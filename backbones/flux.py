@@ -437,7 +437,8 @@ class FluxAdapter(BackboneAdapter):
             else:
                 continue
             specs.append(FluxBlockSpec(module, layer=len(specs), kind=kind, points=points, lengths=lengths,
-                                       model_context=lambda: self.context))
+                                       model_context=lambda: self.context,
+                                       outputs=("encoder_hidden_states", "hidden_states")))
         return specs
 
     def on_model_call(self, args: tuple, kwargs: dict) -> Tensor | float | None:

@@ -48,7 +48,7 @@ class Flux2Adapter(DeclaredAdapter):
         Kind("double", "transformer_blocks", ("Flux2TransformerBlock",), (
             Site("attn", "attn", output=0, rope=_DOUBLE_ROPE),
             Site("mlp", "ff", arg="x"),
-        ), text_arg="encoder_hidden_states"),
+        ), text_arg="encoder_hidden_states", outputs=("encoder_hidden_states", "hidden_states")),
         Kind("single", "single_transformer_blocks", ("Flux2SingleTransformerBlock",), (
             Site("attn", "attn", tokens="joint", rope=_SINGLE_ROPE, mask_index=1, stays_merged_with="mlp"),
             Site("mlp", "attn.to_out", arg="input", tokens="joint"),

@@ -45,13 +45,13 @@ class HunyuanVideoAdapter(DeclaredAdapter):
         Kind("double", "transformer_blocks", ("HunyuanVideoTransformerBlock", "HunyuanVideoTokenReplaceTransformerBlock"), (
             Site("attn", "attn", output=0, rope=_ROPE, mask="keys"),
             Site("mlp", "ff"),
-        ), text_arg="encoder_hidden_states", joint="last"),
+        ), text_arg="encoder_hidden_states", joint="last", outputs=("hidden_states", "encoder_hidden_states")),
         Kind("single", "single_transformer_blocks",
              ("HunyuanVideoSingleTransformerBlock", "HunyuanVideoTokenReplaceSingleTransformerBlock"), (
             Site("attn", "proj_mlp", arg="input", tokens="joint", stays_merged_with="mlp"),
             Site("attn", "attn", output=0, rope=_ROPE, mask="keys", stays_merged_with="mlp"),
             Site("mlp", "proj_out", arg="input", tokens="joint"),
-        ), text_arg="encoder_hidden_states", joint="last"),
+        ), text_arg="encoder_hidden_states", joint="last", outputs=("hidden_states", "encoder_hidden_states")),
     )
 
 
@@ -66,5 +66,5 @@ class HunyuanVideo15Adapter(HunyuanVideoAdapter):
         Kind("double", "transformer_blocks", ("HunyuanVideo15TransformerBlock",), (
             Site("attn", "attn", output=0, rope=_ROPE, mask="pass"),
             Site("mlp", "ff"),
-        ), text_arg="encoder_hidden_states", joint="last"),
+        ), text_arg="encoder_hidden_states", joint="last", outputs=("hidden_states", "encoder_hidden_states")),
     )

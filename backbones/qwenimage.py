@@ -43,7 +43,7 @@ class QwenImageAdapter(DeclaredAdapter):
         Kind("joint", "transformer_blocks", ("QwenImageTransformerBlock",), (
             Site("attn", "attn", output=0, rope=Rope("image_rotary_emb", 3, "qwen"), mask_index=3),
             Site("mlp", "img_mlp"),
-        )),
+        ), outputs=("encoder_hidden_states", "hidden_states")),
     )
 
     def call_layout(self, args: tuple, kwargs: dict) -> tuple[tuple[int, ...] | None, ContextTokens]:

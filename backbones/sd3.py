@@ -80,6 +80,7 @@ class SD3Adapter(PatchifiedAdapter):
     Options: ClassVar[type] = SD3Options
     model_class: ClassVar[str] = "SD3Transformer2DModel"
     block_kind: ClassVar[str] = "joint"
+    block_outputs: ClassVar[tuple[str, ...]] = ("encoder_hidden_states", "hidden_states")  # None in the last block
     timestep_index: ClassVar[int] = 3  # forward(hidden_states, encoder_hidden_states, pooled_projections, timestep)
 
     def merge_points(self, block: nn.Module) -> tuple[MergePoint, ...]:

@@ -14,7 +14,7 @@ the table). What the table says about it comes from the adapter's class:
 * per block kind (``kind_summaries()``): the sublayers of its merge points, the rotary layout gathered for
   merged tokens, how the text (or other context) tokens meet the image tokens;
 * the strategies: every registered strategy and schedule whose ``needs`` the adapter records, i.e. with
-  default options (ratio 0.5) ``needs`` is empty, or is received attention and every block kind has a probe
+  default options (a strategy at ratio 0.5, a schedule at its own defaults) ``needs`` is empty, or is received attention and every block kind has a probe
   (``probed_kinds()``; :func:`tomerge.apply` installs the probe in every block).
 
 A class no adapter names gets its one-line reason from :data:`NOT_MERGED` (the one table of reasons, by class
@@ -34,8 +34,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from tomerge.adapter import KindSummary
 
-__all__ = ["NOT_MERGED", "NOT_DECLARED", "PAGE", "Row", "Coverage", "model_classes", "coverage", "runnable_strategies",
-           "text_table", "json_lines", "markdown", "add_arguments", "run"]
+__all__ = ["NOT_MERGED", "NOT_DECLARED", "PAGE", "Row", "Coverage", "model_classes", "coverage", "default_ratio",
+           "runnable_strategies", "text_table", "json_lines", "markdown", "add_arguments", "run"]
 
 # Why a class of diffusers.models.transformers is not merged, for the classes that are no image or video
 # generator from text (or are a part of another model). A class neither here nor named by an adapter reads
@@ -123,15 +123,25 @@ def model_classes() -> dict[str, type]:
     return dict(sorted(classes.items()))
 
 
+def default_ratio(name: str) -> float | None:
+    """The ratio the table checks a registered name at: 0.5 for a strategy, ``None`` for a schedule (its own
+    default; a caching schedule without a merging strategy takes none)."""
+    from tomerge.registry import strategy_class
+    from tomerge.schedule import Schedule
+
+    return None if issubclass(strategy_class(name), Schedule) else 0.5
+
+
 def runnable_strategies(adapter: type, strategies: Sequence[str]) -> tuple[str, ...]:
-    """The ones of ``strategies`` (registered names) that run on ``adapter`` with their default options (ratio
-    0.5): those whose schedule ``needs`` nothing, or received attention where every block kind has a probe."""
+    """The ones of ``strategies`` (registered names) that run on ``adapter`` with their default options (at
+    :func:`default_ratio`): those whose schedule ``needs`` nothing, or received attention where every block kind
+    has a probe."""
     from tomerge.attach import check_options
 
     kinds = {k.kind for k in adapter.kind_summaries()}
     recorded = frozenset({RECORDED}) if kinds and kinds <= adapter.probed_kinds() else frozenset()
     return tuple(name for name in strategies
-                 if check_options(name, ratio=0.5, backbones=[adapter.name]).needs <= recorded)
+                 if check_options(name, ratio=default_ratio(name), backbones=[adapter.name]).needs <= recorded)
 
 
 def coverage(backbones: Sequence[str] | None = None, strategies: Sequence[str] | None = None) -> Coverage:

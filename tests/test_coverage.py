@@ -21,7 +21,8 @@ import torch
 import tomerge
 from tomerge.experiments import cli
 from tomerge.registry import backbone_class
-from tomerge.experiments.coverage import NOT_DECLARED, NOT_MERGED, PAGE, REGENERATE, coverage, markdown, model_classes
+from tomerge.experiments.coverage import (NOT_DECLARED, NOT_MERGED, PAGE, REGENERATE, coverage, default_ratio, markdown,
+                                          model_classes)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -107,7 +108,7 @@ def test_strategies_listed_are_exactly_those_apply_attaches(table, backbone):
         pytest.skip(f"{row.model_class} does not build from its default config ({err}); its family tests build it")
     for name in table.strategies:
         if name in row.strategies:
-            handle = tomerge.apply(model, name, ratio=0.5)
+            handle = tomerge.apply(model, name, ratio=default_ratio(name))
             kinds: dict[str, tuple[str, ...]] = {}
             for block in handle._blocks:
                 kinds.setdefault(block.kind, tuple(dict.fromkeys(p.sublayer for p in block.points)))
@@ -115,7 +116,7 @@ def test_strategies_listed_are_exactly_those_apply_attaches(table, backbone):
             handle.remove()
         else:
             with pytest.raises(NotImplementedError, match="cannot record received attention"):
-                tomerge.apply(model, name, ratio=0.5)
+                tomerge.apply(model, name, ratio=default_ratio(name))
         assert "_tomerge_handle" not in model.__dict__, name
 
 

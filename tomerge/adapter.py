@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import functools
+import inspect
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -84,16 +86,72 @@ class MergePoint:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class BlockSpec:
-    """One block: its module, position, block kind (the adapter's name for its type) and merge points."""
+    """One block: its module, position, block kind (the adapter's name for its type) and merge points.
+
+    ``outputs`` describes the block's return value for the block cache (caching schedules keep output minus
+    input and may skip a block call, returning its input plus that residual): ``None``, one tensor, the new
+    value of the token input ``arg``; else a tuple whose ``i``-th element is the new value of the block's
+    argument named ``outputs[i]`` (SD3/Flux joint blocks: ``("encoder_hidden_states", "hidden_states")``), or
+    ``None`` there where the block may return ``None``.
+    """
 
     module: nn.Module
     layer: int
     kind: str
     points: tuple[MergePoint, ...]
     arg: str = "hidden_states"  # keyword of the block's image-token input (else first positional)
+    outputs: tuple[str, ...] | None = None
 
     def block_input(self, args: tuple, kwargs: dict) -> Tensor:
         return kwargs[self.arg] if self.arg in kwargs else args[0]
+
+    # ------------------------------------------------------------------ the block cache
+    @property
+    def image_stream(self) -> int:
+        """The index of the image tokens in :meth:`streams`."""
+        return 0 if self.outputs is None else self.outputs.index(self.arg)
+
+    def streams(self, args: tuple, kwargs: dict) -> tuple[Tensor | None, ...]:
+        """The arguments of a block call that its output replaces, in the order of the output (``outputs``)."""
+        names = (self.arg,) if self.outputs is None else self.outputs
+        return tuple(self._argument(args, kwargs, name) for name in names)
+
+    def output_streams(self, output: Any) -> tuple[Tensor | None, ...]:
+        """The tensors of a block call's return value, in the order of :meth:`streams`.
+
+        Raises:
+            TypeError: the return value is not what ``outputs`` declares (e.g. a tuple from a block declared as
+                returning one tensor): the adapter must declare ``outputs`` for the block cache to run.
+        """
+        if self.outputs is None and isinstance(output, Tensor):
+            return (output,)
+        if self.outputs is not None and isinstance(output, tuple) and len(output) == len(self.outputs):
+            return tuple(output)
+        declared = "one tensor" if self.outputs is None else f"a tuple {self.outputs}"
+        raise TypeError(
+            f"tomerge: the {self.kind!r} block ({type(self.module).__name__}) returned "
+            f"{type(output).__name__}{'' if not isinstance(output, tuple) else f' of {len(output)}'}, where its "
+            f"adapter declares {declared}; the block cache cannot run on it (declare BlockSpec.outputs, "
+            "docs/backbones/adding-a-family.md)")
+
+    def output_of(self, streams: tuple[Tensor | None, ...]) -> Any:
+        """The return value of a block call with these tensors (the inverse of :meth:`output_streams`)."""
+        return streams[0] if self.outputs is None else tuple(streams)
+
+    def _argument(self, args: tuple, kwargs: dict, name: str) -> Tensor | None:
+        if name in kwargs:
+            return kwargs[name]
+        position = self._positions.get(name)
+        if position is None:
+            raise TypeError(f"tomerge: the {self.kind!r} block ({type(self.module).__name__}) has no argument {name!r} "
+                            "in its forward signature; the block cache needs it passed by keyword")
+        return args[position] if position < len(args) else None
+
+    @functools.cached_property
+    def _positions(self) -> dict[str, int]:
+        """Argument name -> position in the block's ``forward`` (read once, before any hook wraps it)."""
+        parameters = inspect.signature(type(self.module).forward).parameters
+        return {name: i - 1 for i, name in enumerate(parameters) if i > 0}
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -49,12 +50,14 @@ class MergeHandle:
     # ------------------------------------------------------------------ public
     @property
     def stats(self) -> dict[str, Any]:
-        """Counts over the recorded block calls: calls, merged calls, tokens in and removed."""
+        """Counts over the recorded block calls: calls, merged calls, reused calls (block cache), tokens in and
+        removed."""
         records = self.state.records
         merged = [r for r in records if r.num_removed > 0]
         return {
             "block_calls": len(records),
             "merged_calls": len(merged),
+            "reused_calls": sum(r.reused for r in records),
             "tokens": sum(r.num_tokens for r in merged),
             "tokens_removed": sum(r.num_removed for r in merged),
             "step": self.state.clock.step,
@@ -123,6 +126,8 @@ class MergeHandle:
         for block in blocks:
             kind_index = kind_counts.get(block.kind, 0)
             kind_counts[block.kind] = kind_index + 1
+            if self.schedule.caches_blocks:
+                add(_ForwardPatch(block.module, self._cached_forward(block, block.module.forward)))
             add(block.module.register_forward_pre_hook(self._block_pre(block, kind_index), with_kwargs=True))
             add(block.module.register_forward_hook(self._block_post(block), always_call=True))
             for index, point in enumerate(block.points):
@@ -154,8 +159,11 @@ class MergeHandle:
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
             x = block.block_input(args, kwargs)
             grid = self.adapter.grid(block, x.shape[1])
+            caching = self.schedule.caches_blocks
             call = self.state.begin_block(block.layer, block.kind, grid, x, kind_index=kind_index,
-                                          num_points=len(block.points))
+                                          num_points=len(block.points),
+                                          streams=block.streams(args, kwargs) if caching else None,
+                                          image_stream=block.image_stream if caching else 0)
             self._blocks_with_grid += grid is not None
             for point in block.points:
                 point.enter_block(call.decision.merges and point.sublayer in call.decision.sublayers)
@@ -170,6 +178,23 @@ class MergeHandle:
             finally:
                 self.state.end_block()
         return hook
+
+    def _cached_forward(self, block: BlockSpec, forward: Any):
+        """The block's ``forward`` for the block cache (``Decision.block_cache``): a reusing call returns its input
+        plus the residual its block call was handed, without running the block (no sublayer runs, no FLOP is
+        spent); a storing call runs the block and hands its output back for the residual. Runs inside compiled
+        graphs: it reads only the block call and tensors, and the decision's kind (compute, store, reuse)."""
+        @functools.wraps(forward)
+        def cached_forward(*args: Any, **kwargs: Any) -> Any:
+            call = self.state.call
+            if call is None or call.decision.block_cache is None:
+                return forward(*args, **kwargs)
+            if call.reused is not None:
+                return block.output_of(tuple(None if r is None else x + r for x, r in zip(call.streams, call.reused)))
+            output = forward(*args, **kwargs)
+            call.store_residual(block.output_streams(output))
+            return output
+        return cached_forward
 
     def _point_pre(self, point: MergePoint, index: int):
         def hook(module: nn.Module, args: tuple, kwargs: dict):
@@ -237,7 +262,7 @@ def apply(target: Any, strategy: str | MergeStrategy | Schedule = "tomesd", *, r
     adapter_fields = {f.name for f in dataclasses.fields(adapter_cls.Options)}
     adapter_opts = {k: options.pop(k) for k in list(options) if k in adapter_fields}
     state_opts = {k: options.pop(k) for k in list(options) if k in _STATE_OPTIONS}
-    schedule = _make_schedule(strategy, ratio, options, adapter_fields)
+    schedule = make_schedule(strategy, ratio, options, adapter_fields)
 
     adapter = adapter_cls(model, build(adapter_cls.Options, adapter_opts, what=f"backbone {adapter_cls.name!r}"))
     adapter.check()
@@ -287,7 +312,7 @@ def check_options(strategy: str, *, ratio: float | None = None, backbones: Seque
         cls = backbone_class(names[0])
         build(cls.Options, {k: v for k, v in options.items() if k in adapter_fields}, what=f"backbone {cls.name!r}")
     rest = {k: v for k, v in options.items() if k not in adapter_fields and k not in _STATE_OPTIONS}
-    return _make_schedule(strategy, ratio, rest, adapter_fields)
+    return make_schedule(strategy, ratio, rest, adapter_fields)
 
 
 def option_names(strategy: str, backbones: Sequence[str] | None = None) -> list[str]:
@@ -336,6 +361,30 @@ def merging(target: Any, strategy: str | MergeStrategy | Schedule = "tomesd", **
 
 
 # ---------------------------------------------------------------------- helpers
+class _ForwardPatch:
+    """A block's ``forward`` replaced by a wrapper (an instance attribute, as diffusers' hooks do); ``remove()``
+    puts back what was there, so the module is exactly as before."""
+
+    _ABSENT = object()  # the module had no instance-level forward (its class's is used)
+
+    def __init__(self, module: nn.Module, wrapper: Any) -> None:
+        self.module, self.wrapper = module, wrapper
+        self.previous = module.__dict__.get("forward", self._ABSENT)
+        module.forward = wrapper
+
+    def remove(self) -> None:
+        if self.module.__dict__.get("forward") is not self.wrapper:
+            # Another library wrapped the forward after tomerge: removing ours would remove theirs. Ours stays inside
+            # theirs and passes every call through (no block call of this handle is ever in progress again).
+            warnings.warn(f"tomerge: the forward of {type(self.module).__name__} was wrapped again after tomerge's; "
+                          "tomerge's wrapper stays inside it and passes calls through", stacklevel=3)
+            return
+        if self.previous is self._ABSENT:
+            del self.module.forward
+        else:
+            self.module.forward = self.previous
+
+
 def _scheduler_timesteps(scheduler: Any, t_max: float):
     """The pipeline scheduler's timesteps in the units the model is called with.
 
@@ -351,8 +400,12 @@ def _scheduler_timesteps(scheduler: Any, t_max: float):
     return timesteps
 
 
-def _make_schedule(strategy: str | MergeStrategy | Schedule, ratio: float | None, options: dict[str, Any],
-                   adapter_fields: set[str]) -> Schedule:
+def make_schedule(strategy: str | MergeStrategy | Schedule, ratio: float | None, options: dict[str, Any],
+                  adapter_fields: set[str] = frozenset()) -> Schedule:
+    """The schedule :func:`apply` runs for ``strategy`` (a registered name, a strategy or a schedule) at ``ratio``
+    with ``options`` (a strategy's options and :class:`~tomerge.schedule.Constant`'s; a schedule's own), raising
+    what ``apply`` raises; ``adapter_fields`` are named as valid in the error on an unknown option. ``options``
+    is consumed."""
     if isinstance(strategy, str):
         cls = strategy_class(strategy)
         if issubclass(cls, Schedule):

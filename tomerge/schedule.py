@@ -25,7 +25,9 @@ class Where:
     """The position of one block call in the trajectory and in the model.
 
     ``layer`` counts every hooked block in execution order; ``kind_index`` counts only the blocks of
-    this ``block_kind`` (Flux: the 3rd single-stream block has ``kind_index`` 2).
+    this ``block_kind`` (Flux: the 3rd single-stream block has ``kind_index`` 2). ``change`` is the change of
+    the block residual a block call of this model call measured (``Decision.measure_change``, adaptive caching:
+    ``first_block_cache``), ``None`` until one has.
     """
 
     step: int
@@ -35,6 +37,11 @@ class Where:
     num_layers: int
     block_kind: str = "block"
     kind_index: int | None = None
+    change: float | None = None
+
+
+BLOCK_CACHE = (None, "store", "reuse")  # Decision.block_cache
+MEASURES = (None, "accumulated", "since_full")  # Decision.measure_change
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +66,20 @@ class Decision:
         cache_weight: ``w`` of the feature cache: where this call unmerges a sublayer's output, the tokens the
             strategy counts as merged (``strategy.merged_tokens``) get ``w * output + (1 - w) * cached``, the
             output this merge point stored last; other tokens keep their output. ``None``: no blending.
+        block_cache: the block cache (docs/schedules.md, "Caching"): ``"store"`` runs the block and keeps its
+            residual (block output minus block input, per token stream) for this block and call index;
+            ``"reuse"`` skips the block (none of its sublayers runs) and returns its input plus the kept residual
+            (forecast to this step with ``forecast_order``); a reuse without a kept residual that fits the input
+            runs the block unmerged and stores it. ``None``: the block runs and nothing is kept. Only schedules
+            whose :attr:`Schedule.caches_blocks` is true may use it.
+        forecast_order: the order of the Taylor forecast of kept residuals (TaylorSeer): a storing call keeps the
+            residual's finite differences up to this order over the steps of the last storing calls, a reusing
+            call returns ``sum_i d_i k^i / i!`` (``k``: steps since the last store). 0: the residual as it was.
+        measure_change: this call (a ``"store"``) measures how much its residual changed, the ``Where.change``
+            of the later block calls of the model call: ``"accumulated"`` (TeaCache's rule) sums the relative L1
+            changes from step to step since the last model call that ran every block; ``"since_full"``
+            (FirstBlockCache's) is the relative L1 change from the residual of that call. ``None``: no
+            measurement.
     """
 
     strategy: MergeStrategy | None
@@ -70,6 +91,22 @@ class Decision:
     reset_streaks: bool = False
     cache_outputs: frozenset[str] = frozenset()
     cache_weight: float | None = None
+    block_cache: str | None = None
+    forecast_order: int = 0
+    measure_change: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.block_cache not in BLOCK_CACHE:
+            raise ValueError(f"Decision.block_cache must be one of {BLOCK_CACHE}, got {self.block_cache!r}")
+        if isinstance(self.forecast_order, bool) or not isinstance(self.forecast_order, int) or self.forecast_order < 0:
+            raise ValueError(f"Decision.forecast_order must be an int >= 0, got {self.forecast_order!r}")
+        if self.block_cache == "reuse" and self.strategy is not None:
+            raise ValueError("a Decision that reuses the block's residual runs no sublayer: its strategy must be None")
+        if self.measure_change not in MEASURES:
+            raise ValueError(f"Decision.measure_change must be one of {MEASURES}, got {self.measure_change!r}")
+        if self.measure_change is not None and self.block_cache != "store":
+            raise ValueError("a Decision measures the change of the residual it stores: measure_change needs "
+                             "block_cache='store'")
 
     @property
     def merges(self) -> bool:
@@ -87,6 +124,12 @@ class Schedule(abc.ABC):
     """
 
     name: ClassVar[str] = ""
+
+    @property
+    def caches_blocks(self) -> bool:
+        """Whether its decisions use the block cache (``Decision.block_cache``): the hooks then wrap every block's
+        ``forward`` so that a reusing call can skip the block (default: no)."""
+        return False
 
     @abc.abstractmethod
     def decide(self, where: Where) -> Decision:

@@ -2,12 +2,14 @@
 
 One object per :func:`tomerge.apply`, never module attributes: the trajectory clock (step index from
 distinct timestep values), the block call in progress, cached plans and destinations, merge streaks,
-received attention, the feature cache, random generators, and a record of every decision.
+received attention, the feature cache, the block cache (kept residuals and the change signal of adaptive
+caching), random generators, and a record of every decision.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Hashable
 from typing import Any
 
@@ -72,6 +74,98 @@ class TrajectoryClock:
         return min(1.0, max(0.0, 1.0 - self.current / self.t_max))
 
 
+Streams = tuple[Tensor | None, ...]
+"""The token streams of one block call in the order of the block's output (``BlockSpec.streams``): the image
+tokens, and e.g. the text tokens of a joint block; ``None`` where the block returns no tensor."""
+
+
+@dataclasses.dataclass
+class KeptResidual:
+    """The block cache of one block and call index: the Taylor terms of its residual at its last storing call.
+
+    ``terms[0]`` is the residual (block output minus block input, per stream); ``terms[i]`` its ``i``-th finite
+    difference over the last storing calls, each difference divided by the step distance of the last two stores
+    (TaylorSeer's approximation of the ``i``-th derivative in steps).
+    """
+
+    step: int
+    terms: list[Streams]
+
+    def updated(self, step: int, residual: Streams, order: int) -> KeptResidual:
+        """The cache after a store of ``residual`` at ``step``, with differences up to ``order`` (as many as
+        earlier stores allow; a residual of other shapes starts afresh)."""
+        distance = step - self.step
+        terms = [residual]
+        if distance > 0 and _same_shapes(residual, self.terms[0]):
+            for previous in self.terms[:order]:
+                terms.append(tuple(None if new is None else (new - old) / distance
+                                   for new, old in zip(terms[-1], previous)))
+        return KeptResidual(step, terms)
+
+    def fits(self, streams: Streams) -> bool:
+        """Whether the kept residual has the shapes of a block call's ``streams``."""
+        return len(streams) == len(self.terms[0]) and all(
+            r is None or (x is not None and x.shape == r.shape) for x, r in zip(streams, self.terms[0]))
+
+    def forecast(self, step: int) -> Streams:
+        """The residual at ``step``: ``sum_i terms[i] * k^i / i!`` with ``k = step - self.step`` (the kept
+        residual itself with one term)."""
+        if len(self.terms) == 1:
+            return self.terms[0]
+        k = step - self.step
+        forecast = []
+        for index, residual in enumerate(self.terms[0]):
+            if residual is None:
+                forecast.append(None)
+                continue
+            value = residual
+            for order, term in enumerate(self.terms[1:], start=1):
+                value = value + term[index] * (k ** order / math.factorial(order))
+            forecast.append(value)
+        return tuple(forecast)
+
+
+@dataclasses.dataclass
+class ChangeSignal:
+    """The criterion of adaptive caching for one call index: how much the measured block's residual changed
+    (``Decision.measure_change``; TeaCache, FirstBlockCache).
+
+    The change from a residual ``ref`` to ``r`` is ``mean|r - ref| / mean|ref|`` over the whole call (every
+    sample: the criterion decides for the batch). ``"accumulated"`` sums the changes from call to call since the
+    last model call that ran every block; ``"since_full"`` is the change from the residual of that call.
+    """
+
+    last: Tensor | None = None  # [B, N, C] the residual measured in the last model call
+    reference: Tensor | None = None  # the residual measured in the last model call that ran every block
+    accumulated: float = 0.0
+    last_full: bool = True  # the last model call ran every block (a reuse sets it False)
+
+    def measure(self, residual: Tensor, rule: str) -> float:
+        """The change of ``residual [B, N, C]`` by ``rule`` (``inf`` without an earlier residual of its shape).
+        Reads one number on the host (runs eagerly, in :meth:`MergeState.end_block`)."""
+        if self.last_full:  # the last model call ran every block: the changes count from it
+            self.reference, self.accumulated = self.last, 0.0
+        change = relative_l1(residual, self.last if rule == "accumulated" else self.reference)
+        self.accumulated = self.accumulated + change if rule == "accumulated" else change
+        self.last, self.last_full = residual, True
+        return self.accumulated
+
+
+def relative_l1(x: Tensor, reference: Tensor | None) -> float:
+    """``mean|x - reference| / mean|reference|`` (``inf`` without a reference of ``x``'s shape, or for a zero
+    one)."""
+    if reference is None or reference.shape != x.shape:
+        return math.inf
+    dtype = torch.promote_types(x.dtype, torch.float32)  # bf16 / fp16 residuals are compared in float32
+    scale = float(reference.to(dtype).abs().mean())
+    return float((x.to(dtype) - reference.to(dtype)).abs().mean()) / scale if scale > 0 else math.inf
+
+
+def _same_shapes(a: Streams, b: Streams) -> bool:
+    return len(a) == len(b) and all((x is None) == (y is None) and (x is None or x.shape == y.shape)
+                                    for x, y in zip(a, b))
+
+
 @dataclasses.dataclass
 class BlockCall:
     """One block forward: what :meth:`MergeState.begin_block` prepared before it (from Python state, outside any
@@ -97,6 +191,30 @@ class BlockCall:
     new_outputs: dict[int, Tensor | None] = dataclasses.field(default_factory=dict)  # point index -> to store
     attention: Tensor | None = None  # [B, N] received attention a probe recorded in this call
     active: dict[int, MergePlan] = dataclasses.field(default_factory=dict)  # point index -> plan
+    streams: Streams | None = None  # the block's input streams, when the decision uses the block cache
+    image_stream: int = 0  # the index of the image tokens in streams
+    reused: Streams | None = None  # the residual a reusing call adds to its input (kept, or forecast)
+    new_residual: Streams | None = None  # the residual a storing call computed
+
+    # ------------------------------------------------------------------ the block cache
+    def store_residual(self, outputs: Streams) -> None:
+        """Keeps ``outputs - streams`` (per stream; ``None`` where the block returned no tensor) as the residual
+        of this block call (stored for this layer and call index when it ends, :meth:`MergeState.end_block`).
+
+        Raises:
+            RuntimeError: an output stream of another shape than its input, or a tensor returned for a stream
+                the block had no input of: the block's residual is not defined.
+        """
+        assert self.streams is not None  # begin_block kept them for a storing decision
+        residual = []
+        for index, (x, y) in enumerate(zip(self.streams, outputs)):
+            if y is not None and (x is None or x.shape != y.shape):
+                raise RuntimeError(
+                    f"tomerge: the {self.where.block_kind!r} block returned a {tuple(y.shape)} tensor as its output "
+                    f"stream {index}, for an input of {None if x is None else tuple(x.shape)}: the block cache keeps "
+                    "output minus input, which needs outputs of their inputs' shapes (BlockSpec.outputs)")
+            residual.append(None if y is None else (y - x).detach())
+        self.new_residual = tuple(residual)
 
     # ------------------------------------------------------------------ the feature cache
     def store_output(self, point: int, output: Tensor) -> None:
@@ -133,6 +251,7 @@ class Record:
     sublayers: tuple[str, ...]
     num_tokens: int
     num_removed: int
+    reused: bool = False  # the block did not run: its input plus a kept residual
 
 
 class MergeState:
@@ -165,6 +284,9 @@ class MergeState:
         self.streaks: dict[tuple[int, int], Tensor] = {}  # (call index, N) -> [B, N] consecutive merges of each token
         self.outputs: dict[tuple[int, int, int], Tensor] = {}  # (call index, layer, point) -> [B, N, C'] feature cache
         self.attention: dict[int, Tensor] = {}  # layer -> [B, N] received attention, latest full-length call
+        self.residuals: dict[tuple[int, int], KeptResidual] = {}  # (call index, layer) -> the block cache
+        self.signals: dict[int, ChangeSignal] = {}  # call index -> the change signal of adaptive caching
+        self.change: float | None = None  # the change measured in the model call in progress (Where.change)
         self.text_labels: Any = None  # what schedule.prepare_text_labels returned (e.g. SDTM's prompt categories)
         self._forked: dict[torch.device, torch.Generator] = {}
         # Called with (block call, new plan) whenever a plan is computed: merge maps, probes, logging.
@@ -176,26 +298,44 @@ class MergeState:
     def begin_model_call(self, timestep: Tensor | float | None) -> None:
         previous = (self.clock.trajectory, self.clock.current)
         if self.clock.observe(timestep):
-            for per_trajectory in (self.plans, self.destinations, self.streaks, self.attention, self.outputs):
+            for per_trajectory in (self.plans, self.destinations, self.streaks, self.attention, self.outputs,
+                                   self.residuals, self.signals):
                 per_trajectory.clear()
         same_step = timestep is not None and previous[1] is not None \
             and (self.clock.trajectory, self.clock.current) == previous
         self.call_index = self.call_index + 1 if same_step else 0
+        self.change = None
 
     # ------------------------------------------------------------------ block calls
     def begin_block(self, layer: int, block_kind: str, grid: Grid | None,
                     block_input: Tensor | None, kind_index: int | None = None,
-                    num_points: int = 0) -> BlockCall:
+                    num_points: int = 0, streams: Streams | None = None, image_stream: int = 0) -> BlockCall:
         """Decides a block call and prepares everything its merge points read: the strategy's context, the
-        cached plan or kept destinations, the streaks and the feature cache of its ``num_points`` points.
-        Runs eagerly (the hooks call it outside compiled graphs); ``block_input [B, N, C]``."""
+        cached plan or kept destinations, the streaks and the feature cache of its ``num_points`` points, and for
+        the block cache its input ``streams`` (``streams[image_stream]`` the image tokens) and the residual a
+        reuse adds (forecast here, eagerly, so that the step never enters a compiled graph). Runs eagerly (the
+        hooks call it outside compiled graphs); ``block_input [B, N, C]``."""
         where = Where(step=self.clock.step, num_steps=self.clock.num_steps, progress=self.clock.progress,
-                      layer=layer, num_layers=self.num_layers, block_kind=block_kind, kind_index=kind_index)
+                      layer=layer, num_layers=self.num_layers, block_kind=block_kind, kind_index=kind_index,
+                      change=self.change)
         decision = self.schedule.decide(where) if grid is not None else SKIP
         if decision.reset_streaks:
             for key in [k for k in self.streaks if k[0] == self.call_index]:
                 del self.streaks[key]
+        if decision.block_cache is not None:
+            if streams is None:
+                raise RuntimeError(f"tomerge: schedule {self.schedule.name!r} decided {decision.block_cache!r} for "
+                                   "a block cache, but its caches_blocks is False: the hooks did not wrap the blocks")
+            if decision.block_cache == "reuse":
+                kept = self.residuals.get((self.call_index, layer))
+                if kept is None or not kept.fits(streams):  # nothing to reuse: run the block and keep its residual
+                    decision = dataclasses.replace(decision, block_cache="store", label=REUSE_MISSED)
         call = self.call = BlockCall(where, decision, grid, block_input)
+        if decision.block_cache is not None:
+            call.streams, call.image_stream = streams, image_stream
+            if decision.block_cache == "reuse":
+                call.reused = self.residuals[(self.call_index, layer)].forecast(where.step)
+                return call
         if block_input is None:
             return call
         B, N = block_input.shape[:2]
@@ -278,6 +418,10 @@ class MergeState:
                 self.outputs.pop((self.call_index, layer, index), None)
             else:
                 self.outputs[(self.call_index, layer, index)] = output
+        if call.new_residual is not None:
+            self._keep_residual(call)
+        if call.reused is not None and self.call_index in self.signals:
+            self.signals[self.call_index].last_full = False
         if call.attention is not None:
             self.store_attention(layer, call.attention)
         if self.record and len(self.records) < self.max_records:
@@ -288,7 +432,24 @@ class MergeState:
                 sublayers=tuple(sorted(call.decision.sublayers)) if plan is not None else (),
                 num_tokens=plan.num_tokens if plan is not None else 0,
                 num_removed=plan.num_removed if plan is not None else 0,
+                reused=call.reused is not None,
             ))
+
+    # ------------------------------------------------------------------ the block cache
+    def _keep_residual(self, call: BlockCall) -> None:
+        """Stores a storing call's residual (with its Taylor terms) and measures its change when asked."""
+        key, step, residual = (self.call_index, call.where.layer), call.where.step, call.new_residual
+        assert residual is not None
+        kept = self.residuals.get(key)
+        order = call.decision.forecast_order
+        self.residuals[key] = KeptResidual(step, [residual]) if kept is None else kept.updated(step, residual, order)
+        rule = call.decision.measure_change
+        if rule is not None:
+            image = residual[call.image_stream]
+            if image is None:
+                raise RuntimeError(f"tomerge: the {call.where.block_kind!r} block returned no image tokens; the change "
+                                   "of adaptive caching is measured on them")
+            self.change = self.signals.setdefault(self.call_index, ChangeSignal()).measure(image, rule)
 
     # ------------------------------------------------------------------ per-token statistics
     def store_attention(self, layer: int, received: Tensor) -> None:
@@ -322,6 +483,9 @@ class MergeState:
         gen = torch.Generator(device=device)
         gen.manual_seed((self.seed * 1_000_003 + where.step * 10_007 + where.layer) % (2**63))
         return gen
+
+
+REUSE_MISSED = "reuse_missed"  # the label of a reuse that found no kept residual (the block ran and stored one)
 
 
 def _fits(num_tokens: int, dst: Tensor, tokens: Tensor) -> bool:

@@ -1,0 +1,258 @@
+"""Caching schedules: block calls skipped by reusing (or forecasting) their residual from an earlier step,
+composed with any merging strategy or schedule on the block calls that run (docs/schedules.md, "Caching").
+
+A caching schedule decides, for every block call, whether the block runs or is skipped. A block call that runs
+takes the decision of the inner merging schedule (``merge``: a registered strategy or schedule, or ``None`` to
+run the block unmerged) and keeps the block's residual, output minus input per token stream, for its layer and
+call index (``Decision.block_cache = "store"``). A skipped call runs none of the block's sublayers and returns
+its input plus the kept residual (``"reuse"``), or, with ``forecast_order=k``, plus the residual's Taylor
+forecast of order ``k`` from the finite differences of the last stores (TaylorSeer). The core does the caching
+(``MergeState.begin_block``/``end_block``, the wrapped block ``forward`` of :mod:`tomerge.attach`), so the
+FLOP counter sees a skipped block cost nothing and every block that runs cost what it costs.
+
+* ``block_cache`` (:class:`BlockCache`): step-level reuse, FORA-style: every block runs on the first
+  ``warmup`` steps and then every ``interval`` steps counted from the last warmup step; the steps in between
+  reuse. Presets: ``fora`` (:class:`FORA`), ``taylorseer`` (:class:`TaylorSeer`).
+* ``first_block_cache`` (:class:`FirstBlockCache`): adaptive: the first block always runs and measures the
+  relative L1 change of its residual (``Where.change``); the other blocks reuse while the change is below
+  ``threshold``.
+
+References:
+    * FORA: P. Selvaraju, T. Ding, T. Chen, I. Zharkov, L. Liang, "FORA: Fast-Forward Caching in Diffusion
+      Transformer Acceleration", arXiv:2407.01425 (code: https://github.com/prathebaselva/FORA).
+    * TaylorSeer: "From Reusing to Forecasting: Accelerating Diffusion Models with TaylorSeers",
+      arXiv:2503.06923 (code: https://github.com/Shenyi-Z/TaylorSeer).
+    * FirstBlockCache: ParaAttention (https://github.com/chengzeyi/ParaAttention, ``para_attn.first_block_cache``).
+    * TeaCache: F. Liu et al., "Timestep Embedding Tells: It's Time to Cache for Video Diffusion Model",
+      arXiv:2411.19108 (code: https://github.com/ali-vilab/TeaCache).
+
+Deviations from the authors' code (all documented in docs/schedules.md): the cache holds the block's residual,
+so a reused residual carries the gates of the step it was computed at, where FORA and TaylorSeer cache the
+attention and MLP outputs and gate them with the current step's gates; TaylorSeer forecasts those sublayer
+outputs, here the block residual. FirstBlockCache reuses one residual of all the later blocks together; here
+every later block reuses its own, whose sum is that residual.
+
+Example:
+    >>> from tomerge.schedule import Where
+    >>> s = BlockCache(interval=3)
+    >>> [s.decide(Where(step=t, num_steps=8, progress=t / 7, layer=0, num_layers=2)).block_cache for t in range(5)]
+    ['store', 'reuse', 'reuse', 'store', 'reuse']
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+
+from tomerge.options import check_bool, check_int, check_number
+from tomerge.schedule import Decision, Schedule, Where
+from tomerge.strategy import MergeStrategy
+
+COMPUTE, REUSE, FORECAST = "compute", "reuse", "forecast"  # labels: an unmerged block that runs, a skipped one
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CachingSchedule(Schedule):
+    """What every caching schedule shares: the inner merging schedule, the warm-up steps and the forecast.
+
+    Args:
+        merge: the merging strategy or schedule of the block calls that run: a registered name, a
+            :class:`~tomerge.MergeStrategy` or a :class:`~tomerge.Schedule` (not a caching one); ``None``: they
+            run unmerged (caching only).
+        merge_options: options of ``merge`` when it is a name (a strategy's options and ``merge_attn`` ...
+            ``merge_until``, or a schedule's), as ``tomerge.apply`` takes them.
+        ratio: the ratio of ``merge``; ``None``: its own default. Without ``merge`` only ``None`` or 0.
+        warmup: the first ``warmup`` steps run every block (at least 1: step 0 has nothing to reuse).
+        forecast_order: the order of the Taylor forecast of a reused residual (TaylorSeer); 0 reuses it as kept.
+    """
+
+    merge: str | MergeStrategy | Schedule | None = None
+    merge_options: Mapping[str, Any] = dataclasses.field(default_factory=dict, hash=False)
+    ratio: float | None = None
+    warmup: int = 1
+    forecast_order: int = 0
+
+    _inner: Schedule | None = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        what = self.name
+        check_int(self.warmup, "warmup", what, low=1, note="step 0 has no residual to reuse")
+        check_int(self.forecast_order, "forecast_order", what, low=0)
+        if not isinstance(self.merge_options, Mapping):
+            raise ValueError(f"{what}: merge_options must be a mapping of option names to values, "
+                             f"got {self.merge_options!r}")
+        object.__setattr__(self, "_inner", _inner_schedule(self.merge, self.ratio, dict(self.merge_options), what))
+
+    @property
+    def inner(self) -> Schedule | None:
+        """The merging schedule of the block calls that run (built once), or ``None``."""
+        return self._inner
+
+    @property
+    def caches_blocks(self) -> bool:
+        return True
+
+    def computed(self, where: Where) -> Decision:
+        """The decision of a block call that runs: the inner schedule's (unmerged without one), keeping the
+        block's residual."""
+        decision = self._inner.decide(where) if self._inner is not None else Decision(strategy=None, label=COMPUTE)
+        return dataclasses.replace(decision, block_cache="store", forecast_order=self.forecast_order)
+
+    def reused(self) -> Decision:
+        """The decision of a skipped block call: its input plus the kept (or forecast) residual."""
+        return Decision(strategy=None, label=FORECAST if self.forecast_order else REUSE, block_cache="reuse",
+                        forecast_order=self.forecast_order)
+
+    def strategies(self) -> tuple[MergeStrategy, ...]:
+        return self._inner.strategies() if self._inner is not None else ()
+
+    # ------------------------------------------------------------------ the inner schedule's text-key bias
+    def prepare_text_labels(self, labels: Any) -> Any:
+        if self._inner is None:
+            return super().prepare_text_labels(labels)
+        return self._inner.prepare_text_labels(labels)
+
+    def text_key_bias(self, where: Where, labels: Any, batch: int, text_len: int,
+                      device: torch.device) -> Tensor | None:
+        if self._inner is None:
+            return None
+        return self._inner.text_key_bias(where, labels, batch, text_len, device)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The schedule's name and options (the built inner schedule is derived, not logged)."""
+        out = {k: v for k, v in super().to_dict().items() if not k.startswith("_")}
+        out["merge_options"] = dict(self.merge_options)
+        return out
+
+
+def _inner_schedule(merge: Any, ratio: float | None, options: dict[str, Any], what: str) -> Schedule | None:
+    """The schedule of ``merge`` at ``ratio`` with ``options``, as ``tomerge.apply`` builds it."""
+    from tomerge.attach import make_schedule  # attach imports the registry that loads this module
+
+    if merge is None:
+        if ratio not in (None, 0, 0.0) or options:
+            given = [name for name, value in (("ratio", ratio), ("merge_options", options)) if value]
+            raise ValueError(f"{what}: {' and '.join(given)} set the merging strategy, but merge is None "
+                             "(caching only); name one, e.g. merge='tomesd'")
+        return None
+    if not isinstance(merge, (str, MergeStrategy, Schedule)):
+        raise ValueError(f"{what}: merge must be a strategy or schedule name, a MergeStrategy or a Schedule, "
+                         f"got {merge!r}")
+    try:
+        inner = make_schedule(merge, None if isinstance(merge, Schedule) else ratio, options)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{what}: merge={merge if isinstance(merge, str) else type(merge).__name__!r}: {err}") \
+            from err
+    if inner.caches_blocks:
+        raise ValueError(f"{what}: merge={inner.name!r} is itself a caching schedule; merge names a merging "
+                         "strategy or schedule")
+    if isinstance(merge, Schedule) and ratio is not None:
+        raise ValueError(f"{what}: ratio goes into the Schedule given as merge when you build it")
+    return inner
+
+
+# ---------------------------------------------------------------------- step-level reuse
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BlockCache(CachingSchedule):
+    """Step-level reuse of every block's residual, FORA-style (see the module docstring).
+
+    Every block runs on the steps ``t < warmup`` and ``t = warmup - 1 + k * interval``; on the others every block
+    is skipped and returns its input plus its kept residual (forecast with ``forecast_order``). ``interval=1``
+    runs every block on every step: the model's own output, bit for bit (with ``merge=None``).
+
+    Args:
+        interval: the steps from one full step to the next (FORA's ``N``, TaylorSeer's ``interval``).
+        merge, merge_options, ratio, warmup, forecast_order: see :class:`CachingSchedule`.
+
+    Example:
+        >>> [BlockCache(interval=4, warmup=2).is_full(t) for t in range(7)]
+        [True, True, False, False, False, True, False]
+    """
+
+    name: ClassVar[str] = "block_cache"
+
+    interval: int = 3
+
+    def __post_init__(self) -> None:
+        check_int(self.interval, "interval", self.name, low=1)
+        super().__post_init__()
+
+    def is_full(self, step: int) -> bool:
+        """Whether every block runs on ``step``."""
+        return step < self.warmup or (step - (self.warmup - 1)) % self.interval == 0
+
+    def decide(self, where: Where) -> Decision:
+        """The inner schedule's decision, storing the residual, on full steps; a reuse on the others."""
+        return self.computed(where) if self.is_full(where.step) else self.reused()
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FORA(BlockCache):
+    """``fora``: FORA's static caching, with the interval of its README's sampling example ("caching frequency 3",
+    https://github.com/prathebaselva/FORA): every block runs on steps ``t % 3 == 0``."""
+
+    name: ClassVar[str] = "fora"
+
+    interval: int = 3
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TaylorSeer(BlockCache):
+    """``taylorseer``: TaylorSeer on DiT as its authors recommend (``TaylorSeer-DiT.md``: ``interval=4,
+    max_order=4``, 50 DDIM steps; ``cache_init.py``: the first 2 steps full, ``first_enhance = 2``): every block
+    runs on steps 0, 1, 5, 9, ...; the steps in between forecast each residual with its Taylor expansion of
+    order 4 in steps. (Their FLUX code uses ``interval=6, max_order=1``, ``first_enhance = 3``.)"""
+
+    name: ClassVar[str] = "taylorseer"
+
+    interval: int = 4
+    warmup: int = 2
+    forecast_order: int = 4
+
+
+# ---------------------------------------------------------------------- adaptive: the first block decides
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FirstBlockCache(CachingSchedule):
+    """Adaptive reuse: the first block decides, from how much its residual changed (FirstBlockCache, TeaCache).
+
+    The first hooked block runs on every model call and measures the relative L1 change ``mean|r - ref| /
+    mean|ref|`` of its residual ``r`` over the whole call (every sample: one decision for the batch). With
+    ``accumulate=False`` (FirstBlockCache's rule) ``ref`` is its residual in the last model call that ran every
+    block; with ``accumulate=True`` (TeaCache's rule) the change is the sum of the changes from call to call since
+    that one. The later blocks are skipped (input plus kept residual) when the change is below ``threshold`` and
+    the step is past ``warmup``; otherwise they run (with ``merge``). ``threshold=0`` runs every block: the
+    model's own output, bit for bit (with ``merge=None``).
+
+    The default threshold is ParaAttention's for FLUX.1 (``doc/fastest_flux.md``: ``residual_diff_threshold=0.08``,
+    "the default value for FLUX models"; 0.06 for HunyuanVideo). TeaCache's thresholds (FLUX: 0.25, 0.4, 0.6, 0.8)
+    apply to its own signal, a polynomial rescaling fitted per model of the change of the first block's
+    modulated input, and do not carry over.
+
+    Args:
+        threshold: the largest change at which the later blocks are still skipped (exclusive), ``>= 0``.
+        accumulate: TeaCache's accumulated change instead of FirstBlockCache's change from the last full call.
+        merge, merge_options, ratio, warmup, forecast_order: see :class:`CachingSchedule`.
+    """
+
+    name: ClassVar[str] = "first_block_cache"
+
+    threshold: float = 0.08
+    accumulate: bool = False
+
+    def __post_init__(self) -> None:
+        check_number(self.threshold, "threshold", self.name, low=0)
+        check_bool(self.accumulate, "accumulate", self.name)
+        super().__post_init__()
+
+    def decide(self, where: Where) -> Decision:
+        """The first block: runs and measures; a later one: a reuse while ``where.change < threshold``."""
+        if where.layer == 0:
+            return dataclasses.replace(self.computed(where),
+                                       measure_change="accumulated" if self.accumulate else "since_full")
+        if where.step < self.warmup or where.change is None or not where.change < self.threshold:
+            return self.computed(where)
+        return self.reused()
