@@ -69,12 +69,13 @@ class Dimension:
 
     @classmethod
     def parse(cls, value: Any, where: str, default_step: float | None = None) -> tuple[Dimension | None, list[str]]:
-        """A YAML value: a scalar is fixed, a list a choice, ``{low, high[, step][, log]}`` a range."""
+        """A YAML value: a list is a choice, a mapping with ``low`` or ``high`` (and ``step``, ``log``) a range,
+        anything else (a scalar, another mapping such as ``merge_options``) is fixed."""
         if isinstance(value, list):
             if not value:
                 return None, [f"{where}: an empty list of choices"]
             return cls("choice", tuple(value)), []
-        if not isinstance(value, dict):
+        if not isinstance(value, dict) or not {"low", "high"} & set(value):
             return cls("fixed", (value,)), []
         unknown = [k for k in value if k not in ("low", "high", "step", "log")]
         problems = [f"{where}: unknown range key {k!r}; a range is {{low, high, step, log}}" for k in unknown]

@@ -130,3 +130,14 @@ def test_ablate_refuses_a_search_config_naming_the_command(setup):
     _, path = setup
     with pytest.raises(ConfigError, match="tomerge search --config FILE"):
         load_config(path)
+
+
+def test_dimensions_a_list_is_a_choice_a_low_high_mapping_a_range_any_other_value_fixed():
+    from tomerge.experiments.search import Dimension
+
+    assert Dimension.parse([1, 2], "x")[0] == Dimension("choice", (1, 2))
+    assert Dimension.parse({"low": 1, "high": 4}, "x")[0] == Dimension("int", (1, 4))
+    assert Dimension.parse({"low": 0.1, "high": 0.4}, "x", default_step=0.01)[0] == Dimension("float", (0.1, 0.4), 0.01)
+    assert Dimension.parse({"use_rand": False}, "x")[0] == Dimension("fixed", ({"use_rand": False},))
+    assert Dimension.parse(0.3, "x")[0] == Dimension("fixed", (0.3,))
+    assert "a range needs numbers low and high" in Dimension.parse({"low": 0.1}, "x")[1][0]
