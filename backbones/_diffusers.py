@@ -28,7 +28,7 @@ def submodel(obj: Any, attr: str, class_name: str) -> nn.Module | None:
 
 
 def probe_self_attention(block: BlockSpec, point: MergePoint, state: MergeState,
-                         max_queries: int = 64) -> list[Any]:
+                         max_queries: int = 64, heads_first: bool = True) -> list[Any]:
     """Records the attention each image token receives in a diffusers self-attention ``Attention``.
 
     Hooks the query/key projections (``to_q``/``to_k``, or ``to_qkv`` after
@@ -36,16 +36,25 @@ def probe_self_attention(block: BlockSpec, point: MergePoint, state: MergeState,
     to keep what the processor computes anyway; after the attention runs at full length, stores
     ``received_attention`` for the block's layer (:func:`~tomerge.probe.attention_probe`). Calls where
     the attention itself was merged are not recorded (the keys are slots, not tokens).
+
+    ``heads_first``: a per-head q/k norm's output is ``[B, heads, N, d]`` (diffusers' ``AttnProcessor2_0``);
+    ``False``: ``[B, N, heads, d]`` (processors that unflatten the heads before the norm, e.g. FLUX.3's).
     """
     attn = point.module
     fused = getattr(attn, "to_qkv", None)
+    norm_pick = None if heads_first else _heads_first
     sources = [("q", attn.to_q, None), ("k", attn.to_k, None),
                ("q", fused, fused_part(0)), ("k", fused, fused_part(1)),
-               ("q", getattr(attn, "norm_q", None), None), ("k", getattr(attn, "norm_k", None), None)]
+               ("q", getattr(attn, "norm_q", None), norm_pick), ("k", getattr(attn, "norm_k", None), norm_pick)]
     # diffusers' Attention keeps its logit scale; WanAttention, LTXAttention do not: 1 / sqrt(head size).
     scale = getattr(attn, "scale", None) or (attn.to_q.out_features // attn.heads) ** -0.5
     return attention_probe(state, attn, sources, lambda captured, grid: received_self_attention(
         captured, grid, attn.heads, scale, max_queries))
+
+
+def _heads_first(t: Tensor) -> Tensor:
+    """``[B, N, heads, d] -> [B, heads, N, d]`` (a q/k norm output captured by :func:`probe_self_attention`)."""
+    return t.transpose(1, 2)
 
 
 def fused_part(part: int):
