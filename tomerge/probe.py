@@ -69,8 +69,9 @@ def chunk_shape(q: Tensor, num_keys: int) -> tuple[int, int]:
     return heads, max(1, budget // (B * heads * num_keys))
 
 
-def received_attention(q: Tensor, k: Tensor, scale: float, keys: slice | None = None) -> Tensor:
-    """Mean over heads and queries of ``softmax(q k^T * scale)``, in chunks of queries.
+def received_attention(q: Tensor, k: Tensor, scale: float, keys: slice | None = None,
+                       key_bias: Tensor | None = None, query_mask: Tensor | None = None) -> Tensor:
+    """Mean over heads and queries of ``softmax(q k^T * scale + key_bias)``, in chunks of queries.
 
     Args:
         q: ``[B, H, Q, d]`` probe queries.
@@ -78,6 +79,8 @@ def received_attention(q: Tensor, k: Tensor, scale: float, keys: slice | None = 
         scale: the attention's logit scale (usually ``d ** -0.5``).
         keys: only these keys (e.g. the image part of a joint text-image attention), their share of the
             attention renormalised to sum to 1 per sample; ``None``: all keys.
+        key_bias: ``[B, N]`` added to every query's logits (``-inf``: a masked key), as the attention's mask.
+        query_mask: ``[B, Q]``, false for queries not counted (padding); ``None``: all.
 
     Returns:
         ``[B, N]`` (``keys``: ``[B, n]``) fp32 attention received by every key; each row sums to 1.
@@ -95,15 +98,21 @@ def received_attention(q: Tensor, k: Tensor, scale: float, keys: slice | None = 
     N = k.shape[2]
     q = q.float() * scale  # [B, H, Q, d]: the scale goes on the small side
     k = k.float().transpose(-1, -2)  # [B, H, d, N]
+    bias = None if key_bias is None else key_bias.float()[:, None, None, :]  # [B, 1, 1, N]
+    weight = None if query_mask is None else query_mask.float()[:, None, :, None]  # [B, 1, Q, 1]
     heads, rows = chunk_shape(q, N)
     sums = []
     for h in range(0, H, heads):
         for start in range(0, Q, rows):
             logits = q[:, h:h + heads, start:start + rows] @ k[:, h:h + heads]  # [B, heads, rows, N]
-            sums.append(logits.softmax(dim=-1).sum(dim=(1, 2)))  # [B, N]
+            p = (logits if bias is None else logits + bias).softmax(dim=-1)
+            if weight is not None:
+                p = p * weight[:, :, start:start + rows]
+            sums.append(p.sum(dim=(1, 2)))  # [B, N]
     total = torch.stack(sums).sum(0) if len(sums) > 1 else sums[0]  # [B, N]
     if keys is None:
-        return total.div_(H * Q)
+        counted = H * (Q if query_mask is None else query_mask.sum(-1, keepdim=True).float())  # [] or [B, 1]
+        return total.div_(counted)
     part = total[:, keys]  # [B, n]
     return part / part.sum(-1, keepdim=True).clamp_min(_EPS)
 

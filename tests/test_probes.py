@@ -1,0 +1,150 @@
+"""Received-attention probes of joint text-image attention against the model's own attention.
+
+The reference is independent of the probe: it intercepts the ``scaled_dot_product_attention`` call inside the
+attention module (the q, k, mask and scale the model attends with, after its norms and rotary rotation) and
+computes, in float64, the probe's documented rule: the text queries' softmax over all keys, averaged over heads
+and the text queries that the mask keeps, restricted to the image keys and renormalised per sample
+(``backbones._diffusers.probe_joint_attention``).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+
+import tomerge
+from tomerge.backbones._diffusers import joint_key_mask
+from test_backbone_flux import flux_inputs, tiny_flux
+
+
+# ---------------------------------------------------------------------- the reference
+class _SDPACalls(TorchFunctionMode):
+    """Records ``(query, key, attn_mask, scale)`` of every SDPA call while entered."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[Tensor, Tensor, Tensor | None, float | None]] = []
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
+            call = {**dict(zip(names, args)), **kwargs}
+            self.calls.append((call["query"], call["key"], call.get("attn_mask"), call.get("scale")))
+        return func(*args, **kwargs)
+
+
+def record_sdpa(modules: dict[int, nn.Module]) -> tuple[dict[int, list], list]:
+    """Hooks recording the SDPA calls made inside each module's forward, keyed like ``modules``."""
+    seen: dict[int, list] = {key: [] for key in modules}
+    hooks = []
+    for key, module in modules.items():
+        mode = _SDPACalls()
+
+        def enter(m, args, kwargs, mode=mode):
+            mode.__enter__()
+
+        def leave(m, args, output, mode=mode, key=key):
+            mode.__exit__(None, None, None)
+            seen[key].extend(mode.calls)
+            mode.calls = []
+
+        hooks += [module.register_forward_pre_hook(enter, with_kwargs=True),
+                  module.register_forward_hook(leave, always_call=True)]
+    return seen, hooks
+
+
+def reference_received_attention(query: Tensor, key: Tensor, mask: Tensor | None, scale: float | None, T: int,
+                                 text_first: bool) -> Tensor:
+    """The probe's rule, from the SDPA inputs ``[B, h, L, d]``: ``[B, N]`` float64."""
+    q, k = query.double(), key.double()
+    B, h, L, d = q.shape
+    logits = torch.einsum("bhqd,bhkd->bhqk", q, k) * (d ** -0.5 if scale is None else scale)  # [B, h, L, L]
+    attended = torch.ones(B, L, dtype=torch.bool)  # [B, L]: keys some query may attend
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            logits = logits.masked_fill(~mask, -math.inf)
+            attended = mask.expand(B, h, L, L).any(dim=2).any(dim=1)
+        else:
+            logits = logits + mask
+    p = logits.softmax(-1)  # rows of masked queries may be NaN: they are not counted
+    text = torch.arange(T) if text_first else torch.arange(L - T, L)
+    image = torch.arange(T, L) if text_first else torch.arange(L - T)
+    out = []
+    for b in range(B):
+        rows = text[attended[b, text]]  # the text queries the mask keeps
+        a = p[b][:, rows].mean(dim=(0, 1))[image]  # [N]
+        out.append(a / a.sum())
+    return torch.stack(out)
+
+
+def check_probe_matches_the_model(model: nn.Module, inputs: dict, attentions: Callable[[nn.Module], dict[int, nn.Module]],
+                                  text: int, text_first: bool, masked: bool) -> None:
+    """float64: the received attention recorded for every block of ``attentions(model)`` (``{layer: attention
+    module}``) equals the reference from that module's SDPA call; ``masked``: the call has a text mask, and the
+    reference without it differs (so the probe used it)."""
+    model = copy.deepcopy(model).double()
+    inputs = {k: v.double() if isinstance(v, Tensor) and v.is_floating_point() else v for k, v in inputs.items()}
+    modules = attentions(model)
+    seen, hooks = record_sdpa(modules)
+    try:
+        with tomerge.merging(model, "idm", ratio=0.5) as handle, torch.no_grad():
+            model(**inputs)
+            recorded = dict(handle.state.attention)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert sorted(recorded) == sorted(modules)
+    for layer, calls in seen.items():
+        assert len(calls) == 1, f"layer {layer}: {len(calls)} SDPA calls"
+        q, k, mask, scale = calls[0]
+        reference = reference_received_attention(q, k, mask, scale, text, text_first)
+        a = recorded[layer]
+        assert a.shape == reference.shape and a.dtype == torch.float32
+        torch.testing.assert_close(a.double(), reference, rtol=1e-5, atol=1e-8)
+        assert (reference.max(-1).values - reference.min(-1).values > 1e-3).all()  # not uniform: real q/k
+        if masked:
+            assert mask is not None
+            unmasked = reference_received_attention(q, k, None, scale, text, text_first)
+            assert (unmasked - reference).abs().max() > 1e-4
+
+
+# ---------------------------------------------------------------------- FLUX.1 (hand-written adapter)
+def test_joint_key_mask_text_and_joint_masks():
+    bias, valid = joint_key_mask(torch.tensor([[True, False, True, True, True]]), 1, 2, 3, "first")
+    assert bias.tolist() == [[0.0, -math.inf, 0.0, 0.0, 0.0]] and valid.tolist() == [[True, False]]
+    bias, valid = joint_key_mask(torch.tensor([[1, 0]])[:, None, None, :], 2, 2, 3, "last")  # [1, 1, 1, T]
+    assert bias.tolist() == [[0.0, 0.0, 0.0, 0.0, -math.inf]] * 2 and valid.tolist() == [[True, False]] * 2
+    additive = torch.tensor([[0.5, -1.0]])
+    bias, valid = joint_key_mask(additive, 1, 2, 1, "first")
+    assert bias.tolist() == [[0.5, -1.0, 0.0]] and valid is None
+    with pytest.raises(ValueError, match="over 4 keys"):
+        joint_key_mask(torch.ones(1, 4, dtype=torch.bool), 1, 2, 3, "first")
+    with pytest.raises(ValueError, match=r"\[B, L\] or \[B, 1, 1, L\]"):
+        joint_key_mask(torch.ones(1, 1, 5, 5, dtype=torch.bool), 1, 2, 3, "first")
+
+
+def _flux_attentions(model: nn.Module) -> dict[int, nn.Module]:
+    blocks = [*model.transformer_blocks, *model.single_transformer_blocks]
+    return {layer: block.attn for layer, block in enumerate(blocks)}
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_flux_probe_equals_the_models_attention(masked):
+    """FLUX.1: text first, text rows of the RoPE table first, double (separate text projections) and single
+    (one projection of the joint sequence) blocks; a key mask over the joint sequence via joint_attention_kwargs."""
+    text, grid = 5, (4, 6)
+    inputs = flux_inputs(text=text, grid=grid)
+    if masked:
+        mask = torch.ones(2, 1, 1, text + 24, dtype=torch.bool)
+        mask[1, ..., text - 2:text] = False  # the second prompt is 2 tokens shorter
+        inputs["joint_attention_kwargs"] = {"attention_mask": mask}
+    check_probe_matches_the_model(tiny_flux(), inputs, _flux_attentions, text, text_first=True, masked=masked)
