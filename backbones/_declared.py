@@ -557,10 +557,12 @@ class DeclaredAdapter(BackboneAdapter):
         if kind.text_arg is None and kind.joint_input is None:
             return probe_self_attention(block, point, state)
         rope = site.rope
+        inner = [s.path for s in kind.sites if s.path.startswith(site.path + ".")]  # merge points inside the attention
         return probe_joint_attention(point.module, state, text_side=kind.joint, text_len=lambda: point.info.text,
                                      rope=None if rope is None else (rope.arg, rope.index),
                                      rope_layout="rows" if rope is None else rope.layout,
-                                     mask=(site.mask_arg, site.mask_index))
+                                     mask=(site.mask_arg, site.mask_index),
+                                     record_before=_submodule(block.module, inner[0]) if inner else None)
 
     def text_keys(self, block: BlockSpec, point: MergePoint) -> TextKeys | None:
         if not isinstance(point, DeclaredPoint) or not point.site.text_keys:

@@ -52,7 +52,8 @@ def probe_self_attention(block: BlockSpec, point: MergePoint, state: MergeState,
 
 def probe_joint_attention(attn: nn.Module, state: MergeState, *, text_side: str,
                           text_len: Callable[[], int | None], rope: tuple[str, int] | None = None,
-                          rope_layout: str = "rows", mask: tuple[str, int] | None = None) -> list[Any]:
+                          rope_layout: str = "rows", mask: tuple[str, int] | None = None,
+                          record_before: nn.Module | None = None) -> list[Any]:
     """Records the attention each image token receives in a joint text-image attention (MMDiT style).
 
     The rule (every joint attention of tomerge's adapters): all text queries of the call against all keys
@@ -84,6 +85,7 @@ def probe_joint_attention(attn: nn.Module, state: MergeState, *, text_side: str,
         mask: ``(keyword, position)`` of the call's attention mask: boolean (or 0/1 integer) over the joint
             sequence (``[B, T + N]``, ``[B, 1, 1, T + N]``) or over the text (``[B, T]``), or an additive float
             bias of those shapes; ``None``: no mask.
+        record_before: see :func:`~tomerge.probe.attention_probe`.
 
     Returns:
         The hook handles. Calls without text, or whose attention ran on merged slots, are not recorded.
@@ -137,7 +139,7 @@ def probe_joint_attention(attn: nn.Module, state: MergeState, *, text_side: str,
         return received_attention(q_txt.transpose(1, 2), k, q_txt.shape[-1] ** -0.5, keys=image,
                                   key_bias=key_bias, query_mask=text_valid)  # [B, N]
 
-    return attention_probe(state, attn, sources, compute, before=before)
+    return attention_probe(state, attn, sources, compute, before=before, record_before=record_before)
 
 
 def _rotate_joint(freqs: Any, layout: str, q_txt: Tensor, k_txt: Tensor, k_img: Tensor,

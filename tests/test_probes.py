@@ -23,6 +23,8 @@ from torch.overrides import TorchFunctionMode
 import tomerge
 from tomerge.backbones._diffusers import joint_key_mask
 from test_backbone_flux import flux_inputs, tiny_flux
+from test_backbones_current import FAMILIES as IMAGE_FAMILIES
+from test_backbones_video import FAMILIES as VIDEO_FAMILIES
 
 
 # ---------------------------------------------------------------------- the reference
@@ -62,11 +64,12 @@ def record_sdpa(modules: dict[int, nn.Module]) -> tuple[dict[int, list], list]:
     return seen, hooks
 
 
-def reference_received_attention(query: Tensor, key: Tensor, mask: Tensor | None, scale: float | None, T: int,
+def reference_received_attention(query: Tensor, key: Tensor, mask: Tensor | None, scale: float | None, N: int,
                                  text_first: bool) -> Tensor:
-    """The probe's rule, from the SDPA inputs ``[B, h, L, d]``: ``[B, N]`` float64."""
+    """The probe's rule, from the SDPA inputs ``[B, h, T + N, d]``: ``[B, N]`` float64."""
     q, k = query.double(), key.double()
     B, h, L, d = q.shape
+    T = L - N
     logits = torch.einsum("bhqd,bhkd->bhqk", q, k) * (d ** -0.5 if scale is None else scale)  # [B, h, L, L]
     attended = torch.ones(B, L, dtype=torch.bool)  # [B, L]: keys some query may attend
     if mask is not None:
@@ -87,7 +90,7 @@ def reference_received_attention(query: Tensor, key: Tensor, mask: Tensor | None
 
 
 def check_probe_matches_the_model(model: nn.Module, inputs: dict, attentions: Callable[[nn.Module], dict[int, nn.Module]],
-                                  text: int, text_first: bool, masked: bool) -> None:
+                                  num_tokens: int, text_first: bool, masked: bool) -> None:
     """float64: the received attention recorded for every block of ``attentions(model)`` (``{layer: attention
     module}``) equals the reference from that module's SDPA call; ``masked``: the call has a text mask, and the
     reference without it differs (so the probe used it)."""
@@ -106,14 +109,14 @@ def check_probe_matches_the_model(model: nn.Module, inputs: dict, attentions: Ca
     for layer, calls in seen.items():
         assert len(calls) == 1, f"layer {layer}: {len(calls)} SDPA calls"
         q, k, mask, scale = calls[0]
-        reference = reference_received_attention(q, k, mask, scale, text, text_first)
+        reference = reference_received_attention(q, k, mask, scale, num_tokens, text_first)
         a = recorded[layer]
         assert a.shape == reference.shape and a.dtype == torch.float32
         torch.testing.assert_close(a.double(), reference, rtol=1e-5, atol=1e-8)
         assert (reference.max(-1).values - reference.min(-1).values > 1e-3).all()  # not uniform: real q/k
         if masked:
             assert mask is not None
-            unmasked = reference_received_attention(q, k, None, scale, text, text_first)
+            unmasked = reference_received_attention(q, k, None, scale, num_tokens, text_first)
             assert (unmasked - reference).abs().max() > 1e-4
 
 
@@ -147,4 +150,33 @@ def test_flux_probe_equals_the_models_attention(masked):
         mask = torch.ones(2, 1, 1, text + 24, dtype=torch.bool)
         mask[1, ..., text - 2:text] = False  # the second prompt is 2 tokens shorter
         inputs["joint_attention_kwargs"] = {"attention_mask": mask}
-    check_probe_matches_the_model(tiny_flux(), inputs, _flux_attentions, text, text_first=True, masked=masked)
+    check_probe_matches_the_model(tiny_flux(), inputs, _flux_attentions, 24, text_first=True, masked=masked)
+
+
+# ---------------------------------------------------------------------- declared joint families
+def _attentions(*containers: str) -> Callable[[nn.Module], dict[int, nn.Module]]:
+    def find(model: nn.Module) -> dict[int, nn.Module]:
+        blocks = [block for c in containers for block in getattr(model, c)]
+        return {layer: block.attn for layer, block in enumerate(blocks)}
+    return find
+
+
+JOINT = {  # family: (its blocks' attentions in layer order, text first, the inputs mask padded text)
+    "flux2": (_attentions("transformer_blocks", "single_transformer_blocks"), True, False),
+    "qwenimage": (_attentions("transformer_blocks"), True, True),
+    "hunyuan_video": (_attentions("transformer_blocks", "single_transformer_blocks"), False, True),
+    "hunyuan_video15": (_attentions("transformer_blocks"), False, True),
+}
+
+
+@pytest.mark.parametrize("name", JOINT)
+def test_declared_joint_probe_equals_the_models_attention(name):
+    """FLUX.2 (double and single blocks, text-first RoPE rows), Qwen-Image (complex tables per stream, a text
+    mask), HunyuanVideo (text last, RoPE on the image rows only, a [B, 1, 1, N + T] key mask; single blocks
+    project the joint sequence at once) and HunyuanVideo 1.5 (a [B, T] text mask the processor pads to a
+    query-and-key mask)."""
+    family = {**IMAGE_FAMILIES, **VIDEO_FAMILIES}[name]
+    attentions, text_first, masked = JOINT[name]
+    model = family.build()
+    check_probe_matches_the_model(model, family.inputs(model), attentions, math.prod(family.grid),
+                                  text_first=text_first, masked=masked)

@@ -119,7 +119,8 @@ def received_attention(q: Tensor, k: Tensor, scale: float, keys: slice | None = 
 
 def attention_probe(state: MergeState, attn: nn.Module, sources: Iterable[Source],
                     compute: Callable[[dict[str, Any], Grid], Tensor | None],
-                    before: Callable[[tuple, dict], dict[str, Any]] | None = None) -> list[Any]:
+                    before: Callable[[tuple, dict], dict[str, Any]] | None = None,
+                    record_before: nn.Module | None = None) -> list[Any]:
     """Hooks recording the attention the image tokens of a block receive in its attention ``attn``.
 
     Only the block's calls that merge are recorded (``state.call`` with a merging decision: the hooks are on
@@ -138,9 +139,12 @@ def attention_probe(state: MergeState, attn: nn.Module, sources: Iterable[Source
         compute: ``(captured, grid) -> [B, N] or None``.
         before: optional ``(args, kwargs) -> {name: value}``, a forward pre-hook of ``attn`` capturing
             from its call's arguments (e.g. a rotary table or the text length).
+        record_before: a submodule of ``attn`` that a merge point reads after the attention (FLUX.2's fused
+            ``to_out`` inside its parallel attention): the record is computed just before it runs (its first
+            forward pre-hook), so the block call's plan, made there, sees it; ``None``: after ``attn`` ran.
 
     Returns:
-        The hook handles: ``before``'s pre-hook (if any), the source hooks, the hook on ``attn``.
+        The hook handles: ``before``'s pre-hook (if any), the source hooks, the hook that records.
     """
     captured: dict[str, Any] = {}
 
@@ -158,7 +162,7 @@ def attention_probe(state: MergeState, attn: nn.Module, sources: Iterable[Source
         if wanted():
             captured.update(before(args, kwargs))
 
-    def record(module: nn.Module, args: tuple, output: Any) -> None:
+    def record(*hook_args: Any) -> None:  # (module, args, output) or, before record_before, (module, args)
         got = dict(captured)
         captured.clear()
         if not wanted():
@@ -169,7 +173,11 @@ def attention_probe(state: MergeState, attn: nn.Module, sources: Iterable[Source
 
     handles = [attn.register_forward_pre_hook(read_call, with_kwargs=True)] if before is not None else []
     handles += [module.register_forward_hook(keep(name, pick)) for name, module, pick in sources if module is not None]
-    handles.append(attn.register_forward_hook(record))
+    if record_before is None:
+        handles.append(attn.register_forward_hook(record))
+    else:
+        handles.append(record_before.register_forward_pre_hook(record, prepend=True))
+        handles.append(attn.register_forward_hook(lambda *hook_args: captured.clear()))  # a call that never reached it
     return handles
 
 
