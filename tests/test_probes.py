@@ -180,3 +180,41 @@ def test_declared_joint_probe_equals_the_models_attention(name):
     model = family.build()
     check_probe_matches_the_model(model, family.inputs(model), attentions, math.prod(family.grid),
                                   text_first=text_first, masked=masked)
+
+
+# ---------------------------------------------------------------------- SANA: linear attention
+def test_sana_probe_equals_the_normalised_linear_attention_weights():
+    """float64: SANA's recorded received attention is the mean over heads and every query of the linear
+    attention's normalised weights ``relu(q_i) . relu(k_j) / sum_j' relu(q_i) . relu(k_j')``, here formed as the
+    full N x N matrix from attn1's own projections, renormalised per sample."""
+    family = IMAGE_FAMILIES["sana"]
+    model = family.build().double()
+    inputs = {k: v.double() if isinstance(v, Tensor) and v.is_floating_point() else v
+              for k, v in family.inputs(model).items()}
+    seen: dict[int, Tensor] = {}
+    hooks = [block.attn1.register_forward_pre_hook(lambda m, args, layer=layer: seen.setdefault(layer, args[0]))
+             for layer, block in enumerate(model.transformer_blocks)]
+    try:
+        with tomerge.merging(model, "idm", ratio=0.5) as handle, torch.no_grad():
+            model(**inputs)
+            recorded = dict(handle.state.attention)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert sorted(recorded) == sorted(seen) == [0, 1]
+    N = math.prod(family.grid)
+    for layer, x in seen.items():
+        attn = model.transformer_blocks[layer].attn1
+        with torch.no_grad():
+            q, k = attn.to_q(x), attn.to_k(x)  # [B, N, H*d]
+            if attn.norm_q is not None:
+                q, k = attn.norm_q(q), attn.norm_k(k)
+        B = x.shape[0]
+        phi_q = q.view(B, N, attn.heads, -1).transpose(1, 2).relu()  # [B, H, N, d]
+        phi_k = k.view(B, N, attn.heads, -1).transpose(1, 2).relu()
+        weights = phi_q @ phi_k.transpose(-1, -2)  # [B, H, N, N]
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-15)
+        reference = weights.mean(dim=(1, 2))  # [B, N]
+        reference = reference / reference.sum(-1, keepdim=True)
+        torch.testing.assert_close(recorded[layer].double(), reference, rtol=1e-5, atol=1e-9)
+        assert (reference.max(-1).values - reference.min(-1).values > 0.2 / N).all()  # not uniform: the model's weights

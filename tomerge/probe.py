@@ -3,7 +3,9 @@
 IDM ranks tokens by the attention they receive. The adapter captures the queries and keys that the
 block's attention already computed (hooks on the projection submodules, so the attention itself keeps
 its fused kernel) and this module turns them into ``a [B, N]``: the softmax attention to every key,
-averaged over heads and over a probe set of at most ``max_queries`` strided queries.
+averaged over heads and over a probe set of queries (at most ``max_queries`` strided image queries of a
+self-attention; the text queries of a joint text-image attention, the image keys' share renormalised).
+:func:`received_linear_attention` is tomerge's counterpart for linear (kernel) attention, which has no softmax.
 
 :func:`attention_probe` installs those hooks for any adapter: it captures the named projection outputs
 during the block's merged calls and, after the attention ran, stores what the adapter's ``compute``
@@ -115,6 +117,36 @@ def received_attention(q: Tensor, k: Tensor, scale: float, keys: slice | None = 
         return total.div_(counted)
     part = total[:, keys]  # [B, n]
     return part / part.sum(-1, keepdim=True).clamp_min(_EPS)
+
+
+def received_linear_attention(phi_q: Tensor, phi_k: Tensor, eps: float = 1e-15) -> Tensor:
+    """Mean over heads and queries of the normalised weights of a linear (kernel) attention, in ``O(N d)``.
+
+    A linear attention ``out_i = sum_j (phi(q_i) . phi(k_j)) v_j / (sum_j phi(q_i) . phi(k_j) + eps)`` (SANA:
+    ``phi = ReLU``) weighs key ``j`` for query ``i`` by ``w_ij = phi(q_i) . phi(k_j) / (D_i + eps)``, ``D_i =
+    phi(q_i) . sum_j phi(k_j)``. The attention key ``j`` receives is ``sum_i w_ij = (sum_i phi(q_i) / (D_i +
+    eps)) . phi(k_j)``: one ``[d]`` vector per head, dotted with every key, never the ``N x N`` weights. The
+    result is averaged over heads and renormalised to sum to 1 per sample (a query whose features are all zero
+    weighs nothing and counts for nothing). This is tomerge's definition for IDM on linear attention; the SDTM
+    paper defines received attention for softmax attention only.
+
+    Args:
+        phi_q, phi_k: ``[B, H, N, d]`` non-negative query and key features (after the kernel).
+        eps: the attention's own guard in its denominator (SANA's processor adds ``1e-15``).
+
+    Returns:
+        ``[B, N]`` fp32; each row sums to 1.
+
+    Example:
+        >>> phi = torch.tensor([[[[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]]]])    # [1, 1, 3, 2]
+        >>> received_linear_attention(phi, phi)   # rows of w: (1/2, 0, 1/2), (0, 1/2, 1/2), (1/4, 1/4, 1/2)
+        tensor([[0.2500, 0.2500, 0.5000]])
+    """
+    q, k = phi_q.float(), phi_k.float()  # [B, H, N, d]
+    denominators = q @ k.sum(dim=2).unsqueeze(-1)  # [B, H, N, 1]: D_i
+    spread = (q / (denominators + eps)).sum(dim=2)  # [B, H, d]: sum_i phi(q_i) / (D_i + eps)
+    received = (k @ spread.unsqueeze(-1)).squeeze(-1).sum(dim=1)  # [B, N]: summed over heads
+    return received / received.sum(-1, keepdim=True).clamp_min(_EPS)
 
 
 def attention_probe(state: MergeState, attn: nn.Module, sources: Iterable[Source],
