@@ -92,8 +92,8 @@ def probe_joint_attention(attn: nn.Module, state: MergeState, *, text_side: str,
             image tokens alone, applied with diffusers' ``apply_rotary_emb(..., sequence_dim=1)``; ``"qwen"``:
             complex ``(image [N, d/2], text [T, d/2])`` tables applied with ``apply_rotary_emb_qwen``.
         mask: ``(keyword, position)`` of the call's attention mask: boolean (or 0/1 integer) over the joint
-            sequence (``[B, T + N]``, ``[B, 1, 1, T + N]``) or over the text (``[B, T]``), or an additive float
-            bias of those shapes; ``None``: no mask.
+            sequence (``[B, T + N]``, ``[B, 1, 1, T + N]``, or query-by-key ``[B, 1, T + N, T + N]``) or over the
+            text (``[B, T]``), or an additive float bias of those shapes; ``None``: no mask.
         record_before: see :func:`~tomerge.probe.attention_probe`.
 
     Returns:
@@ -182,11 +182,13 @@ def joint_key_mask(mask: Tensor | None, batch: int, T: int, N: int,
     Args:
         mask: ``None``; boolean (or 0/1 integer: true is attended) or additive float, of shape ``[B, L]`` or
             ``[B, 1, 1, L]`` (one row for every query) with ``L = T + N`` (text on ``text_side``) or ``L = T``
-            (the text alone; the image keys are all attended).
+            (the text alone; the image keys are all attended); or a query-by-key mask ``[B, 1, L, L]`` over the
+            joint sequence (Chroma), whose text queries' rows are the bias, ``[B, T, T + N]``.
 
     Returns:
         ``(None, None)`` without a mask; a boolean mask gives ``-inf`` on masked keys and the text tokens that
-        are attended (the counted queries); a float mask is the bias itself and every text query counts.
+        are attended (the counted queries; with a query-by-key mask, those whose row attends a key); a float
+        mask is the bias itself and every text query counts.
 
     Example:
         >>> bias, valid = joint_key_mask(torch.tensor([[1, 1, 0]]), 1, 3, 2, "last")   # a text mask
@@ -195,6 +197,8 @@ def joint_key_mask(mask: Tensor | None, batch: int, T: int, N: int,
     """
     if mask is None:
         return None, None
+    if mask.dim() == 4 and mask.shape[1] == 1 and mask.shape[2] == mask.shape[3] == T + N:
+        return _query_key_mask(mask[:, 0].expand(batch, -1, -1), T, N, text_side)
     if any(size != 1 for size in mask.shape[1:-1]) or mask.dim() < 2:
         raise ValueError(f"tomerge: the received-attention probe takes a key mask [B, L] or [B, 1, 1, L], got "
                          f"{tuple(mask.shape)}")
@@ -215,6 +219,18 @@ def joint_key_mask(mask: Tensor | None, batch: int, T: int, N: int,
     bias = torch.zeros(attended.shape, dtype=torch.float32, device=attended.device).masked_fill_(~attended, -math.inf)
     text = attended[:, :T] if text_side == "first" else attended[:, N:]  # [B, T]
     return bias, text
+
+
+def _query_key_mask(mask: Tensor, T: int, N: int, text_side: str) -> tuple[Tensor, Tensor | None]:
+    """:func:`joint_key_mask` of a query-by-key mask ``[B, L, L]``: the text queries' rows ``[B, T, L]``."""
+    rows = mask[:, :T] if text_side == "first" else mask[:, N:]  # [B, T, L]
+    if rows.is_floating_point():
+        return rows.float(), None
+    attended = rows.bool()
+    counted = attended.any(dim=-1)  # [B, T]: a query whose row attends nothing is not counted
+    bias = torch.zeros(attended.shape, dtype=torch.float32, device=attended.device)
+    bias.masked_fill_(~attended & counted[..., None], -math.inf)  # an uncounted row stays finite (no NaN)
+    return bias, counted
 
 
 def fused_part(part: int):

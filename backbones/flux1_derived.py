@@ -16,6 +16,8 @@ Facts from the installed diffusers (0.42.1; ``transformer_chroma.py``, ``transfo
   ``proj_out`` and only ``proj_out``'s output is unmerged. Bria, LongCat-Image and Ovis-Image concatenate the
   block's ``encoder_hidden_states`` and image tokens themselves (``T`` from the block call); Chroma and FIBO get
   the joint sequence from the model (``T`` from the model call's ``encoder_hidden_states``).
+* Received attention (``idm``): the joint probe of both attentions (the text queries' attention, with the
+  call's RoPE and mask).
 * Grid: ``img_ids [N, 3]`` hold ``(0, row, col)`` of every image token in raster order; the grid is read from
   them on every call. Editing pipelines that append reference-image tokens (FIBO Edit, LongCat-Image Edit)
   give ids that are no single grid: those calls are not merged, with a warning.
@@ -45,7 +47,7 @@ _Mask = Literal["keys", "pairs"] | None
 def double_kind(block_class: str, mask: _Mask = None) -> Kind:
     """The double-stream blocks ``transformer_blocks`` of ``block_class`` (see the module docstring)."""
     return Kind("double", "transformer_blocks", (block_class,), (
-        Site("attn", "attn", output=0, rope=_ROPE, mask=mask),
+        Site("attn", "attn", output=0, rope=_ROPE, mask=mask, probe=True),
         Site("mlp", "ff"),
     ), text_arg="encoder_hidden_states")
 
@@ -55,7 +57,7 @@ def single_kind(block_class: str, joint_input: bool, mask: _Mask = None) -> Kind
     the joint ``[text, image]`` sequence from the model, else ``(hidden_states, encoder_hidden_states)``."""
     sites = (
         Site("attn", "proj_mlp", arg="input", tokens="joint", stays_merged_with="mlp"),
-        Site("attn", "attn", tokens="joint", rope=_ROPE, mask=mask, stays_merged_with="mlp"),
+        Site("attn", "attn", tokens="joint", rope=_ROPE, mask=mask, stays_merged_with="mlp", probe=True),
         Site("mlp", "proj_out", arg="input", tokens="joint"),
     )
     if joint_input:

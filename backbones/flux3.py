@@ -13,7 +13,7 @@ Facts from the installed diffusers (0.42.1, ``models/transformers/transformer_fl
   text streams separately, normalises and concatenates them to ``[text, image]`` and runs ``attn`` and ``ff``
   on that joint sequence in parallel (RoPE rows ``[T + N, d]``, text first). Merge points: ``attn``
   (``"attn"``) and ``ff`` (``"mlp"``), both on the image part of the joint sequence; ``T`` is the block's
-  ``encoder_hidden_states`` length.
+  ``encoder_hidden_states`` length; the received-attention probe is the joint one (text queries).
 * Grid: ``img_ids [N, 4]`` hold ``(t, h, w, l)`` of the image tokens, shared by the batch; the grid ``(H, W)``
   is read from them on every call. A call with reference images (``image_cond_hidden_states``: their tokens
   follow the image tokens in the single blocks) is not merged, with a warning. The pipeline passes the flow
@@ -48,7 +48,7 @@ class Flux3Adapter(DeclaredAdapter):
             Site("mlp", "ff", arg="x"),
         )),
         Kind("single", "single_transformer_blocks", ("Flux3SingleTransformerBlock",), (
-            Site("attn", "attn", tokens="joint", rope=_ROPE, mask_index=1),
+            Site("attn", "attn", tokens="joint", rope=_ROPE, mask_index=1, probe=True),
             Site("mlp", "ff", arg="x", tokens="joint"),
         ), text_arg="encoder_hidden_states"),
     )
@@ -63,7 +63,7 @@ class Flux3Adapter(DeclaredAdapter):
                 "H x W grid")
 
     def probe(self, block: BlockSpec, point: MergePoint, state: MergeState) -> list[Any]:
-        if isinstance(point, DeclaredPoint) and point.site.probe:
+        if block.kind == "mode" and isinstance(point, DeclaredPoint) and point.site.probe:
             # Flux3AttnProcessor unflattens the heads before norm_q / norm_k: [B, N, heads, d]
             return probe_self_attention(block, point, state, heads_first=False)
-        return super().probe(block, point, state)
+        return super().probe(block, point, state)  # the single blocks' joint attention

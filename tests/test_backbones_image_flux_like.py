@@ -8,8 +8,10 @@ The checks are those of ``test_backbones_current.py`` (whose helpers this file u
 bit-identical, ratio 0.5 finite and of the right shape, block FLOPs at ratio 0.5 those of half the tokens, a
 per-sample permutation giving the plain output (and, as a control, a wrong one without the RoPE gather), a
 batch equal to its samples alone (float64), grids with leftover rows; then every registered strategy and
-schedule on every family; then the family specifics: masks, reference images, Qwen-Image 2.1's prefix KV cache,
-Z-Image's padding and reversed timestep.
+schedule on every family (idm and the SDTM schedules on the families with a received-attention probe; the two
+without one are expected to refuse, each with its reason in ``NO_PROBE``) and each probe against the model's own
+attention; then the family specifics: masks, reference images, Qwen-Image 2.1's condition images and prefix KV
+cache, Z-Image's padding, reversed timestep and Omni calls.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ from tomerge.backbones._declared import BatchedComplexTable, gather_pair_mask, g
 from tomerge.registry import backbone_class, list_strategies
 from test_backbones_current import (ALL_SUBLAYERS, Family, Permute, check_batch_equals_samples, check_bit_identical,
                                     check_flops, check_odd_grid_merges, check_permutation_is_exact, no_hooks_left,
-                                    run, select)
+                                    run, select, to_float64)
+from test_probes import check_probe_matches_the_model
 
 
 def _seed(seed: int) -> torch.Generator:
@@ -394,10 +397,25 @@ def test_merging_runs_under_inference_mode(models, name):
 STEPS = 2
 OPTIONS = {"ssm": {"round_windows": 1}, "facility_location": {"num_tiles": 4}, "toma": {"num_tiles": 4},
            "toma_release": {"num_tiles": 4, "skip_first": 0}}
-#: The received-attention probe of idm (and of sdtm's detail phase) on joint text-image attention.
-NEEDS_JOINT_PROBE = {"idm", "sdtm", "sdtm_paper"}
-JOINT_PROBE_MISSING = pytest.mark.xfail(strict=True, raises=NotImplementedError,
-                                        reason="joint-attention probe: branch h-probes")
+#: At ratio 0 the SDTM schedules' curves still vary by ``deviation`` around it: 0 makes ratio 0 merge nothing.
+ZERO_OPTIONS = {name: {"deviation": 0.0} for name in ("sdtm", "sdtm_paper", "sdtm_release")}
+#: Strategies and schedules that need the received-attention probe (idm, sdtm's detail phase).
+NEEDS_PROBE = {"idm", "sdtm", "sdtm_paper"}
+#: Families without a received-attention probe, and why.
+NO_PROBE = {
+    "qwenimage21": "block-causal attention: the prompt's queries never attend to the target image, so the joint "
+                   "probe's rule (text queries) does not apply",
+    "z_image": "the noise refiner attends over the image tokens and their padding only (no text queries) and the "
+               "joint probe applies no 'complex' [B, L, d/2] rotary tables",
+}
+
+
+def every_strategy_case(name: str, strategy: str):
+    """``(name, strategy)``, expected to fail (no probe declared) where :data:`NO_PROBE` says why."""
+    if strategy in NEEDS_PROBE and name in NO_PROBE:
+        return pytest.param(name, strategy, marks=pytest.mark.xfail(strict=True, raises=NotImplementedError,
+                                                                    reason=NO_PROBE[name]))
+    return pytest.param(name, strategy)
 
 
 def at_noise_level(name: str, inputs: dict, level: float) -> dict:
@@ -412,7 +430,8 @@ def at_noise_level(name: str, inputs: dict, level: float) -> dict:
 def trajectory(model: nn.Module, name: str, strategy: str, ratio: float) -> tuple[list[Tensor], int]:
     """Outputs of ``STEPS`` denoising calls of decreasing noise under one application, and the tokens removed."""
     inputs = FAMILIES[name].inputs(model)
-    with tomerge.merging(model, strategy, ratio=ratio, num_steps=STEPS, seed=3, **OPTIONS.get(strategy, {})) as handle:
+    options = {**OPTIONS.get(strategy, {}), **(ZERO_OPTIONS.get(strategy, {}) if ratio == 0 else {})}
+    with tomerge.merging(model, strategy, ratio=ratio, num_steps=STEPS, seed=3, **options) as handle:
         outs = [run(model, at_noise_level(name, inputs, 0.9 - 0.8 * s / STEPS)) for s in range(STEPS)]
         removed = handle.stats["tokens_removed"]
     return outs, removed
@@ -428,9 +447,8 @@ def baselines(models) -> dict[str, list[Tensor]]:
     return out
 
 
-@pytest.mark.parametrize("strategy", [pytest.param(s, marks=JOINT_PROBE_MISSING) if s in NEEDS_JOINT_PROBE else s
-                                      for s in list_strategies()])
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("name, strategy", [every_strategy_case(name, strategy) for name in FAMILIES
+                                            for strategy in list_strategies()])
 def test_every_strategy_and_schedule_runs_and_restores(models, baselines, name, strategy):
     """Every registered strategy and schedule over a short trajectory: at ratio 0 bit-identical to the unpatched
     model at every step, at ratio 0.5 finite, of the right shape and merging; after the handle is gone the model
@@ -447,13 +465,11 @@ def test_every_strategy_and_schedule_runs_and_restores(models, baselines, name, 
 
 
 # ---------------------------------------------------------------------- family specifics
-def test_flux3_mode_block_probe_records_the_attention_each_image_token_receives(models, monkeypatch):
+def test_flux3_mode_block_probe_records_the_attention_each_image_token_receives(models):
     """FLUX.3's mode-block attention unflattens its heads before the q/k norms ([B, N, heads, d]); idm's record
     equals the softmax attention computed here from the same projections, averaged over heads and queries."""
     model = models["flux3"]
     inputs = flux3_inputs(model)
-    adapter = backbone_class("flux3")
-    monkeypatch.setattr(adapter, "kinds", adapter.kinds[:1])  # the mode blocks alone (no joint probe needed)
     attn = model.mode_blocks["image"][0].attn
     seen: list[Tensor] = []
     hook = attn.register_forward_pre_hook(lambda m, args, kwargs: seen.append(kwargs["hidden_states"]),
@@ -461,7 +477,7 @@ def test_flux3_mode_block_probe_records_the_attention_each_image_token_receives(
     try:
         with tomerge.merging(model, "idm", ratio=0.5) as handle:  # idm merges the MLP: the attention runs in full
             run(model, inputs)
-            recorded = handle.state.attention[0]  # [B, N]
+            recorded = handle.state.attention[0]  # [B, N]: layer 0 is the image mode block
             assert handle.stats["tokens_removed"] > 0
     finally:
         hook.remove()
@@ -470,6 +486,40 @@ def test_flux3_mode_block_probe_records_the_attention_each_image_token_receives(
     k = attn.norm_k(attn.to_k(x).unflatten(-1, (attn.heads, -1)).float()).transpose(1, 2)
     expected = (q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])).softmax(-1).mean(dim=(1, 2))  # [B, N]
     torch.testing.assert_close(recorded, expected, rtol=1e-5, atol=1e-7)
+
+
+def _attentions(*containers: str) -> Callable[[nn.Module], dict[int, nn.Module]]:
+    """``{layer: attention}`` of the blocks in ``containers`` (dotted paths), in layer order."""
+    def find(model: nn.Module) -> dict[int, nn.Module]:
+        blocks = [block for c in containers for block in model.get_submodule(c)]
+        return {layer: block.attn for layer, block in enumerate(blocks)}
+    return find
+
+
+JOINT = {  # family: (the attentions of its merged blocks, text first, the inputs mask padded text)
+    "flux3": (_attentions("single_transformer_blocks"), True, False),
+    "chroma": (_attentions(*_FLUX1), True, True),
+    "hunyuan_image": (_attentions(*_FLUX1), False, True),
+    "bria": (_attentions(*_FLUX1), True, False),
+    "bria_fibo": (_attentions(*_FLUX1), True, True),
+    "longcat_image": (_attentions(*_FLUX1), True, False),
+    "ovis_image": (_attentions(*_FLUX1), True, False),
+}
+
+
+@pytest.mark.parametrize("name", JOINT)
+def test_joint_probe_equals_the_models_attention(models, name, monkeypatch):
+    """float64: the received attention idm records in every joint attention equals the probe's rule computed from
+    the model's own SDPA call (``test_probes.py``): Chroma's query-by-key mask (additive 0/1, as ChromaPipeline
+    passes it), FIBO's and HunyuanImage's key masks, text-first and text-last sequences. FLUX.3 is checked on its
+    single blocks here (its mode blocks' self-attention probe has its own test)."""
+    family, model = FAMILIES[name], models[name]
+    attentions, text_first, masked = JOINT[name]
+    if name == "flux3":
+        adapter = backbone_class("flux3")
+        monkeypatch.setattr(adapter, "kinds", adapter.kinds[1:])  # the single blocks alone: layer 0
+    check_probe_matches_the_model(model, to_float64(family.inputs(model)), attentions, math.prod(family.grid),
+                                  text_first=text_first, masked=masked)
 
 
 @pytest.mark.filterwarnings("ignore:tomerge. no block")

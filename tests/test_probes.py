@@ -132,7 +132,11 @@ def test_joint_key_mask_text_and_joint_masks():
     with pytest.raises(ValueError, match="over 4 keys"):
         joint_key_mask(torch.ones(1, 4, dtype=torch.bool), 1, 2, 3, "first")
     with pytest.raises(ValueError, match=r"\[B, L\] or \[B, 1, 1, L\]"):
-        joint_key_mask(torch.ones(1, 1, 5, 5, dtype=torch.bool), 1, 2, 3, "first")
+        joint_key_mask(torch.ones(1, 2, 1, 5, dtype=torch.bool), 1, 2, 3, "first")
+    pairs = torch.tensor([[1, 1, 0, 1, 1]]).bool()  # a query-by-key mask [B, 1, L, L] (Chroma): text first
+    bias, valid = joint_key_mask((pairs[:, :, None] & pairs[:, None, :])[:, None], 1, 3, 2, "first")
+    assert bias.shape == (1, 3, 5) and valid.tolist() == [[True, True, False]]  # the padded query attends nothing
+    assert bias[0, 0].tolist() == [0.0, 0.0, -math.inf, 0.0, 0.0] and bias[0, 2].tolist() == [0.0] * 5
 
 
 def _flux_attentions(model: nn.Module) -> dict[int, nn.Module]:

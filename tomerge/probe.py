@@ -81,7 +81,8 @@ def received_attention(q: Tensor, k: Tensor, scale: float, keys: slice | None = 
         scale: the attention's logit scale (usually ``d ** -0.5``).
         keys: only these keys (e.g. the image part of a joint text-image attention), their share of the
             attention renormalised to sum to 1 per sample; ``None``: all keys.
-        key_bias: ``[B, N]`` added to every query's logits (``-inf``: a masked key), as the attention's mask.
+        key_bias: ``[B, N]`` added to every query's logits (``-inf``: a masked key), as the attention's mask;
+            ``[B, Q, N]``: a row per query (a query-by-key mask).
         query_mask: ``[B, Q]``, false for queries not counted (padding); ``None``: all.
 
     Returns:
@@ -100,14 +101,21 @@ def received_attention(q: Tensor, k: Tensor, scale: float, keys: slice | None = 
     N = k.shape[2]
     q = q.float() * scale  # [B, H, Q, d]: the scale goes on the small side
     k = k.float().transpose(-1, -2)  # [B, H, d, N]
-    bias = None if key_bias is None else key_bias.float()[:, None, None, :]  # [B, 1, 1, N]
+    if key_bias is None:
+        bias = None
+    elif key_bias.dim() == 2:
+        bias = key_bias.float()[:, None, None, :]  # [B, 1, 1, N]: one row for every query
+    else:
+        bias = key_bias.float()[:, None]  # [B, 1, Q, N]: a row per query
     weight = None if query_mask is None else query_mask.float()[:, None, :, None]  # [B, 1, Q, 1]
     heads, rows = chunk_shape(q, N)
     sums = []
     for h in range(0, H, heads):
         for start in range(0, Q, rows):
             logits = q[:, h:h + heads, start:start + rows] @ k[:, h:h + heads]  # [B, heads, rows, N]
-            p = (logits if bias is None else logits + bias).softmax(dim=-1)
+            if bias is not None:
+                logits = logits + (bias if bias.shape[2] == 1 else bias[:, :, start:start + rows])
+            p = logits.softmax(dim=-1)
             if weight is not None:
                 p = p * weight[:, :, start:start + rows]
             sums.append(p.sum(dim=(1, 2)))  # [B, N]
