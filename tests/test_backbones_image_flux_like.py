@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import types
-import warnings
 from collections.abc import Callable
 
 import pytest
@@ -213,8 +212,9 @@ def build_bria() -> nn.Module:
         num_attention_heads=2, joint_attention_dim=4096, axes_dims_rope=[16, 56, 56]).eval()
 
 
-def flux1_like_inputs(width: int, t: float, mask: bool = False):
-    """Inputs of a FLUX.1-style model: packed latent ``[B, N, 64]``, text ``[B, T, width]``, shared ids."""
+def flux1_like_inputs(width: int, t: float):
+    """Inputs of a FLUX.1-style model at timestep ``t``: packed latent ``[B, N, 64]``, text ``[B, T, width]``, ids
+    shared by the batch."""
     def inputs(model: nn.Module, batch: int = 2, grid=(8, 8), seed: int = 1, dtype=torch.float32,
                text: int = 8) -> dict:
         g = _seed(seed)
@@ -243,7 +243,7 @@ def build_bria_fibo() -> nn.Module:
 def bria_fibo_inputs(model: nn.Module, batch: int = 2, grid=(8, 8), seed: int = 1, dtype=torch.float32,
                      text: int = 8) -> dict:
     """BriaFiboPipeline's call; a padded second prompt gives the [B, 1, 1, T + N] key mask it passes."""
-    inputs = flux1_like_inputs(4096, 500.0)(model, batch, grid, seed, dtype, text)
+    inputs = bria_inputs(model, batch, grid, seed, dtype, text)
     g = _seed(seed + 100)
     blocks = len(model.transformer_blocks) + len(model.single_transformer_blocks)
     mask = torch.cat([_text_mask(batch, text), torch.ones(batch, math.prod(grid), dtype=torch.bool)], dim=1)
