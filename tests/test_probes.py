@@ -10,6 +10,7 @@ and the text queries that the mask keeps, restricted to the image keys and renor
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from collections.abc import Callable
 from typing import Any
@@ -21,7 +22,10 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 import tomerge
+from tomerge import registry
+from tomerge.backbones._declared import Kind, Rope, Site
 from tomerge.backbones._diffusers import joint_key_mask
+from tomerge.backbones.wan import WanAdapter
 from test_backbone_flux import flux_inputs, tiny_flux
 from test_backbones_current import FAMILIES as IMAGE_FAMILIES
 from test_backbones_video import FAMILIES as VIDEO_FAMILIES
@@ -222,3 +226,90 @@ def test_sana_probe_equals_the_normalised_linear_attention_weights():
         reference = reference / reference.sum(-1, keepdim=True)
         torch.testing.assert_close(recorded[layer].double(), reference, rtol=1e-5, atol=1e-9)
         assert (reference.max(-1).values - reference.min(-1).values > 0.2 / N).all()  # not uniform: the model's weights
+
+
+# ---------------------------------------------------------------------- who can run a strategy that needs something
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MostAttendedKept(tomerge.MergeStrategy):
+    """A strategy outside tomerge that needs received attention: the most attended tokens are the destinations
+    (slots), every other token merges into the first slot."""
+
+    name = "test_most_attended_kept"
+
+    @property
+    def needs(self) -> frozenset[str]:
+        return frozenset({"received_attention"})
+
+    def select_destinations(self, x: Tensor, ctx: tomerge.MergeContext) -> Tensor:
+        M = x.shape[1] - ctx.tokens_to_remove(x.shape[1])
+        return ctx.received_attention.topk(M, dim=1).indices.sort(dim=1).values  # [B, M]
+
+    def merge_matrix(self, x: Tensor, dst: Tensor, ctx: tomerge.MergeContext) -> tomerge.MergePlan:
+        B, N = x.shape[:2]
+        assign = torch.zeros(B, N, dtype=torch.long)  # [B, N]: sources into slot 0
+        assign.scatter_(1, dst, torch.arange(dst.shape[1]).expand(B, -1))  # destinations into their own slots
+        return tomerge.MergePlan.hard(assign, dst, backend="index")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class NeedsGradients(MostAttendedKept):
+    name = "test_needs_gradients"
+
+    @property
+    def needs(self) -> frozenset[str]:
+        return frozenset({"gradients"})
+
+
+class WanWithoutProbe(WanAdapter):
+    """Wan declared without its attention probe."""
+
+    kinds = (Kind("wan", "blocks", ("WanTransformerBlock",), (
+        Site("attn", "attn1", rope=Rope("rotary_emb", 3, "wan")), Site("mlp", "ffn"))),)
+
+
+class WanMlpOnly(WanAdapter):
+    """Wan declared with its feed-forward alone: no attention point to record received attention at."""
+
+    kinds = (Kind("wan", "blocks", ("WanTransformerBlock",), (Site("mlp", "ffn"),)),)
+
+
+@pytest.fixture
+def test_backbones():
+    """The two adapters above, registered for one test and removed again (other tests list the backbones, and
+    these would also claim every Wan model)."""
+    names = {"test_wan_without_probe": WanWithoutProbe, "test_wan_mlp_only": WanMlpOnly}
+    for name, cls in names.items():
+        tomerge.register_backbone(name)(cls)
+    yield list(names)
+    for name in names:
+        del registry._backbones._classes[name]
+
+
+def _no_hooks_left(model: nn.Module) -> bool:
+    return all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+
+
+def test_a_strategy_that_needs_received_attention_runs_where_a_probe_is_declared_and_is_refused_elsewhere(
+        test_backbones):
+    family = VIDEO_FAMILIES["wan"]
+    model = family.build()
+    inputs = family.inputs(model)
+    with torch.no_grad():
+        before = model(**inputs).sample
+    with tomerge.merging(model, MostAttendedKept(), ratio=0.5, merge_attn=False, backbone="wan") as handle, \
+            torch.no_grad():
+        out = model(**inputs).sample
+        attention = handle.state.attention
+        records = handle.state.records
+    assert sorted(attention) == [0, 1] and all(r.num_removed == 16 for r in records)
+    assert out.shape == before.shape and torch.isfinite(out).all() and not torch.equal(out, before)
+    for name, message in (("test_wan_without_probe", "cannot record received attention in its 'wan' blocks"),
+                          ("test_wan_mlp_only", "records none in its 'wan' blocks")):
+        with pytest.raises(NotImplementedError,
+                           match=f"strategy 'test_most_attended_kept' needs received attention: backbone {name!r} "
+                                 f".*{message}"):
+            tomerge.apply(model, MostAttendedKept(), ratio=0.5, backbone=name)
+        assert _no_hooks_left(model) and "_tomerge_handle" not in model.__dict__
+    with pytest.raises(ValueError, match="'test_needs_gradients' needs 'gradients', which no backbone adapter records"):
+        tomerge.apply(model, NeedsGradients(), ratio=0.5, backbone="wan")
+    assert _no_hooks_left(model)
