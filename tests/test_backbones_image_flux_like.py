@@ -7,11 +7,10 @@ builder).
 The checks are those of ``test_backbones_current.py`` (whose helpers this file uses): ratio 0 and ``remove()``
 bit-identical, ratio 0.5 finite and of the right shape, block FLOPs at ratio 0.5 those of half the tokens, a
 per-sample permutation giving the plain output (and, as a control, a wrong one without the RoPE gather), a
-batch equal to its samples alone (float64), grids with leftover rows; then every registered strategy and
-schedule on every family (idm and the SDTM schedules on the families with a received-attention probe; the two
-without one are expected to refuse, each with its reason in ``NO_PROBE``) and each probe against the model's own
-attention; then the family specifics: masks, reference images, Qwen-Image 2.1's condition images and prefix KV
-cache, Z-Image's padding, reversed timestep and Omni calls.
+batch equal to its samples alone (float64), grids with leftover rows; each received-attention probe against the
+model's own attention (``NO_PROBE``: the two families without one, and why); then the family specifics: masks,
+reference images, Qwen-Image 2.1's condition images and prefix KV cache, Z-Image's padding, reversed timestep and
+Omni calls. Every registered strategy and schedule runs on these families in ``test_every_strategy.py``.
 """
 
 from __future__ import annotations
@@ -27,10 +26,10 @@ from torch import Tensor, nn
 
 import tomerge
 from tomerge.backbones._declared import BatchedComplexTable, gather_pair_mask, gather_rope
-from tomerge.registry import backbone_class, list_strategies
+from tomerge.registry import backbone_class
 from test_backbones_current import (ALL_SUBLAYERS, Family, Permute, check_batch_equals_samples, check_bit_identical,
-                                    check_flops, check_odd_grid_merges, check_permutation_is_exact, no_hooks_left,
-                                    run, select, to_float64)
+                                    check_flops, check_odd_grid_merges, check_permutation_is_exact, run, select,
+                                    to_float64)
 from test_probes import check_probe_matches_the_model
 
 
@@ -393,75 +392,15 @@ def test_merging_runs_under_inference_mode(models, name):
     torch.testing.assert_close(torch.stack(out) if isinstance(out, list) else out, expected, rtol=0, atol=0)
 
 
-# ---------------------------------------------------------------------- every strategy on every family
-STEPS = 2
-OPTIONS = {"ssm": {"round_windows": 1}, "facility_location": {"num_tiles": 4}, "toma": {"num_tiles": 4},
-           "toma_release": {"num_tiles": 4, "skip_first": 0}}
-#: At ratio 0 the SDTM schedules' curves still vary by ``deviation`` around it: 0 makes ratio 0 merge nothing.
-ZERO_OPTIONS = {name: {"deviation": 0.0} for name in ("sdtm", "sdtm_paper", "sdtm_release")}
-#: Strategies and schedules that need the received-attention probe (idm, sdtm's detail phase).
-NEEDS_PROBE = {"idm", "sdtm", "sdtm_paper"}
-#: Families without a received-attention probe, and why.
+# ---------------------------------------------------------------------- received attention
+#: Families without a received-attention probe, and why (idm and the sdtm schedules refuse them:
+#: ``test_every_strategy.py``).
 NO_PROBE = {
     "qwenimage21": "block-causal attention: the prompt's queries never attend to the target image, so the joint "
                    "probe's rule (text queries) does not apply",
     "z_image": "the noise refiner attends over the image tokens and their padding only (no text queries) and the "
                "joint probe applies no 'complex' [B, L, d/2] rotary tables",
 }
-
-
-def every_strategy_case(name: str, strategy: str):
-    """``(name, strategy)``, expected to fail (no probe declared) where :data:`NO_PROBE` says why."""
-    if strategy in NEEDS_PROBE and name in NO_PROBE:
-        return pytest.param(name, strategy, marks=pytest.mark.xfail(strict=True, raises=NotImplementedError,
-                                                                    reason=NO_PROBE[name]))
-    return pytest.param(name, strategy)
-
-
-def at_noise_level(name: str, inputs: dict, level: float) -> dict:
-    """The inputs at noise level ``level`` in (0, 1] (1: pure noise), in the timestep units of the family's
-    pipeline (Z-Image's model time runs the other way)."""
-    if name == "z_image":
-        return dict(inputs, t=torch.full_like(inputs["t"], 1 - level))
-    t_max = backbone_class(FAMILIES[name].backbone).t_max
-    return dict(inputs, timestep=torch.full_like(inputs["timestep"], level * t_max))
-
-
-def trajectory(model: nn.Module, name: str, strategy: str, ratio: float) -> tuple[list[Tensor], int]:
-    """Outputs of ``STEPS`` denoising calls of decreasing noise under one application, and the tokens removed."""
-    inputs = FAMILIES[name].inputs(model)
-    options = {**OPTIONS.get(strategy, {}), **(ZERO_OPTIONS.get(strategy, {}) if ratio == 0 else {})}
-    with tomerge.merging(model, strategy, ratio=ratio, num_steps=STEPS, seed=3, **options) as handle:
-        outs = [run(model, at_noise_level(name, inputs, 0.9 - 0.8 * s / STEPS)) for s in range(STEPS)]
-        removed = handle.stats["tokens_removed"]
-    return outs, removed
-
-
-@pytest.fixture(scope="module")
-def baselines(models) -> dict[str, list[Tensor]]:
-    """Each family's unpatched outputs along :func:`trajectory`'s noise levels."""
-    out = {}
-    for name, model in models.items():
-        inputs = FAMILIES[name].inputs(model)
-        out[name] = [run(model, at_noise_level(name, inputs, 0.9 - 0.8 * s / STEPS)) for s in range(STEPS)]
-    return out
-
-
-@pytest.mark.parametrize("name, strategy", [every_strategy_case(name, strategy) for name in FAMILIES
-                                            for strategy in list_strategies()])
-def test_every_strategy_and_schedule_runs_and_restores(models, baselines, name, strategy):
-    """Every registered strategy and schedule over a short trajectory: at ratio 0 bit-identical to the unpatched
-    model at every step, at ratio 0.5 finite, of the right shape and merging; after the handle is gone the model
-    is the unpatched one again."""
-    model, baseline = models[name], baselines[name]
-    zero, _ = trajectory(model, name, strategy, 0.0)
-    assert all(torch.equal(a, b) for a, b in zip(zero, baseline))
-    half, removed = trajectory(model, name, strategy, 0.5)
-    assert removed > 0
-    assert all(a.shape == b.shape and torch.isfinite(a).all() for a, b in zip(half, baseline))
-    assert no_hooks_left(model) and "_tomerge_handle" not in model.__dict__
-    inputs = FAMILIES[name].inputs(model)
-    assert torch.equal(run(model, at_noise_level(name, inputs, 0.9 - 0.8 * (STEPS - 1) / STEPS)), baseline[-1])
 
 
 # ---------------------------------------------------------------------- family specifics
@@ -602,7 +541,7 @@ def test_qwenimage21_prefix_kv_cache_steps_merge_exactly(models):
         """The two steps' target outputs (merged with ``strategy``) and the merge records."""
         cache = QwenImage21KVCache(len(model.transformer_blocks))
         calls = [dict(inputs, kv_cache=cache, kv_cache_mode="extract"),
-                 dict(at_noise_level("qwenimage21", inputs, 0.3), kv_cache=cache, kv_cache_mode="cached")]
+                 dict(inputs, timestep=torch.full((2,), 0.3), kv_cache=cache, kv_cache_mode="cached")]
         if strategy is None:
             return [qwenimage21_output(model, c) for c in calls], []
         with tomerge.merging(model, strategy, ratio=0.5, **ALL_SUBLAYERS) as handle:
