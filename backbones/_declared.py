@@ -31,6 +31,9 @@ a plain table shared by the batch):
 * ``"qwen"``: ``(image, text)`` complex tables ``[N, d/2]``, ``[T, d/2]`` (Qwen-Image): the image table
   is gathered; per-sample ones go as :class:`BatchedComplexTable`, which Qwen's ``apply_rotary_emb_qwen``
   broadcasts per sample.
+* ``"complex"``: one complex table over the joint sequence, ``[R + N, d/2]`` (Qwen-Image 2.1) or
+  ``[B, R + N, d/2]`` (Z-Image), its ``R`` other rows on the kind's ``joint`` side: the image rows are
+  gathered, the others kept; a per-sample table built from a shared one goes as :class:`BatchedComplexTable`.
 
 Context tokens (reference images of editing calls, :mod:`tomerge.backbones._context`): a model call's image
 stream may hold context tokens before or after the generated image's (the *target*), as
@@ -42,7 +45,9 @@ Attention masks (:class:`Site` ``mask``): ``None``: a mask on a merged call rais
 unmerged sequence); ``"pass"``: passed through (text-only masks, or biases over text keys, that broadcast
 over any number of queries or that the processor pads itself); ``"keys"``: a key mask ``[B, 1, 1, L]`` or
 ``[B, L]`` over the joint sequence (text on the kind's ``joint`` side), whose image columns are gathered
-per slot (HunyuanVideo).
+per slot (HunyuanVideo); ``"pairs"``: a query-by-key mask ``[B, 1, L, L]`` over the joint sequence, whose image
+rows and columns are gathered (Chroma builds it as the outer product of a ``[B, L]`` mask). A mask that is not
+a tensor (e.g. a flex-attention ``BlockMask``) cannot be merged and raises.
 """
 
 from __future__ import annotations
@@ -61,8 +66,8 @@ from tomerge.plan import MergePlan
 from tomerge.state import MergeState
 
 from ._context import NO_CONTEXT, ContextTokens
-from ._diffusers import call_arg, check_ff_chunking, probe_self_attention, submodel
-from .flux import BatchedRotaryTable, gather_rotary
+from ._diffusers import call_arg, check_ff_chunking, probe_joint_attention, probe_self_attention, submodel
+from .flux import BatchedRotaryTable, gather_rotary, grid_from_ids
 
 Side = Literal["first", "last"]
 
@@ -74,12 +79,12 @@ class Rope:
 
     Args:
         arg: its keyword; ``index``: its position when given positionally.
-        layout: ``"rows"``, ``"batched"``, ``"wan"`` or ``"qwen"`` (see the module docstring).
+        layout: ``"rows"``, ``"batched"``, ``"wan"``, ``"qwen"`` or ``"complex"`` (see the module docstring).
     """
 
     arg: str = "image_rotary_emb"
     index: int = 3
-    layout: Literal["rows", "batched", "wan", "qwen"] = "rows"
+    layout: Literal["rows", "batched", "wan", "qwen", "complex"] = "rows"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,15 +99,22 @@ class Site:
         output: index of the image tokens in a tuple output; ``None``: a tensor output.
         tokens: ``"image"``, ``"joint"`` or ``"conv"``.
         rope: the call's rotary table, gathered for the merged tokens; ``None``: none.
-        mask: ``None``, ``"pass"`` or ``"keys"``; ``mask_arg``, ``mask_index``: the mask's keyword/position.
+        mask: ``None``, ``"pass"``, ``"keys"`` or ``"pairs"``; ``mask_arg``, ``mask_index``: the mask's
+            keyword/position; ``more_masks``: keywords of further masks of the call, adjusted the same way
+            (Qwen-Image 2.1 passes ``attention_mask`` and ``key_valid``).
         stays_merged_with: the output stays merged when the block call also merges this sublayer (a later
             site of the block reads it, passes it through and unmerges).
         text_keys: the submodule is a joint text-image attention whose text is its ``encoder_hidden_states``
             (prompt reweighting can bias its text keys).
-        probe: the submodule is a softmax self-attention over the image tokens alone with diffusers-style
-            ``to_q``/``to_k`` (and ``norm_q``/``norm_k``) projections: ``idm`` records the attention each token
-            receives there (:func:`~tomerge.backbones._diffusers.probe_self_attention`, from q and k before
-            the rotary rotation, which the processor applies after them).
+        probe: ``idm`` records the attention each image token receives in this submodule, a softmax attention
+            with diffusers-style projections. In a kind without text (no ``text_arg``, no ``joint_input``) it is a
+            self-attention over the image tokens alone with ``to_q``/``to_k`` (and ``norm_q``/``norm_k``):
+            strided image queries, from q and k before the rotary rotation, which the processor applies after
+            them (:func:`~tomerge.backbones._diffusers.probe_self_attention`). In a kind with text it is the
+            joint text-image attention of the block (text on the kind's ``joint`` side): the text queries'
+            softmax over all keys, the image keys' share renormalised, with the model's rotary rotation
+            (``rope``, layout ``"rows"`` or ``"qwen"``) and mask (``mask_arg``/``mask_index``)
+            (:func:`~tomerge.backbones._diffusers.probe_joint_attention`).
     """
 
     sublayer: str
@@ -112,9 +124,10 @@ class Site:
     output: int | None = None
     tokens: Literal["image", "joint", "conv"] = "image"
     rope: Rope | None = None
-    mask: Literal["pass", "keys"] | None = None
+    mask: Literal["pass", "keys", "pairs"] | None = None
     mask_arg: str = "attention_mask"
     mask_index: int = 2
+    more_masks: tuple[str, ...] = ()
     stays_merged_with: str | None = None
     text_keys: bool = False
     probe: bool = False
@@ -126,13 +139,15 @@ class Kind:
 
     Args:
         name: the block kind (``Where.block_kind``, what schedules see).
-        container: model attribute of the ``nn.ModuleList`` of these blocks.
+        container: model attribute of the ``nn.ModuleList`` of these blocks (a dotted path reaches into an
+            ``nn.ModuleDict``, e.g. FLUX.3's ``"mode_blocks.image"``).
         classes: class names of the blocks (the adapter's ``block_names``).
         sites: the merge points.
         arg, index: keyword/position of the block's token input.
         text_arg, text_index: the block's text argument (its length is ``T`` of joint sequences); ``None``.
-        joint_input: the block input is itself a joint sequence with text on this side, ``T`` taken from the
-            model call's text (``DeclaredAdapter.model_text``); ``None``: the block input is image tokens.
+        joint_input: the block input is itself a joint sequence with text on this side, ``T`` given by
+            :meth:`DeclaredAdapter.joint_text` (the model call's text length unless the family says otherwise);
+            ``None``: the block input is image tokens.
         joint: the side of text in the block's joint sequences (``"joint"`` sites, ``"keys"`` masks).
     """
 
@@ -177,17 +192,17 @@ class DeclaredBlock(BlockSpec):
 
     decl: Kind = dataclasses.field(kw_only=True)
     info: DeclaredCall = dataclasses.field(kw_only=True)
-    model_text: Any = dataclasses.field(kw_only=True)  # () -> T of the model call (joint_input kinds)
+    joint_text: Any = dataclasses.field(kw_only=True)  # (block input length) -> T (joint_input kinds)
     model_context: Any = dataclasses.field(default=lambda: NO_CONTEXT, kw_only=True)  # () -> ContextTokens
 
     def block_input(self, args: tuple, kwargs: dict) -> Tensor:
         self.info.reset()
         x = call_arg(args, kwargs, self.decl.arg, self.decl.index)  # [B, N, C] (or [B, T + N, C])
         if self.decl.joint_input is not None:
-            T = self.model_text()
+            T = self.joint_text(int(x.shape[1]))
             if T is None or x.shape[1] < T:
                 raise RuntimeError(f"tomerge: the {self.decl.name!r} block input {tuple(x.shape)} is a joint sequence, "
-                                   f"but the model call's text length is {T}")
+                                   f"but its text length is {T}")
             self.info.text = T
             x = x[:, T:] if self.decl.joint_input == "first" else x[:, : x.shape[1] - T]
         elif self.decl.text_arg is not None:
@@ -312,16 +327,24 @@ class DeclaredPoint(MergePoint):
 
     # -------------------------------------------------------------- what follows the tokens
     def _merge_mask(self, args: tuple, kwargs: dict, plan: MergePlan) -> tuple[tuple, dict]:
-        mask = call_arg(args, kwargs, self.site.mask_arg, self.site.mask_index)
-        if mask is None or self.site.mask == "pass":
+        if self.site.mask == "pass":
             return args, kwargs
-        if self.site.mask != "keys":
-            raise ValueError(f"tomerge: {type(self.module).__name__} got an attention mask ({self.site.mask_arg}) over "
-                             "the unmerged sequence, which merged image tokens cannot use; run without the mask or "
-                             "without merging")
-        dst, stream = self._stream_positions(plan)
-        return with_arg(args, kwargs, self.site.mask_arg, self.site.mask_index,
-                        gather_key_mask(mask, dst, stream, text_side=self.joint))
+        masks = [(self.site.mask_arg, self.site.mask_index)] + [(name, None) for name in self.site.more_masks]
+        for name, index in masks:  # more_masks: keyword only
+            mask = call_arg(args, kwargs, name, index) if index is not None else kwargs.get(name)
+            if mask is None:
+                continue
+            if self.site.mask is None or not isinstance(mask, Tensor):
+                raise ValueError(f"tomerge: {type(self.module).__name__} got an attention mask ({name}: "
+                                 f"{type(mask).__name__}) over the unmerged sequence, which merged image tokens cannot "
+                                 "use; run without the mask or without merging")
+            gather = gather_key_mask if self.site.mask == "keys" else gather_pair_mask
+            merged = gather(mask, *self._stream_positions(plan), text_side=self.joint)
+            if index is None:
+                kwargs = {**kwargs, name: merged}
+            else:
+                args, kwargs = with_arg(args, kwargs, name, index, merged)
+        return args, kwargs
 
     def _merge_rope(self, args: tuple, kwargs: dict, plan: MergePlan) -> tuple[tuple, dict]:
         rope = self.site.rope
@@ -329,7 +352,8 @@ class DeclaredPoint(MergePoint):
         if freqs is None:
             return args, kwargs
         dst, stream = self._stream_positions(plan)
-        return with_arg(args, kwargs, rope.arg, rope.index, gather_rope(freqs, dst, stream, rope.layout))
+        return with_arg(args, kwargs, rope.arg, rope.index,
+                        gather_rope(freqs, dst, stream, rope.layout, text_side=self.joint))
 
     def _stream_positions(self, plan: MergePlan) -> tuple[Tensor, int]:
         """``(positions [B, before + M + after], before + N + after)``: the plan's representatives in the image
@@ -359,14 +383,15 @@ def _rows(t: Tensor, dst: Tensor, dim: int) -> Tensor:
     return t[batch, index.expand(t.shape[0], -1)]  # [B, M, ...]
 
 
-def gather_rope(freqs: Any, dst: Tensor, num_tokens: int, layout: str) -> Any:
+def gather_rope(freqs: Any, dst: Tensor, num_tokens: int, layout: str, text_side: Side = "first") -> Any:
     """The rotary argument of a merged call (see the module docstring's layouts).
 
     Args:
         freqs: the call's rotary argument.
         dst: ``[B, M]`` (or ``[1, M]``) token position representing each slot (``plan.dst``).
         num_tokens: ``N``, the image tokens of the unmerged call.
-        layout: ``"rows"``, ``"batched"``, ``"wan"`` or ``"qwen"``.
+        layout: ``"rows"``, ``"batched"``, ``"wan"``, ``"qwen"`` or ``"complex"``.
+        text_side: where a ``"complex"`` table's other rows are (the kind's ``joint`` side).
 
     Example:
         >>> cos = torch.arange(4.0).view(1, 4, 1, 1)                      # wan layout, N = 4
@@ -393,7 +418,31 @@ def gather_rope(freqs: Any, dst: Tensor, num_tokens: int, layout: str) -> Any:
             raise ValueError(f"tomerge: the image rotary table has {image.shape[0]} rows for {num_tokens} image tokens")
         gathered = _rows(image, dst, 0)  # [M, d/2] or [B, M, d/2]
         return (gathered if gathered.dim() == image.dim() else BatchedComplexTable(gathered), text)
+    if layout == "complex":
+        return _gather_complex_rows(freqs, dst, num_tokens, text_side)
     raise ValueError(f"unknown rotary layout {layout!r}")
+
+
+def _gather_complex_rows(table: Tensor, dst: Tensor, num_tokens: int, text_side: Side) -> Tensor | BatchedComplexTable:
+    """A ``"complex"`` rotary table ``[L, d/2]`` or ``[B, L, d/2]`` (``L = R + N``, the ``R`` other rows on
+    ``text_side``) with its image rows gathered per slot: ``[R + M, d/2]`` for a shared table and one row of
+    destinations, else ``[B, R + M, d/2]`` (a :class:`BatchedComplexTable` when the table was shared)."""
+    if not isinstance(table, Tensor) or not table.is_complex() or table.dim() not in (2, 3):
+        raise ValueError(f"tomerge: a 'complex' rotary table must be a complex [L, d/2] or [B, L, d/2] tensor, got "
+                         f"{type(table).__name__}{tuple(table.shape) if isinstance(table, Tensor) else ''}")
+    axis = table.dim() - 2  # the rows
+    L = table.shape[axis]
+    if L < num_tokens:
+        raise ValueError(f"tomerge: the rotary table has {L} rows for {num_tokens} image tokens")
+    R = L - num_tokens
+    image_start, other_start = (R, 0) if text_side == "first" else (0, num_tokens)
+    image = table.narrow(axis, image_start, num_tokens)  # [N, d/2] or [B, N, d/2]
+    other = table.narrow(axis, other_start, R)  # [R, d/2] or [B, R, d/2]
+    gathered = _rows(image, dst, axis)  # [M, d/2] or [B', M, d/2]
+    if gathered.dim() == 3:
+        other = other.expand(gathered.shape[0], *other.shape[-2:])  # [B', R, d/2]
+    joint = torch.cat([other, gathered] if text_side == "first" else [gathered, other], dim=-2)
+    return BatchedComplexTable(joint) if table.dim() == 2 and joint.dim() == 3 else joint
 
 
 class BatchedComplexTable:
@@ -452,6 +501,22 @@ def gather_key_mask(mask: Tensor, dst: Tensor, num_tokens: int, text_side: Side)
     return torch.cat([text, gathered] if text_side == "first" else [gathered, text], dim=-1)
 
 
+def gather_pair_mask(mask: Tensor, dst: Tensor, num_tokens: int, text_side: Side) -> Tensor:
+    """A query-by-key mask ``[B, 1, L, L]`` over a joint sequence (``L = T + N``, text on ``text_side``), its
+    image rows and columns gathered per slot (text rows and columns kept): ``[B, 1, T + M, T + M]``.
+
+    Example:
+        >>> m = torch.tensor([1.0, 0, 1, 1])                            # 1 text token, then 3 image tokens
+        >>> pairs = (m[:, None] * m[None, :])[None, None]               # [1, 1, 4, 4]
+        >>> gather_pair_mask(pairs, torch.tensor([[2, 0]]), 3, "first")[0, 0].tolist()
+        [[1.0, 1.0, 0.0], [1.0, 1.0, 0.0], [0.0, 0.0, 0.0]]
+    """
+    if mask.dim() < 2 or mask.shape[-1] != mask.shape[-2]:
+        raise ValueError(f"tomerge: a query-by-key mask must be [B, 1, L, L], got {tuple(mask.shape)}")
+    columns = gather_key_mask(mask, dst, num_tokens, text_side)  # [B, 1, L, T + M]
+    return gather_key_mask(columns.transpose(-1, -2), dst, num_tokens, text_side).transpose(-1, -2)
+
+
 def latent_grid(sample: Tensor, patch: tuple[int, ...]) -> tuple[int, ...]:
     """The token grid of a patchified latent ``[B, C, H, W]`` or ``[B, C, F, H, W]``: each size floor-divided
     by its patch size (``patch``: one per spatial/temporal axis, as ``(p_h, p_w)`` or ``(p_t, p_h, p_w)``).
@@ -479,6 +544,12 @@ class DeclaredAdapter(BackboneAdapter):
         latent_arg, latent_index: the model's latent argument (:meth:`call_grid`'s default reads its shape).
         patch_attrs: config attributes giving the patch size per axis of the latent (one attribute may hold
             a tuple, e.g. Wan's ``patch_size = (1, 2, 2)``; a single int for a 2-D latent is used for both axes).
+        ids_arg: ``(keyword, position)`` of the model's packed-latent position ids (FLUX.1-style ``img_ids``
+            ``[N, 3+]``, ``(·, row, col, ...)``): :meth:`call_grid` reads the grid from them (``grid_from_ids``)
+            instead of from the latent's shape; ``None``: the latent's shape.
+        joint_context: what ``T`` of a ``joint_input`` block call is (:meth:`joint_text`): ``"text"``, the model
+            call's text length; ``"rest"``, every token of the block input beyond the call's image grid (the
+            joint sequence holds more than the text: Z-Image's padding, Qwen-Image 2.1's condition images).
     """
 
     kinds: ClassVar[tuple[Kind, ...]] = ()
@@ -489,6 +560,8 @@ class DeclaredAdapter(BackboneAdapter):
     latent_arg: ClassVar[str] = "hidden_states"
     latent_index: ClassVar[int] = 0
     patch_attrs: ClassVar[tuple[str, ...]] = ("patch_size",)
+    ids_arg: ClassVar[tuple[str, int] | None] = None
+    joint_context: ClassVar[Literal["text", "rest"]] = "text"
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -511,7 +584,7 @@ class DeclaredAdapter(BackboneAdapter):
     def block_modules(self) -> list[tuple[Kind, nn.Module]]:
         found = []
         for kind in self.kinds:
-            for module in getattr(self.model, kind.container, None) or ():
+            for module in _submodule(self.model, kind.container) or ():
                 if any(name in class_names(module) for name in kind.classes):
                     found.append((kind, module))
         return found
@@ -527,9 +600,19 @@ class DeclaredAdapter(BackboneAdapter):
                     points.append(DeclaredPoint(site.sublayer, sub, arg=site.arg, output=site.output, site=site,
                                                 info=info, joint=kind.joint))
             specs.append(DeclaredBlock(module, layer=len(specs), kind=kind.name, points=tuple(points), arg=kind.arg,
-                                       decl=kind, info=info, model_text=lambda: self.model_text,
+                                       decl=kind, info=info, joint_text=self.joint_text,
                                        model_context=lambda: self.context))
         return specs
+
+    def joint_text(self, length: int) -> int | None:
+        """``T`` of a ``joint_input`` block call whose input has ``length`` tokens (see :attr:`joint_context`).
+        With ``"rest"`` and no grid for the call, ``0``: the whole input, which is then not merged."""
+        if self.joint_context == "text":
+            return self.model_text
+        image = math.prod(self.grid_size) + self.context.count if self.grid_size is not None else None
+        if image is None or length < image:
+            return 0  # no grid for this call: grid() leaves the block unmerged
+        return length - image  # the target's and the context's tokens are the image stream
 
     def check(self) -> None:
         check_ff_chunking([module for _, module in self.block_modules()])
@@ -566,7 +649,11 @@ class DeclaredAdapter(BackboneAdapter):
         return self.call_grid(args, kwargs), NO_CONTEXT
 
     def call_grid(self, args: tuple, kwargs: dict) -> tuple[int, ...] | None:
-        """The image-token grid of a model call (default: the latent's sizes divided by the patch sizes)."""
+        """The image-token grid of a model call (default: from :attr:`ids_arg`, else the latent's sizes divided by
+        the patch sizes)."""
+        if self.ids_arg is not None:
+            ids = call_arg(args, kwargs, *self.ids_arg)
+            return grid_from_ids(ids) if ids is not None else None
         sample = call_arg(args, kwargs, self.latent_arg, self.latent_index)
         patch = self.patch()
         if sample.dim() == 4 and len(patch) == 1:
@@ -591,10 +678,10 @@ class DeclaredAdapter(BackboneAdapter):
 
     @classmethod
     def probed_kinds(cls) -> frozenset[str]:
-        """The kinds with at least one ``"attn"`` site, all of which :meth:`probes_site`."""
+        """The kinds with an ``"attn"`` site that :meth:`probes_site` (it records for the block; the block's other
+        ``"attn"`` sites, e.g. one inside that attention, record nothing themselves)."""
         return frozenset(kind.name for kind in cls.kinds
-                         if (attn := [site for site in kind.sites if site.sublayer == "attn"])
-                         and all(cls.probes_site(site) for site in attn))
+                         if any(site.sublayer == "attn" and cls.probes_site(site) for site in kind.sites))
 
     @classmethod
     def kind_summaries(cls) -> tuple[KindSummary, ...]:
@@ -618,12 +705,25 @@ class DeclaredAdapter(BackboneAdapter):
 
     # -------------------------------------------------------------- probes, text keys
     def probe(self, block: BlockSpec, point: MergePoint, state: MergeState) -> list[Any]:
-        if not isinstance(point, DeclaredPoint) or not self.probes_site(point.site):
+        site = point.site if isinstance(point, DeclaredPoint) else None
+        if site is None or not self.probes_site(site):
+            if isinstance(block, DeclaredBlock) and block.kind in self.probed_kinds():
+                return []  # another site of the block (its attention) records
             raise NotImplementedError(
                 f"backbone {self.name!r} cannot record received attention in its {block.kind!r} blocks (no probe is "
                 "declared for their attention: docs/backbones/adding-a-family.md); use a strategy that needs none, "
                 "e.g. idm(variant='streak') or ssm")
-        return probe_self_attention(block, point, state)
+        kind = block.decl
+        if kind.text_arg is None and kind.joint_input is None:
+            return probe_self_attention(block, point, state)
+        rope = site.rope
+        inner = [s.path for s in kind.sites if s.path.startswith(site.path + ".")]  # merge points inside the attention
+        return probe_joint_attention(point.module, state, text_side=kind.joint, text_len=lambda: point.info.text,
+                                     rope=None if rope is None else (rope.arg, rope.index),
+                                     rope_layout="rows" if rope is None else rope.layout,
+                                     mask=(site.mask_arg, site.mask_index),
+                                     record_before=_submodule(block.module, inner[0]) if inner else None,
+                                     context=lambda: point.info.context)
 
     def text_keys(self, block: BlockSpec, point: MergePoint) -> TextKeys | None:
         if not isinstance(point, DeclaredPoint) or not point.site.text_keys:

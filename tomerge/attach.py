@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -21,12 +21,21 @@ from .context import check_ratio
 from .registry import backbone_class, build, list_backbones, strategy_class
 from .schedule import Constant, Schedule
 from .state import MergeState, TrajectoryClock
-from .strategy import MergeStrategy
+from .strategy import RECORDED_NEEDS, MergeStrategy
 from .text_bias import bias_text_keys
 
 _HANDLE_ATTR = "_tomerge_handle"
 _CONSTANT_OPTIONS = ("merge_attn", "merge_crossattn", "merge_mlp", "merge_from", "merge_until")  # Constant's options
 _STATE_OPTIONS = ("seed", "num_steps", "text_labels")
+
+
+def recorded_needs(adapter: type[BackboneAdapter], kinds: Iterable[str]) -> frozenset[str]:
+    """What ``adapter`` records (a subset of :data:`~tomerge.strategy.RECORDED_NEEDS`) in a model whose blocks
+    are of ``kinds``: received attention when its probe covers every one of them (:meth:`BackboneAdapter.probed_kinds`),
+    else nothing. The one rule of :func:`apply` (which refuses a strategy needing more) and of the coverage
+    table (``tomerge backbones``)."""
+    kinds = frozenset(kinds)
+    return RECORDED_NEEDS if kinds and kinds <= adapter.probed_kinds() else frozenset()
 
 
 class MergeHandle:
@@ -128,10 +137,43 @@ class MergeHandle:
             for index, point in enumerate(block.points):
                 add(point.module.register_forward_pre_hook(self._point_pre(point, index), with_kwargs=True))
                 add(point.module.register_forward_hook(self._point_post(point, index)))
-            if "received_attention" in self.state.needs:
+        self._record_needs(blocks)
+
+    def _record_needs(self, blocks: list[BlockSpec]) -> None:
+        """Installs the recorders of what the schedule's strategies need (:attr:`MergeStrategy.needs`): received
+        attention through the adapter's probe on every block's ``"attn"`` points. The one place that decides
+        whether this backbone can run them: a need no adapter records, or a block the adapter records nothing
+        in, raises here, naming the strategies."""
+        strategies = self.schedule.strategies()
+        for need in sorted(self.state.needs):
+            users = sorted({s.name for s in strategies if need in s.needs})
+            if need not in RECORDED_NEEDS:
+                raise ValueError(f"strategy {', '.join(map(repr, users))} needs {need!r}, which no backbone adapter "
+                                 f"records (they record: {', '.join(sorted(RECORDED_NEEDS))})")
+        if "received_attention" not in self.state.needs:
+            return
+        users = ", ".join(sorted({repr(s.name) for s in strategies if "received_attention" in s.needs}))
+        kinds = dict.fromkeys(block.kind for block in blocks)
+        if not recorded_needs(type(self.adapter), kinds):
+            unprobed = [kind for kind in kinds if kind not in type(self.adapter).probed_kinds()]
+            raise NotImplementedError(
+                f"strategy {users} needs received attention: backbone {self.adapter.name!r} cannot record received "
+                f"attention in its {', '.join(map(repr, unprobed))} blocks (no probe is declared for their attention: "
+                "docs/backbones/adding-a-family.md); use a strategy that needs none, e.g. idm(variant='streak') or ssm")
+        for block in blocks:
+            hooks: list[Any] = []
+            try:
                 for point in block.points:
                     if point.sublayer == "attn":
-                        self._hooks.extend(self.adapter.probe(block, point, self.state))
+                        hooks += self.adapter.probe(block, point, self.state)
+            except NotImplementedError as err:
+                raise NotImplementedError(f"strategy {users} needs received attention: {err}") from err
+            finally:
+                self._hooks.extend(hooks)
+            if not hooks:
+                raise RuntimeError(
+                    f"tomerge: backbone {self.adapter.name!r} declares a probe for its {block.kind!r} blocks "
+                    "(probed_kinds()) but installed none in this block")
 
     # The model's and the blocks' hooks do the Python bookkeeping (the step, the decision, the caches) and run
     # eagerly, outside compiled graphs (torch.compiler.disable); the merge points' hooks do the tensor work and
