@@ -90,8 +90,9 @@ class Site:
         mask: ``None``, ``"pass"`` or ``"keys"``; ``mask_arg``, ``mask_index``: the mask's keyword/position.
         stays_merged_with: the output stays merged when the block call also merges this sublayer (a later
             site of the block reads it, passes it through and unmerges).
-        text_keys: the submodule is a joint text-image attention whose text is its ``encoder_hidden_states``
-            (prompt reweighting can bias its text keys).
+        text_keys: the submodule is the joint text-image attention of a kind with text (``text_arg`` or
+            ``joint_input``: ``T`` text tokens on the kind's ``joint`` side of the sequence it attends over);
+            prompt reweighting biases its text keys for the image queries (:mod:`tomerge.text_bias`).
         probe: ``idm`` records the attention each image token receives in this submodule, a softmax attention
             with diffusers-style projections. In a kind without text (no ``text_arg``, no ``joint_input``) it is a
             self-attention over the image tokens alone with ``to_q``/``to_k`` (and ``norm_q``/``norm_k``):
@@ -567,11 +568,8 @@ class DeclaredAdapter(BackboneAdapter):
     def text_keys(self, block: BlockSpec, point: MergePoint) -> TextKeys | None:
         if not isinstance(point, DeclaredPoint) or not point.site.text_keys:
             return None
-
-        def text_len(args: tuple, kwargs: dict) -> int:
-            text = call_arg(args, kwargs, "encoder_hidden_states", 1)
-            return 0 if text is None else int(text.shape[1])
-        return TextKeys(point.module, text_len=text_len, text_first=point.joint == "first")
+        return TextKeys(point.module, text_len=lambda args, kwargs: point.info.text or 0,  # the block call's T
+                        text_first=point.joint == "first")
 
 
 def _submodule(module: nn.Module, path: str) -> nn.Module | None:

@@ -33,23 +33,25 @@ from test_backbones_video import FAMILIES as VIDEO_FAMILIES
 
 # ---------------------------------------------------------------------- the reference
 class _SDPACalls(TorchFunctionMode):
-    """Records ``(query, key, attn_mask, scale)`` of every SDPA call while entered."""
+    """Records every SDPA call while entered: its ``query``, ``key``, ``value``, ``attn_mask``, ``scale`` and
+    ``out``, the result of the call (as a mode entered before this one, e.g. the text-key bias, computes it)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.calls: list[tuple[Tensor, Tensor, Tensor | None, float | None]] = []
+        self.calls: list[dict[str, Any]] = []
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        out = func(*args, **kwargs)
         if func is F.scaled_dot_product_attention:
             names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
-            call = {**dict(zip(names, args)), **kwargs}
-            self.calls.append((call["query"], call["key"], call.get("attn_mask"), call.get("scale")))
-        return func(*args, **kwargs)
+            self.calls.append({"attn_mask": None, "scale": None, **dict(zip(names, args)), **kwargs, "out": out})
+        return out
 
 
 def record_sdpa(modules: dict[int, nn.Module]) -> tuple[dict[int, list], list]:
-    """Hooks recording the SDPA calls made inside each module's forward, keyed like ``modules``."""
+    """Hooks recording the SDPA calls made inside each module's forward, keyed like ``modules``. Installed after
+    tomerge's hooks, they see the call the processor makes (inside the text-key bias)."""
     seen: dict[int, list] = {key: [] for key in modules}
     hooks = []
     for key, module in modules.items():
@@ -63,8 +65,8 @@ def record_sdpa(modules: dict[int, nn.Module]) -> tuple[dict[int, list], list]:
             seen[key].extend(mode.calls)
             mode.calls = []
 
-        hooks += [module.register_forward_pre_hook(enter, with_kwargs=True),
-                  module.register_forward_hook(leave, always_call=True)]
+        hooks += [module.register_forward_pre_hook(enter, with_kwargs=True),  # entered last: innermost mode
+                  module.register_forward_hook(leave, prepend=True, always_call=True)]  # so left first
     return seen, hooks
 
 
@@ -112,7 +114,7 @@ def check_probe_matches_the_model(model: nn.Module, inputs: dict, attentions: Ca
     assert sorted(recorded) == sorted(modules)
     for layer, calls in seen.items():
         assert len(calls) == 1, f"layer {layer}: {len(calls)} SDPA calls"
-        q, k, mask, scale = calls[0]
+        q, k, mask, scale = (calls[0][name] for name in ("query", "key", "attn_mask", "scale"))
         reference = reference_received_attention(q, k, mask, scale, num_tokens, text_first)
         a = recorded[layer]
         assert a.shape == reference.shape and a.dtype == torch.float32
