@@ -1,11 +1,12 @@
 """Every registered strategy and schedule on every supported family (``tomerge.list_strategies()`` x the tiny
 random-weight models of the family tests).
 
-One sample (batches are the family tests' subject). A run is ``STEPS`` model calls at decreasing timesteps (``num_steps=STEPS``), so that the schedules that
-change over the trajectory (``sdtm*``: structure then detail; ``toma*``: plans reused between steps) go
-through their phases. At ratio 0 every call is bit-identical to the unpatched model; at ratio 0.5 every
-call is finite and of the right shape, tokens are removed, and after ``remove()`` the model is bit-identical
-again. ``idm`` and the ``sdtm`` schedules need received attention: every family here declares a probe.
+One sample (batches are the family tests' subject). A run is ``STEPS`` model calls at decreasing timesteps
+(``num_steps=STEPS``), so that the schedules that change over the trajectory (``sdtm*``: structure then detail;
+``toma*``: plans reused between steps) go through their phases. At ratio 0 every call is bit-identical to the
+unpatched model; at ratio 0.5 every call is finite and of the right shape, tokens are removed, and after
+``remove()`` the model is bit-identical again. ``idm`` and the ``sdtm`` schedules need received attention: every
+family here declares a probe.
 """
 
 from __future__ import annotations

@@ -27,6 +27,7 @@ from tomerge.backbones._declared import Kind, Rope, Site
 from tomerge.backbones._diffusers import joint_key_mask
 from tomerge.backbones.wan import WanAdapter
 from test_backbone_flux import flux_inputs, tiny_flux
+from test_backbones_diffusers import SIZE, make_inputs, tiny_sd3
 from test_backbones_current import FAMILIES as IMAGE_FAMILIES
 from test_backbones_video import FAMILIES as VIDEO_FAMILIES
 
@@ -95,8 +96,9 @@ def reference_received_attention(query: Tensor, key: Tensor, mask: Tensor | None
     return torch.stack(out)
 
 
-def check_probe_matches_the_model(model: nn.Module, inputs: dict, attentions: Callable[[nn.Module], dict[int, nn.Module]],
-                                  num_tokens: int, text_first: bool, masked: bool) -> None:
+def check_probe_matches_the_model(model: nn.Module, inputs: dict,
+                                  attentions: Callable[[nn.Module], dict[int, nn.Module]], num_tokens: int,
+                                  text_first: bool, masked: bool) -> None:
     """float64: the received attention recorded for every block of ``attentions(model)`` (``{layer: attention
     module}``) equals the reference from that module's SDPA call; ``masked``: the call has a text mask, and the
     reference without it differs (so the probe used it)."""
@@ -141,9 +143,11 @@ def test_joint_key_mask_text_and_joint_masks():
         joint_key_mask(torch.ones(1, 1, 5, 5, dtype=torch.bool), 1, 2, 3, "first")
 
 
-def _flux_attentions(model: nn.Module) -> dict[int, nn.Module]:
-    blocks = [*model.transformer_blocks, *model.single_transformer_blocks]
-    return {layer: block.attn for layer, block in enumerate(blocks)}
+def _attentions(*containers: str) -> Callable[[nn.Module], dict[int, nn.Module]]:
+    def find(model: nn.Module) -> dict[int, nn.Module]:
+        blocks = [block for c in containers for block in getattr(model, c)]
+        return {layer: block.attn for layer, block in enumerate(blocks)}
+    return find
 
 
 @pytest.mark.parametrize("masked", [False, True])
@@ -156,17 +160,18 @@ def test_flux_probe_equals_the_models_attention(masked):
         mask = torch.ones(2, 1, 1, text + 24, dtype=torch.bool)
         mask[1, ..., text - 2:text] = False  # the second prompt is 2 tokens shorter
         inputs["joint_attention_kwargs"] = {"attention_mask": mask}
-    check_probe_matches_the_model(tiny_flux(), inputs, _flux_attentions, 24, text_first=True, masked=masked)
+    blocks = _attentions("transformer_blocks", "single_transformer_blocks")
+    check_probe_matches_the_model(tiny_flux(), inputs, blocks, 24, text_first=True, masked=masked)
+
+
+def test_sd3_probe_equals_the_models_attention():
+    """SD3 (hand-written adapter): text last, no rotary table, the processor's q/k norms on [B, heads, L, d];
+    block 0 also has SD3.5's second (image-only) attention, which records nothing."""
+    check_probe_matches_the_model(tiny_sd3(), make_inputs("sd3"), _attentions("transformer_blocks"),
+                                  SIZE[0] * SIZE[1], text_first=False, masked=False)
 
 
 # ---------------------------------------------------------------------- declared joint families
-def _attentions(*containers: str) -> Callable[[nn.Module], dict[int, nn.Module]]:
-    def find(model: nn.Module) -> dict[int, nn.Module]:
-        blocks = [block for c in containers for block in getattr(model, c)]
-        return {layer: block.attn for layer, block in enumerate(blocks)}
-    return find
-
-
 JOINT = {  # family: (its blocks' attentions in layer order, text first, the inputs mask padded text)
     "flux2": (_attentions("transformer_blocks", "single_transformer_blocks"), True, False),
     "qwenimage": (_attentions("transformer_blocks"), True, True),

@@ -2,10 +2,10 @@
 (``Site(text_keys=True)``: FLUX.2 double and single blocks, Qwen-Image, HunyuanVideo, HunyuanVideo 1.5; SD3 and
 FLUX.1 are in ``test_prompts.py``).
 
-A zero bias (``a_p = 1``, or no token of the phase's category) is bit-identical to no bias; a
-positive one changes the output, and every attention call's result equals (float64 model, the bias in fp32) the model's own q, k, v and mask
-attended with ``log(a_p)`` added by hand to the biased text keys' logits of the image queries, which moves their
-attention toward those keys.
+A zero bias (``a_p = 1``, or no token of the phase's category) is bit-identical to no bias; a positive one
+changes the output, and every attention call's result (float64 model, the bias in fp32) equals the model's own
+q, k, v and mask attended with ``log(a_p)`` added by hand to the biased text keys' logits of the image queries,
+which moves their attention toward those keys.
 """
 
 from __future__ import annotations
