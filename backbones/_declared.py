@@ -104,8 +104,9 @@ class Site:
             (Qwen-Image 2.1 passes ``attention_mask`` and ``key_valid``).
         stays_merged_with: the output stays merged when the block call also merges this sublayer (a later
             site of the block reads it, passes it through and unmerges).
-        text_keys: the submodule is a joint text-image attention whose text is its ``encoder_hidden_states``
-            (prompt reweighting can bias its text keys).
+        text_keys: the submodule is the joint text-image attention of a kind with text (``text_arg`` or
+            ``joint_input``: ``T`` text tokens on the kind's ``joint`` side of the sequence it attends over);
+            prompt reweighting biases its text keys for the image queries (:mod:`tomerge.text_bias`).
         probe: ``idm`` records the attention each image token receives in this submodule, a softmax attention
             with diffusers-style projections. In a kind without text (no ``text_arg``, no ``joint_input``) it is a
             self-attention over the image tokens alone with ``to_q``/``to_k`` (and ``norm_q``/``norm_k``):
@@ -721,18 +722,14 @@ class DeclaredAdapter(BackboneAdapter):
         return probe_joint_attention(point.module, state, text_side=kind.joint, text_len=lambda: point.info.text,
                                      rope=None if rope is None else (rope.arg, rope.index),
                                      rope_layout="rows" if rope is None else rope.layout,
-                                     mask=(site.mask_arg, site.mask_index),
-                                     record_before=_submodule(block.module, inner[0]) if inner else None,
-                                     context=lambda: point.info.context)
+                                     mask=(site.mask_arg, site.mask_index), context=lambda: point.info.context,
+                                     record_before=_submodule(block.module, inner[0]) if inner else None)
 
     def text_keys(self, block: BlockSpec, point: MergePoint) -> TextKeys | None:
         if not isinstance(point, DeclaredPoint) or not point.site.text_keys:
             return None
-
-        def text_len(args: tuple, kwargs: dict) -> int:
-            text = call_arg(args, kwargs, "encoder_hidden_states", 1)
-            return 0 if text is None else int(text.shape[1])
-        return TextKeys(point.module, text_len=text_len, text_first=point.joint == "first")
+        return TextKeys(point.module, text_len=lambda args, kwargs: point.info.text or 0,  # the block call's T
+                        text_first=point.joint == "first")
 
 
 def _submodule(module: nn.Module, path: str) -> nn.Module | None:

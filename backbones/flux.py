@@ -35,8 +35,8 @@ Facts from the installed diffusers (0.42.1, ``models/transformers/transformer_fl
   kept, so the attention sees them at full length like the text.
 
 Received attention (``idm``): the text-to-image part of the joint attention, from the q/k the processor
-computes, RoPE applied as the model does, all text queries against all keys (reference-image keys included),
-restricted to the target's image keys and renormalised per sample
+computes, RoPE applied as the model does, all text queries against all keys (the reference-image tokens among
+them), restricted to the target's image keys and renormalised per sample
 (:func:`~tomerge.backbones._diffusers.probe_joint_attention`, shared with the declared joint families).
 
 Prompt reweighting (``sdtm`` with text labels, :mod:`tomerge.strategies.sdtm_prompts` and

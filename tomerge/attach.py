@@ -110,7 +110,8 @@ class MergeHandle:
                         hooks += bias_text_keys(keys, self._text_bias)
             if not hooks:
                 raise ValueError(f"the {self.adapter.name!r} backbone has no text tokens in its attention: a text-key "
-                                 "bias (e.g. SDTM's prompt reweighting) needs a joint text-image attention (sd3, flux)")
+                                 "bias (e.g. SDTM's prompt reweighting) needs a joint text-image attention whose text keys the adapter "
+                                 "declares (sd3, flux, flux2, qwenimage, hunyuan_video, hunyuan_video15)")
             self._hooks.extend(hooks)
             self._text_hooks = True
         self.state.text_labels = prepared
@@ -141,9 +142,9 @@ class MergeHandle:
 
     def _record_needs(self, blocks: list[BlockSpec]) -> None:
         """Installs the recorders of what the schedule's strategies need (:attr:`MergeStrategy.needs`): received
-        attention through the adapter's probe on every block's ``"attn"`` points. The one place that decides
-        whether this backbone can run them: a need no adapter records, or a block the adapter records nothing
-        in, raises here, naming the strategies."""
+        attention through the adapter's probe on every block's ``"attn"`` points. A need no adapter records, or one
+        :func:`recorded_needs` says this adapter does not record in these blocks, raises here, naming the
+        strategies."""
         strategies = self.schedule.strategies()
         for need in sorted(self.state.needs):
             users = sorted({s.name for s in strategies if need in s.needs})
