@@ -31,6 +31,11 @@ a plain table shared by the batch):
 * ``"qwen"``: ``(image, text)`` complex tables ``[N, d/2]``, ``[T, d/2]`` (Qwen-Image): the image table
   is gathered; per-sample ones go as :class:`BatchedComplexTable`, which Qwen's ``apply_rotary_emb_qwen``
   broadcasts per sample.
+* ``"broadcast"``: ``(cos, sin)``, each ``[N, ...]`` without a batch axis, broadcast from the right against
+  ``[B, N, ...]`` q/k (Mochi's ``[N, heads, d/2]``): gathered to ``[B, M, ...]`` (or ``[M, ...]``).
+* ``"allegro"``: ``(tables, positions)``: per-axis ``(cos, sin)`` tables indexed by the ``(t, h, w)`` position
+  ids ``[1 or B, N]`` of every token (Allegro's ``apply_rotary_emb_allegro``): the position ids are gathered to
+  ``[B, M]`` (or ``[1, M]``), the tables kept.
 
 Attention masks (:class:`Site` ``mask``): ``None``: a mask on a merged call raises (it would cover the
 unmerged sequence); ``"pass"``: passed through (text-only masks, or biases over text keys, that broadcast
@@ -67,12 +72,13 @@ class Rope:
 
     Args:
         arg: its keyword; ``index``: its position when given positionally.
-        layout: ``"rows"``, ``"batched"``, ``"wan"`` or ``"qwen"`` (see the module docstring).
+        layout: ``"rows"``, ``"batched"``, ``"wan"``, ``"qwen"``, ``"broadcast"`` or ``"allegro"`` (see the module
+            docstring).
     """
 
     arg: str = "image_rotary_emb"
     index: int = 3
-    layout: Literal["rows", "batched", "wan", "qwen"] = "rows"
+    layout: Literal["rows", "batched", "wan", "qwen", "broadcast", "allegro"] = "rows"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +98,9 @@ class Site:
             site of the block reads it, passes it through and unmerges).
         text_keys: the submodule is a joint text-image attention whose text is its ``encoder_hidden_states``
             (prompt reweighting can bias its text keys).
+        shared: the block calls the submodule again on its text stream, after the image call (EasyAnimate's
+            ``ff`` in the blocks without text projections): only its first call in a block call reads image
+            tokens, the others run as they are.
         probe: the submodule is a softmax self-attention over the image tokens alone with diffusers-style
             ``to_q``/``to_k`` (and ``norm_q``/``norm_k``) projections: ``idm`` records the attention each token
             receives there (:func:`~tomerge.backbones._diffusers.probe_self_attention`, from q and k before
@@ -110,6 +119,7 @@ class Site:
     mask_index: int = 2
     stays_merged_with: str | None = None
     text_keys: bool = False
+    shared: bool = False
     probe: bool = False
 
 
@@ -152,12 +162,14 @@ class DeclaredCall:
     shapes: dict[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)  # conv points: [H, W] of the input
     merging: dict[str, bool] = dataclasses.field(default_factory=dict)  # sublayer -> this call merges it
     kept: set[str] = dataclasses.field(default_factory=set)  # sublayers whose sites get an already merged input
+    called: set[int] = dataclasses.field(default_factory=set)  # shared points: id() of those called already
 
     def reset(self) -> None:
         self.text = self.image = self.merged = None
         self.shapes.clear()
         self.merging.clear()
         self.kept.clear()
+        self.called.clear()
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -229,6 +241,13 @@ class DeclaredPoint(MergePoint):
         elif self.site.tokens == "conv":
             x = x.transpose(1, 2).unsqueeze(-1)  # [B, M, C] -> [B, C, M, 1]: a 1x1 convolution takes any layout
         return with_arg(args, kwargs, self.arg, self.site.index, x)
+
+    def reads_tokens(self, args: tuple, kwargs: dict) -> bool:
+        if not self.site.shared:
+            return True
+        first = id(self) not in self.info.called
+        self.info.called.add(id(self))
+        return first
 
     def enter_block(self, merges: bool) -> None:
         self.info.merging[self.sublayer] = self.info.merging.get(self.sublayer, False) or merges
@@ -329,7 +348,7 @@ def gather_rope(freqs: Any, dst: Tensor, num_tokens: int, layout: str) -> Any:
         freqs: the call's rotary argument.
         dst: ``[B, M]`` (or ``[1, M]``) token position representing each slot (``plan.dst``).
         num_tokens: ``N``, the image tokens of the unmerged call.
-        layout: ``"rows"``, ``"batched"``, ``"wan"`` or ``"qwen"``.
+        layout: ``"rows"``, ``"batched"``, ``"wan"``, ``"qwen"``, ``"broadcast"`` or ``"allegro"``.
 
     Example:
         >>> cos = torch.arange(4.0).view(1, 4, 1, 1)                      # wan layout, N = 4
@@ -356,6 +375,22 @@ def gather_rope(freqs: Any, dst: Tensor, num_tokens: int, layout: str) -> Any:
             raise ValueError(f"tomerge: the image rotary table has {image.shape[0]} rows for {num_tokens} image tokens")
         gathered = _rows(image, dst, 0)  # [M, d/2] or [B, M, d/2]
         return (gathered if gathered.dim() == image.dim() else BatchedComplexTable(gathered), text)
+    if layout == "broadcast":
+        out = []
+        for t in freqs:
+            if t.dim() < 2 or t.shape[0] != num_tokens:
+                raise ValueError(f"tomerge: a 'broadcast' rotary table must be [N={num_tokens}, ...], got {tuple(t.shape)}")
+            out.append(_rows(t, dst, 0))  # [M, ...] or [B, M, ...]
+        return tuple(out)
+    if layout == "allegro":
+        tables, positions = freqs
+        out = []
+        for ids in positions:
+            if ids.dim() != 2 or ids.shape[1] != num_tokens:
+                raise ValueError(f"tomerge: Allegro's rotary position ids must be [1 or B, N={num_tokens}], got "
+                                 f"{tuple(ids.shape)}")
+            out.append(_rows(ids, dst, 1))  # [B', M]
+        return tables, tuple(out)
     raise ValueError(f"unknown rotary layout {layout!r}")
 
 

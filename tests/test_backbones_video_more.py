@@ -1,0 +1,475 @@
+"""More declared video adapters: `cogvideox` (CogVideoX 1.0 / 1.5, text- and image-to-video), `mochi` (Mochi 1),
+`allegro` (Allegro), `easyanimate` (EasyAnimate V5.1, text-to-video and inpainting) and `latte` (Latte, its
+spatial blocks merged per frame).
+
+Each family is a random-weight diffusers model built from its released configuration with fewer heads and 1-2
+blocks of each kind (see each builder), on tiny frames x height x width token grids (Latte: one frame's grid).
+The checks are those of ``test_backbones_video.py`` (the helpers of ``test_backbones_current.py``), the
+families' specifics (Mochi's rising timesteps, EasyAnimate's feed-forward shared with the text stream, the
+rotary layouts Mochi and Allegro brought), and every registered strategy and schedule on every family: ratio 0
+and ``remove()`` bit-identical, ratio 0.5 finite and merging.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+
+import pytest
+import torch
+from torch import nn
+
+import tomerge
+from tomerge.backbones._declared import gather_rope
+from tomerge.registry import backbone_class
+from test_backbones_current import (ALL_SUBLAYERS, Family, Permute, check_batch_equals_samples, check_flops,
+                                    check_odd_grid_merges, check_permutation_is_exact, no_hooks_left, run)
+
+
+# Mochi's RoPE runs under torch.autocast(float32), which diffusers calls on the CPU too.
+pytestmark = pytest.mark.filterwarnings("ignore:In CPU autocast, but the target dtype is not supported")
+
+
+def _seed(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _text_mask(batch: int, text: int) -> torch.Tensor:
+    """``[B, T]``: the first prompt fills the text, the others are 3 tokens shorter (padding masked)."""
+    mask = torch.ones(batch, text, dtype=torch.long)
+    mask[1:, text - 3:] = 0
+    return mask
+
+
+# ---------------------------------------------------------------------- CogVideoX
+def build_cogvideox() -> nn.Module:
+    """CogVideoX-5b's config (16 latent channels, patch 2 per frame, head dim 64, time embedding 512, T5 width
+    4096, 3-D RoPE, sample 60 x 90 latents) with 2 heads instead of 48, 2 blocks instead of 42."""
+    from diffusers import CogVideoXTransformer3DModel
+
+    torch.manual_seed(0)
+    return CogVideoXTransformer3DModel(
+        num_attention_heads=2, attention_head_dim=64, in_channels=16, out_channels=16, time_embed_dim=512,
+        text_embed_dim=4096, num_layers=2, patch_size=2, sample_height=60, sample_width=90, sample_frames=49,
+        max_text_seq_length=226, use_rotary_positional_embeddings=True).eval()
+
+
+def build_cogvideox2b() -> nn.Module:
+    """CogVideoX-2b's config (as 5B, but sin-cos positions added at the patch embedding instead of RoPE) with 2
+    heads instead of 30, 2 blocks instead of 30, and a text length of 8 instead of 226 (the sin-cos table has
+    zero rows for the text: its prompts must have exactly that length)."""
+    from diffusers import CogVideoXTransformer3DModel
+
+    torch.manual_seed(0)
+    return CogVideoXTransformer3DModel(
+        num_attention_heads=2, attention_head_dim=64, in_channels=16, out_channels=16, time_embed_dim=512,
+        text_embed_dim=4096, num_layers=2, patch_size=2, sample_height=60, sample_width=90, sample_frames=49,
+        max_text_seq_length=8, use_rotary_positional_embeddings=False).eval()
+
+
+def build_cogvideox15_i2v() -> nn.Module:
+    """CogVideoX1.5-5B-I2V's config (32 input channels: noise + image latent, patches 2 x 2 x 2 (temporal patch
+    2), no patch bias, "ofs" embedding 512, head dim 64, RoPE on a 300 x 300 base grid) with 2 heads instead of
+    48, 2 blocks instead of 42."""
+    from diffusers import CogVideoXTransformer3DModel
+
+    torch.manual_seed(0)
+    return CogVideoXTransformer3DModel(
+        num_attention_heads=2, attention_head_dim=64, in_channels=32, out_channels=16, time_embed_dim=512,
+        ofs_embed_dim=512, text_embed_dim=4096, num_layers=2, patch_size=2, patch_size_t=2, patch_bias=False,
+        sample_height=300, sample_width=300, sample_frames=81, max_text_seq_length=226,
+        use_rotary_positional_embeddings=True).eval()
+
+
+def cogvideox_rope(model: nn.Module, grid: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The ``(cos, sin)`` tables ``[N, 64]`` as CogVideoX(1.5)Pipeline builds them for this token grid."""
+    from diffusers import CogVideoXPipeline
+
+    if not model.config.use_rotary_positional_embeddings:
+        return None
+    T, H, W = grid
+    p, p_t = model.config.patch_size, model.config.patch_size_t or 1
+    pipe = types.SimpleNamespace(transformer=model, vae_scale_factor_spatial=8)
+    return CogVideoXPipeline._prepare_rotary_positional_embeddings(
+        pipe, height=8 * p * H, width=8 * p * W, num_frames=T * p_t, device=torch.device("cpu"))
+
+
+def cogvideox_inputs(model: nn.Module, batch: int = 2, grid=(2, 4, 4), seed: int = 1, dtype=torch.float32,
+                     text: int = 8) -> dict:
+    g = _seed(seed)
+    T, H, W = grid
+    p, p_t = model.config.patch_size, model.config.patch_size_t or 1
+    inputs = dict(  # the latent is frames first: [B, F, C, H, W]
+        hidden_states=torch.randn(batch, T * p_t, model.config.in_channels, p * H, p * W, generator=g).to(dtype),
+        encoder_hidden_states=torch.randn(batch, text, 4096, generator=g).to(dtype),
+        timestep=torch.full((batch,), 500, dtype=torch.long), image_rotary_emb=cogvideox_rope(model, grid))
+    if model.config.ofs_embed_dim:
+        inputs["ofs"] = torch.full((batch,), 2.0, dtype=dtype)  # CogVideoXImageToVideoPipeline's ofs
+    return inputs
+
+
+# ---------------------------------------------------------------------- Mochi
+def build_mochi() -> nn.Module:
+    """Mochi-1-preview's config (12 latent channels, patch 2 per frame, head dim 128, time embedding 256, SwiGLU
+    MLPs) with 2 heads (width 256) instead of 24 (3072), the text stream's width scaled with it (1536 * 256 /
+    3072 = 128), 2 blocks instead of 48 (the last one, as in the release, without text outputs), and a text
+    width of 256 instead of T5's 4096: the text reaches the blocks projected to the text stream's width, and the
+    4096-wide attention pool of the time embedding alone costs 0.25 s a call on one thread. The learned RoPE
+    frequencies (zeros before loading a checkpoint) are drawn at random."""
+    from diffusers import MochiTransformer3DModel
+
+    torch.manual_seed(0)
+    model = MochiTransformer3DModel(
+        patch_size=2, num_attention_heads=2, attention_head_dim=128, num_layers=2, pooled_projection_dim=128,
+        in_channels=12, text_embed_dim=MOCHI_TEXT_WIDTH, time_embed_dim=256).eval()
+    with torch.no_grad():
+        model.pos_frequencies.normal_(generator=_seed(0))  # [3, heads, d/2]
+    return model
+
+
+MOCHI_TEXT_WIDTH = 256
+
+
+def mochi_inputs(model: nn.Module, batch: int = 2, grid=(2, 4, 4), seed: int = 1, dtype=torch.float32,
+                 text: int = 8) -> dict:
+    g = _seed(seed)
+    T, H, W = grid
+    return dict(hidden_states=torch.randn(batch, 12, T, 2 * H, 2 * W, generator=g).to(dtype),
+                encoder_hidden_states=torch.randn(batch, text, MOCHI_TEXT_WIDTH, generator=g).to(dtype),
+                timestep=torch.full((batch,), 500.0, dtype=dtype), encoder_attention_mask=_text_mask(batch, text))
+
+
+# ---------------------------------------------------------------------- Allegro
+def build_allegro() -> nn.Module:
+    """Allegro's config (4 latent channels, patch 2 per frame, head dim 96 (RoPE: 32 per axis), T5 width 4096
+    projected to the model width, RoPE interpolation (2.2, 2, 2)) with 2 heads (width 192) instead of 24 (2304),
+    2 blocks instead of 32."""
+    from diffusers import AllegroTransformer3DModel
+
+    torch.manual_seed(0)
+    return AllegroTransformer3DModel(
+        patch_size=2, patch_size_t=1, num_attention_heads=2, attention_head_dim=96, in_channels=4, out_channels=4,
+        num_layers=2, cross_attention_dim=192, caption_channels=4096, sample_height=90, sample_width=160,
+        sample_frames=22, interpolation_scale_h=2.0, interpolation_scale_w=2.0, interpolation_scale_t=2.2).eval()
+
+
+def allegro_inputs(model: nn.Module, batch: int = 2, grid=(2, 4, 4), seed: int = 1, dtype=torch.float32,
+                   text: int = 8) -> dict:
+    """AllegroPipeline's rotary argument: per-axis tables and the (t, h, w) position ids [1, N]."""
+    from diffusers import AllegroPipeline
+
+    g = _seed(seed)
+    T, H, W = grid
+    pipe = types.SimpleNamespace(transformer=model, vae_scale_factor_spatial=8)
+    rope = AllegroPipeline._prepare_rotary_positional_embeddings(pipe, batch, 16 * H, 16 * W, T, torch.device("cpu"))
+    return dict(hidden_states=torch.randn(batch, 4, T, 2 * H, 2 * W, generator=g).to(dtype),
+                encoder_hidden_states=torch.randn(batch, text, 4096, generator=g).to(dtype),
+                timestep=torch.full((batch,), 500, dtype=torch.long), encoder_attention_mask=_text_mask(batch, text),
+                image_rotary_emb=rope)
+
+
+# ---------------------------------------------------------------------- EasyAnimate
+def build_easyanimate(in_channels: int = 16) -> nn.Module:
+    """EasyAnimateV5.1-7b's config (16 latent channels, patch 2 per frame, head dim 64, Qwen2-VL text width 3584
+    with its RMS norm, time embedding 512; the first half of the blocks MM-DiT with their own text projections,
+    the rest sharing them) with 2 heads instead of 48, 1 MM-DiT + 1 shared block instead of 18 + 18."""
+    from diffusers import EasyAnimateTransformer3DModel
+
+    torch.manual_seed(0)
+    return EasyAnimateTransformer3DModel(
+        num_attention_heads=2, attention_head_dim=64, in_channels=in_channels, out_channels=16, patch_size=2,
+        sample_height=60, sample_width=90, num_layers=2, mmdit_layers=1, time_embed_dim=512,
+        add_norm_text_encoder=True, text_embed_dim=3584, after_norm=False).eval()
+
+
+def build_easyanimate_inp() -> nn.Module:
+    """EasyAnimateV5.1-7b-InP (image-to-video): as :func:`build_easyanimate` with 33 input channels (noise, then
+    the mask and the masked video's latent as ``inpaint_latents``)."""
+    return build_easyanimate(in_channels=33)
+
+
+def easyanimate_inputs(model: nn.Module, batch: int = 2, grid=(2, 4, 4), seed: int = 1, dtype=torch.float32,
+                       text: int = 8) -> dict:
+    g = _seed(seed)
+    T, H, W = grid
+    inputs = dict(hidden_states=torch.randn(batch, 16, T, 2 * H, 2 * W, generator=g).to(dtype),
+                  timestep=torch.full((batch,), 500.0, dtype=dtype),
+                  encoder_hidden_states=torch.randn(batch, text, 3584, generator=g).to(dtype))
+    if model.config.in_channels > 16:  # the mask and the first frame's latent, the rest zeros
+        inpaint = torch.zeros(batch, model.config.in_channels - 16, T, 2 * H, 2 * W, dtype=dtype)
+        inpaint[:, 1:, 0] = torch.randn(batch, model.config.in_channels - 17, 2 * H, 2 * W, generator=g).to(dtype)
+        inpaint[:, 0, 1:] = 1.0
+        inputs["inpaint_latents"] = inpaint
+    return inputs
+
+
+# ---------------------------------------------------------------------- Latte
+def build_latte() -> nn.Module:
+    """Latte-1's config (4 latent channels, 8 out (learned sigma), patch 2, head dim 72, T5 width 4096 projected
+    to the model width, adaLN-single, 1000 embedding steps) with 2 heads (width 144) instead of 16 (1152), 2
+    spatial + 2 temporal blocks instead of 28 + 28, and 2 frames instead of 16 (the temporal positions are a
+    table of ``video_length`` frames that the input must match)."""
+    from diffusers import LatteTransformer3DModel
+
+    torch.manual_seed(0)
+    return LatteTransformer3DModel(
+        num_attention_heads=2, attention_head_dim=72, in_channels=4, out_channels=8, num_layers=2,
+        cross_attention_dim=144, attention_bias=True, sample_size=64, patch_size=2, activation_fn="gelu-approximate",
+        num_embeds_ada_norm=1000, norm_type="ada_norm_single", norm_elementwise_affine=False, norm_eps=1e-6,
+        caption_channels=4096, video_length=LATTE_FRAMES).eval()
+
+
+LATTE_FRAMES = 2
+
+
+def latte_inputs(model: nn.Module, batch: int = 2, grid=(4, 4), seed: int = 1, dtype=torch.float32,
+                 text: int = 8) -> dict:
+    """``grid``: one frame's ``(H, W)`` tokens; every call has ``LATTE_FRAMES`` frames."""
+    g = _seed(seed)
+    H, W = grid
+    return dict(hidden_states=torch.randn(batch, 4, LATTE_FRAMES, 2 * H, 2 * W, generator=g).to(dtype),
+                timestep=torch.full((batch,), 500, dtype=torch.long),
+                encoder_hidden_states=torch.randn(batch, text, 4096, generator=g).to(dtype))
+
+
+FAMILIES = {
+    "cogvideox": Family("cogvideox", build_cogvideox, cogvideox_inputs, ("transformer_blocks",),
+                        ("cogvideox", "cogvideox"), (2, 4, 4), (1, 4, 4), (3, 5, 7)),
+    "cogvideox2b": Family("cogvideox", build_cogvideox2b, cogvideox_inputs, ("transformer_blocks",),
+                          ("cogvideox", "cogvideox"), (2, 4, 4), (1, 4, 4), (3, 5, 7), rope=False),
+    "cogvideox15_i2v": Family("cogvideox", build_cogvideox15_i2v, cogvideox_inputs, ("transformer_blocks",),
+                              ("cogvideox", "cogvideox"), (2, 4, 4), (1, 4, 4), (3, 5, 7)),
+    "mochi": Family("mochi", build_mochi, mochi_inputs, ("transformer_blocks",), ("mochi", "mochi"), (2, 4, 4),
+                    (1, 4, 4), (3, 5, 7)),
+    "allegro": Family("allegro", build_allegro, allegro_inputs, ("transformer_blocks",), ("allegro", "allegro"),
+                      (2, 4, 4), (1, 4, 4), (3, 5, 7)),
+    "easyanimate": Family("easyanimate", build_easyanimate, easyanimate_inputs, ("transformer_blocks",),
+                          ("easyanimate", "easyanimate"), (2, 4, 4), (1, 4, 4), (3, 5, 7)),
+    "easyanimate_inp": Family("easyanimate", build_easyanimate_inp, easyanimate_inputs, ("transformer_blocks",),
+                              ("easyanimate", "easyanimate"), (2, 4, 4), (1, 4, 4), (3, 5, 7)),
+    "latte": Family("latte", build_latte, latte_inputs, ("transformer_blocks",), ("spatial", "spatial"), (4, 4),
+                    (4, 2), (5, 7), rope=False),
+}
+
+
+@pytest.fixture(scope="module")
+def models() -> dict[str, nn.Module]:
+    return {name: family.build() for name, family in FAMILIES.items()}
+
+
+# ---------------------------------------------------------------------- every family
+@pytest.mark.parametrize("name", FAMILIES)
+def test_finds_the_transformer_and_its_blocks_in_order(models, name):
+    family, model = FAMILIES[name], models[name]
+    with tomerge.merging(types.SimpleNamespace(transformer=model), "tomesd", ratio=0.5) as handle:
+        assert handle.model is model and handle.adapter.name == family.backbone
+        specs = handle.adapter.blocks()
+        assert [s.kind for s in specs] == list(family.kinds)
+        assert [s.module for s in specs] == [b for c in family.containers for b in getattr(model, c)]
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_half_ratio_is_finite_right_shape_and_merges_the_video_grid(models, name):
+    family, model = FAMILIES[name], models[name]
+    inputs = family.inputs(model)
+    before = run(model, inputs)
+    with tomerge.merging(model, "ssm", ratio=0.5, round_windows=1, **ALL_SUBLAYERS) as handle:
+        out = run(model, inputs)
+        assert handle.adapter.grid_size == family.grid
+        records = handle.state.records
+    assert out.shape == before.shape and torch.isfinite(out).all()
+    assert [r.block_kind for r in records] == list(family.kinds) and all(r.num_removed > 0 for r in records)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_half_ratio_blocks_cost_what_half_the_tokens_cost(models, name):
+    check_flops(models[name], FAMILIES[name], name)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_permuted_slots_give_the_unpatched_output(models, name, monkeypatch):
+    """Exact only if every slot carries its token's 3-D RoPE position; the control (without the RoPE gather the
+    same permutation changes the output) shows that positions matter in the families with RoPE."""
+    family, model = FAMILIES[name], models[name]
+    for grid in (family.grid, family.odd):
+        check_permutation_is_exact(model, family.inputs(model, grid=grid, seed=4), None, math.prod(grid))
+    if not family.rope:
+        return
+    inputs = family.inputs(model, seed=4)
+    before = run(model, inputs)
+    adapter = backbone_class(family.backbone)
+    kinds = tuple(dataclasses.replace(k, sites=tuple(dataclasses.replace(s, rope=None) for s in k.sites))
+                  for k in adapter.kinds)
+    monkeypatch.setattr(adapter, "kinds", kinds)
+    with tomerge.merging(model, Permute(), ratio=0.5, **ALL_SUBLAYERS):
+        assert (run(model, inputs) - before).abs().max() > 1e-3
+
+
+@pytest.mark.tie_sensitive
+@pytest.mark.parametrize("name", FAMILIES)
+def test_a_batch_equals_its_samples_alone(models, name):
+    family, model = FAMILIES[name], models[name]
+    check_batch_equals_samples(model, family.inputs(model, seed=5))
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_grids_with_leftover_rows_and_frames_merge(models, name):
+    check_odd_grid_merges(models[name], FAMILIES[name])
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_merging_runs_under_inference_mode(models, name):
+    family, model = FAMILIES[name], models[name]
+    inputs = family.inputs(model)
+    with tomerge.merging(model, "ssm", ratio=0.5, round_windows=1, **ALL_SUBLAYERS):
+        expected = run(model, inputs)
+        with torch.inference_mode():
+            out = model(**inputs).sample
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------------- family specifics
+def test_mochi_rising_timesteps_advance_one_trajectory(models):
+    """Mochi's pipeline calls the model with t rising from noise to data (inverted sigmas): the adapter reports
+    1000 - t, so the calls of one sampling run are steps 0, 1, 2 of one trajectory, found in the scheduler's
+    schedule (mapped the same way) and, without a scheduler, by the order of the calls."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    model = models["mochi"]
+    scheduler = FlowMatchEulerDiscreteScheduler(invert_sigmas=True)
+    scheduler.set_timesteps(sigmas=[1.0, 0.6, 0.3])
+    rising = scheduler.timesteps.tolist()
+    assert rising == sorted(rising) and rising[0] < 500 < rising[-1]
+    for target in (types.SimpleNamespace(transformer=model, scheduler=scheduler), model):
+        with tomerge.merging(target, "tomesd", ratio=0.5, use_rand=False) as handle:
+            for t in rising:
+                run(model, dict(mochi_inputs(model), timestep=torch.full((2,), t)))
+            clock = handle.state.clock
+            assert [r.step for r in handle.state.records] == [0, 0, 1, 1, 2, 2]
+            assert clock.trajectory == 1 and clock.progress == pytest.approx(1.0 if target is not model else
+                                                                             rising[-1] / 1000)
+
+
+def test_easyanimate_shared_ff_merges_the_video_call_and_passes_the_text_call(models):
+    """EasyAnimate's blocks without text projections call ``ff`` twice, on the video stream, then on the text
+    stream: the first call runs on the merged video tokens, the second on the whole text (the permutation test
+    shows that the unmerge of the first is exact)."""
+    model = models["easyanimate"]
+    assert model.transformer_blocks[0].txt_ff is not None and model.transformer_blocks[1].txt_ff is None
+    seen: dict[int, list[int]] = {0: [], 1: []}
+    with tomerge.merging(model, "tomesd", ratio=0.5, use_rand=False, merge_attn=False, merge_mlp=True):
+        hooks = [block.ff.register_forward_pre_hook(lambda m, args, i=i: seen[i].append(args[0].shape[1]))
+                 for i, block in enumerate(model.transformer_blocks)]  # after tomerge's hooks
+        try:
+            out = run(model, easyanimate_inputs(model))
+        finally:
+            for h in hooks:
+                h.remove()
+    assert torch.isfinite(out).all()
+    assert seen == {0: [16], 1: [16, 8]}  # merged video (32 -> 16), then the 8 text tokens unmerged
+
+
+def test_latte_merges_each_frame_of_its_spatial_blocks_and_leaves_the_temporal_blocks_at_full_length(models):
+    model = models["latte"]
+    seen: dict[str, list[tuple[int, ...]]] = {"spatial": [], "temporal": []}
+    with tomerge.merging(model, "tomesd", ratio=0.5, use_rand=False, **ALL_SUBLAYERS) as handle:
+        hooks = [model.transformer_blocks[0].attn1.register_forward_pre_hook(  # after tomerge's hooks
+                     lambda m, args: seen["spatial"].append(tuple(args[0].shape[:2]))),
+                 model.temporal_transformer_blocks[0].register_forward_pre_hook(
+                     lambda m, args: seen["temporal"].append(tuple(args[0].shape[:2])))]
+        try:
+            run(model, latte_inputs(model))
+        finally:
+            for h in hooks:
+                h.remove()
+        assert [r.num_tokens for r in handle.state.records] == [16, 16]
+    assert seen == {"spatial": [(2 * LATTE_FRAMES, 8)], "temporal": [(2 * 16, LATTE_FRAMES)]}
+
+
+def test_gather_rope_broadcast_and_allegro_layouts_match_hand_built_tables():
+    dst = torch.tensor([[2, 0], [1, 1]])  # [B=2, M=2]
+    table = torch.arange(3.0).view(3, 1, 1).expand(3, 2, 4)  # Mochi's [N=3, heads, d/2], no batch axis
+    cos, _ = gather_rope((table, table), dst, 3, "broadcast")
+    assert cos.shape == (2, 2, 2, 4) and torch.equal(cos[..., 0, 0], torch.tensor([[2.0, 0], [1, 1]]))
+    shared, _ = gather_rope((table, table), dst[:1], 3, "broadcast")
+    assert shared.shape == (2, 2, 4) and torch.equal(shared[:, 0, 0], torch.tensor([2.0, 0]))
+    tables = ((torch.zeros(5, 2),) * 2,) * 3  # per-axis (cos, sin), kept as they are
+    ids = (torch.tensor([[0, 0, 1]]), torch.tensor([[0, 1, 0]]), torch.tensor([[4, 5, 6]]))  # (t, h, w) [1, N]
+    kept, (t, h, w) = gather_rope((tables, ids), dst, 3, "allegro")
+    assert kept is tables
+    assert (t.tolist(), h.tolist(), w.tolist()) == ([[1, 0], [0, 0]], [[0, 0], [1, 1]], [[6, 4], [5, 5]])
+    _, (t1, _, w1) = gather_rope((tables, ids), dst[:1], 3, "allegro")
+    assert (t1.tolist(), w1.tolist()) == ([[1, 0]], [[6, 4]])
+    with pytest.raises(ValueError, match="broadcast"):
+        gather_rope((table[:2], table[:2]), dst, 3, "broadcast")
+    with pytest.raises(ValueError, match="position ids"):
+        gather_rope((tables, tuple(i[:, :2] for i in ids)), dst, 3, "allegro")
+
+
+# ---------------------------------------------------------------------- every strategy on every family
+# Options that make every strategy remove tokens of these tiny grids at ratio 0.5 (the released presets round
+# their counts to multiples of 16 tokens or windows, and sdtm_release switches to its detail phase at step 20).
+STRATEGY_OPTIONS = {
+    "ssm": {"round_windows": 1}, "facility_location": {"num_tiles": 4}, "toma": {"num_tiles": 4},
+    "toma_release": {"num_tiles": 4, "skip_first": 0},
+    "sdtm_release": {"round_windows": 1, "idm_round_tokens": 1, "switch_step": 0},
+}
+# Options under which a ratio of 0 removes nothing at any step (the sdtm schedules' ratio curve is ratio +-
+# deviation).
+IDENTITY_OPTIONS = {"sdtm": {"deviation": 0.0}, "sdtm_paper": {"deviation": 0.0}, "sdtm_release": {"deviation": 0.0}}
+# The two calls of a sampling run, noisiest first, in each family's timestep units.
+TRAJECTORY_TIMESTEPS = {"mochi": (1.0, 999.0)}  # Mochi is called with t rising (inverted sigmas)
+STRATEGIES = tomerge.list_strategies()
+# Joint text-video attentions without a received-attention probe yet (idm and the sdtm schedules built on its
+# attention variant need one).
+JOINT_WITHOUT_PROBE = {"cogvideox", "cogvideox2b", "cogvideox15_i2v", "mochi", "easyanimate", "easyanimate_inp"}
+NEEDS_PROBE = {"idm", "sdtm", "sdtm_paper"}
+
+
+def strategy_cases() -> list:
+    return [pytest.param(name, strategy, marks=pytest.mark.xfail(
+                raises=NotImplementedError, strict=True, reason="joint-attention probe: branch h-probes"))
+            if name in JOINT_WITHOUT_PROBE and strategy in NEEDS_PROBE else (name, strategy)
+            for name in FAMILIES for strategy in STRATEGIES]
+
+
+def run_trajectory(model: nn.Module, name: str) -> list[torch.Tensor]:
+    """The outputs of the 2 calls of one sampling run (every phase of the schedules below occurs in it: sdtm's
+    structure then detail phase, sdtm_release's protected step 0 then a detail step blending the cache)."""
+    family = FAMILIES[name]
+    outs = []
+    for t in TRAJECTORY_TIMESTEPS.get(name, (999.0, 1.0)):
+        inputs = family.inputs(model)
+        inputs["timestep"] = torch.full_like(inputs["timestep"], t)
+        outs.append(run(model, inputs))
+    return outs
+
+
+@pytest.fixture(scope="module")
+def unpatched(models) -> dict[str, list[torch.Tensor]]:
+    """Each family's unpatched outputs over :func:`run_trajectory`."""
+    return {name: run_trajectory(model, name) for name, model in models.items()}
+
+
+def test_the_strategies_under_test_are_the_registered_ones():
+    assert set(STRATEGIES) >= {"tomesd", "ssm", "idm", "facility_location", "sdtm", "sdtm_paper", "sdtm_release",
+                               "toma", "toma_release"}
+    assert set(STRATEGY_OPTIONS) | set(IDENTITY_OPTIONS) <= set(STRATEGIES)
+
+
+@pytest.mark.parametrize("name, strategy", strategy_cases())
+def test_every_strategy_runs_on_every_family(models, unpatched, name, strategy):
+    """Over one 2-step sampling run: ratio 0 is bit-identical to the unpatched model; ratio 0.5 removes tokens
+    and gives finite outputs of the right shape; after ``remove()`` the model is bit-identical again."""
+    model, before = models[name], unpatched[name]
+    options = STRATEGY_OPTIONS.get(strategy, {})
+    with tomerge.merging(model, strategy, ratio=0.0, num_steps=2, **options, **IDENTITY_OPTIONS.get(strategy, {})):
+        assert all(torch.equal(a, b) for a, b in zip(run_trajectory(model, name), before))
+    handle = tomerge.apply(model, strategy, ratio=0.5, num_steps=2, **options)
+    merged = run_trajectory(model, name)
+    assert handle.stats["tokens_removed"] > 0
+    assert all(m.shape == b.shape and torch.isfinite(m).all() for m, b in zip(merged, before))
+    handle.remove()
+    assert all(torch.equal(a, b) for a, b in zip(run_trajectory(model, name), before))
+    assert no_hooks_left(model)
