@@ -59,7 +59,7 @@ from tomerge.plan import MergePlan
 
 from tomerge.state import MergeState
 
-from ._diffusers import call_arg, check_ff_chunking, probe_self_attention, submodel
+from ._diffusers import call_arg, check_ff_chunking, probe_joint_attention, probe_self_attention, submodel
 from .flux import BatchedRotaryTable, gather_rotary
 
 Side = Literal["first", "last"]
@@ -101,10 +101,15 @@ class Site:
         shared: the block calls the submodule again on its text stream, after the image call (EasyAnimate's
             ``ff`` in the blocks without text projections): only its first call in a block call reads image
             tokens, the others run as they are.
-        probe: the submodule is a softmax self-attention over the image tokens alone with diffusers-style
-            ``to_q``/``to_k`` (and ``norm_q``/``norm_k``) projections: ``idm`` records the attention each token
-            receives there (:func:`~tomerge.backbones._diffusers.probe_self_attention`, from q and k before
-            the rotary rotation, which the processor applies after them).
+        probe: ``idm`` records the attention each image token receives in this submodule, a softmax attention
+            with diffusers-style projections. In a kind without text (no ``text_arg``, no ``joint_input``) it is a
+            self-attention over the image tokens alone with ``to_q``/``to_k`` (and ``norm_q``/``norm_k``):
+            strided image queries, from q and k before the rotary rotation, which the processor applies after
+            them (:func:`~tomerge.backbones._diffusers.probe_self_attention`). In a kind with text it is the
+            joint text-image attention of the block (text on the kind's ``joint`` side): the text queries'
+            softmax over all keys, the image keys' share renormalised, with the model's rotary rotation
+            (``rope``, layout ``"rows"`` or ``"qwen"``) and mask (``mask_arg``/``mask_index``)
+            (:func:`~tomerge.backbones._diffusers.probe_joint_attention`).
     """
 
     sublayer: str
@@ -575,12 +580,24 @@ class DeclaredAdapter(BackboneAdapter):
         return self.grid_size
 
     def probe(self, block: BlockSpec, point: MergePoint, state: MergeState) -> list[Any]:
-        if not isinstance(point, DeclaredPoint) or not point.site.probe:
+        site = point.site if isinstance(point, DeclaredPoint) else None
+        if site is None or not site.probe:
+            if isinstance(block, DeclaredBlock) and any(s.probe for s in block.decl.sites):
+                return []  # another site of the block (its attention) records
             raise NotImplementedError(
                 f"backbone {self.name!r} cannot record received attention in its {block.kind!r} blocks (no probe is "
                 "declared for their attention: docs/backbones/adding-a-family.md); use a strategy that needs none, "
                 "e.g. idm(variant='streak') or ssm")
-        return probe_self_attention(block, point, state)
+        kind = block.decl
+        if kind.text_arg is None and kind.joint_input is None:
+            return probe_self_attention(block, point, state)
+        rope = site.rope
+        inner = [s.path for s in kind.sites if s.path.startswith(site.path + ".")]  # merge points inside the attention
+        return probe_joint_attention(point.module, state, text_side=kind.joint, text_len=lambda: point.info.text,
+                                     rope=None if rope is None else (rope.arg, rope.index),
+                                     rope_layout="rows" if rope is None else rope.layout,
+                                     mask=(site.mask_arg, site.mask_index),
+                                     record_before=_submodule(block.module, inner[0]) if inner else None)
 
     def text_keys(self, block: BlockSpec, point: MergePoint) -> TextKeys | None:
         if not isinstance(point, DeclaredPoint) or not point.site.text_keys:
