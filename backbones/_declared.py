@@ -108,8 +108,12 @@ class Site:
             them (:func:`~tomerge.backbones._diffusers.probe_self_attention`). In a kind with text it is the
             joint text-image attention of the block (text on the kind's ``joint`` side): the text queries'
             softmax over all keys, the image keys' share renormalised, with the model's rotary rotation
-            (``rope``, layout ``"rows"`` or ``"qwen"``) and mask (``mask_arg``/``mask_index``)
+            (``rope``, layout ``"rows"``, ``"qwen"`` or ``"broadcast"``) and mask (``mask_arg``/``mask_index``)
             (:func:`~tomerge.backbones._diffusers.probe_joint_attention`).
+        probe_heads_first: the joint attention's processor normalises q/k after moving the heads before the
+            tokens (``[B, heads, L, d]``: CogVideoX, EasyAnimate), so the joint probe reads its norms so.
+        probe_copies: the joint attention's processor rotates the image rows of the q/k the probe captures in
+            place (``key[:, :, T:] = apply_rotary_emb(...)``: CogVideoX, EasyAnimate), so the probe keeps copies.
     """
 
     sublayer: str
@@ -126,6 +130,8 @@ class Site:
     text_keys: bool = False
     shared: bool = False
     probe: bool = False
+    probe_heads_first: bool = False
+    probe_copies: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -597,7 +603,8 @@ class DeclaredAdapter(BackboneAdapter):
                                      rope=None if rope is None else (rope.arg, rope.index),
                                      rope_layout="rows" if rope is None else rope.layout,
                                      mask=(site.mask_arg, site.mask_index),
-                                     record_before=_submodule(block.module, inner[0]) if inner else None)
+                                     record_before=_submodule(block.module, inner[0]) if inner else None,
+                                     heads_first=site.probe_heads_first, copies=site.probe_copies)
 
     def text_keys(self, block: BlockSpec, point: MergePoint) -> TextKeys | None:
         if not isinstance(point, DeclaredPoint) or not point.site.text_keys:

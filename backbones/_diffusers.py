@@ -53,7 +53,8 @@ def probe_self_attention(block: BlockSpec, point: MergePoint, state: MergeState,
 def probe_joint_attention(attn: nn.Module, state: MergeState, *, text_side: str,
                           text_len: Callable[[], int | None], rope: tuple[str, int] | None = None,
                           rope_layout: str = "rows", mask: tuple[str, int] | None = None,
-                          record_before: nn.Module | None = None) -> list[Any]:
+                          record_before: nn.Module | None = None, heads_first: bool = False,
+                          copies: bool = False) -> list[Any]:
     """Records the attention each image token receives in a joint text-image attention (MMDiT style).
 
     The rule (every joint attention of tomerge's adapters): all text queries of the call against all keys
@@ -70,7 +71,8 @@ def probe_joint_attention(attn: nn.Module, state: MergeState, *, text_side: str,
     * one projection of the joint sequence (FLUX.1/2 single blocks, HunyuanVideo single blocks): q/k of all
       ``T + N`` tokens from ``to_q``/``to_k`` (``to_qkv``), then ``norm_q``/``norm_k``; ``T`` is ``text_len()``.
 
-    Captures are ``[B, L, heads, d]`` (norms after the processor's ``unflatten``) or ``[B, L, heads * d]``
+    Captures are ``[B, L, heads, d]`` (norms after the processor's ``unflatten``), ``[B, heads, L, d]`` with
+    ``heads_first`` (norms after its ``transpose(1, 2)``: CogVideoX, EasyAnimate) or ``[B, L, heads * d]``
     (projections without a norm after them).
 
     Args:
@@ -81,17 +83,24 @@ def probe_joint_attention(attn: nn.Module, state: MergeState, *, text_side: str,
         rope: ``(keyword, position)`` of the call's rotary argument; ``None``: no rotation.
         rope_layout: ``"rows"``: ``(cos, sin)``, each ``[T + N, d]`` in the joint order or ``[N, d]`` for the
             image tokens alone, applied with diffusers' ``apply_rotary_emb(..., sequence_dim=1)``; ``"qwen"``:
-            complex ``(image [N, d/2], text [T, d/2])`` tables applied with ``apply_rotary_emb_qwen``.
+            complex ``(image [N, d/2], text [T, d/2])`` tables applied with ``apply_rotary_emb_qwen``;
+            ``"broadcast"``: ``(cos, sin)``, each ``[N, heads, d/2]``, rotating the adjacent (even, odd) channel
+            pairs of the image tokens alone (Mochi).
         mask: ``(keyword, position)`` of the call's attention mask: boolean (or 0/1 integer) over the joint
             sequence (``[B, T + N]``, ``[B, 1, 1, T + N]``) or over the text (``[B, T]``), or an additive float
             bias of those shapes; ``None``: no mask.
         record_before: see :func:`~tomerge.probe.attention_probe`.
+        heads_first: 4-D captures are ``[B, heads, L, d]``.
+        copies: capture copies of the q/k (one more key tensor, and the joint queries, in memory during a probed
+            call): for processors that modify them in place after the norms (CogVideoX and EasyAnimate rotate
+            the image rows in place).
 
     Returns:
         The hook handles. Calls without text, or whose attention ran on merged slots, are not recorded.
     """
-    if rope_layout not in ("rows", "qwen"):
-        raise ValueError(f"tomerge: the joint-attention probe applies 'rows' or 'qwen' rotary tables, not {rope_layout!r}")
+    if rope_layout not in ("rows", "qwen", "broadcast"):
+        raise ValueError(f"tomerge: the joint-attention probe applies 'rows', 'qwen' or 'broadcast' rotary tables, "
+                         f"not {rope_layout!r}")
     separate = getattr(attn, "add_k_proj", None) is not None or getattr(attn, "to_added_qkv", None) is not None
     fused, fused_txt = getattr(attn, "to_qkv", None), getattr(attn, "to_added_qkv", None)
     keys = [("k", getattr(attn, "to_k", None), None), ("k", fused, fused_part(1)), ("k", getattr(attn, "norm_k", None), None)]
@@ -103,13 +112,17 @@ def probe_joint_attention(attn: nn.Module, state: MergeState, *, text_side: str,
     else:  # queries and keys of the joint sequence
         sources = keys + [("q", getattr(attn, "to_q", None), None), ("q", fused, fused_part(0)),
                           ("q", getattr(attn, "norm_q", None), None)]
+    if copies:
+        sources = [(name, module, _copied(pick)) for name, module, pick in sources]
 
     def before(args: tuple, kwargs: dict) -> dict[str, Any]:
         return {"rope": None if rope is None else call_arg(args, kwargs, *rope),
                 "mask": None if mask is None else call_arg(args, kwargs, *mask)}
 
     def heads(t: Tensor) -> Tensor:
-        return t.unflatten(-1, (attn.heads, -1)) if t.dim() == 3 else t  # [B, L, heads, d]
+        if t.dim() == 3:
+            return t.unflatten(-1, (attn.heads, -1))  # [B, L, heads * d] -> [B, L, heads, d]
+        return t.transpose(1, 2) if heads_first else t  # [B, L, heads, d]
 
     def compute(got: dict[str, Any], grid: Grid) -> Tensor | None:
         N = math.prod(grid)
@@ -142,6 +155,11 @@ def probe_joint_attention(attn: nn.Module, state: MergeState, *, text_side: str,
     return attention_probe(state, attn, sources, compute, before=before, record_before=record_before)
 
 
+def _copied(pick: Callable[[Any], Tensor] | None) -> Callable[[Any], Tensor]:
+    """A capture ``pick`` that keeps a copy (the processor may change the tensor in place afterwards)."""
+    return lambda output: (output if pick is None else pick(output)).clone()
+
+
 def _rotate_joint(freqs: Any, layout: str, q_txt: Tensor, k_txt: Tensor, k_img: Tensor,
                   text_side: str) -> tuple[Tensor, Tensor, Tensor]:
     """The text queries, text keys and image keys ``[B, T|N, h, d]`` rotated as the processor rotates them."""
@@ -152,10 +170,16 @@ def _rotate_joint(freqs: Any, layout: str, q_txt: Tensor, k_txt: Tensor, k_img: 
         image, text = freqs  # [N, d/2], [T, d/2] complex
         return (apply_rotary_emb_qwen(q_txt, text, use_real=False), apply_rotary_emb_qwen(k_txt, text, use_real=False),
                 apply_rotary_emb_qwen(k_img, image, use_real=False))
-    from diffusers.models.embeddings import apply_rotary_emb
-
     cos, sin = freqs
     rows = cos.shape[0]
+    if layout == "broadcast":  # the image tokens alone; pairs (x[2i], x[2i+1]) rotated by cos/sin [N, heads, d/2]
+        if rows != N:
+            raise ValueError(f"tomerge: a 'broadcast' rotary table of {rows} rows for {N} image tokens")
+        even, odd = k_img[..., 0::2].float(), k_img[..., 1::2].float()  # [B, N, h, d/2]
+        rotated = torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1).flatten(-2)  # [B, N, h, d]
+        return q_txt, k_txt, rotated.to(k_img.dtype)
+    from diffusers.models.embeddings import apply_rotary_emb
+
     if rows == N:  # the image tokens alone are rotated (HunyuanVideo)
         return q_txt, k_txt, apply_rotary_emb(k_img, (cos, sin), sequence_dim=1)
     if rows != T + N:

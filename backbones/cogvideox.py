@@ -38,7 +38,8 @@ class CogVideoXAdapter(DeclaredAdapter):
     timestep_index: ClassVar[int] = 2  # forward(hidden_states, encoder_hidden_states, timestep, ...)
     kinds: ClassVar[tuple[Kind, ...]] = (
         Kind("cogvideox", "transformer_blocks", ("CogVideoXBlock",), (
-            Site("attn", "attn1", output=0, rope=Rope("image_rotary_emb", 3, "rows")),
+            Site("attn", "attn1", output=0, rope=Rope("image_rotary_emb", 3, "rows"), probe=True, probe_heads_first=True,
+                 probe_copies=True),
             Site("mlp", "ff", tokens="joint"),
         ), text_arg="encoder_hidden_states"),
     )

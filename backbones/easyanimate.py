@@ -36,9 +36,10 @@ class EasyAnimateAdapter(DeclaredAdapter):
     text_index: ClassVar[int] = 3
     kinds: ClassVar[tuple[Kind, ...]] = (
         Kind("easyanimate", "transformer_blocks", ("EasyAnimateTransformerBlock",), (
-            Site("attn", "attn1", output=0, rope=Rope("image_rotary_emb", 3, "rows")),
+            Site("attn", "attn1", output=0, rope=Rope("image_rotary_emb", 3, "rows"), probe=True, probe_heads_first=True,
+                 probe_copies=True),
             Site("mlp", "ff", shared=True),
-        )),
+        ), text_arg="encoder_hidden_states"),
     )
 
     def call_grid(self, args: tuple, kwargs: dict) -> tuple[int, ...] | None:

@@ -35,9 +35,9 @@ class MochiAdapter(DeclaredAdapter):
     timestep_index: ClassVar[int] = 2  # forward(hidden_states, encoder_hidden_states, timestep, mask, ...)
     kinds: ClassVar[tuple[Kind, ...]] = (
         Kind("mochi", "transformer_blocks", ("MochiTransformerBlock",), (
-            Site("attn", "attn1", output=0, rope=Rope("image_rotary_emb", 3, "broadcast"), mask="pass"),
+            Site("attn", "attn1", output=0, rope=Rope("image_rotary_emb", 3, "broadcast"), mask="pass", probe=True),
             Site("mlp", "ff"),
-        )),
+        ), text_arg="encoder_hidden_states", joint="last"),
     )
 
     def call_grid(self, args: tuple, kwargs: dict) -> tuple[int, ...] | None:

@@ -12,6 +12,7 @@ and ``remove()`` bit-identical, ratio 0.5 finite and merging.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import types
@@ -407,6 +408,50 @@ def test_gather_rope_broadcast_and_allegro_layouts_match_hand_built_tables():
         gather_rope((tables, tuple(i[:, :2] for i in ids)), dst, 3, "allegro")
 
 
+# ---------------------------------------------------------------------- received attention in joint attention
+def _attn1(model: nn.Module) -> dict[int, nn.Module]:
+    return {layer: block.attn1 for layer, block in enumerate(model.transformer_blocks)}
+
+
+@pytest.mark.parametrize("name", ["cogvideox", "cogvideox15_i2v", "easyanimate"])
+def test_joint_probe_equals_the_models_attention(models, name):
+    """float64, against each block's own SDPA call (``test_probes.check_probe_matches_the_model``): CogVideoX
+    projects the joint [text, video] sequence at once, normalises q/k as [B, heads, L, d] and rotates the video
+    rows only; EasyAnimate's first block has its own text projections, its second projects the joint sequence."""
+    from test_probes import check_probe_matches_the_model
+
+    family, model = FAMILIES[name], models[name]
+    check_probe_matches_the_model(model, family.inputs(model), _attn1, math.prod(family.grid), text_first=True,
+                                  masked=False)
+
+
+def test_mochi_joint_probe_equals_the_models_attention(models):
+    """float64: Mochi attends per sample over [video, the prompt's valid text tokens] (one SDPA call per sample,
+    no mask: the padding is cut out) with its pairwise RoPE on the video q/k; the recorded received attention
+    equals the probe's rule computed from those calls (the second prompt is 3 tokens shorter, so its padded
+    text tokens are neither queries nor keys)."""
+    from test_probes import record_sdpa, reference_received_attention
+
+    model = copy.deepcopy(models["mochi"]).double()
+    inputs = {k: v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+              for k, v in mochi_inputs(model).items()}
+    seen, hooks = record_sdpa(_attn1(model))
+    try:
+        with tomerge.merging(model, "idm", ratio=0.5) as handle, torch.no_grad():
+            model(**inputs)
+            recorded = dict(handle.state.attention)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert sorted(recorded) == [0, 1]
+    for layer, calls in seen.items():
+        assert [call[0].shape[2] for call in calls] == [32 + 8, 32 + 5]  # per sample: video + valid text
+        reference = torch.cat([reference_received_attention(q, k, mask, scale, 32, text_first=False)
+                               for q, k, mask, scale in calls])  # [B, N]
+        torch.testing.assert_close(recorded[layer].double(), reference, rtol=1e-5, atol=1e-8)
+        assert (reference.max(-1).values - reference.min(-1).values > 1e-3).all()  # not uniform: real q/k
+
+
 # ---------------------------------------------------------------------- every strategy on every family
 # Options that make every strategy remove tokens of these tiny grids at ratio 0.5 (the released presets round
 # their counts to multiples of 16 tokens or windows, and sdtm_release switches to its detail phase at step 20).
@@ -421,19 +466,6 @@ IDENTITY_OPTIONS = {"sdtm": {"deviation": 0.0}, "sdtm_paper": {"deviation": 0.0}
 # The two calls of a sampling run, noisiest first, in each family's timestep units.
 TRAJECTORY_TIMESTEPS = {"mochi": (1.0, 999.0)}  # Mochi is called with t rising (inverted sigmas)
 STRATEGIES = tomerge.list_strategies()
-# Joint text-video attentions without a received-attention probe yet (idm and the sdtm schedules built on its
-# attention variant need one).
-JOINT_WITHOUT_PROBE = {"cogvideox", "cogvideox2b", "cogvideox15_i2v", "mochi", "easyanimate", "easyanimate_inp"}
-NEEDS_PROBE = {"idm", "sdtm", "sdtm_paper"}
-
-
-def strategy_cases() -> list:
-    return [pytest.param(name, strategy, marks=pytest.mark.xfail(
-                raises=NotImplementedError, strict=True, reason="joint-attention probe: branch h-probes"))
-            if name in JOINT_WITHOUT_PROBE and strategy in NEEDS_PROBE else (name, strategy)
-            for name in FAMILIES for strategy in STRATEGIES]
-
-
 def run_trajectory(model: nn.Module, name: str) -> list[torch.Tensor]:
     """The outputs of the 2 calls of one sampling run (every phase of the schedules below occurs in it: sdtm's
     structure then detail phase, sdtm_release's protected step 0 then a detail step blending the cache)."""
@@ -458,7 +490,8 @@ def test_the_strategies_under_test_are_the_registered_ones():
     assert set(STRATEGY_OPTIONS) | set(IDENTITY_OPTIONS) <= set(STRATEGIES)
 
 
-@pytest.mark.parametrize("name, strategy", strategy_cases())
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("name", FAMILIES)
 def test_every_strategy_runs_on_every_family(models, unpatched, name, strategy):
     """Over one 2-step sampling run: ratio 0 is bit-identical to the unpatched model; ratio 0.5 removes tokens
     and gives finite outputs of the right shape; after ``remove()`` the model is bit-identical again."""
