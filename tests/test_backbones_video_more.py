@@ -1,12 +1,13 @@
 """More declared video adapters: `cogvideox` (CogVideoX 1.0 / 1.5, text- and image-to-video), `mochi` (Mochi 1),
-`allegro` (Allegro), `easyanimate` (EasyAnimate V5.1, text-to-video and inpainting) and `latte` (Latte, its
-spatial blocks merged per frame).
+`allegro` (Allegro), `easyanimate` (EasyAnimate V5.1, text-to-video and inpainting), `latte` (Latte, its
+spatial blocks merged per frame) and `cosmos` (Cosmos 1.0 Text2World, Predict2 Video2World).
 
 Each family is a random-weight diffusers model built from its released configuration with fewer heads and 1-2
 blocks of each kind (see each builder), on tiny frames x height x width token grids (Latte: one frame's grid).
 The checks are those of ``test_backbones_video.py`` (the helpers of ``test_backbones_current.py``), the
 families' specifics (Mochi's rising timesteps, EasyAnimate's feed-forward shared with the text stream, the
-rotary layouts Mochi and Allegro brought), and every registered strategy and schedule on every family: ratio 0
+rotary layouts Mochi and Allegro brought, Cosmos' per-frame modulation and step counting), the joint-attention
+probes against the models' own attention, and every registered strategy and schedule on every family: ratio 0
 and ``remove()`` bit-identical, ratio 0.5 finite and merging.
 """
 
@@ -16,6 +17,7 @@ import copy
 import dataclasses
 import math
 import types
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -234,6 +236,46 @@ def latte_inputs(model: nn.Module, batch: int = 2, grid=(4, 4), seed: int = 1, d
                 encoder_hidden_states=torch.randn(batch, text, 4096, generator=g).to(dtype))
 
 
+# ---------------------------------------------------------------------- Cosmos
+def build_cosmos(in_channels: int = 16, rope_scale=(2.0, 1.0, 1.0), extra_pos_embed_type="learnable") -> nn.Module:
+    """Cosmos-1.0-Diffusion-7B-Text2World's config (16 latent channels, patch (1, 2, 2), head dim 128, MLP ratio
+    4, T5-11B width 1024, adaLN-LoRA 256, RoPE scale (2, 1, 1) on a (128, 240, 240) maximum size, learnable
+    extra positions) with 2 heads instead of 32, 2 blocks instead of 28, and without the padding-mask input
+    channel (the pipelines pass an all-zero ``[1, 1, H, W]`` mask that the model repeats over the batch, which
+    the per-sample checks cannot split; it only feeds the patch embedding)."""
+    from diffusers import CosmosTransformer3DModel
+
+    torch.manual_seed(0)
+    return CosmosTransformer3DModel(
+        in_channels=in_channels, out_channels=16, num_attention_heads=2, attention_head_dim=128, num_layers=2,
+        mlp_ratio=4.0, text_embed_dim=1024, adaln_lora_dim=256, max_size=(128, 240, 240), patch_size=(1, 2, 2),
+        rope_scale=rope_scale, concat_padding_mask=False, extra_pos_embed_type=extra_pos_embed_type).eval()
+
+
+def build_cosmos2_video2world() -> nn.Module:
+    """Cosmos-2.0-Diffusion-2B-Video2World's config (as :func:`build_cosmos`, with the condition mask as a 17th
+    input channel, RoPE scale (1, 3, 3), no extra positions) with 2 heads instead of 16, 2 blocks instead of 28."""
+    return build_cosmos(in_channels=17, rope_scale=(1.0, 3.0, 3.0), extra_pos_embed_type=None)
+
+
+def cosmos_inputs(model: nn.Module, batch: int = 2, grid=(2, 4, 4), seed: int = 1, dtype=torch.float32,
+                  text: int = 8) -> dict:
+    """Text2World (1.0): one EDM ``c_noise`` per sample; Video2World (2.0): the first frame is the condition
+    (mask channel 1, its own small timestep ``[B, 1, F, 1, 1]``, as Cosmos2VideoToWorldPipeline passes them)."""
+    g = _seed(seed)
+    T, H, W = grid
+    inputs = dict(hidden_states=torch.randn(batch, 16, T, 2 * H, 2 * W, generator=g).to(dtype),
+                  timestep=torch.full((batch,), 0.5, dtype=dtype),
+                  encoder_hidden_states=torch.randn(batch, text, 1024, generator=g).to(dtype), fps=24)
+    if model.config.in_channels > 16:
+        condition = torch.zeros(batch, 1, T, 2 * H, 2 * W, dtype=dtype)
+        condition[:, :, 0] = 1.0
+        timestep = torch.full((batch, 1, T, 1, 1), 0.5, dtype=dtype)
+        timestep[:, :, 0] = 1e-4 / (1 + 1e-4)  # sigma_conditioning / (sigma_conditioning + 1)
+        inputs.update(condition_mask=condition, timestep=timestep, fps=16)
+    return inputs
+
+
 FAMILIES = {
     "cogvideox": Family("cogvideox", build_cogvideox, cogvideox_inputs, ("transformer_blocks",),
                         ("cogvideox", "cogvideox"), (2, 4, 4), (1, 4, 4), (3, 5, 7)),
@@ -251,6 +293,10 @@ FAMILIES = {
                               ("easyanimate", "easyanimate"), (2, 4, 4), (1, 4, 4), (3, 5, 7)),
     "latte": Family("latte", build_latte, latte_inputs, ("transformer_blocks",), ("spatial", "spatial"), (4, 4),
                     (4, 2), (5, 7), rope=False),
+    "cosmos": Family("cosmos", build_cosmos, cosmos_inputs, ("transformer_blocks",), ("cosmos", "cosmos"),
+                     (2, 4, 4), (1, 4, 4), (3, 5, 7)),
+    "cosmos2_video2world": Family("cosmos", build_cosmos2_video2world, cosmos_inputs, ("transformer_blocks",),
+                                  ("cosmos", "cosmos"), (2, 4, 4), (1, 4, 4), (3, 5, 7)),
 }
 
 
@@ -283,9 +329,20 @@ def test_half_ratio_is_finite_right_shape_and_merges_the_video_grid(models, name
     assert [r.block_kind for r in records] == list(family.kinds) and all(r.num_removed > 0 for r in records)
 
 
+def _one_timestep_per_sample(inputs: Callable[..., dict]) -> Callable[..., dict]:
+    """``inputs`` with a timestep ``[B]`` instead of one per frame ``[B, 1, F, 1, 1]``."""
+    def build(model: nn.Module, **options) -> dict:
+        built = inputs(model, **options)
+        return dict(built, timestep=built["timestep"].flatten(1)[:, -1])
+    return build
+
+
 @pytest.mark.parametrize("name", FAMILIES)
 def test_half_ratio_blocks_cost_what_half_the_tokens_cost(models, name):
-    check_flops(models[name], FAMILIES[name], name)
+    family = FAMILIES[name]
+    if name == "cosmos2_video2world":  # per-frame timesteps: test_cosmos_per_frame_modulation_stays_at_full_length
+        family = dataclasses.replace(family, inputs=_one_timestep_per_sample(family.inputs))
+    check_flops(models[name], family, name)
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -308,7 +365,9 @@ def test_permuted_slots_give_the_unpatched_output(models, name, monkeypatch):
 
 
 @pytest.mark.tie_sensitive
-@pytest.mark.parametrize("name", FAMILIES)
+# Not Cosmos 1.0: its learnable positions compute their norm in float32 (diffusers keeps the module in fp32) and
+# cannot run in float64; cosmos2_video2world checks the same adapter.
+@pytest.mark.parametrize("name", [name for name in FAMILIES if name != "cosmos"])
 def test_a_batch_equals_its_samples_alone(models, name):
     family, model = FAMILIES[name], models[name]
     check_batch_equals_samples(model, family.inputs(model, seed=5))
@@ -408,6 +467,49 @@ def test_gather_rope_broadcast_and_allegro_layouts_match_hand_built_tables():
         gather_rope((tables, tuple(i[:, :2] for i in ids)), dst, 3, "allegro")
 
 
+def test_cosmos_per_frame_modulation_stays_at_full_length(models):
+    """Cosmos Video2World 2.x calls the model with a timestep per frame: each block's adaLN-LoRA modulation
+    (``norm1``-``norm3``) then runs on a ``[B, N, C]`` embedding before the merge points, at full length; all the
+    rest of the blocks costs what half the tokens cost (tomesd at 0.5; its similarity matmuls: under 5%)."""
+    from tomerge.experiments.flops import FlopCounter
+
+    family, model = FAMILIES["cosmos2_video2world"], models["cosmos2_video2world"]
+
+    def costs(inputs: dict) -> tuple[int, int]:  # (modulation, the rest) FLOPs over the blocks
+        counter = FlopCounter()
+        with counter:
+            run(model, inputs)
+        counts = {name: sum(ops.values()) for name, ops in counter.get_flop_counts().items()}
+        blocks = [f"CosmosTransformer3DModel.transformer_blocks.{i}" for i in range(2)]
+        norms = sum(counts.get(f"{b}.norm{k}", 0) for b in blocks for k in (1, 2, 3))
+        return norms, sum(counts[b] for b in blocks) - norms
+
+    full, half = costs(family.inputs(model)), costs(family.inputs(model, grid=family.half))
+    with tomerge.merging(model, "tomesd", ratio=0.5, use_rand=False, **ALL_SUBLAYERS):
+        merged = costs(family.inputs(model))
+    assert full[0] == 2 * half[0] > 0 and merged[0] == full[0]  # per token, and not merged
+    assert half[1] <= merged[1] <= 1.05 * half[1]
+
+
+def test_cosmos_counts_the_steps_in_call_order(models):
+    """Cosmos Predict2 is called with sigma / (sigma + 1), not with its scheduler's timesteps (sigma * 1000): the
+    steps of a run are counted in call order, the same with and without the pipeline's scheduler (looking the
+    calls up in the schedule would put the first two calls on step 0: 0.83 is nearer 1.0 than 0.5)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    model = models["cosmos2_video2world"]
+    scheduler = FlowMatchEulerDiscreteScheduler()
+    scheduler.set_timesteps(3)
+    assert [round(t) for t in scheduler.timesteps.tolist()] == [1000, 501, 1]
+    for target in (types.SimpleNamespace(transformer=model, scheduler=scheduler), model):
+        with tomerge.merging(target, "tomesd", ratio=0.5, use_rand=False) as handle:
+            for sigma in (80.0, 5.0, 0.5):
+                inputs = cosmos_inputs(model)
+                run(model, dict(inputs, timestep=torch.full_like(inputs["timestep"], sigma / (sigma + 1))))
+            assert [r.step for r in handle.state.records] == [0, 0, 1, 1, 2, 2]
+            assert handle.state.clock.trajectory == 1
+
+
 # ---------------------------------------------------------------------- received attention in joint attention
 def _attn1(model: nn.Module) -> dict[int, nn.Module]:
     return {layer: block.attn1 for layer, block in enumerate(model.transformer_blocks)}
@@ -464,7 +566,9 @@ STRATEGY_OPTIONS = {
 # deviation).
 IDENTITY_OPTIONS = {"sdtm": {"deviation": 0.0}, "sdtm_paper": {"deviation": 0.0}, "sdtm_release": {"deviation": 0.0}}
 # The two calls of a sampling run, noisiest first, in each family's timestep units.
-TRAJECTORY_TIMESTEPS = {"mochi": (1.0, 999.0)}  # Mochi is called with t rising (inverted sigmas)
+TRAJECTORY_TIMESTEPS = {"mochi": (1.0, 999.0),  # Mochi is called with t rising (inverted sigmas)
+                        "cosmos": (1.0, -1.0),  # EDM's c_noise = log(sigma) / 4
+                        "cosmos2_video2world": (0.98, 0.02)}  # sigma / (sigma + 1)
 STRATEGIES = tomerge.list_strategies()
 def run_trajectory(model: nn.Module, name: str) -> list[torch.Tensor]:
     """The outputs of the 2 calls of one sampling run (every phase of the schedules below occurs in it: sdtm's

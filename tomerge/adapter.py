@@ -159,11 +159,12 @@ class BackboneAdapter(abc.ABC):
         """The ``(H, W)`` (image) or ``(T, H, W)`` (video) token grid of ``block`` for ``num_tokens`` tokens;
         ``None``: do not merge it."""
 
-    def scheduler_timesteps(self, timesteps: Tensor) -> Tensor:
+    def scheduler_timesteps(self, timesteps: Tensor) -> Tensor | None:
         """A pipeline scheduler's ``timesteps`` (diffusers' ``[0, 1000]`` scale) in the units of the timesteps
         :meth:`on_model_call` returns, so that the trajectory clock finds the step of a call in the schedule.
         Default: scaled by ``t_max / 1000`` (pipelines of models called with ``t`` in ``[0, t_max]`` pass
-        ``timestep * t_max / 1000``; Flux: ``t_max = 1``)."""
+        ``timestep * t_max / 1000``; Flux: ``t_max = 1``). ``None``: the calls' timesteps are not the
+        scheduler's, the clock counts the steps in call order."""
         return timesteps if self.t_max == 1000.0 else timesteps.float() * (self.t_max / 1000.0)
 
     def probe(self, block: BlockSpec, point: MergePoint, state: MergeState) -> list[Any]:
