@@ -1,4 +1,5 @@
-"""More declared video adapters: `cogvideox` (CogVideoX 1.0 / 1.5, text- and image-to-video), `mochi` (Mochi 1),
+"""More declared video adapters: `cogvideox` (CogVideoX 1.0 / 1.5, text- and image-to-video), `consisid`
+(ConsisID, identity-preserving CogVideoX), `mochi` (Mochi 1),
 `allegro` (Allegro), `easyanimate` (EasyAnimate V5.1, text-to-video and inpainting), `latte` (Latte, its
 spatial blocks merged per frame) and `cosmos` (Cosmos 1.0 Text2World, Predict2 Video2World).
 
@@ -110,6 +111,39 @@ def cogvideox_inputs(model: nn.Module, batch: int = 2, grid=(2, 4, 4), seed: int
     if model.config.ofs_embed_dim:
         inputs["ofs"] = torch.full((batch,), 2.0, dtype=dtype)  # CogVideoXImageToVideoPipeline's ofs
     return inputs
+
+
+def build_consisid() -> nn.Module:
+    """ConsisID-preview's config (CogVideoX-5B-I2V: 32 input channels, patch 2 per frame, head dim 64, T5 width
+    4096, RoPE; the face path: identity embedding 1280, 5 ViT feature scales, a perceiver cross-attention to the
+    face tokens after every 2nd block) with 2 heads instead of 48, 2 blocks instead of 42, the face encoder's
+    ViT width 1024 -> 64 and 1 perceiver layer per scale instead of 2, and without the learned positional table
+    (fixed to the 60 x 90 training latent, added at the patch embedding)."""
+    from diffusers import ConsisIDTransformer3DModel
+
+    torch.manual_seed(0)
+    inner = 2 * 64
+    return ConsisIDTransformer3DModel(
+        num_attention_heads=2, attention_head_dim=64, in_channels=32, out_channels=16, time_embed_dim=512,
+        text_embed_dim=4096, num_layers=2, patch_size=2, sample_height=60, sample_width=90, sample_frames=49,
+        max_text_seq_length=226, use_rotary_positional_embeddings=True, use_learned_positional_embeddings=False,
+        is_train_face=True, cross_attn_interval=2, LFE_id_dim=1280, LFE_vit_dim=64, LFE_depth=5, LFE_num_scale=5,
+        LFE_dim_head=16, LFE_num_heads=4, LFE_output_dim=int(inner / 3 * 2)).eval()  # the perceiver's key width
+
+
+def consisid_inputs(model: nn.Module, batch: int = 2, grid=(2, 4, 4), seed: int = 1, dtype=torch.float32,
+                    text: int = 8) -> dict:
+    """ConsisIDPipeline's call: CogVideoX's inputs (its RoPE tables are CogVideoX 1.0's: ConsisIDPipeline needs
+    opencv, not installed here), the face's identity embedding and its ViT features."""
+    g = _seed(seed)
+    T, H, W = grid
+    config = types.SimpleNamespace(**model.config, patch_size_t=None)  # ConsisID has no temporal patch
+    rope = cogvideox_rope(types.SimpleNamespace(config=config), grid)
+    return dict(hidden_states=torch.randn(batch, T, 32, 2 * H, 2 * W, generator=g).to(dtype),
+                encoder_hidden_states=torch.randn(batch, text, 4096, generator=g).to(dtype),
+                timestep=torch.full((batch,), 500, dtype=torch.long), image_rotary_emb=rope,
+                id_cond=torch.randn(batch, 1280, generator=g).to(dtype),
+                id_vit_hidden=[torch.randn(batch, 9, 64, generator=g).to(dtype) for _ in range(5)])
 
 
 # ---------------------------------------------------------------------- Mochi
@@ -283,6 +317,8 @@ FAMILIES = {
                           ("cogvideox", "cogvideox"), (2, 4, 4), (1, 4, 4), (3, 5, 7), rope=False),
     "cogvideox15_i2v": Family("cogvideox", build_cogvideox15_i2v, cogvideox_inputs, ("transformer_blocks",),
                               ("cogvideox", "cogvideox"), (2, 4, 4), (1, 4, 4), (3, 5, 7)),
+    "consisid": Family("consisid", build_consisid, consisid_inputs, ("transformer_blocks",),
+                       ("cogvideox", "cogvideox"), (2, 4, 4), (1, 4, 4), (3, 5, 7)),
     "mochi": Family("mochi", build_mochi, mochi_inputs, ("transformer_blocks",), ("mochi", "mochi"), (2, 4, 4),
                     (1, 4, 4), (3, 5, 7)),
     "allegro": Family("allegro", build_allegro, allegro_inputs, ("transformer_blocks",), ("allegro", "allegro"),
@@ -366,8 +402,9 @@ def test_permuted_slots_give_the_unpatched_output(models, name, monkeypatch):
 
 @pytest.mark.tie_sensitive
 # Not Cosmos 1.0: its learnable positions compute their norm in float32 (diffusers keeps the module in fp32) and
-# cannot run in float64; cosmos2_video2world checks the same adapter.
-@pytest.mark.parametrize("name", [name for name in FAMILIES if name != "cosmos"])
+# cannot run in float64; cosmos2_video2world checks the same adapter. Not ConsisID: its face features are a list
+# per ViT scale, which the per-sample split cannot cut (cogvideox checks the same blocks).
+@pytest.mark.parametrize("name", [name for name in FAMILIES if name not in ("cosmos", "consisid")])
 def test_a_batch_equals_its_samples_alone(models, name):
     family, model = FAMILIES[name], models[name]
     check_batch_equals_samples(model, family.inputs(model, seed=5))
@@ -515,7 +552,7 @@ def _attn1(model: nn.Module) -> dict[int, nn.Module]:
     return {layer: block.attn1 for layer, block in enumerate(model.transformer_blocks)}
 
 
-@pytest.mark.parametrize("name", ["cogvideox", "cogvideox15_i2v", "easyanimate"])
+@pytest.mark.parametrize("name", ["cogvideox", "cogvideox15_i2v", "consisid", "easyanimate"])
 def test_joint_probe_equals_the_models_attention(models, name):
     """float64, against each block's own SDPA call (``test_probes.check_probe_matches_the_model``): CogVideoX
     projects the joint [text, video] sequence at once, normalises q/k as [B, heads, L, d] and rotates the video
