@@ -11,7 +11,8 @@ the attention call. :class:`DeclaredAdapter` turns a declaration of those pieces
   call), which side text is on in joint sequences, and its :class:`Site` s.
 * :class:`Site`: one merge point: sublayer, submodule path in the block, the tokens' argument, the output
   element, the token layout (``"image"``: image tokens only; ``"joint"``: a joint sequence whose image
-  part is merged; ``"conv"``: a channels-first ``[B, C, H, W]`` input of a 1x1 convolution), how the
+  part is merged; ``"conv"``: a channels-first ``[B, C, H, W]`` input of a 1x1 convolution, or ``[B * F, C,
+  H, W]`` with a video's frames folded into the batch), how the
   call's rotary table (:class:`Rope`) and attention mask are adjusted, and whether its output stays merged
   for a later site of the same block (parallel attention + MLP blocks).
 
@@ -91,7 +92,8 @@ class Site:
             submodule (or ``None``, e.g. a block without ``attn2``) has no merge point.
         arg, index: keyword and position of the tokens in the submodule's call.
         output: index of the image tokens in a tuple output; ``None``: a tensor output.
-        tokens: ``"image"``, ``"joint"`` or ``"conv"``.
+        tokens: ``"image"``, ``"joint"`` or ``"conv"`` (``[B, C, H, W]``, or ``[B * F, C, H, W]``: ``F`` is the input's
+            batch over the block input's).
         rope: the call's rotary table, gathered for the merged tokens; ``None``: none.
         mask: ``None``, ``"pass"`` or ``"keys"``; ``mask_arg``, ``mask_index``: the mask's keyword/position.
         stays_merged_with: the output stays merged when the block call also merges this sublayer (a later
@@ -167,16 +169,17 @@ class Kind:
 class DeclaredCall:
     """The block call in progress, shared by its points: text and image lengths, the last merge."""
 
+    batch: int | None = None
     text: int | None = None
     image: int | None = None
     merged: tuple[Tensor, MergePlan, Tensor] | None = None  # (input view, plan, merged): reused for the same input
-    shapes: dict[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)  # conv points: [H, W] of the input
+    shapes: dict[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)  # conv points: [F, H, W] of the input
     merging: dict[str, bool] = dataclasses.field(default_factory=dict)  # sublayer -> this call merges it
     kept: set[str] = dataclasses.field(default_factory=set)  # sublayers whose sites get an already merged input
     called: set[int] = dataclasses.field(default_factory=set)  # shared points: id() of those called already
 
     def reset(self) -> None:
-        self.text = self.image = self.merged = None
+        self.batch = self.text = self.image = self.merged = None
         self.shapes.clear()
         self.merging.clear()
         self.kept.clear()
@@ -204,7 +207,7 @@ class DeclaredBlock(BlockSpec):
         elif self.decl.text_arg is not None:
             text = call_arg(args, kwargs, self.decl.text_arg, self.decl.text_index)
             self.info.text = int(text.shape[1]) if isinstance(text, Tensor) else 0
-        self.info.image = int(x.shape[1])
+        self.info.batch, self.info.image = int(x.shape[0]), int(x.shape[1])
         return x
 
 
@@ -242,8 +245,9 @@ class DeclaredPoint(MergePoint):
         if self.site.tokens == "joint":
             return self._image_part(raw)  # [B, N, C] (or [B, M, C] when an earlier site kept it merged)
         if self.site.tokens == "conv":
-            self.info.shapes[id(self)] = tuple(raw.shape[2:])
-            return raw.flatten(2).transpose(1, 2)  # [B, C, H, W] -> [B, H*W, C]
+            frames = raw.shape[0] // self.info.batch  # 1, or a video's frames folded into the batch (SANA-Video)
+            self.info.shapes[id(self)] = (frames, *raw.shape[2:])
+            return raw.unflatten(0, (-1, frames)).permute(0, 1, 3, 4, 2).flatten(1, 3)  # [B*F, C, H, W] -> [B, F*H*W, C]
         return raw
 
     def set_input(self, args: tuple, kwargs: dict, x: Tensor) -> tuple[tuple, dict]:
@@ -307,8 +311,8 @@ class DeclaredPoint(MergePoint):
     def set_output(self, out: Any, y: Tensor) -> Any:
         if self.site.tokens == "joint":
             y = self._with_image(out if self.output is None else out[self.output], y)
-        elif self.site.tokens == "conv":
-            y = y.transpose(1, 2).unflatten(2, self.info.shapes[id(self)])  # [B, N, C'] -> [B, C', H, W]
+        elif self.site.tokens == "conv":  # [B, F*H*W, C'] -> [B, F, H, W, C'] -> [B*F, C', H, W]
+            y = y.unflatten(1, self.info.shapes[id(self)]).permute(0, 1, 4, 2, 3).flatten(0, 1)
         return super().set_output(out, y)
 
     # -------------------------------------------------------------- what follows the tokens

@@ -1,13 +1,15 @@
 """More declared video adapters: `cogvideox` (CogVideoX 1.0 / 1.5, text- and image-to-video), `consisid`
 (ConsisID, identity-preserving CogVideoX), `mochi` (Mochi 1),
 `allegro` (Allegro), `easyanimate` (EasyAnimate V5.1, text-to-video and inpainting), `latte` (Latte, its
-spatial blocks merged per frame) and `cosmos` (Cosmos 1.0 Text2World, Predict2 Video2World).
+spatial blocks merged per frame), `cosmos` (Cosmos 1.0 Text2World, Predict2 Video2World) and `sana_video`
+(SANA-Video).
 
 Each family is a random-weight diffusers model built from its released configuration with fewer heads and 1-2
 blocks of each kind (see each builder), on tiny frames x height x width token grids (Latte: one frame's grid).
 The checks are those of ``test_backbones_video.py`` (the helpers of ``test_backbones_current.py``), the
 families' specifics (Mochi's rising timesteps, EasyAnimate's feed-forward shared with the text stream, the
-rotary layouts Mochi and Allegro brought, Cosmos' per-frame modulation and step counting), the joint-attention
+rotary layouts Mochi and Allegro brought, Cosmos' step counting, the parts of Cosmos Video2World and
+SANA-Video blocks that stay at full length), the joint-attention
 probes against the models' own attention, and every registered strategy and schedule on every family: ratio 0
 and ``remove()`` bit-identical, ratio 0.5 finite and merging.
 """
@@ -18,7 +20,6 @@ import copy
 import dataclasses
 import math
 import types
-from collections.abc import Callable
 
 import pytest
 import torch
@@ -310,6 +311,29 @@ def cosmos_inputs(model: nn.Module, batch: int = 2, grid=(2, 4, 4), seed: int = 
     return inputs
 
 
+# ---------------------------------------------------------------------- SANA-Video
+def build_sana_video() -> nn.Module:
+    """SANA-Video 2B's config (16 latent channels, patch (1, 2, 2), head dim 112 (Wan RoPE axes 40, 36, 36),
+    cross-attention head dim 112, Gemma-2 caption width 2304, MLP ratio 2.5, RMS q/k norms across heads) with 2
+    heads (width 224) and 2 cross-attention heads instead of 20, 2 blocks instead of 20."""
+    from diffusers import SanaVideoTransformer3DModel
+
+    torch.manual_seed(0)
+    return SanaVideoTransformer3DModel(
+        in_channels=16, out_channels=16, num_attention_heads=2, attention_head_dim=112, num_layers=2,
+        num_cross_attention_heads=2, cross_attention_head_dim=112, cross_attention_dim=224, caption_channels=2304,
+        mlp_ratio=2.5, patch_size=(1, 2, 2), qk_norm="rms_norm_across_heads", rope_max_seq_len=1024).eval()
+
+
+def sana_video_inputs(model: nn.Module, batch: int = 2, grid=(2, 4, 4), seed: int = 1, dtype=torch.float32,
+                      text: int = 8) -> dict:
+    g = _seed(seed)
+    T, H, W = grid
+    return dict(hidden_states=torch.randn(batch, 16, T, 2 * H, 2 * W, generator=g).to(dtype),
+                encoder_hidden_states=torch.randn(batch, text, 2304, generator=g).to(dtype),
+                timestep=torch.full((batch,), 500.0, dtype=dtype), encoder_attention_mask=_text_mask(batch, text))
+
+
 FAMILIES = {
     "cogvideox": Family("cogvideox", build_cogvideox, cogvideox_inputs, ("transformer_blocks",),
                         ("cogvideox", "cogvideox"), (2, 4, 4), (1, 4, 4), (3, 5, 7)),
@@ -333,6 +357,8 @@ FAMILIES = {
                      (2, 4, 4), (1, 4, 4), (3, 5, 7)),
     "cosmos2_video2world": Family("cosmos", build_cosmos2_video2world, cosmos_inputs, ("transformer_blocks",),
                                   ("cosmos", "cosmos"), (2, 4, 4), (1, 4, 4), (3, 5, 7)),
+    "sana_video": Family("sana_video", build_sana_video, sana_video_inputs, ("transformer_blocks",),
+                         ("sana_video", "sana_video"), (2, 4, 4), (1, 4, 4), (3, 5, 7)),
 }
 
 
@@ -365,20 +391,42 @@ def test_half_ratio_is_finite_right_shape_and_merges_the_video_grid(models, name
     assert [r.block_kind for r in records] == list(family.kinds) and all(r.num_removed > 0 for r in records)
 
 
-def _one_timestep_per_sample(inputs: Callable[..., dict]) -> Callable[..., dict]:
-    """``inputs`` with a timestep ``[B]`` instead of one per frame ``[B, 1, F, 1, 1]``."""
-    def build(model: nn.Module, **options) -> dict:
-        built = inputs(model, **options)
-        return dict(built, timestep=built["timestep"].flatten(1)[:, -1])
-    return build
+# Submodules of the blocks that run on every token whatever is merged: Cosmos Video2World's adaLN-LoRA modulation
+# of the per-frame timestep embeddings ([B, N, C], computed in each norm before the merge points), SANA-Video's
+# depthwise and temporal convolutions (they mix neighbouring tokens and frames).
+FULL_LENGTH_PARTS = {"cosmos2_video2world": ("norm1", "norm2", "norm3"), "sana_video": ("ff.conv_depth", "ff.conv_temp")}
+
+
+def block_flops(model: nn.Module, inputs: dict, family: Family, parts: tuple[str, ...]) -> tuple[int, int]:
+    """``(parts, the rest)``: FLOPs of one call in the blocks' submodules ``parts`` and in the rest of the blocks."""
+    from tomerge.experiments.flops import FlopCounter
+
+    counter = FlopCounter()
+    with counter:
+        run(model, inputs)
+    counts = {name: sum(ops.values()) for name, ops in counter.get_flop_counts().items()}
+    blocks = [f"{type(model).__name__}.{c}.{i}" for c in family.containers for i in range(len(getattr(model, c)))]
+    in_parts = sum(counts.get(f"{block}.{part}", 0) for block in blocks for part in parts)
+    return in_parts, sum(counts[block] for block in blocks) - in_parts
 
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_half_ratio_blocks_cost_what_half_the_tokens_cost(models, name):
-    family = FAMILIES[name]
-    if name == "cosmos2_video2world":  # per-frame timesteps: test_cosmos_per_frame_modulation_stays_at_full_length
-        family = dataclasses.replace(family, inputs=_one_timestep_per_sample(family.inputs))
-    check_flops(models[name], family, name)
+    """``check_flops``; in the families with ``FULL_LENGTH_PARTS``: those parts cost what they cost unmerged
+    (and twice what they cost on half the tokens: they are per token), the rest of the blocks what half the
+    tokens cost (plus tomesd's similarity matmuls: at most 5%)."""
+    family, model = FAMILIES[name], models[name]
+    if name not in FULL_LENGTH_PARTS:
+        check_flops(model, family, name)
+        return
+    parts = FULL_LENGTH_PARTS[name]
+    full = block_flops(model, family.inputs(model), family, parts)
+    half = block_flops(model, family.inputs(model, grid=family.half), family, parts)
+    with tomerge.merging(model, "tomesd", ratio=0.5, use_rand=False, **ALL_SUBLAYERS) as handle:
+        merged = block_flops(model, family.inputs(model), family, parts)
+        assert all(r.num_removed == math.prod(family.grid) // 2 for r in handle.state.records)
+    assert full[0] == 2 * half[0] > 0 and merged[0] == full[0]
+    assert half[1] <= merged[1] <= 1.05 * half[1], (merged, half)
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -502,30 +550,6 @@ def test_gather_rope_broadcast_and_allegro_layouts_match_hand_built_tables():
         gather_rope((table[:2], table[:2]), dst, 3, "broadcast")
     with pytest.raises(ValueError, match="position ids"):
         gather_rope((tables, tuple(i[:, :2] for i in ids)), dst, 3, "allegro")
-
-
-def test_cosmos_per_frame_modulation_stays_at_full_length(models):
-    """Cosmos Video2World 2.x calls the model with a timestep per frame: each block's adaLN-LoRA modulation
-    (``norm1``-``norm3``) then runs on a ``[B, N, C]`` embedding before the merge points, at full length; all the
-    rest of the blocks costs what half the tokens cost (tomesd at 0.5; its similarity matmuls: under 5%)."""
-    from tomerge.experiments.flops import FlopCounter
-
-    family, model = FAMILIES["cosmos2_video2world"], models["cosmos2_video2world"]
-
-    def costs(inputs: dict) -> tuple[int, int]:  # (modulation, the rest) FLOPs over the blocks
-        counter = FlopCounter()
-        with counter:
-            run(model, inputs)
-        counts = {name: sum(ops.values()) for name, ops in counter.get_flop_counts().items()}
-        blocks = [f"CosmosTransformer3DModel.transformer_blocks.{i}" for i in range(2)]
-        norms = sum(counts.get(f"{b}.norm{k}", 0) for b in blocks for k in (1, 2, 3))
-        return norms, sum(counts[b] for b in blocks) - norms
-
-    full, half = costs(family.inputs(model)), costs(family.inputs(model, grid=family.half))
-    with tomerge.merging(model, "tomesd", ratio=0.5, use_rand=False, **ALL_SUBLAYERS):
-        merged = costs(family.inputs(model))
-    assert full[0] == 2 * half[0] > 0 and merged[0] == full[0]  # per token, and not merged
-    assert half[1] <= merged[1] <= 1.05 * half[1]
 
 
 def test_cosmos_counts_the_steps_in_call_order(models):
