@@ -98,8 +98,9 @@ class Site:
         mask: ``None``, ``"pass"`` or ``"keys"``; ``mask_arg``, ``mask_index``: the mask's keyword/position.
         stays_merged_with: the output stays merged when the block call also merges this sublayer (a later
             site of the block reads it, passes it through and unmerges).
-        text_keys: the submodule is a joint text-image attention whose text is its ``encoder_hidden_states``
-            (prompt reweighting can bias its text keys).
+        text_keys: the submodule is the joint text-image attention of a kind with text (``text_arg`` or
+            ``joint_input``: ``T`` text tokens on the kind's ``joint`` side of the sequence it attends over);
+            prompt reweighting biases its text keys for the image queries (:mod:`tomerge.text_bias`).
         shared: the block calls the submodule again on its text stream, after the image call (EasyAnimate's
             ``ff`` in the blocks without text projections): only its first call in a block call reads image
             tokens, the others run as they are.
@@ -613,11 +614,8 @@ class DeclaredAdapter(BackboneAdapter):
     def text_keys(self, block: BlockSpec, point: MergePoint) -> TextKeys | None:
         if not isinstance(point, DeclaredPoint) or not point.site.text_keys:
             return None
-
-        def text_len(args: tuple, kwargs: dict) -> int:
-            text = call_arg(args, kwargs, "encoder_hidden_states", 1)
-            return 0 if text is None else int(text.shape[1])
-        return TextKeys(point.module, text_len=text_len, text_first=point.joint == "first")
+        return TextKeys(point.module, text_len=lambda args, kwargs: point.info.text or 0,  # the block call's T
+                        text_first=point.joint == "first")
 
 
 def _submodule(module: nn.Module, path: str) -> nn.Module | None:

@@ -1,7 +1,9 @@
 """Helpers shared by the adapters of diffusers models: finding the model in a pipeline, call
 arguments (:func:`call_arg`, also used by the ``native_dit`` adapter), patch grids, the merge point of
 feed-forwards that chunk (:class:`FeedForwardPoint`), the base adapter of patchified transformers, and
-the received-attention probe of their `Attention` module (fused q/k/v projections: :func:`fused_part`)."""
+the received-attention probes of their attention modules: :func:`probe_self_attention` (image tokens alone)
+and :func:`probe_joint_attention` (joint text-image attention: SD3, FLUX.1/2, Qwen-Image, HunyuanVideo;
+fused q/k/v projections: :func:`fused_part`)."""
 
 from __future__ import annotations
 
@@ -51,7 +53,7 @@ def probe_self_attention(block: BlockSpec, point: MergePoint, state: MergeState,
 
 
 def probe_joint_attention(attn: nn.Module, state: MergeState, *, text_side: str,
-                          text_len: Callable[[], int | None], rope: tuple[str, int] | None = None,
+                          text_len: Callable[[], int | None] | None = None, rope: tuple[str, int] | None = None,
                           rope_layout: str = "rows", mask: tuple[str, int] | None = None,
                           record_before: nn.Module | None = None, heads_first: bool = False,
                           copies: bool = False) -> list[Any]:
@@ -64,33 +66,32 @@ def probe_joint_attention(attn: nn.Module, state: MergeState, *, text_side: str,
     token that the attention mask masks out (padding) is neither a key nor a counted query.
 
     The q/k are the ones the processor computes, captured by forward hooks (:func:`~tomerge.probe.attention_probe`;
-    the norm runs after its projection and overwrites the capture) in one of two layouts:
+    a norm runs after its projection and overwrites the capture), in one of two layouts:
 
-    * separate text projections (``add_k_proj`` or ``to_added_qkv``: FLUX.1/2 double blocks, Qwen-Image,
-      HunyuanVideo double blocks): image keys from ``to_k`` (``to_qkv``), then ``norm_k``; text q/k from ``add_q_proj``/``add_k_proj`` (``to_added_qkv``), then ``norm_added_q``/``norm_added_k``.
-    * one projection of the joint sequence (FLUX.1/2 single blocks, HunyuanVideo single blocks): q/k of all
-      ``T + N`` tokens from ``to_q``/``to_k`` (``to_qkv``), then ``norm_q``/``norm_k``; ``T`` is ``text_len()``.
+    * separate text projections (``add_k_proj`` or ``to_added_qkv``: SD3, FLUX.1/2 double blocks, Qwen-Image,
+      HunyuanVideo double blocks): image keys from ``to_k`` (``to_qkv``), then ``norm_k``; text queries and
+      keys from ``add_q_proj``/``add_k_proj`` (``to_added_qkv``), then ``norm_added_q``/``norm_added_k``.
+    * one projection of the joint sequence (FLUX.1/2 single blocks, HunyuanVideo single blocks): queries and
+      keys of all ``T + N`` tokens from ``to_q``/``to_k`` (``to_qkv``), then ``norm_q``/``norm_k``.
 
-    Captures are ``[B, L, heads, d]`` (norms after the processor's ``unflatten``), ``[B, heads, L, d]`` with
-    ``heads_first`` (norms after its ``transpose(1, 2)``: CogVideoX, EasyAnimate) or ``[B, L, heads * d]``
+    Captures are ``[B, L, heads, d]`` (norms after the processor's ``unflatten``; ``heads_first``: ``[B, heads,
+    L, d]``, the norms after its ``transpose(1, 2)``: SD3, CogVideoX, EasyAnimate) or ``[B, L, heads * d]``
     (projections without a norm after them).
 
     Args:
         attn: the attention module.
         state: receives ``a [B, N]`` for the block call in progress.
         text_side: ``"first"`` or ``"last"``: where text is in the joint sequence the processor attends over.
-        text_len: ``() -> T`` of the call in progress (used by the joint-projection layout).
+        text_len: ``() -> T`` of the call in progress; needed by the joint-projection layout only.
         rope: ``(keyword, position)`` of the call's rotary argument; ``None``: no rotation.
         rope_layout: ``"rows"``: ``(cos, sin)``, each ``[T + N, d]`` in the joint order or ``[N, d]`` for the
             image tokens alone, applied with diffusers' ``apply_rotary_emb(..., sequence_dim=1)``; ``"qwen"``:
             complex ``(image [N, d/2], text [T, d/2])`` tables applied with ``apply_rotary_emb_qwen``;
             ``"broadcast"``: ``(cos, sin)``, each ``[N, heads, d/2]``, rotating the adjacent (even, odd) channel
             pairs of the image tokens alone (Mochi).
-        mask: ``(keyword, position)`` of the call's attention mask: boolean (or 0/1 integer) over the joint
-            sequence (``[B, T + N]``, ``[B, 1, 1, T + N]``) or over the text (``[B, T]``), or an additive float
-            bias of those shapes; ``None``: no mask.
+        mask: ``(keyword, position)`` of the call's attention mask (see :func:`joint_key_mask`); ``None``: none.
         record_before: see :func:`~tomerge.probe.attention_probe`.
-        heads_first: 4-D captures are ``[B, heads, L, d]``.
+        heads_first: the q/k norms see ``[B, heads, L, d]``.
         copies: capture copies of the q/k (one more key tensor, and the joint queries, in memory during a probed
             call): for processors that modify them in place after the norms (CogVideoX and EasyAnimate rotate
             the image rows in place).
@@ -102,16 +103,21 @@ def probe_joint_attention(attn: nn.Module, state: MergeState, *, text_side: str,
         raise ValueError(f"tomerge: the joint-attention probe applies 'rows', 'qwen' or 'broadcast' rotary tables, "
                          f"not {rope_layout!r}")
     separate = getattr(attn, "add_k_proj", None) is not None or getattr(attn, "to_added_qkv", None) is not None
-    fused, fused_txt = getattr(attn, "to_qkv", None), getattr(attn, "to_added_qkv", None)
-    keys = [("k", getattr(attn, "to_k", None), None), ("k", fused, fused_part(1)), ("k", getattr(attn, "norm_k", None), None)]
+    if not separate and text_len is None:
+        raise ValueError(f"tomerge: {type(attn).__name__} projects the joint sequence at once: the probe needs "
+                         "text_len")
+
+    def captures(name: str, projection: str, fused: str, part: int, norm: str) -> list:
+        fused_module = getattr(attn, fused, None)
+        return [(name, getattr(attn, projection, None), None), (name, fused_module, fused_part(part)),
+                (name, getattr(attn, norm, None), None)]  # in execution order: the norm's output wins
+
+    sources = captures("k", "to_k", "to_qkv", 1, "norm_k")
     if separate:  # image keys; text queries and keys
-        sources = keys + [("q_txt", getattr(attn, "add_q_proj", None), None), ("q_txt", fused_txt, fused_part(0)),
-                          ("q_txt", getattr(attn, "norm_added_q", None), None),
-                          ("k_txt", getattr(attn, "add_k_proj", None), None), ("k_txt", fused_txt, fused_part(1)),
-                          ("k_txt", getattr(attn, "norm_added_k", None), None)]
+        sources += (captures("q_txt", "add_q_proj", "to_added_qkv", 0, "norm_added_q")
+                    + captures("k_txt", "add_k_proj", "to_added_qkv", 1, "norm_added_k"))
     else:  # queries and keys of the joint sequence
-        sources = keys + [("q", getattr(attn, "to_q", None), None), ("q", fused, fused_part(0)),
-                          ("q", getattr(attn, "norm_q", None), None)]
+        sources += captures("q", "to_q", "to_qkv", 0, "norm_q")
     if copies:
         sources = [(name, module, _copied(pick)) for name, module, pick in sources]
 
@@ -121,7 +127,7 @@ def probe_joint_attention(attn: nn.Module, state: MergeState, *, text_side: str,
 
     def heads(t: Tensor) -> Tensor:
         if t.dim() == 3:
-            return t.unflatten(-1, (attn.heads, -1))  # [B, L, heads * d] -> [B, L, heads, d]
+            return t.unflatten(-1, (attn.heads, -1))  # [B, L, H*d] -> [B, L, heads, d]
         return t.transpose(1, 2) if heads_first else t  # [B, L, heads, d]
 
     def compute(got: dict[str, Any], grid: Grid) -> Tensor | None:
@@ -132,25 +138,24 @@ def probe_joint_attention(attn: nn.Module, state: MergeState, *, text_side: str,
             k_img, q_txt, k_txt = heads(got["k"]), heads(got["q_txt"]), heads(got["k_txt"])  # [B, N|T, h, d]
             T = q_txt.shape[1]
         else:
-            T = text_len() or 0
             if "q" not in got or "k" not in got:
                 return None
+            T = text_len() or 0
             q, k = heads(got["q"]), heads(got["k"])  # [B, T + N, h, d]
             if k.shape[1] != T + N:
                 return None  # the attention ran on merged slots
-            image = slice(T, None) if text_side == "first" else slice(0, N)
-            text = slice(0, T) if text_side == "first" else slice(N, None)
+            text, image = _joint_parts(T, N, text_side)
             k_img, q_txt, k_txt = k[:, image], q[:, text], k[:, text]
         if T == 0 or k_img.shape[1] != N:
             return None  # no text queries, or the attention ran on merged slots
         if got.get("rope") is not None:
             q_txt, k_txt, k_img = _rotate_joint(got["rope"], rope_layout, q_txt, k_txt, k_img, text_side)
         key_bias, text_valid = joint_key_mask(got.get("mask"), k_img.shape[0], T, N, text_side)
-        parts = (k_txt.to(k_img.dtype), k_img) if text_side == "first" else (k_img, k_txt.to(k_img.dtype))
-        k = torch.cat(parts, dim=1).transpose(1, 2)  # [B, h, T + N, d] in the processor's order
-        image = slice(T, None) if text_side == "first" else slice(0, N)
-        return received_attention(q_txt.transpose(1, 2), k, q_txt.shape[-1] ** -0.5, keys=image,
-                                  key_bias=key_bias, query_mask=text_valid)  # [B, N]
+        k_txt = k_txt.to(k_img.dtype)
+        k = torch.cat((k_txt, k_img) if text_side == "first" else (k_img, k_txt), dim=1)  # [B, T + N, h, d]
+        return received_attention(q_txt.transpose(1, 2), k.transpose(1, 2), q_txt.shape[-1] ** -0.5,
+                                  keys=_joint_parts(T, N, text_side)[1], key_bias=key_bias,
+                                  query_mask=text_valid)  # [B, N]
 
     return attention_probe(state, attn, sources, compute, before=before, record_before=record_before)
 
@@ -158,6 +163,11 @@ def probe_joint_attention(attn: nn.Module, state: MergeState, *, text_side: str,
 def _copied(pick: Callable[[Any], Tensor] | None) -> Callable[[Any], Tensor]:
     """A capture ``pick`` that keeps a copy (the processor may change the tensor in place afterwards)."""
     return lambda output: (output if pick is None else pick(output)).clone()
+
+
+def _joint_parts(T: int, N: int, text_side: str) -> tuple[slice, slice]:
+    """``(text, image)`` positions in a joint sequence of ``T`` text and ``N`` image tokens."""
+    return (slice(0, T), slice(T, T + N)) if text_side == "first" else (slice(N, N + T), slice(0, N))
 
 
 def _rotate_joint(freqs: Any, layout: str, q_txt: Tensor, k_txt: Tensor, k_img: Tensor,
@@ -184,7 +194,7 @@ def _rotate_joint(freqs: Any, layout: str, q_txt: Tensor, k_txt: Tensor, k_img: 
         return q_txt, k_txt, apply_rotary_emb(k_img, (cos, sin), sequence_dim=1)
     if rows != T + N:
         raise ValueError(f"tomerge: a rotary table of {rows} rows for {T} text and {N} image tokens")
-    text, image = (slice(0, T), slice(T, None)) if text_side == "first" else (slice(N, None), slice(0, N))
+    text, image = _joint_parts(T, N, text_side)
     text_rows = (cos[text], sin[text])  # [T, d] each
     return (apply_rotary_emb(q_txt, text_rows, sequence_dim=1), apply_rotary_emb(k_txt, text_rows, sequence_dim=1),
             apply_rotary_emb(k_img, (cos[image], sin[image]), sequence_dim=1))

@@ -33,7 +33,7 @@ class QwenImageAdapter(DeclaredAdapter):
     kinds: ClassVar[tuple[Kind, ...]] = (
         Kind("joint", "transformer_blocks", ("QwenImageTransformerBlock",), (
             Site("attn", "attn", output=0, rope=Rope("image_rotary_emb", 3, "qwen"), mask="pass",
-                 mask_arg="encoder_hidden_states_mask", mask_index=2, probe=True),
+                 mask_arg="encoder_hidden_states_mask", mask_index=2, probe=True, text_keys=True),
             Site("mlp", "img_mlp"),
         ), text_arg="encoder_hidden_states"),
     )

@@ -20,7 +20,7 @@ import tomerge
 from tomerge.registry import backbone_class
 from test_backbones_current import (ALL_SUBLAYERS, Family, Permute, check_batch_equals_samples, check_bit_identical,
                                     check_flops, check_odd_grid_merges, check_permutation_is_exact, generate,
-                                    load_tiny_pipeline, no_hooks_left, run)
+                                    load_tiny_pipeline, run)
 
 
 def _seed(seed: int) -> torch.Generator:

@@ -608,9 +608,10 @@ def test_mochi_joint_probe_equals_the_models_attention(models):
             hook.remove()
     assert sorted(recorded) == [0, 1]
     for layer, calls in seen.items():
-        assert [call[0].shape[2] for call in calls] == [32 + 8, 32 + 5]  # per sample: video + valid text
-        reference = torch.cat([reference_received_attention(q, k, mask, scale, 32, text_first=False)
-                               for q, k, mask, scale in calls])  # [B, N]
+        assert [call["query"].shape[2] for call in calls] == [32 + 8, 32 + 5]  # per sample: video + valid text
+        reference = torch.cat([reference_received_attention(call["query"], call["key"], call.get("attn_mask"),
+                                                            call.get("scale"), 32, text_first=False)
+                               for call in calls])  # [B, N]
         torch.testing.assert_close(recorded[layer].double(), reference, rtol=1e-5, atol=1e-8)
         assert (reference.max(-1).values - reference.min(-1).values > 1e-3).all()  # not uniform: real q/k
 

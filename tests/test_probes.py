@@ -27,29 +27,32 @@ from tomerge.backbones._declared import Kind, Rope, Site
 from tomerge.backbones._diffusers import joint_key_mask
 from tomerge.backbones.wan import WanAdapter
 from test_backbone_flux import flux_inputs, tiny_flux
+from test_backbones_diffusers import SIZE, make_inputs, tiny_sd3
 from test_backbones_current import FAMILIES as IMAGE_FAMILIES
 from test_backbones_video import FAMILIES as VIDEO_FAMILIES
 
 
 # ---------------------------------------------------------------------- the reference
 class _SDPACalls(TorchFunctionMode):
-    """Records ``(query, key, attn_mask, scale)`` of every SDPA call while entered."""
+    """Records every SDPA call while entered: its ``query``, ``key``, ``value``, ``attn_mask``, ``scale`` and
+    ``out``, the result of the call (as a mode entered before this one, e.g. the text-key bias, computes it)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.calls: list[tuple[Tensor, Tensor, Tensor | None, float | None]] = []
+        self.calls: list[dict[str, Any]] = []
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        out = func(*args, **kwargs)
         if func is F.scaled_dot_product_attention:
             names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
-            call = {**dict(zip(names, args)), **kwargs}
-            self.calls.append((call["query"], call["key"], call.get("attn_mask"), call.get("scale")))
-        return func(*args, **kwargs)
+            self.calls.append({"attn_mask": None, "scale": None, **dict(zip(names, args)), **kwargs, "out": out})
+        return out
 
 
 def record_sdpa(modules: dict[int, nn.Module]) -> tuple[dict[int, list], list]:
-    """Hooks recording the SDPA calls made inside each module's forward, keyed like ``modules``."""
+    """Hooks recording the SDPA calls made inside each module's forward, keyed like ``modules``. Installed after
+    tomerge's hooks, they see the call the processor makes (inside the text-key bias)."""
     seen: dict[int, list] = {key: [] for key in modules}
     hooks = []
     for key, module in modules.items():
@@ -63,8 +66,8 @@ def record_sdpa(modules: dict[int, nn.Module]) -> tuple[dict[int, list], list]:
             seen[key].extend(mode.calls)
             mode.calls = []
 
-        hooks += [module.register_forward_pre_hook(enter, with_kwargs=True),
-                  module.register_forward_hook(leave, always_call=True)]
+        hooks += [module.register_forward_pre_hook(enter, with_kwargs=True),  # entered last: innermost mode
+                  module.register_forward_hook(leave, prepend=True, always_call=True)]  # so left first
     return seen, hooks
 
 
@@ -93,8 +96,9 @@ def reference_received_attention(query: Tensor, key: Tensor, mask: Tensor | None
     return torch.stack(out)
 
 
-def check_probe_matches_the_model(model: nn.Module, inputs: dict, attentions: Callable[[nn.Module], dict[int, nn.Module]],
-                                  num_tokens: int, text_first: bool, masked: bool) -> None:
+def check_probe_matches_the_model(model: nn.Module, inputs: dict,
+                                  attentions: Callable[[nn.Module], dict[int, nn.Module]], num_tokens: int,
+                                  text_first: bool, masked: bool) -> None:
     """float64: the received attention recorded for every block of ``attentions(model)`` (``{layer: attention
     module}``) equals the reference from that module's SDPA call; ``masked``: the call has a text mask, and the
     reference without it differs (so the probe used it)."""
@@ -112,7 +116,7 @@ def check_probe_matches_the_model(model: nn.Module, inputs: dict, attentions: Ca
     assert sorted(recorded) == sorted(modules)
     for layer, calls in seen.items():
         assert len(calls) == 1, f"layer {layer}: {len(calls)} SDPA calls"
-        q, k, mask, scale = calls[0]
+        q, k, mask, scale = (calls[0][name] for name in ("query", "key", "attn_mask", "scale"))
         reference = reference_received_attention(q, k, mask, scale, num_tokens, text_first)
         a = recorded[layer]
         assert a.shape == reference.shape and a.dtype == torch.float32
@@ -139,9 +143,11 @@ def test_joint_key_mask_text_and_joint_masks():
         joint_key_mask(torch.ones(1, 1, 5, 5, dtype=torch.bool), 1, 2, 3, "first")
 
 
-def _flux_attentions(model: nn.Module) -> dict[int, nn.Module]:
-    blocks = [*model.transformer_blocks, *model.single_transformer_blocks]
-    return {layer: block.attn for layer, block in enumerate(blocks)}
+def _attentions(*containers: str) -> Callable[[nn.Module], dict[int, nn.Module]]:
+    def find(model: nn.Module) -> dict[int, nn.Module]:
+        blocks = [block for c in containers for block in getattr(model, c)]
+        return {layer: block.attn for layer, block in enumerate(blocks)}
+    return find
 
 
 @pytest.mark.parametrize("masked", [False, True])
@@ -154,17 +160,18 @@ def test_flux_probe_equals_the_models_attention(masked):
         mask = torch.ones(2, 1, 1, text + 24, dtype=torch.bool)
         mask[1, ..., text - 2:text] = False  # the second prompt is 2 tokens shorter
         inputs["joint_attention_kwargs"] = {"attention_mask": mask}
-    check_probe_matches_the_model(tiny_flux(), inputs, _flux_attentions, 24, text_first=True, masked=masked)
+    blocks = _attentions("transformer_blocks", "single_transformer_blocks")
+    check_probe_matches_the_model(tiny_flux(), inputs, blocks, 24, text_first=True, masked=masked)
+
+
+def test_sd3_probe_equals_the_models_attention():
+    """SD3 (hand-written adapter): text last, no rotary table, the processor's q/k norms on [B, heads, L, d];
+    block 0 also has SD3.5's second (image-only) attention, which records nothing."""
+    check_probe_matches_the_model(tiny_sd3(), make_inputs("sd3"), _attentions("transformer_blocks"),
+                                  SIZE[0] * SIZE[1], text_first=False, masked=False)
 
 
 # ---------------------------------------------------------------------- declared joint families
-def _attentions(*containers: str) -> Callable[[nn.Module], dict[int, nn.Module]]:
-    def find(model: nn.Module) -> dict[int, nn.Module]:
-        blocks = [block for c in containers for block in getattr(model, c)]
-        return {layer: block.attn for layer, block in enumerate(blocks)}
-    return find
-
-
 JOINT = {  # family: (its blocks' attentions in layer order, text first, the inputs mask padded text)
     "flux2": (_attentions("transformer_blocks", "single_transformer_blocks"), True, False),
     "qwenimage": (_attentions("transformer_blocks"), True, True),

@@ -101,7 +101,8 @@ class MergeHandle:
                         hooks += bias_text_keys(keys, self._text_bias)
             if not hooks:
                 raise ValueError(f"the {self.adapter.name!r} backbone has no text tokens in its attention: a text-key "
-                                 "bias (e.g. SDTM's prompt reweighting) needs a joint text-image attention (sd3, flux)")
+                                 "bias (e.g. SDTM's prompt reweighting) needs a joint text-image attention whose text keys the adapter "
+                                 "declares (sd3, flux, flux2, qwenimage, hunyuan_video, hunyuan_video15)")
             self._hooks.extend(hooks)
             self._text_hooks = True
         self.state.text_labels = prepared
