@@ -24,6 +24,7 @@ from test_backbone_flux import flux_inputs, tiny_flux
 from test_backbones_current import FAMILIES as IMAGE_FAMILIES
 from test_backbones_diffusers import make_inputs, tiny_dit, tiny_pixart, tiny_sd3
 from test_backbones_video import FAMILIES as VIDEO_FAMILIES
+from test_backbones_video_more import ADAPTER_FAMILIES as MORE_VIDEO_ADAPTERS, FAMILIES as MORE_VIDEO_FAMILIES
 
 STEPS = 3
 #: Options a strategy needs on the tests' small grids (8 x 8 tokens and less).
@@ -45,6 +46,7 @@ class Case:
     time_key: str = "timestep"
     output: Callable[[object], Tensor] = lambda out: out.sample
     options: dict = dataclasses.field(default_factory=dict)
+    rising: bool = False  # the model is called with t rising over a run (Mochi's inverted sigmas)
 
 
 def _native_dit() -> nn.Module:
@@ -74,6 +76,9 @@ CASES = {
        for name, family in IMAGE_FAMILIES.items()},
     **{name: Case(family.build, lambda model, family=family: family.inputs(model, batch=1))
        for name, family in VIDEO_FAMILIES.items() if name != "wan_i2v"},  # wan_i2v: the adapter and blocks of wan
+    **{name: Case(MORE_VIDEO_FAMILIES[name].build,
+                  lambda model, family=MORE_VIDEO_FAMILIES[name]: family.inputs(model, batch=1), rising=name == "mochi")
+       for name in MORE_VIDEO_ADAPTERS},  # one configuration per adapter
     "flux": Case(tiny_flux, lambda model: flux_inputs(batch=1)),
     **{name: Case(build, lambda model, name=name: make_inputs(name, batch=1))
        for name, build in (("sd3", tiny_sd3), ("pixart", tiny_pixart), ("dit", tiny_dit))},
@@ -99,12 +104,12 @@ def _family(unpatched: dict, name: str) -> tuple[nn.Module, list[dict], list[Ten
 
 def trajectory(case: Case, model: nn.Module) -> list[dict]:
     """``STEPS`` calls' inputs, the timestep falling from the tests' value to a quarter of it (integer
-    timesteps stay integers)."""
+    timesteps stay integers; ``case.rising``: the same values rising)."""
     inputs = case.inputs(model)
     t = inputs[case.time_key]
     scaled = [t * (STEPS - s) // STEPS if not t.is_floating_point() else t * (STEPS - s) / STEPS
               for s in range(STEPS)]
-    return [{**inputs, case.time_key: ts} for ts in scaled]
+    return [{**inputs, case.time_key: ts} for ts in (scaled[::-1] if case.rising else scaled)]
 
 
 def run(case: Case, model: nn.Module, calls: list[dict]) -> list[Tensor]:
