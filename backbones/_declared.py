@@ -38,6 +38,12 @@ a plain table shared by the batch):
   ids ``[1 or B, N]`` of every token (Allegro's ``apply_rotary_emb_allegro``): the position ids are gathered to
   ``[B, M]`` (or ``[1, M]``), the tables kept.
 
+Context tokens (reference images of editing calls, :mod:`tomerge.backbones._context`): a model call's image
+stream may hold context tokens before or after the generated image's (the *target*), as
+:meth:`DeclaredAdapter.call_layout` reads them from the call. The grid and the plan are the target's; every
+site merges the target part of its stream (inside a joint sequence: of the stream after or before the text) and
+passes the context tokens through; rotary tables and key masks keep the context rows, as they keep the text's.
+
 Attention masks (:class:`Site` ``mask``): ``None``: a mask on a merged call raises (it would cover the
 unmerged sequence); ``"pass"``: passed through (text-only masks, or biases over text keys, that broadcast
 over any number of queries or that the processor pads itself); ``"keys"``: a key mask ``[B, 1, 1, L]`` or
@@ -55,11 +61,12 @@ from typing import Any, ClassVar, Literal
 import torch
 from torch import Tensor, nn
 
-from tomerge.adapter import BackboneAdapter, BlockSpec, MergePoint, TextKeys, class_names
+from tomerge.adapter import BackboneAdapter, BlockSpec, KindSummary, MergePoint, TextKeys, class_names
 from tomerge.plan import MergePlan
 
 from tomerge.state import MergeState
 
+from ._context import NO_CONTEXT, ContextTokens
 from ._diffusers import call_arg, check_ff_chunking, probe_joint_attention, probe_self_attention, submodel
 from .flux import BatchedRotaryTable, gather_rotary
 
@@ -168,11 +175,13 @@ class Kind:
 # ---------------------------------------------------------------------- runtime
 @dataclasses.dataclass
 class DeclaredCall:
-    """The block call in progress, shared by its points: text and image lengths, the last merge."""
+    """The block call in progress, shared by its points: text and target image lengths, the model call's
+    context tokens in the image stream, the last merge."""
 
     batch: int | None = None
     text: int | None = None
     image: int | None = None
+    context: ContextTokens = NO_CONTEXT
     merged: tuple[Tensor, MergePlan, Tensor] | None = None  # (input view, plan, merged): reused for the same input
     shapes: dict[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)  # conv points: [F, H, W] of the input
     merging: dict[str, bool] = dataclasses.field(default_factory=dict)  # sublayer -> this call merges it
@@ -181,6 +190,7 @@ class DeclaredCall:
 
     def reset(self) -> None:
         self.batch = self.text = self.image = self.merged = None
+        self.context = NO_CONTEXT
         self.shapes.clear()
         self.merging.clear()
         self.kept.clear()
@@ -189,11 +199,13 @@ class DeclaredCall:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class DeclaredBlock(BlockSpec):
-    """A block of a declared kind; reading its input also records the call's text and image lengths."""
+    """A block of a declared kind; reading its input also records the call's text and image lengths and the
+    model call's context tokens. Its input is the target part of the image stream."""
 
     decl: Kind = dataclasses.field(kw_only=True)
     info: DeclaredCall = dataclasses.field(kw_only=True)
     model_text: Any = dataclasses.field(kw_only=True)  # () -> T of the model call (joint_input kinds)
+    model_context: Any = dataclasses.field(default=lambda: NO_CONTEXT, kw_only=True)  # () -> ContextTokens
 
     def block_input(self, args: tuple, kwargs: dict) -> Tensor:
         self.info.reset()
@@ -208,6 +220,10 @@ class DeclaredBlock(BlockSpec):
         elif self.decl.text_arg is not None:
             text = call_arg(args, kwargs, self.decl.text_arg, self.decl.text_index)
             self.info.text = int(text.shape[1]) if isinstance(text, Tensor) else 0
+        context = self.model_context()
+        context.check(x, f"the {self.decl.name!r} block")
+        self.info.context = context
+        x = context.target(x)  # [B, N, C]: the target part of the image stream
         self.info.batch, self.info.image = int(x.shape[0]), int(x.shape[1])
         return x
 
@@ -226,36 +242,51 @@ class DeclaredPoint(MergePoint):
 
     def _text(self, joint: Tensor) -> int:
         T = self.info.text
-        if T is None or joint.shape[1] < T:
+        if T is None or joint.shape[1] < T + self.info.context.count:
             raise RuntimeError(f"tomerge: {type(self.module).__name__} got {tuple(joint.shape)}, expected a joint "
-                               f"sequence with T={T} text and N={self.info.image} image tokens of this block call")
+                               f"sequence with T={T} text and N={self.info.image} image tokens of this block call"
+                               + (f" and {self.info.context.count} context tokens" if self.info.context else ""))
         return T
 
-    def _image_part(self, joint: Tensor) -> Tensor:
+    def _stream(self, joint: Tensor) -> Tensor:
+        """The image stream of a joint sequence (``[B, before + N + after, C]``, or ``M`` when merged)."""
         T = self._text(joint)
         return joint[:, T:] if self.joint == "first" else joint[:, : joint.shape[1] - T]
 
-    def _with_image(self, joint: Tensor, x: Tensor) -> Tensor:
+    def _with_stream(self, joint: Tensor, stream: Tensor) -> Tensor:
         T = self._text(joint)
         if self.joint == "first":
-            return torch.cat([joint[:, :T], x], dim=1)
-        return torch.cat([x, joint[:, joint.shape[1] - T:]], dim=1)
+            return torch.cat([joint[:, :T], stream], dim=1)
+        return torch.cat([stream, joint[:, joint.shape[1] - T:]], dim=1)
+
+    def _target(self, tokens: Tensor) -> Tensor:
+        """The target image tokens of a site's input or output (a joint sequence or an image stream)."""
+        stream = self._stream(tokens) if self.site.tokens == "joint" else tokens
+        return self.info.context.target(stream)
+
+    def _with_target(self, tokens: Tensor, x: Tensor) -> Tensor:
+        """``tokens`` (a joint sequence or an image stream) with its target image tokens replaced by ``x``."""
+        context = self.info.context
+        if self.site.tokens == "joint":
+            return self._with_stream(tokens, context.with_target(self._stream(tokens), x))
+        return context.with_target(tokens, x)
 
     def get_input(self, args: tuple, kwargs: dict) -> Tensor:
         raw = self._raw(args, kwargs)
-        if self.site.tokens == "joint":
-            return self._image_part(raw)  # [B, N, C] (or [B, M, C] when an earlier site kept it merged)
         if self.site.tokens == "conv":
+            if self.info.context:
+                raise RuntimeError(f"tomerge: {type(self.module).__name__} takes a channels-first grid, which holds "
+                                   "no context (reference-image) tokens")
             frames = raw.shape[0] // self.info.batch  # 1, or a video's frames folded into the batch (SANA-Video)
             self.info.shapes[id(self)] = (frames, *raw.shape[2:])
             return raw.unflatten(0, (-1, frames)).permute(0, 1, 3, 4, 2).flatten(1, 3)  # [B*F, C, H, W] -> [B, F*H*W, C]
-        return raw
+        return self._target(raw)  # [B, N, C] (or [B, M, C] when an earlier site kept it merged)
 
     def set_input(self, args: tuple, kwargs: dict, x: Tensor) -> tuple[tuple, dict]:
-        if self.site.tokens == "joint":
-            x = self._with_image(self._raw(args, kwargs), x)
-        elif self.site.tokens == "conv":
+        if self.site.tokens == "conv":
             x = x.transpose(1, 2).unsqueeze(-1)  # [B, M, C] -> [B, C, M, 1]: a 1x1 convolution takes any layout
+        else:
+            x = self._with_target(self._raw(args, kwargs), x)
         return with_arg(args, kwargs, self.arg, self.site.index, x)
 
     def reads_tokens(self, args: tuple, kwargs: dict) -> bool:
@@ -303,17 +334,15 @@ class DeclaredPoint(MergePoint):
 
     def get_output(self, out: Any) -> Tensor:
         y = out if self.output is None else out[self.output]
-        if self.site.tokens == "joint":
-            return self._image_part(y)
         if self.site.tokens == "conv":
             return y.flatten(2).transpose(1, 2)  # [B, C', M, 1] -> [B, M, C']
-        return y
+        return self._target(y)
 
     def set_output(self, out: Any, y: Tensor) -> Any:
-        if self.site.tokens == "joint":
-            y = self._with_image(out if self.output is None else out[self.output], y)
-        elif self.site.tokens == "conv":  # [B, F*H*W, C'] -> [B, F, H, W, C'] -> [B*F, C', H, W]
+        if self.site.tokens == "conv":  # [B, F*H*W, C'] -> [B, F, H, W, C'] -> [B*F, C', H, W]
             y = y.unflatten(1, self.info.shapes[id(self)]).permute(0, 1, 4, 2, 3).flatten(0, 1)
+        else:
+            y = self._with_target(out if self.output is None else out[self.output], y)
         return super().set_output(out, y)
 
     # -------------------------------------------------------------- what follows the tokens
@@ -325,15 +354,23 @@ class DeclaredPoint(MergePoint):
             raise ValueError(f"tomerge: {type(self.module).__name__} got an attention mask ({self.site.mask_arg}) over "
                              "the unmerged sequence, which merged image tokens cannot use; run without the mask or "
                              "without merging")
+        dst, stream = self._stream_positions(plan)
         return with_arg(args, kwargs, self.site.mask_arg, self.site.mask_index,
-                        gather_key_mask(mask, plan.dst, plan.num_tokens, text_side=self.joint))
+                        gather_key_mask(mask, dst, stream, text_side=self.joint))
 
     def _merge_rope(self, args: tuple, kwargs: dict, plan: MergePlan) -> tuple[tuple, dict]:
         rope = self.site.rope
         freqs = call_arg(args, kwargs, rope.arg, rope.index)
         if freqs is None:
             return args, kwargs
-        return with_arg(args, kwargs, rope.arg, rope.index, gather_rope(freqs, plan.dst, plan.num_tokens, rope.layout))
+        dst, stream = self._stream_positions(plan)
+        return with_arg(args, kwargs, rope.arg, rope.index, gather_rope(freqs, dst, stream, rope.layout))
+
+    def _stream_positions(self, plan: MergePlan) -> tuple[Tensor, int]:
+        """``(positions [B, before + M + after], before + N + after)``: the plan's representatives in the image
+        stream (each context token its own), and the stream's length, for the gathers below."""
+        context = self.info.context
+        return context.stream_positions(plan.dst, plan.num_tokens), plan.num_tokens + context.count
 
 
 # ---------------------------------------------------------------------- gathers
@@ -495,7 +532,6 @@ class DeclaredAdapter(BackboneAdapter):
             a tuple, e.g. Wan's ``patch_size = (1, 2, 2)``; a single int for a 2-D latent is used for both axes).
     """
 
-    model_class: ClassVar[str] = ""
     kinds: ClassVar[tuple[Kind, ...]] = ()
     timestep_arg: ClassVar[str] = "timestep"
     timestep_index: ClassVar[int] = 1
@@ -513,6 +549,7 @@ class DeclaredAdapter(BackboneAdapter):
     def __init__(self, model: nn.Module, options: Any) -> None:
         super().__init__(model, options)
         self.grid_size: tuple[int, ...] | None = None
+        self.context = NO_CONTEXT  # context tokens in the image stream of the model call in progress
         self.model_text: int | None = None
         self._warned_grid = False
 
@@ -541,7 +578,8 @@ class DeclaredAdapter(BackboneAdapter):
                     points.append(DeclaredPoint(site.sublayer, sub, arg=site.arg, output=site.output, site=site,
                                                 info=info, joint=kind.joint))
             specs.append(DeclaredBlock(module, layer=len(specs), kind=kind.name, points=tuple(points), arg=kind.arg,
-                                       decl=kind, info=info, model_text=lambda: self.model_text))
+                                       decl=kind, info=info, model_text=lambda: self.model_text,
+                                       model_context=lambda: self.context))
         return specs
 
     def check(self) -> None:
@@ -551,7 +589,7 @@ class DeclaredAdapter(BackboneAdapter):
     def on_model_call(self, args: tuple, kwargs: dict) -> Tensor | float | None:
         text = call_arg(args, kwargs, self.text_arg, self.text_index)
         self.model_text = int(text.shape[1]) if isinstance(text, Tensor) else None
-        self.grid_size = self.call_grid(args, kwargs)
+        self.grid_size, self.context = self.call_layout(args, kwargs)
         if self.grid_size is None and not self._warned_grid:
             self._warned_grid = True
             warnings.warn(f"tomerge {self.name}: the token grid of this {type(self.model).__name__} call is unknown "
@@ -573,6 +611,11 @@ class DeclaredAdapter(BackboneAdapter):
             sizes.extend(int(v) for v in value) if isinstance(value, (tuple, list)) else sizes.append(int(value))
         return tuple(sizes)
 
+    def call_layout(self, args: tuple, kwargs: dict) -> tuple[tuple[int, ...] | None, ContextTokens]:
+        """The target's token grid and the context tokens of a model call's image stream (default:
+        :meth:`call_grid`, no context). Families whose calls carry reference images override it."""
+        return self.call_grid(args, kwargs), NO_CONTEXT
+
     def call_grid(self, args: tuple, kwargs: dict) -> tuple[int, ...] | None:
         """The image-token grid of a model call (default: the latent's sizes divided by the patch sizes)."""
         sample = call_arg(args, kwargs, self.latent_arg, self.latent_index)
@@ -590,10 +633,45 @@ class DeclaredAdapter(BackboneAdapter):
             return None
         return self.grid_size
 
+    # -------------------------------------------------------------- what it merges (tomerge backbones)
+    @staticmethod
+    def probes_site(site: Site) -> bool:
+        """Whether :meth:`probe` records received attention at an ``"attn"`` site (the one rule it and
+        :meth:`probed_kinds` share)."""
+        return site.probe
+
+    @classmethod
+    def probed_kinds(cls) -> frozenset[str]:
+        """The kinds with an ``"attn"`` site that :meth:`probes_site` (its block's other ``"attn"`` sites, e.g.
+        HunyuanVideo's ``proj_mlp``, record nothing: that site's attention is the record)."""
+        return frozenset(kind.name for kind in cls.kinds
+                         if any(site.sublayer == "attn" and cls.probes_site(site) for site in kind.sites))
+
+    @classmethod
+    def kind_summaries(cls) -> tuple[KindSummary, ...]:
+        """Read from :attr:`kinds`. The context is a joint attention (text on the kind's side) when the block input
+        is a joint sequence (``joint_input``), the block takes text for joint sites (``text_arg``) or an ``"attn"``
+        site returns a tuple (``output`` set: the image and text streams of a joint attention); else a
+        cross-attention when there is a ``"crossattn"`` site."""
+        summaries = []
+        for kind in cls.kinds:
+            attn = [site for site in kind.sites if site.sublayer == "attn"]
+            if kind.joint_input is not None or kind.text_arg is not None or any(s.output is not None for s in attn):
+                context = f"joint attention, text {kind.joint_input or kind.joint}"
+            elif any(site.sublayer == "crossattn" for site in kind.sites):
+                context = "cross-attention"
+            else:
+                context = "none in these blocks"
+            ropes = dict.fromkeys(site.rope.layout for site in kind.sites if site.rope is not None)
+            summaries.append(KindSummary(kind.name, tuple(dict.fromkeys(site.sublayer for site in kind.sites)),
+                                         context=context, rope=", ".join(ropes) or None))
+        return tuple(summaries)
+
+    # -------------------------------------------------------------- probes, text keys
     def probe(self, block: BlockSpec, point: MergePoint, state: MergeState) -> list[Any]:
         site = point.site if isinstance(point, DeclaredPoint) else None
-        if site is None or not site.probe:
-            if isinstance(block, DeclaredBlock) and any(s.probe for s in block.decl.sites):
+        if site is None or not self.probes_site(site):
+            if isinstance(block, DeclaredBlock) and any(self.probes_site(s) for s in block.decl.sites):
                 return []  # another site of the block (its attention) records
             raise NotImplementedError(
                 f"backbone {self.name!r} cannot record received attention in its {block.kind!r} blocks (no probe is "
@@ -607,7 +685,7 @@ class DeclaredAdapter(BackboneAdapter):
         return probe_joint_attention(point.module, state, text_side=kind.joint, text_len=lambda: point.info.text,
                                      rope=None if rope is None else (rope.arg, rope.index),
                                      rope_layout="rows" if rope is None else rope.layout,
-                                     mask=(site.mask_arg, site.mask_index),
+                                     mask=(site.mask_arg, site.mask_index), context=lambda: point.info.context,
                                      record_before=_submodule(block.module, inner[0]) if inner else None,
                                      heads_first=site.probe_heads_first, copies=site.probe_copies)
 
