@@ -29,6 +29,7 @@ class AllegroAdapter(DeclaredAdapter):
 
     name: ClassVar[str] = "allegro"
     model_class: ClassVar[str] = "AllegroTransformer3DModel"
+    grid_dims: ClassVar[int] = 3
     timestep_index: ClassVar[int] = 2  # forward(hidden_states, encoder_hidden_states, timestep, ...)
     patch_attrs: ClassVar[tuple[str, ...]] = ("patch_size_t", "patch_size", "patch_size")
     kinds: ClassVar[tuple[Kind, ...]] = (

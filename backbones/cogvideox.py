@@ -35,6 +35,7 @@ class CogVideoXAdapter(DeclaredAdapter):
 
     name: ClassVar[str] = "cogvideox"
     model_class: ClassVar[str] = "CogVideoXTransformer3DModel"
+    grid_dims: ClassVar[int] = 3
     timestep_index: ClassVar[int] = 2  # forward(hidden_states, encoder_hidden_states, timestep, ...)
     kinds: ClassVar[tuple[Kind, ...]] = (
         Kind("cogvideox", "transformer_blocks", ("CogVideoXBlock",), (

@@ -37,6 +37,7 @@ class CosmosAdapter(DeclaredAdapter):
 
     name: ClassVar[str] = "cosmos"
     model_class: ClassVar[str] = "CosmosTransformer3DModel"
+    grid_dims: ClassVar[int] = 3
     t_max: ClassVar[float] = 1.0
     timestep_index: ClassVar[int] = 1  # forward(hidden_states, timestep, encoder_hidden_states, ...)
     text_index: ClassVar[int] = 2

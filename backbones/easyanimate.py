@@ -32,6 +32,7 @@ class EasyAnimateAdapter(DeclaredAdapter):
 
     name: ClassVar[str] = "easyanimate"
     model_class: ClassVar[str] = "EasyAnimateTransformer3DModel"
+    grid_dims: ClassVar[int] = 3
     timestep_index: ClassVar[int] = 1  # forward(hidden_states, timestep, timestep_cond, encoder_hidden_states, ...)
     text_index: ClassVar[int] = 3
     kinds: ClassVar[tuple[Kind, ...]] = (

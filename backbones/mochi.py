@@ -32,6 +32,7 @@ class MochiAdapter(DeclaredAdapter):
 
     name: ClassVar[str] = "mochi"
     model_class: ClassVar[str] = "MochiTransformer3DModel"
+    grid_dims: ClassVar[int] = 3
     timestep_index: ClassVar[int] = 2  # forward(hidden_states, encoder_hidden_states, timestep, mask, ...)
     kinds: ClassVar[tuple[Kind, ...]] = (
         Kind("mochi", "transformer_blocks", ("MochiTransformerBlock",), (

@@ -102,6 +102,7 @@ class SanaVideoAdapter(SanaAdapter):
 
     name: ClassVar[str] = "sana_video"
     model_class: ClassVar[str] = "SanaVideoTransformer3DModel"
+    grid_dims: ClassVar[int] = 3
     kinds: ClassVar[tuple[Kind, ...]] = (
         Kind("sana_video", "transformer_blocks", ("SanaVideoTransformerBlock",), (
             Site("attn", "attn1", rope=Rope("rotary_emb", 3, "wan"), probe=True),

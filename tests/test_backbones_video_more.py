@@ -372,6 +372,7 @@ def test_finds_the_transformer_and_its_blocks_in_order(models, name):
     family, model = FAMILIES[name], models[name]
     with tomerge.merging(types.SimpleNamespace(transformer=model), "tomesd", ratio=0.5) as handle:
         assert handle.model is model and handle.adapter.name == family.backbone
+        assert handle.adapter.grid_dims == len(family.grid)  # (T, H, W); Latte: one frame's (H, W)
         specs = handle.adapter.blocks()
         assert [s.kind for s in specs] == list(family.kinds)
         assert [s.module for s in specs] == [b for c in family.containers for b in getattr(model, c)]
