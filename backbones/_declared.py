@@ -11,7 +11,8 @@ the attention call. :class:`DeclaredAdapter` turns a declaration of those pieces
   call), which side text is on in joint sequences, and its :class:`Site` s.
 * :class:`Site`: one merge point: sublayer, submodule path in the block, the tokens' argument, the output
   element, the token layout (``"image"``: image tokens only; ``"joint"``: a joint sequence whose image
-  part is merged; ``"conv"``: a channels-first ``[B, C, H, W]`` input of a 1x1 convolution), how the
+  part is merged; ``"conv"``: a channels-first ``[B, C, H, W]`` input of a 1x1 convolution, or ``[B * F, C,
+  H, W]`` with a video's frames folded into the batch), how the
   call's rotary table (:class:`Rope`) and attention mask are adjusted, and whether its output stays merged
   for a later site of the same block (parallel attention + MLP blocks).
 
@@ -34,6 +35,11 @@ a plain table shared by the batch):
 * ``"complex"``: one complex table over the joint sequence, ``[R + N, d/2]`` (Qwen-Image 2.1) or
   ``[B, R + N, d/2]`` (Z-Image), its ``R`` other rows on the kind's ``joint`` side: the image rows are
   gathered, the others kept; a per-sample table built from a shared one goes as :class:`BatchedComplexTable`.
+* ``"broadcast"``: ``(cos, sin)``, each ``[N, ...]`` without a batch axis, broadcast from the right against
+  ``[B, N, ...]`` q/k (Mochi's ``[N, heads, d/2]``): gathered to ``[B, M, ...]`` (or ``[M, ...]``).
+* ``"allegro"``: ``(tables, positions)``: per-axis ``(cos, sin)`` tables indexed by the ``(t, h, w)`` position
+  ids ``[1 or B, N]`` of every token (Allegro's ``apply_rotary_emb_allegro``): the position ids are gathered to
+  ``[B, M]`` (or ``[1, M]``), the tables kept.
 
 Context tokens (reference images of editing calls, :mod:`tomerge.backbones._context`): a model call's image
 stream may hold context tokens before or after the generated image's (the *target*), as
@@ -79,12 +85,13 @@ class Rope:
 
     Args:
         arg: its keyword; ``index``: its position when given positionally.
-        layout: ``"rows"``, ``"batched"``, ``"wan"``, ``"qwen"`` or ``"complex"`` (see the module docstring).
+        layout: ``"rows"``, ``"batched"``, ``"wan"``, ``"qwen"``, ``"complex"``, ``"broadcast"`` or ``"allegro"``
+            (see the module docstring).
     """
 
     arg: str = "image_rotary_emb"
     index: int = 3
-    layout: Literal["rows", "batched", "wan", "qwen", "complex"] = "rows"
+    layout: Literal["rows", "batched", "wan", "qwen", "complex", "broadcast", "allegro"] = "rows"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,7 +104,8 @@ class Site:
             submodule (or ``None``, e.g. a block without ``attn2``) has no merge point.
         arg, index: keyword and position of the tokens in the submodule's call.
         output: index of the image tokens in a tuple output; ``None``: a tensor output.
-        tokens: ``"image"``, ``"joint"`` or ``"conv"``.
+        tokens: ``"image"``, ``"joint"`` or ``"conv"`` (``[B, C, H, W]``, or ``[B * F, C, H, W]``: ``F`` is the input's
+            batch over the block input's).
         rope: the call's rotary table, gathered for the merged tokens; ``None``: none.
         mask: ``None``, ``"pass"``, ``"keys"`` or ``"pairs"``; ``mask_arg``, ``mask_index``: the mask's
             keyword/position; ``more_masks``: keywords of further masks of the call, adjusted the same way
@@ -107,6 +115,9 @@ class Site:
         text_keys: the submodule is the joint text-image attention of a kind with text (``text_arg`` or
             ``joint_input``: ``T`` text tokens on the kind's ``joint`` side of the sequence it attends over);
             prompt reweighting biases its text keys for the image queries (:mod:`tomerge.text_bias`).
+        shared: the block calls the submodule again on its text stream, after the image call (EasyAnimate's
+            ``ff`` in the blocks without text projections): only its first call in a block call reads image
+            tokens, the others run as they are.
         probe: ``idm`` records the attention each image token receives in this submodule, a softmax attention
             with diffusers-style projections. In a kind without text (no ``text_arg``, no ``joint_input``) it is a
             self-attention over the image tokens alone with ``to_q``/``to_k`` (and ``norm_q``/``norm_k``):
@@ -114,8 +125,12 @@ class Site:
             them (:func:`~tomerge.backbones._diffusers.probe_self_attention`). In a kind with text it is the
             joint text-image attention of the block (text on the kind's ``joint`` side): the text queries'
             softmax over all keys, the image keys' share renormalised, with the model's rotary rotation
-            (``rope``, layout ``"rows"`` or ``"qwen"``) and mask (``mask_arg``/``mask_index``)
+            (``rope``, layout ``"rows"``, ``"qwen"`` or ``"broadcast"``) and mask (``mask_arg``/``mask_index``)
             (:func:`~tomerge.backbones._diffusers.probe_joint_attention`).
+        probe_heads_first: the joint attention's processor normalises q/k after moving the heads before the
+            tokens (``[B, heads, L, d]``: CogVideoX, EasyAnimate), so the joint probe reads its norms so.
+        probe_copies: the joint attention's processor rotates the image rows of the q/k the probe captures in
+            place (``key[:, :, T:] = apply_rotary_emb(...)``: CogVideoX, EasyAnimate), so the probe keeps copies.
     """
 
     sublayer: str
@@ -131,7 +146,10 @@ class Site:
     more_masks: tuple[str, ...] = ()
     stays_merged_with: str | None = None
     text_keys: bool = False
+    shared: bool = False
     probe: bool = False
+    probe_heads_first: bool = False
+    probe_copies: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,20 +188,23 @@ class DeclaredCall:
     """The block call in progress, shared by its points: text and target image lengths, the model call's
     context tokens in the image stream, the last merge."""
 
+    batch: int | None = None
     text: int | None = None
     image: int | None = None
     context: ContextTokens = NO_CONTEXT
     merged: tuple[Tensor, MergePlan, Tensor] | None = None  # (input view, plan, merged): reused for the same input
-    shapes: dict[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)  # conv points: [H, W] of the input
+    shapes: dict[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)  # conv points: [F, H, W] of the input
     merging: dict[str, bool] = dataclasses.field(default_factory=dict)  # sublayer -> this call merges it
     kept: set[str] = dataclasses.field(default_factory=set)  # sublayers whose sites get an already merged input
+    called: set[int] = dataclasses.field(default_factory=set)  # shared points: id() of those called already
 
     def reset(self) -> None:
-        self.text = self.image = self.merged = None
+        self.batch = self.text = self.image = self.merged = None
         self.context = NO_CONTEXT
         self.shapes.clear()
         self.merging.clear()
         self.kept.clear()
+        self.called.clear()
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -213,7 +234,7 @@ class DeclaredBlock(BlockSpec):
         context.check(x, f"the {self.decl.name!r} block")
         self.info.context = context
         x = context.target(x)  # [B, N, C]: the target part of the image stream
-        self.info.image = int(x.shape[1])
+        self.info.batch, self.info.image = int(x.shape[0]), int(x.shape[1])
         return x
 
 
@@ -266,8 +287,9 @@ class DeclaredPoint(MergePoint):
             if self.info.context:
                 raise RuntimeError(f"tomerge: {type(self.module).__name__} takes a channels-first grid, which holds "
                                    "no context (reference-image) tokens")
-            self.info.shapes[id(self)] = tuple(raw.shape[2:])
-            return raw.flatten(2).transpose(1, 2)  # [B, C, H, W] -> [B, H*W, C]
+            frames = raw.shape[0] // self.info.batch  # 1, or a video's frames folded into the batch (SANA-Video)
+            self.info.shapes[id(self)] = (frames, *raw.shape[2:])
+            return raw.unflatten(0, (-1, frames)).permute(0, 1, 3, 4, 2).flatten(1, 3)  # [B*F, C, H, W] -> [B, F*H*W, C]
         return self._target(raw)  # [B, N, C] (or [B, M, C] when an earlier site kept it merged)
 
     def set_input(self, args: tuple, kwargs: dict, x: Tensor) -> tuple[tuple, dict]:
@@ -276,6 +298,13 @@ class DeclaredPoint(MergePoint):
         else:
             x = self._with_target(self._raw(args, kwargs), x)
         return with_arg(args, kwargs, self.arg, self.site.index, x)
+
+    def reads_tokens(self, args: tuple, kwargs: dict) -> bool:
+        if not self.site.shared:
+            return True
+        first = id(self) not in self.info.called
+        self.info.called.add(id(self))
+        return first
 
     def enter_block(self, merges: bool) -> None:
         self.info.merging[self.sublayer] = self.info.merging.get(self.sublayer, False) or merges
@@ -320,8 +349,8 @@ class DeclaredPoint(MergePoint):
         return self._target(y)
 
     def set_output(self, out: Any, y: Tensor) -> Any:
-        if self.site.tokens == "conv":
-            y = y.transpose(1, 2).unflatten(2, self.info.shapes[id(self)])  # [B, N, C'] -> [B, C', H, W]
+        if self.site.tokens == "conv":  # [B, F*H*W, C'] -> [B, F, H, W, C'] -> [B*F, C', H, W]
+            y = y.unflatten(1, self.info.shapes[id(self)]).permute(0, 1, 4, 2, 3).flatten(0, 1)
         else:
             y = self._with_target(out if self.output is None else out[self.output], y)
         return super().set_output(out, y)
@@ -391,7 +420,7 @@ def gather_rope(freqs: Any, dst: Tensor, num_tokens: int, layout: str, text_side
         freqs: the call's rotary argument.
         dst: ``[B, M]`` (or ``[1, M]``) token position representing each slot (``plan.dst``).
         num_tokens: ``N``, the image tokens of the unmerged call.
-        layout: ``"rows"``, ``"batched"``, ``"wan"``, ``"qwen"`` or ``"complex"``.
+        layout: ``"rows"``, ``"batched"``, ``"wan"``, ``"qwen"``, ``"complex"``, ``"broadcast"`` or ``"allegro"``.
         text_side: where a ``"complex"`` table's other rows are (the kind's ``joint`` side).
 
     Example:
@@ -421,6 +450,22 @@ def gather_rope(freqs: Any, dst: Tensor, num_tokens: int, layout: str, text_side
         return (gathered if gathered.dim() == image.dim() else BatchedComplexTable(gathered), text)
     if layout == "complex":
         return _gather_complex_rows(freqs, dst, num_tokens, text_side)
+    if layout == "broadcast":
+        out = []
+        for t in freqs:
+            if t.dim() < 2 or t.shape[0] != num_tokens:
+                raise ValueError(f"tomerge: a 'broadcast' rotary table must be [N={num_tokens}, ...], got {tuple(t.shape)}")
+            out.append(_rows(t, dst, 0))  # [M, ...] or [B, M, ...]
+        return tuple(out)
+    if layout == "allegro":
+        tables, positions = freqs
+        out = []
+        for ids in positions:
+            if ids.dim() != 2 or ids.shape[1] != num_tokens:
+                raise ValueError(f"tomerge: Allegro's rotary position ids must be [1 or B, N={num_tokens}], got "
+                                 f"{tuple(ids.shape)}")
+            out.append(_rows(ids, dst, 1))  # [B', M]
+        return tables, tuple(out)
     raise ValueError(f"unknown rotary layout {layout!r}")
 
 
@@ -723,7 +768,8 @@ class DeclaredAdapter(BackboneAdapter):
                                      rope=None if rope is None else (rope.arg, rope.index),
                                      rope_layout="rows" if rope is None else rope.layout,
                                      mask=(site.mask_arg, site.mask_index), context=lambda: point.info.context,
-                                     record_before=_submodule(block.module, inner[0]) if inner else None)
+                                     record_before=_submodule(block.module, inner[0]) if inner else None,
+                                     heads_first=site.probe_heads_first, copies=site.probe_copies)
 
     def text_keys(self, block: BlockSpec, point: MergePoint) -> TextKeys | None:
         if not isinstance(point, DeclaredPoint) or not point.site.text_keys:

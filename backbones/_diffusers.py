@@ -67,7 +67,7 @@ def probe_joint_attention(attn: nn.Module, state: MergeState, *, text_side: str,
                           text_len: Callable[[], int | None] | None = None, rope: tuple[str, int] | None = None,
                           rope_layout: str = "rows", mask: tuple[str, int] | None = None,
                           record_before: nn.Module | None = None, heads_first: bool = False,
-                          context: Callable[[], ContextTokens] | None = None) -> list[Any]:
+                          copies: bool = False, context: Callable[[], ContextTokens] | None = None) -> list[Any]:
     """Records the attention each image token receives in a joint text-image attention (MMDiT style).
 
     The rule (every joint attention of tomerge's adapters): all text queries of the call against all keys
@@ -88,7 +88,8 @@ def probe_joint_attention(attn: nn.Module, state: MergeState, *, text_side: str,
       keys of all ``T + N`` tokens from ``to_q``/``to_k`` (``to_qkv``), then ``norm_q``/``norm_k``.
 
     Captures are ``[B, L, heads, d]`` (norms after the processor's ``unflatten``; ``heads_first``: ``[B, heads,
-    L, d]``, SD3's processor) or ``[B, L, heads * d]`` (projections without a norm after them).
+    L, d]``, the norms after its ``transpose(1, 2)``: SD3, CogVideoX, EasyAnimate) or ``[B, L, heads * d]``
+    (projections without a norm after them).
 
     Args:
         attn: the attention module.
@@ -98,19 +99,24 @@ def probe_joint_attention(attn: nn.Module, state: MergeState, *, text_side: str,
         rope: ``(keyword, position)`` of the call's rotary argument; ``None``: no rotation.
         rope_layout: ``"rows"``: ``(cos, sin)``, each ``[T + N, d]`` in the joint order or ``[N, d]`` for the
             image tokens alone, applied with diffusers' ``apply_rotary_emb(..., sequence_dim=1)``; ``"qwen"``:
-            complex ``(image [N, d/2], text [T, d/2])`` tables applied with ``apply_rotary_emb_qwen``.
+            complex ``(image [N, d/2], text [T, d/2])`` tables applied with ``apply_rotary_emb_qwen``;
+            ``"broadcast"``: ``(cos, sin)``, each ``[N, heads, d/2]``, rotating the adjacent (even, odd) channel
+            pairs of the image tokens alone (Mochi).
         mask: ``(keyword, position)`` of the call's attention mask (see :func:`joint_key_mask`); ``None``: none.
         record_before: see :func:`~tomerge.probe.attention_probe`.
         heads_first: the q/k norms see ``[B, heads, L, d]``.
+        copies: capture copies of the q/k (one more key tensor, and the joint queries, in memory during a probed
+            call): for processors that modify them in place after the norms (CogVideoX and EasyAnimate rotate
+            the image rows in place).
         context: ``() -> ContextTokens`` of the call in progress (the image stream is ``[before, target,
             after]``); ``None``: none.
 
     Returns:
         The hook handles. Calls without text, or whose attention ran on merged slots, are not recorded.
     """
-    if rope_layout not in ("rows", "qwen"):
-        raise ValueError(f"tomerge: the joint-attention probe applies 'rows' or 'qwen' rotary tables, not "
-                         f"{rope_layout!r}")
+    if rope_layout not in ("rows", "qwen", "broadcast"):
+        raise ValueError(f"tomerge: the joint-attention probe applies 'rows', 'qwen' or 'broadcast' rotary tables, "
+                         f"not {rope_layout!r}")
     separate = getattr(attn, "add_k_proj", None) is not None or getattr(attn, "to_added_qkv", None) is not None
     if not separate and text_len is None:
         raise ValueError(f"tomerge: {type(attn).__name__} projects the joint sequence at once: the probe needs "
@@ -127,6 +133,8 @@ def probe_joint_attention(attn: nn.Module, state: MergeState, *, text_side: str,
                     + captures("k_txt", "add_k_proj", "to_added_qkv", 1, "norm_added_k"))
     else:  # queries and keys of the joint sequence
         sources += captures("q", "to_q", "to_qkv", 0, "norm_q")
+    if copies:
+        sources = [(name, module, _copied(pick)) for name, module, pick in sources]
 
     def before(args: tuple, kwargs: dict) -> dict[str, Any]:
         return {"rope": None if rope is None else call_arg(args, kwargs, *rope),
@@ -170,6 +178,11 @@ def probe_joint_attention(attn: nn.Module, state: MergeState, *, text_side: str,
     return attention_probe(state, attn, sources, compute, before=before, record_before=record_before)
 
 
+def _copied(pick: Callable[[Any], Tensor] | None) -> Callable[[Any], Tensor]:
+    """A capture ``pick`` that keeps a copy (the processor may change the tensor in place afterwards)."""
+    return lambda output: (output if pick is None else pick(output)).clone()
+
+
 def _joint_parts(T: int, N: int, text_side: str) -> tuple[slice, slice]:
     """``(text, image)`` positions in a joint sequence of ``T`` text and ``N`` image tokens."""
     return (slice(0, T), slice(T, T + N)) if text_side == "first" else (slice(N, N + T), slice(0, N))
@@ -185,10 +198,16 @@ def _rotate_joint(freqs: Any, layout: str, q_txt: Tensor, k_txt: Tensor, k_img: 
         image, text = freqs  # [N, d/2], [T, d/2] complex
         return (apply_rotary_emb_qwen(q_txt, text, use_real=False), apply_rotary_emb_qwen(k_txt, text, use_real=False),
                 apply_rotary_emb_qwen(k_img, image, use_real=False))
-    from diffusers.models.embeddings import apply_rotary_emb
-
     cos, sin = freqs
     rows = cos.shape[0]
+    if layout == "broadcast":  # the image tokens alone; pairs (x[2i], x[2i+1]) rotated by cos/sin [N, heads, d/2]
+        if rows != N:
+            raise ValueError(f"tomerge: a 'broadcast' rotary table of {rows} rows for {N} image tokens")
+        even, odd = k_img[..., 0::2].float(), k_img[..., 1::2].float()  # [B, N, h, d/2]
+        rotated = torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1).flatten(-2)  # [B, N, h, d]
+        return q_txt, k_txt, rotated.to(k_img.dtype)
+    from diffusers.models.embeddings import apply_rotary_emb
+
     if rows == N:  # the image tokens alone are rotated (HunyuanVideo)
         return q_txt, k_txt, apply_rotary_emb(k_img, (cos, sin), sequence_dim=1)
     if rows != T + N:

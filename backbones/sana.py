@@ -38,7 +38,7 @@ from tomerge.context import Grid
 from tomerge.probe import attention_probe, received_linear_attention, split_heads
 from tomerge.state import MergeState
 
-from ._declared import DeclaredAdapter, DeclaredPoint, Kind, Site
+from ._declared import DeclaredAdapter, DeclaredPoint, Kind, Rope, Site
 
 
 class SanaAdapter(DeclaredAdapter):
@@ -81,3 +81,33 @@ def probe_linear_attention(attn: nn.Module, state: MergeState) -> list[Any]:
         return received_linear_attention(phi_q, phi_k)
 
     return attention_probe(state, attn, sources, compute)
+
+
+class SanaVideoAdapter(SanaAdapter):
+    """Adapter for diffusers `SanaVideoTransformer3DModel` (SANA-Video, text- and image-to-video).
+
+    Facts from the installed diffusers (0.42.1, ``models/transformers/transformer_sana_video.py``): every
+    ``SanaVideoTransformerBlock`` (kind ``"sana_video"``) is a SANA block on the ``F x H x W`` video tokens:
+    ``attn1`` is the ReLU linear attention with Wan's 3-D RoPE (``rotary_emb``, ``(cos, sin)`` each ``[1, N, 1,
+    d]``, gathered per slot; ``SanaLinearAttnProcessor3_0`` rotates the numerator's q/k only, the normaliser
+    keeps the unrotated ReLU features, as does the received-attention probe of :class:`SanaAdapter`), ``attn2``
+    the cross-attention to the text, and ``ff`` a ``GLUMBTempConv``: the frames folded into the batch (``[B * F,
+    C, H, W]``), SANA's 1x1 ``conv_inverted``, 3x3 depthwise ``conv_depth``, gate and 1x1 ``conv_point``, then
+    ``conv_temp``, a 3 x 1 convolution over the frames. Merge points as SANA's (the two 1x1 convolutions, their
+    ``[B * F, C, H, W]`` inputs read as ``B`` samples of ``F * H * W`` tokens); the depthwise and the temporal
+    convolution mix neighbours and run on the full grid (``3 C^2`` multiply-adds per token for ``conv_temp``).
+    Grid: the latent ``[B, C, F, H, W]`` divided by ``patch_size = (p_t, p_h, p_w)``. The image-to-video pipeline
+    passes a timestep per token (0 on the conditioning frame): the step is its largest value. ``t_max = 1000``.
+    """
+
+    name: ClassVar[str] = "sana_video"
+    model_class: ClassVar[str] = "SanaVideoTransformer3DModel"
+    grid_dims: ClassVar[int] = 3
+    kinds: ClassVar[tuple[Kind, ...]] = (
+        Kind("sana_video", "transformer_blocks", ("SanaVideoTransformerBlock",), (
+            Site("attn", "attn1", rope=Rope("rotary_emb", 3, "wan"), probe=True),
+            Site("crossattn", "attn2", mask="pass"),
+            Site("mlp", "ff.conv_inverted", arg="input", tokens="conv"),
+            Site("mlp", "ff.conv_point", arg="input", tokens="conv"),
+        )),
+    )

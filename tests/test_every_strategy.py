@@ -26,6 +26,7 @@ from test_backbones_current import FAMILIES as IMAGE_FAMILIES
 from test_backbones_diffusers import make_inputs, tiny_dit, tiny_pixart, tiny_sd3
 from test_backbones_image_flux_like import FAMILIES as FLUX_LIKE_FAMILIES, NO_PROBE
 from test_backbones_video import FAMILIES as VIDEO_FAMILIES
+from test_backbones_video_more import ADAPTER_FAMILIES as MORE_VIDEO_ADAPTERS, FAMILIES as MORE_VIDEO_FAMILIES
 
 STEPS = 3
 #: Options a strategy needs on the tests' small grids (8 x 8 tokens and less).
@@ -41,16 +42,16 @@ NEEDS_PROBE = {"idm", "sdtm", "sdtm_paper"}  # sdtm_release: the streak variant 
 
 @dataclasses.dataclass(frozen=True)
 class Case:
-    """A family: its tiny model, one call's keyword inputs, the timestep's keyword (``time_rises``: the model's
-    time runs from the noise at 0 to the image at 1, as Z-Image's), the output tensor of a call and the adapter
-    options the family needs here."""
+    """A family: its tiny model, one call's keyword inputs, the timestep's keyword (``rising``: the model is
+    called with its time rising over a run, from the noise to the image: Z-Image's time, Mochi's inverted
+    sigmas), the output tensor of a call and the adapter options the family needs here."""
 
     build: Callable[[], nn.Module]
     inputs: Callable[[nn.Module], dict]
     time_key: str = "timestep"
-    time_rises: bool = False
     output: Callable[[object], Tensor] = lambda out: out.sample
     options: dict = dataclasses.field(default_factory=dict)
+    rising: bool = False
 
 
 def _native_dit() -> nn.Module:
@@ -76,7 +77,7 @@ def _unet_inputs(model: nn.Module) -> dict:
 
 
 #: Z-Image's call: its model time ``t`` rises to the image, its output is a list of per-sample latents.
-Z_IMAGE = dict(time_key="t", time_rises=True, output=lambda out: torch.stack(out.sample))
+Z_IMAGE = dict(time_key="t", rising=True, output=lambda out: torch.stack(out.sample))
 
 CASES = {
     **{name: Case(family.build, lambda model, family=family: family.inputs(model, batch=1))
@@ -86,6 +87,9 @@ CASES = {
     **{name: Case(family.build, lambda model, family=family: family.inputs(model, batch=1),
                   **(Z_IMAGE if name == "z_image" else {}))
        for name, family in FLUX_LIKE_FAMILIES.items()},
+    **{name: Case(MORE_VIDEO_FAMILIES[name].build,
+                  lambda model, family=MORE_VIDEO_FAMILIES[name]: family.inputs(model, batch=1), rising=name == "mochi")
+       for name in MORE_VIDEO_ADAPTERS},  # one configuration per adapter
     "flux": Case(tiny_flux, lambda model: flux_inputs(batch=1)),
     **{name: Case(build, lambda model, name=name: make_inputs(name, batch=1))
        for name, build in (("sd3", tiny_sd3), ("pixart", tiny_pixart), ("dit", tiny_dit))},
@@ -111,15 +115,12 @@ def _family(unpatched: dict, name: str) -> tuple[nn.Module, list[dict], list[Ten
 
 def trajectory(case: Case, model: nn.Module) -> list[dict]:
     """``STEPS`` calls' inputs, the timestep falling from the tests' value to a quarter of it (integer
-    timesteps stay integers; a rising time, its distance to 1 falls so)."""
+    timesteps stay integers; ``case.rising``: the same values rising)."""
     inputs = case.inputs(model)
     t = inputs[case.time_key]
-    if case.time_rises:
-        scaled = [1 - (1 - t) * (STEPS - s) / STEPS for s in range(STEPS)]
-    else:
-        scaled = [t * (STEPS - s) // STEPS if not t.is_floating_point() else t * (STEPS - s) / STEPS
-                  for s in range(STEPS)]
-    return [{**inputs, case.time_key: ts} for ts in scaled]
+    scaled = [t * (STEPS - s) // STEPS if not t.is_floating_point() else t * (STEPS - s) / STEPS
+              for s in range(STEPS)]
+    return [{**inputs, case.time_key: ts} for ts in (scaled[::-1] if case.rising else scaled)]
 
 
 def run(case: Case, model: nn.Module, calls: list[dict]) -> list[Tensor]:

@@ -217,7 +217,12 @@ class MergeHandle:
     def _point_pre(self, point: MergePoint, index: int):
         def hook(module: nn.Module, args: tuple, kwargs: dict):
             call = self.state.call
-            if call is None or point.sublayer not in call.decision.sublayers or call.decision.strategy is None:
+            if call is None:
+                return None
+            if not point.reads_tokens(args, kwargs):  # a shared submodule's call on other tokens: runs as it is
+                call.skipped.add(index)
+                return None
+            if point.sublayer not in call.decision.sublayers or call.decision.strategy is None:
                 return None
             x = point.get_input(args, kwargs)
             plan_input = call.block_input if call.decision.strategy.plan_input == "block_input" else x
@@ -232,6 +237,9 @@ class MergeHandle:
         def hook(module: nn.Module, args: tuple, output: Any):
             call = self.state.call
             if call is None:
+                return None
+            if index in call.skipped:
+                call.skipped.discard(index)
                 return None
             decision = call.decision
             plan = call.active.pop(index, None)
@@ -295,7 +303,7 @@ def apply(target: Any, strategy: str | MergeStrategy | Schedule = "tomesd", *, r
     scheduler = getattr(target, "scheduler", None) if target is not model else None
     clock = TrajectoryClock(
         num_steps=state_opts.get("num_steps"),
-        timesteps=_scheduler_timesteps(scheduler, adapter.t_max) if scheduler is not None else None,
+        timesteps=_scheduler_timesteps(scheduler, adapter) if scheduler is not None else None,
         t_max=adapter.t_max,
     )
     state = MergeState(schedule, num_layers=len(blocks), seed=state_opts.get("seed", 0), clock=clock)
@@ -379,18 +387,13 @@ def merging(target: Any, strategy: str | MergeStrategy | Schedule = "tomesd", **
 
 
 # ---------------------------------------------------------------------- helpers
-def _scheduler_timesteps(scheduler: Any, t_max: float):
-    """The pipeline scheduler's timesteps in the units the model is called with.
-
-    diffusers schedulers count timesteps on a ``[0, 1000]`` scale; pipelines of models called with
-    ``t`` in ``[0, t_max]`` (Flux: ``t_max = 1``, ``FluxPipeline`` passes ``timestep / 1000``) divide by
-    1000, so the schedule is scaled by ``t_max / 1000`` to be compared with the calls' timesteps.
-    """
-    scale = t_max / 1000.0
+def _scheduler_timesteps(scheduler: Any, adapter: BackboneAdapter):
+    """The pipeline scheduler's current timesteps in the units of the adapter's call timesteps
+    (:meth:`BackboneAdapter.scheduler_timesteps`), read at every call (pipelines set them per run)."""
 
     def timesteps():
         t = getattr(scheduler, "timesteps", None)
-        return t if t is None or scale == 1.0 else t.float() * scale
+        return t if t is None else adapter.scheduler_timesteps(t)
     return timesteps
 
 
