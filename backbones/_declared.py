@@ -26,8 +26,10 @@ a plain table shared by the batch):
 * ``"rows"``: ``(cos, sin)``, each ``[R + N, d]`` with ``R`` text rows first (``R = 0``: image rows only),
   applied by diffusers' ``apply_rotary_emb(..., sequence_dim=1)``; per-sample tables are passed as
   :class:`~tomerge.backbones.flux.BatchedRotaryTable` (FLUX.1/2, HunyuanVideo).
-* ``"batched"``: ``(cos, sin)``, each ``[B or 1, N, d]``, broadcast against ``[B, N, d]`` q/k (LTX-Video).
-* ``"wan"``: ``(cos, sin)``, each ``[1, N, 1, d]`` (Wan): gathered to ``[B, M, 1, d]``.
+* ``"batched"``: a table ``[B or 1, R + N, ...]`` (tokens on axis 1), or a tuple of them (``(cos, sin)``), applied
+  elementwise to q/k of the same sequence: LTX-Video's ``[B, N, d]``, HiDream's ``[B, N + R, 1, d/2, 2, 2]``. The
+  ``R`` text rows are on the side ``Rope.text`` and kept.
+* ``"wan"``: ``(cos, sin)``, each ``[1, N, 1, d]`` (Wan): gathered to ``[B, M, 1, d]`` (as ``"batched"``).
 * ``"qwen"``: ``(image, text)`` complex tables ``[N, d/2]``, ``[T, d/2]`` (Qwen-Image): the image table
   is gathered; per-sample ones go as :class:`BatchedComplexTable`, which Qwen's ``apply_rotary_emb_qwen``
   broadcasts per sample.
@@ -36,7 +38,8 @@ Attention masks (:class:`Site` ``mask``): ``None``: a mask on a merged call rais
 unmerged sequence); ``"pass"``: passed through (text-only masks, or biases over text keys, that broadcast
 over any number of queries or that the processor pads itself); ``"keys"``: a key mask ``[B, 1, 1, L]`` or
 ``[B, L]`` over the joint sequence (text on the kind's ``joint`` side), whose image columns are gathered
-per slot (HunyuanVideo).
+per slot (HunyuanVideo); ``"matrix"``: a mask ``[B, 1, L, L]`` over queries and keys of the joint sequence,
+whose image rows and columns are gathered per slot (OmniGen's causal-text, bidirectional-image mask).
 """
 
 from __future__ import annotations
@@ -68,11 +71,18 @@ class Rope:
     Args:
         arg: its keyword; ``index``: its position when given positionally.
         layout: ``"rows"``, ``"batched"``, ``"wan"`` or ``"qwen"`` (see the module docstring).
+        text: the side of the table's text rows, when it has more rows than image tokens (``"rows"``: always
+            ``"first"``).
     """
 
     arg: str = "image_rotary_emb"
     index: int = 3
     layout: Literal["rows", "batched", "wan", "qwen"] = "rows"
+    text: Side = "first"
+
+    def __post_init__(self) -> None:
+        if self.layout == "rows" and self.text != "first":
+            raise ValueError("a 'rows' rotary table has its text rows first (diffusers' joint [text, image] tables)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,7 +97,8 @@ class Site:
         output: index of the image tokens in a tuple output; ``None``: a tensor output.
         tokens: ``"image"``, ``"joint"`` or ``"conv"``.
         rope: the call's rotary table, gathered for the merged tokens; ``None``: none.
-        mask: ``None``, ``"pass"`` or ``"keys"``; ``mask_arg``, ``mask_index``: the mask's keyword/position.
+        mask: ``None``, ``"pass"``, ``"keys"`` or ``"matrix"``; ``mask_arg``, ``mask_index``: the mask's
+            keyword/position.
         stays_merged_with: the output stays merged when the block call also merges this sublayer (a later
             site of the block reads it, passes it through and unmerges).
         text_keys: the submodule is a joint text-image attention whose text is its ``encoder_hidden_states``
@@ -96,6 +107,13 @@ class Site:
             ``to_q``/``to_k`` (and ``norm_q``/``norm_k``) projections: ``idm`` records the attention each token
             receives there (:func:`~tomerge.backbones._diffusers.probe_self_attention`, from q and k before
             the rotary rotation, which the processor applies after them).
+        self_kv: the call passes its tokens again as ``encoder_hidden_states``, the keys' and values' input
+            (Lumina 2 and OmniGen call their self-attention as ``attn(x, x)``): it gets the merged tokens too.
+        first_call_only: the block calls the submodule again after the image tokens, on other tokens
+            (CogView4's ``ff``, one feed-forward for the image and the text stream): only its first call of a
+            block call is the merge point, the later ones run untouched (:meth:`MergePoint.takes`).
+        batch_dim: the batch axis of the tokens and the output: 1 for sequence-first ``[L, B, C]`` tensors
+            (ERNIE-Image's feed-forward).
     """
 
     sublayer: str
@@ -105,12 +123,15 @@ class Site:
     output: int | None = None
     tokens: Literal["image", "joint", "conv"] = "image"
     rope: Rope | None = None
-    mask: Literal["pass", "keys"] | None = None
+    mask: Literal["pass", "keys", "matrix"] | None = None
     mask_arg: str = "attention_mask"
     mask_index: int = 2
     stays_merged_with: str | None = None
     text_keys: bool = False
     probe: bool = False
+    self_kv: bool = False
+    first_call_only: bool = False
+    batch_dim: Literal[0, 1] = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,6 +148,8 @@ class Kind:
         joint_input: the block input is itself a joint sequence with text on this side, ``T`` taken from the
             model call's text (``DeclaredAdapter.model_text``); ``None``: the block input is image tokens.
         joint: the side of text in the block's joint sequences (``"joint"`` sites, ``"keys"`` masks).
+        batch_dim: the batch axis of the block's token input: 1 for sequence-first ``[L, B, C]`` blocks
+            (ERNIE-Image).
     """
 
     name: str
@@ -139,6 +162,7 @@ class Kind:
     text_index: int = 1
     joint_input: Side | None = None
     joint: Side = "first"
+    batch_dim: Literal[0, 1] = 0
 
 
 # ---------------------------------------------------------------------- runtime
@@ -146,18 +170,62 @@ class Kind:
 class DeclaredCall:
     """The block call in progress, shared by its points: text and image lengths, the last merge."""
 
-    text: int | None = None
+    text: int | None = None  # T of the block call's joint sequences (with per-sample lengths: the longest)
+    lengths: Tensor | None = None  # [B] per-sample text lengths when they differ (a ragged joint sequence)
     image: int | None = None
     merged: tuple[Tensor, MergePlan, Tensor] | None = None  # (input view, plan, merged): reused for the same input
     shapes: dict[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)  # conv points: [H, W] of the input
     merging: dict[str, bool] = dataclasses.field(default_factory=dict)  # sublayer -> this call merges it
     kept: set[str] = dataclasses.field(default_factory=set)  # sublayers whose sites get an already merged input
+    calls: dict[int, int] = dataclasses.field(default_factory=dict)  # first_call_only points: calls seen so far
 
     def reset(self) -> None:
-        self.text = self.image = self.merged = None
+        self.text = self.lengths = self.image = self.merged = None
         self.shapes.clear()
         self.merging.clear()
         self.kept.clear()
+        self.calls.clear()
+
+    def set_text(self, text: int | Tensor) -> None:
+        """The block call's text length: one ``T``, or per-sample lengths ``[B]`` (equal ones count as one ``T``)."""
+        if isinstance(text, Tensor) and bool((text == text[0]).all()):
+            text = int(text[0])
+        if isinstance(text, Tensor):
+            self.text, self.lengths = int(text.max()), text
+        else:
+            self.text, self.lengths = int(text), None
+
+    # A joint sequence is [text, image] or [image, text] (``side``: where the text is). With per-sample lengths
+    # (``lengths``, text first only) sample b is [text_b, image, padding]: its image tokens start at lengths[b] and
+    # the padding fills it up to the longest text (``text``), as Lumina 2 joins caption and image.
+    def _check(self, joint: Tensor, side: Side, who: str) -> int:
+        T = self.text
+        if T is None or joint.shape[1] < T:
+            raise RuntimeError(f"tomerge: {who} got {tuple(joint.shape)}, expected a joint sequence with T={T} text "
+                               f"and N={self.image} image tokens of this block call")
+        if self.lengths is not None and side != "first":
+            raise ValueError(f"tomerge: {who}: per-sample text lengths need the text first in the joint sequence")
+        return T
+
+    def image_part(self, joint: Tensor, side: Side, who: str) -> Tensor:
+        """The image tokens ``[B, K, C]`` of a joint sequence ``[B, T + K, C]``."""
+        T = self._check(joint, side, who)
+        if self.lengths is not None:
+            index = self.lengths[:, None] + torch.arange(joint.shape[1] - T, device=joint.device)  # [B, K]
+            return _rows(joint, index, 1)
+        return joint[:, T:] if side == "first" else joint[:, : joint.shape[1] - T]
+
+    def with_image(self, joint: Tensor, x: Tensor, side: Side, who: str) -> Tensor:
+        """The joint sequence ``[B, T + K, C]`` with its ``K`` image tokens replaced by ``x [B, K', C]``:
+        ``[B, T + K', C]``."""
+        T = self._check(joint, side, who)
+        if self.lengths is not None:
+            L, K = joint.shape[1], joint.shape[1] - T
+            appended = L + torch.arange(x.shape[1], device=joint.device)[None]  # [1, K']: rows of x after joint's
+            return _rows(torch.cat([joint, x], dim=1), ragged_index(self.lengths, T, K, appended), 1)
+        if side == "first":
+            return torch.cat([joint[:, :T], x], dim=1)
+        return torch.cat([x, joint[:, joint.shape[1] - T:]], dim=1)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -166,18 +234,20 @@ class DeclaredBlock(BlockSpec):
 
     decl: Kind = dataclasses.field(kw_only=True)
     info: DeclaredCall = dataclasses.field(kw_only=True)
-    model_text: Any = dataclasses.field(kw_only=True)  # () -> T of the model call (joint_input kinds)
+    model_text: Any = dataclasses.field(kw_only=True)  # () -> T (or [B] lengths) of the model call (joint_input kinds)
 
     def block_input(self, args: tuple, kwargs: dict) -> Tensor:
         self.info.reset()
         x = call_arg(args, kwargs, self.decl.arg, self.decl.index)  # [B, N, C] (or [B, T + N, C])
+        if self.decl.batch_dim == 1:
+            x = x.transpose(0, 1)  # [L, B, C] -> [B, L, C]
         if self.decl.joint_input is not None:
             T = self.model_text()
-            if T is None or x.shape[1] < T:
+            if T is None:
                 raise RuntimeError(f"tomerge: the {self.decl.name!r} block input {tuple(x.shape)} is a joint sequence, "
-                                   f"but the model call's text length is {T}")
-            self.info.text = T
-            x = x[:, T:] if self.decl.joint_input == "first" else x[:, : x.shape[1] - T]
+                                   "but the model call has no text length")
+            self.info.set_text(T)
+            x = self.info.image_part(x, self.decl.joint_input, f"the {self.decl.name!r} block input")
         elif self.decl.text_arg is not None:
             text = call_arg(args, kwargs, self.decl.text_arg, self.decl.text_index)
             self.info.text = int(text.shape[1]) if isinstance(text, Tensor) else 0
@@ -197,25 +267,18 @@ class DeclaredPoint(MergePoint):
     def _raw(self, args: tuple, kwargs: dict) -> Tensor:
         return call_arg(args, kwargs, self.arg, self.site.index)
 
-    def _text(self, joint: Tensor) -> int:
-        T = self.info.text
-        if T is None or joint.shape[1] < T:
-            raise RuntimeError(f"tomerge: {type(self.module).__name__} got {tuple(joint.shape)}, expected a joint "
-                               f"sequence with T={T} text and N={self.info.image} image tokens of this block call")
-        return T
-
     def _image_part(self, joint: Tensor) -> Tensor:
-        T = self._text(joint)
-        return joint[:, T:] if self.joint == "first" else joint[:, : joint.shape[1] - T]
+        return self.info.image_part(joint, self.joint, type(self.module).__name__)
 
     def _with_image(self, joint: Tensor, x: Tensor) -> Tensor:
-        T = self._text(joint)
-        if self.joint == "first":
-            return torch.cat([joint[:, :T], x], dim=1)
-        return torch.cat([x, joint[:, joint.shape[1] - T:]], dim=1)
+        return self.info.with_image(joint, x, self.joint, type(self.module).__name__)
+
+    def _batch_first(self, t: Tensor) -> Tensor:
+        """``[B, L, C]`` tokens of the submodule's input or output (a sequence-first ``[L, B, C]`` one transposed)."""
+        return t.transpose(0, 1) if self.site.batch_dim == 1 else t
 
     def get_input(self, args: tuple, kwargs: dict) -> Tensor:
-        raw = self._raw(args, kwargs)
+        raw = self._batch_first(self._raw(args, kwargs))
         if self.site.tokens == "joint":
             return self._image_part(raw)  # [B, N, C] (or [B, M, C] when an earlier site kept it merged)
         if self.site.tokens == "conv":
@@ -224,14 +287,28 @@ class DeclaredPoint(MergePoint):
         return raw
 
     def set_input(self, args: tuple, kwargs: dict, x: Tensor) -> tuple[tuple, dict]:
+        raw = self._raw(args, kwargs)
         if self.site.tokens == "joint":
-            x = self._with_image(self._raw(args, kwargs), x)
+            x = self._with_image(self._batch_first(raw), x)
         elif self.site.tokens == "conv":
             x = x.transpose(1, 2).unsqueeze(-1)  # [B, M, C] -> [B, C, M, 1]: a 1x1 convolution takes any layout
+        x = self._batch_first(x)  # back to the call's layout
+        if self.site.self_kv:
+            if call_arg(args, kwargs, "encoder_hidden_states", 1) is not raw:
+                raise RuntimeError(f"tomerge: {type(self.module).__name__} is declared a self-attention called as "
+                                   "attn(x, x), but its encoder_hidden_states is another tensor than its tokens")
+            args, kwargs = with_arg(args, kwargs, "encoder_hidden_states", 1, x)
         return with_arg(args, kwargs, self.arg, self.site.index, x)
 
     def enter_block(self, merges: bool) -> None:
         self.info.merging[self.sublayer] = self.info.merging.get(self.sublayer, False) or merges
+
+    def takes(self, args: tuple, kwargs: dict) -> bool:
+        if not self.site.first_call_only:
+            return True
+        seen = self.info.calls.get(id(self), 0)
+        self.info.calls[id(self)] = seen + 1
+        return seen == 0
 
     def merge_input(self, args: tuple, kwargs: dict, x: Tensor, plan: MergePlan) -> tuple[tuple, dict]:
         if self.sublayer in self.info.kept:  # an earlier site of this block call kept its output merged for it
@@ -267,7 +344,7 @@ class DeclaredPoint(MergePoint):
         return self.site.stays_merged_with is not None and self.site.stays_merged_with in sublayers
 
     def get_output(self, out: Any) -> Tensor:
-        y = out if self.output is None else out[self.output]
+        y = self._batch_first(out if self.output is None else out[self.output])
         if self.site.tokens == "joint":
             return self._image_part(y)
         if self.site.tokens == "conv":
@@ -276,29 +353,34 @@ class DeclaredPoint(MergePoint):
 
     def set_output(self, out: Any, y: Tensor) -> Any:
         if self.site.tokens == "joint":
-            y = self._with_image(out if self.output is None else out[self.output], y)
+            y = self._with_image(self._batch_first(out if self.output is None else out[self.output]), y)
         elif self.site.tokens == "conv":
             y = y.transpose(1, 2).unflatten(2, self.info.shapes[id(self)])  # [B, N, C'] -> [B, C', H, W]
-        return super().set_output(out, y)
+        return super().set_output(out, self._batch_first(y))
 
     # -------------------------------------------------------------- what follows the tokens
     def _merge_mask(self, args: tuple, kwargs: dict, plan: MergePlan) -> tuple[tuple, dict]:
         mask = call_arg(args, kwargs, self.site.mask_arg, self.site.mask_index)
         if mask is None or self.site.mask == "pass":
             return args, kwargs
-        if self.site.mask != "keys":
+        if self.site.mask is None:
             raise ValueError(f"tomerge: {type(self.module).__name__} got an attention mask ({self.site.mask_arg}) over "
                              "the unmerged sequence, which merged image tokens cannot use; run without the mask or "
                              "without merging")
-        return with_arg(args, kwargs, self.site.mask_arg, self.site.mask_index,
-                        gather_key_mask(mask, plan.dst, plan.num_tokens, text_side=self.joint))
+        merged = gather_key_mask(mask, plan.dst, plan.num_tokens, text_side=self.joint, lengths=self.info.lengths)
+        if self.site.mask == "matrix":  # the query rows too: [B, 1, L, T + M] -> [B, 1, T + M, T + M]
+            merged = gather_key_mask(merged.transpose(-1, -2), plan.dst, plan.num_tokens, text_side=self.joint,
+                                     lengths=self.info.lengths).transpose(-1, -2)
+        return with_arg(args, kwargs, self.site.mask_arg, self.site.mask_index, merged)
 
     def _merge_rope(self, args: tuple, kwargs: dict, plan: MergePlan) -> tuple[tuple, dict]:
         rope = self.site.rope
         freqs = call_arg(args, kwargs, rope.arg, rope.index)
         if freqs is None:
             return args, kwargs
-        return with_arg(args, kwargs, rope.arg, rope.index, gather_rope(freqs, plan.dst, plan.num_tokens, rope.layout))
+        return with_arg(args, kwargs, rope.arg, rope.index,
+                        gather_rope(freqs, plan.dst, plan.num_tokens, rope.layout, text_side=rope.text,
+                                    lengths=self.info.lengths))
 
 
 # ---------------------------------------------------------------------- gathers
@@ -322,7 +404,8 @@ def _rows(t: Tensor, dst: Tensor, dim: int) -> Tensor:
     return t[batch, index.expand(t.shape[0], -1)]  # [B, M, ...]
 
 
-def gather_rope(freqs: Any, dst: Tensor, num_tokens: int, layout: str) -> Any:
+def gather_rope(freqs: Any, dst: Tensor, num_tokens: int, layout: str, text_side: Side = "first",
+                lengths: Tensor | None = None) -> Any:
     """The rotary argument of a merged call (see the module docstring's layouts).
 
     Args:
@@ -330,6 +413,9 @@ def gather_rope(freqs: Any, dst: Tensor, num_tokens: int, layout: str) -> Any:
         dst: ``[B, M]`` (or ``[1, M]``) token position representing each slot (``plan.dst``).
         num_tokens: ``N``, the image tokens of the unmerged call.
         layout: ``"rows"``, ``"batched"``, ``"wan"`` or ``"qwen"``.
+        text_side: where a ``"batched"`` or ``"wan"`` table's text rows are (``"rows"``: first).
+        lengths: ``[B]`` per-sample text lengths of a ragged joint sequence (:func:`ragged_index`; ``"batched"``
+            tables only, text first); ``None``: one text length.
 
     Example:
         >>> cos = torch.arange(4.0).view(1, 4, 1, 1)                      # wan layout, N = 4
@@ -342,14 +428,12 @@ def gather_rope(freqs: Any, dst: Tensor, num_tokens: int, layout: str) -> Any:
         if rows < num_tokens:
             raise ValueError(f"tomerge: the rotary table has {rows} rows for {num_tokens} image tokens")
         return gather_rotary(freqs, dst, rows - num_tokens)  # text rows first, kept
+    if lengths is not None and layout != "batched":
+        raise ValueError(f"tomerge: per-sample text lengths need a 'batched' rotary table, not {layout!r}")
     if layout in ("batched", "wan"):
-        out = []
-        for t in freqs:
-            if t.dim() < 3 or t.shape[1] != num_tokens:
-                raise ValueError(f"tomerge: a {layout!r} rotary table must be [B or 1, N={num_tokens}, ...], got "
-                                 f"{tuple(t.shape)}")
-            out.append(_rows(t, dst, 1))  # [B', M, d] or [B', M, 1, d]
-        return tuple(out)
+        if isinstance(freqs, Tensor):
+            return _gather_table_rows(freqs, dst, num_tokens, layout, text_side, lengths)
+        return tuple(_gather_table_rows(t, dst, num_tokens, layout, text_side, lengths) for t in freqs)
     if layout == "qwen":
         image, text = freqs
         if image.shape[0] != num_tokens:
@@ -357,6 +441,24 @@ def gather_rope(freqs: Any, dst: Tensor, num_tokens: int, layout: str) -> Any:
         gathered = _rows(image, dst, 0)  # [M, d/2] or [B, M, d/2]
         return (gathered if gathered.dim() == image.dim() else BatchedComplexTable(gathered), text)
     raise ValueError(f"unknown rotary layout {layout!r}")
+
+
+def _gather_table_rows(t: Tensor, dst: Tensor, num_tokens: int, layout: str, text_side: Side,
+                       lengths: Tensor | None = None) -> Tensor:
+    """A ``[B or 1, R + N, ...]`` table with its ``N`` image rows gathered per slot and its ``R`` text rows (on
+    ``text_side``) kept: ``[B', R + M, ...]``; with per-sample text ``lengths``, a ragged table (text first)."""
+    if t.dim() < 3 or t.shape[1] < num_tokens:
+        raise ValueError(f"tomerge: a {layout!r} rotary table must be [B or 1, R + N, ...] with N={num_tokens} image "
+                         f"rows, got {tuple(t.shape)}")
+    R = t.shape[1] - num_tokens
+    if lengths is not None:
+        return _rows(t, ragged_index(lengths, R, num_tokens, lengths[:, None] + dst.to(t.device)), 1)
+    text, image = (t[:, :R], t[:, R:]) if text_side == "first" else (t[:, num_tokens:], t[:, :num_tokens])
+    gathered = _rows(image, dst, 1)  # [B', M, ...]
+    if R == 0:
+        return gathered
+    text = text.expand(gathered.shape[0], *text.shape[1:])  # [B', R, ...]
+    return torch.cat([text, gathered] if text_side == "first" else [gathered, text], dim=1)
 
 
 class BatchedComplexTable:
@@ -385,13 +487,16 @@ class BatchedComplexTable:
                              "that uses the rotary table other than through apply_rotary_emb_qwen cannot run merged")
 
 
-def gather_key_mask(mask: Tensor, dst: Tensor, num_tokens: int, text_side: Side) -> Tensor:
+def gather_key_mask(mask: Tensor, dst: Tensor, num_tokens: int, text_side: Side,
+                    lengths: Tensor | None = None) -> Tensor:
     """A key mask over a joint sequence, its ``N`` image columns gathered per slot (text columns kept).
 
     Args:
         mask: ``[B, ..., L]`` with ``L = T + N`` (text on ``text_side``), e.g. ``[B, 1, 1, L]``.
         dst: ``[B, M]`` or ``[1, M]`` representatives.
         num_tokens: ``N``.
+        lengths: ``[B]`` per-sample text lengths of a ragged joint sequence (:func:`ragged_index`; a ``[B, L]``
+            mask, text first); ``None``: one text length.
 
     Returns:
         ``[B, ..., T + M]``.
@@ -405,6 +510,11 @@ def gather_key_mask(mask: Tensor, dst: Tensor, num_tokens: int, text_side: Side)
     T = L - num_tokens
     if T < 0:
         raise ValueError(f"tomerge: an attention mask over {L} keys cannot cover {num_tokens} image tokens")
+    if lengths is not None:
+        if mask.dim() != 2 or text_side != "first":
+            raise ValueError(f"tomerge: a mask over ragged joint sequences must be [B, L] with text first, got "
+                             f"{tuple(mask.shape)}, text {text_side}")
+        return _rows(mask, ragged_index(lengths, T, num_tokens, lengths[:, None] + dst.to(mask.device)), 1)
     image, text = (mask[..., T:], mask[..., :T]) if text_side == "first" else (mask[..., :num_tokens], mask[..., num_tokens:])
     index = dst.to(mask.device)
     if index.shape[0] == 1:
@@ -413,6 +523,33 @@ def gather_key_mask(mask: Tensor, dst: Tensor, num_tokens: int, text_side: Side)
         shape = (mask.shape[0],) + (1,) * (mask.dim() - 2) + (index.shape[1],)
         gathered = torch.gather(image, -1, index.view(shape).expand(*image.shape[:-1], index.shape[1]))
     return torch.cat([text, gathered] if text_side == "first" else [gathered, text], dim=-1)
+
+
+def ragged_index(lengths: Tensor, text: int, image: int, image_rows: Tensor) -> Tensor:
+    """Row indices of a ragged joint sequence with new image rows: sample ``b`` is ``[text_b, image, padding]``
+    (``lengths[b]`` text rows, padding up to ``text``, the longest), before and after.
+
+    Args:
+        lengths: ``[B]`` per-sample text lengths.
+        text: ``T``, the longest (the sequences hold ``T + image`` rows).
+        image: ``N``, the image rows of the indexed sequence.
+        image_rows: ``[B or 1, M]``: the row of the indexed sequence each new image row takes (a token's row
+            ``lengths[b] + dst``, or rows appended after the sequence).
+
+    Returns:
+        ``[B, T + M]``: text rows stay, image rows are ``image_rows``, padding rows follow the image.
+
+    Example:
+        >>> ragged_index(torch.tensor([1, 2]), 2, 3, torch.tensor([[2, 1], [4, 3]]))   # 3 image rows -> 2
+        tensor([[0, 2, 1, 4],
+                [0, 1, 4, 3]])
+    """
+    B, M = lengths.shape[0], image_rows.shape[1]
+    p = torch.arange(text + M, device=lengths.device)[None]  # [1, T + M]
+    T = lengths[:, None]  # [B, 1]
+    slot = (p - T).clamp(0, M - 1)  # [B, T + M]: the image slot of image positions
+    new_image = image_rows.to(lengths.device).expand(B, -1).gather(1, slot)  # [B, T + M]
+    return torch.where(p < T, p, torch.where(p < T + M, new_image, p - M + image))
 
 
 def latent_grid(sample: Tensor, patch: tuple[int, ...]) -> tuple[int, ...]:
@@ -462,7 +599,7 @@ class DeclaredAdapter(BackboneAdapter):
     def __init__(self, model: nn.Module, options: Any) -> None:
         super().__init__(model, options)
         self.grid_size: tuple[int, ...] | None = None
-        self.model_text: int | None = None
+        self.model_text: int | Tensor | None = None
         self._warned_grid = False
 
     @classmethod
@@ -498,14 +635,22 @@ class DeclaredAdapter(BackboneAdapter):
 
     # -------------------------------------------------------------- calls
     def on_model_call(self, args: tuple, kwargs: dict) -> Tensor | float | None:
-        text = call_arg(args, kwargs, self.text_arg, self.text_index)
-        self.model_text = int(text.shape[1]) if isinstance(text, Tensor) else None
+        self.model_text = self.call_text(args, kwargs)
         self.grid_size = self.call_grid(args, kwargs)
         if self.grid_size is None and not self._warned_grid:
             self._warned_grid = True
             warnings.warn(f"tomerge {self.name}: the token grid of this {type(self.model).__name__} call is unknown "
                           f"({self.unknown_grid_reason()}); its blocks are not merged", stacklevel=3)
         return self.call_timestep(args, kwargs)
+
+    def call_text(self, args: tuple, kwargs: dict) -> int | Tensor | None:
+        """The text length ``T`` that ``joint_input`` kinds split off their input (default: the length of the
+        model's text argument; ``None``: none), or per-sample lengths ``[B]`` of ragged joint sequences (text
+        first, see :meth:`DeclaredCall.image_part`). Families that add tokens to the text side (AuraFlow's
+        register tokens), join several text inputs (HiDream) or join only the real text tokens (Lumina 2)
+        override it."""
+        text = call_arg(args, kwargs, self.text_arg, self.text_index)
+        return int(text.shape[1]) if isinstance(text, Tensor) else None
 
     def call_timestep(self, args: tuple, kwargs: dict) -> Tensor | float | None:
         """The call's timestep; per-token timesteps (``[B, N]``: conditioning frames at 0) give their largest."""

@@ -53,6 +53,13 @@ class MergePoint:
         """The image tokens of the submodule's output (merged ``[B, M, C']`` or full length ``[B, N, C']``)."""
         return out if self.output is None else out[self.output]
 
+    def takes(self, args: tuple, kwargs: dict) -> bool:
+        """Whether this call of the point's module is the merge point (the default: every call). A module the
+        block calls more than once, once on the image tokens and again on other tokens (CogView4's ``ff``,
+        shared by the image and the text stream), takes only its image call; its other calls run untouched
+        (no merge, no unmerge, no feature cache)."""
+        return True
+
     def merge_input(self, args: tuple, kwargs: dict, x: Tensor, plan: MergePlan) -> tuple[tuple, dict]:
         """The call's arguments with the image tokens ``x`` replaced by ``plan.merge(x)``; override to
         adjust other arguments that follow the tokens (e.g. gather rotary tables with ``plan.dst``)."""

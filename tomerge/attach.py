@@ -174,7 +174,12 @@ class MergeHandle:
     def _point_pre(self, point: MergePoint, index: int):
         def hook(module: nn.Module, args: tuple, kwargs: dict):
             call = self.state.call
-            if call is None or point.sublayer not in call.decision.sublayers or call.decision.strategy is None:
+            if call is None:
+                return None
+            if not point.takes(args, kwargs):
+                call.passed.add(index)  # the post hook leaves this call alone too
+                return None
+            if point.sublayer not in call.decision.sublayers or call.decision.strategy is None:
                 return None
             x = point.get_input(args, kwargs)
             plan_input = call.block_input if call.decision.strategy.plan_input == "block_input" else x
@@ -189,6 +194,9 @@ class MergeHandle:
         def hook(module: nn.Module, args: tuple, output: Any):
             call = self.state.call
             if call is None:
+                return None
+            if index in call.passed:
+                call.passed.discard(index)
                 return None
             decision = call.decision
             plan = call.active.pop(index, None)

@@ -97,6 +97,7 @@ class BlockCall:
     new_outputs: dict[int, Tensor | None] = dataclasses.field(default_factory=dict)  # point index -> to store
     attention: Tensor | None = None  # [B, N] received attention a probe recorded in this call
     active: dict[int, MergePlan] = dataclasses.field(default_factory=dict)  # point index -> plan
+    passed: set[int] = dataclasses.field(default_factory=set)  # point indices whose module call is not theirs (takes)
 
     # ------------------------------------------------------------------ the feature cache
     def store_output(self, point: int, output: Tensor) -> None:
