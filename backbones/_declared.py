@@ -57,7 +57,7 @@ from tomerge.plan import MergePlan
 
 from tomerge.state import MergeState
 
-from ._diffusers import call_arg, check_ff_chunking, probe_self_attention, submodel
+from ._diffusers import call_arg, check_ff_chunking, probe_joint_attention, probe_self_attention, submodel
 from .flux import BatchedRotaryTable, gather_rotary
 
 Side = Literal["first", "last"]
@@ -101,12 +101,18 @@ class Site:
             keyword/position.
         stays_merged_with: the output stays merged when the block call also merges this sublayer (a later
             site of the block reads it, passes it through and unmerges).
-        text_keys: the submodule is a joint text-image attention whose text is its ``encoder_hidden_states``
-            (prompt reweighting can bias its text keys).
-        probe: the submodule is a softmax self-attention over the image tokens alone with diffusers-style
-            ``to_q``/``to_k`` (and ``norm_q``/``norm_k``) projections: ``idm`` records the attention each token
-            receives there (:func:`~tomerge.backbones._diffusers.probe_self_attention`, from q and k before
-            the rotary rotation, which the processor applies after them).
+        text_keys: the submodule is the joint text-image attention of a kind with text (``text_arg`` or
+            ``joint_input``: ``T`` text tokens on the kind's ``joint`` side of the sequence it attends over);
+            prompt reweighting biases its text keys for the image queries (:mod:`tomerge.text_bias`).
+        probe: ``idm`` records the attention each image token receives in this submodule, a softmax attention
+            with diffusers-style projections. In a kind without text (no ``text_arg``, no ``joint_input``) it is a
+            self-attention over the image tokens alone with ``to_q``/``to_k`` (and ``norm_q``/``norm_k``):
+            strided image queries, from q and k before the rotary rotation, which the processor applies after
+            them (:func:`~tomerge.backbones._diffusers.probe_self_attention`). In a kind with text it is the
+            joint text-image attention of the block (text on the kind's ``joint`` side): the text queries'
+            softmax over all keys, the image keys' share renormalised, with the model's rotary rotation
+            (``rope``, layout ``"rows"`` or ``"qwen"``) and mask (``mask_arg``/``mask_index``)
+            (:func:`~tomerge.backbones._diffusers.probe_joint_attention`).
         self_kv: the call passes its tokens again as ``encoder_hidden_states``, the keys' and values' input
             (Lumina 2 and OmniGen call their self-attention as ``attn(x, x)``): it gets the merged tokens too.
         first_call_only: the block calls the submodule again after the image tokens, on other tokens
@@ -685,21 +691,30 @@ class DeclaredAdapter(BackboneAdapter):
         return self.grid_size
 
     def probe(self, block: BlockSpec, point: MergePoint, state: MergeState) -> list[Any]:
-        if not isinstance(point, DeclaredPoint) or not point.site.probe:
+        site = point.site if isinstance(point, DeclaredPoint) else None
+        if site is None or not site.probe:
+            if isinstance(block, DeclaredBlock) and any(s.probe for s in block.decl.sites):
+                return []  # another site of the block (its attention) records
             raise NotImplementedError(
                 f"backbone {self.name!r} cannot record received attention in its {block.kind!r} blocks (no probe is "
                 "declared for their attention: docs/backbones/adding-a-family.md); use a strategy that needs none, "
                 "e.g. idm(variant='streak') or ssm")
-        return probe_self_attention(block, point, state)
+        kind = block.decl
+        if kind.text_arg is None and kind.joint_input is None:
+            return probe_self_attention(block, point, state)
+        rope = site.rope
+        inner = [s.path for s in kind.sites if s.path.startswith(site.path + ".")]  # merge points inside the attention
+        return probe_joint_attention(point.module, state, text_side=kind.joint, text_len=lambda: point.info.text,
+                                     rope=None if rope is None else (rope.arg, rope.index),
+                                     rope_layout="rows" if rope is None else rope.layout,
+                                     mask=(site.mask_arg, site.mask_index),
+                                     record_before=_submodule(block.module, inner[0]) if inner else None)
 
     def text_keys(self, block: BlockSpec, point: MergePoint) -> TextKeys | None:
         if not isinstance(point, DeclaredPoint) or not point.site.text_keys:
             return None
-
-        def text_len(args: tuple, kwargs: dict) -> int:
-            text = call_arg(args, kwargs, "encoder_hidden_states", 1)
-            return 0 if text is None else int(text.shape[1])
-        return TextKeys(point.module, text_len=text_len, text_first=point.joint == "first")
+        return TextKeys(point.module, text_len=lambda args, kwargs: point.info.text or 0,  # the block call's T
+                        text_first=point.joint == "first")
 
 
 def _submodule(module: nn.Module, path: str) -> nn.Module | None:
