@@ -57,7 +57,8 @@ from tomerge.plan import MergePlan
 
 from tomerge.state import MergeState
 
-from ._diffusers import call_arg, check_ff_chunking, probe_joint_attention, probe_self_attention, submodel
+from ._diffusers import (call_arg, check_ff_chunking, probe_joint_attention, probe_sdpa_attention, probe_self_attention,
+                         submodel)
 from .flux import BatchedRotaryTable, gather_rotary
 
 Side = Literal["first", "last"]
@@ -112,7 +113,10 @@ class Site:
             joint text-image attention of the block (text on the kind's ``joint`` side): the text queries'
             softmax over all keys, the image keys' share renormalised, with the model's rotary rotation
             (``rope``, layout ``"rows"`` or ``"qwen"``) and mask (``mask_arg``/``mask_index``)
-            (:func:`~tomerge.backbones._diffusers.probe_joint_attention`).
+            (:func:`~tomerge.backbones._diffusers.probe_joint_attention`). ``"sdpa"``: the same rule (text
+            queries with text in the block, strided image queries without) from the q, k, mask and scale of the
+            submodule's ``scaled_dot_product_attention`` call, for processors whose projections that probe cannot
+            read (:func:`~tomerge.backbones._diffusers.probe_sdpa_attention`).
         self_kv: the call passes its tokens again as ``encoder_hidden_states``, the keys' and values' input
             (Lumina 2 and OmniGen call their self-attention as ``attn(x, x)``): it gets the merged tokens too.
         first_call_only: the block calls the submodule again after the image tokens, on other tokens
@@ -134,7 +138,7 @@ class Site:
     mask_index: int = 2
     stays_merged_with: str | None = None
     text_keys: bool = False
-    probe: bool = False
+    probe: bool | Literal["sdpa"] = False
     self_kv: bool = False
     first_call_only: bool = False
     batch_dim: Literal[0, 1] = 0
@@ -700,6 +704,9 @@ class DeclaredAdapter(BackboneAdapter):
                 "declared for their attention: docs/backbones/adding-a-family.md); use a strategy that needs none, "
                 "e.g. idm(variant='streak') or ssm")
         kind = block.decl
+        if site.probe == "sdpa":
+            return probe_sdpa_attention(point.module, state, text_side=kind.joint, text_len=lambda: point.info.text,
+                                        lengths=lambda: point.info.lengths)
         if kind.text_arg is None and kind.joint_input is None:
             return probe_self_attention(block, point, state)
         rope = site.rope

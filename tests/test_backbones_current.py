@@ -230,12 +230,14 @@ def check_permutation_is_exact(model: nn.Module, inputs: dict, shuffle: Callable
         assert (run(model, shuffle(inputs, perm)) - before).abs().max() > 1e-3
 
 
-def check_batch_equals_samples(model: nn.Module, inputs: dict, **options) -> None:
+def check_batch_equals_samples(model: nn.Module, inputs: dict, select_sample: Callable[[dict, int], dict] = select,
+                               **options) -> None:
     """float64: a batch and its samples alone give the same merged outputs (tomesd without randomness plans
-    per sample from the same values)."""
+    per sample from the same values). ``select_sample(inputs, i)``: sample ``i`` of the inputs (default
+    :func:`select`: the batch is the first axis)."""
     model64, inputs64 = copy.deepcopy(model).double(), to_float64(inputs)
     outs = []
-    for part in (inputs64, select(inputs64, 0), select(inputs64, 1)):
+    for part in (inputs64, select_sample(inputs64, 0), select_sample(inputs64, 1)):
         with tomerge.merging(model64, "tomesd", ratio=0.5, use_rand=False, **ALL_SUBLAYERS, **options) as handle:
             outs.append(run(model64, part))
             assert handle.stats["tokens_removed"] > 0
