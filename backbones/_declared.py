@@ -34,6 +34,12 @@ a plain table shared by the batch):
   is gathered; per-sample ones go as :class:`BatchedComplexTable`, which Qwen's ``apply_rotary_emb_qwen``
   broadcasts per sample.
 
+Context tokens (reference images of editing calls, :mod:`tomerge.backbones._context`): a model call's image
+stream may hold context tokens before or after the generated image's (the *target*), as
+:meth:`DeclaredAdapter.call_layout` reads them from the call. The grid and the plan are the target's; every
+site merges the target part of its stream (inside a joint sequence: of the stream after or before the text) and
+passes the context tokens through; rotary tables and key masks keep the context rows, as they keep the text's.
+
 Attention masks (:class:`Site` ``mask``): ``None``: a mask on a merged call raises (it would cover the
 unmerged sequence); ``"pass"``: passed through (text-only masks, or biases over text keys, that broadcast
 over any number of queries or that the processor pads itself); ``"keys"``: a key mask ``[B, 1, 1, L]`` or
@@ -52,11 +58,12 @@ from typing import Any, ClassVar, Literal
 import torch
 from torch import Tensor, nn
 
-from tomerge.adapter import BackboneAdapter, BlockSpec, MergePoint, TextKeys, class_names
+from tomerge.adapter import BackboneAdapter, BlockSpec, KindSummary, MergePoint, TextKeys, class_names
 from tomerge.plan import MergePlan
 
 from tomerge.state import MergeState
 
+from ._context import NO_CONTEXT, ContextTokens
 from ._diffusers import (call_arg, check_ff_chunking, probe_joint_attention, probe_sdpa_attention, probe_self_attention,
                          submodel)
 from .flux import BatchedRotaryTable, gather_rotary
@@ -178,11 +185,13 @@ class Kind:
 # ---------------------------------------------------------------------- runtime
 @dataclasses.dataclass
 class DeclaredCall:
-    """The block call in progress, shared by its points: text and image lengths, the last merge."""
+    """The block call in progress, shared by its points: text and target image lengths, the model call's
+    context tokens in the image stream, the last merge."""
 
     text: int | None = None  # T of the block call's joint sequences (with per-sample lengths: the longest)
     lengths: Tensor | None = None  # [B] per-sample text lengths when they differ (a ragged joint sequence)
     image: int | None = None
+    context: ContextTokens = NO_CONTEXT
     merged: tuple[Tensor, MergePlan, Tensor] | None = None  # (input view, plan, merged): reused for the same input
     shapes: dict[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)  # conv points: [H, W] of the input
     merging: dict[str, bool] = dataclasses.field(default_factory=dict)  # sublayer -> this call merges it
@@ -191,6 +200,7 @@ class DeclaredCall:
 
     def reset(self) -> None:
         self.text = self.lengths = self.image = self.merged = None
+        self.context = NO_CONTEXT
         self.shapes.clear()
         self.merging.clear()
         self.kept.clear()
@@ -205,46 +215,51 @@ class DeclaredCall:
         else:
             self.text, self.lengths = int(text), None
 
-    # A joint sequence is [text, image] or [image, text] (``side``: where the text is). With per-sample lengths
-    # (``lengths``, text first only) sample b is [text_b, image, padding]: its image tokens start at lengths[b] and
-    # the padding fills it up to the longest text (``text``), as Lumina 2 joins caption and image.
+    # A joint sequence is [text, image stream] or [image stream, text] (``side``: where the text is). With
+    # per-sample lengths (``lengths``, text first only) sample b is [text_b, image stream, padding]: its image
+    # stream starts at lengths[b] and the padding fills it up to the longest text (``text``), as Lumina 2 joins
+    # caption and image.
     def _check(self, joint: Tensor, side: Side, who: str) -> int:
         T = self.text
-        if T is None or joint.shape[1] < T:
+        if T is None or joint.shape[1] < T + self.context.count:
             raise RuntimeError(f"tomerge: {who} got {tuple(joint.shape)}, expected a joint sequence with T={T} text "
-                               f"and N={self.image} image tokens of this block call")
+                               f"and N={self.image} image tokens of this block call"
+                               + (f" and {self.context.count} context tokens" if self.context else ""))
         if self.lengths is not None and side != "first":
             raise ValueError(f"tomerge: {who}: per-sample text lengths need the text first in the joint sequence")
         return T
 
-    def image_part(self, joint: Tensor, side: Side, who: str) -> Tensor:
-        """The image tokens ``[B, K, C]`` of a joint sequence ``[B, T + K, C]``."""
+    def stream(self, joint: Tensor, side: Side, who: str) -> Tensor:
+        """The image stream ``[B, K, C]`` of a joint sequence ``[B, T + K, C]`` (``K``: the target's ``N`` or ``M``
+        and the context tokens)."""
         T = self._check(joint, side, who)
         if self.lengths is not None:
             index = self.lengths[:, None] + torch.arange(joint.shape[1] - T, device=joint.device)  # [B, K]
             return _rows(joint, index, 1)
         return joint[:, T:] if side == "first" else joint[:, : joint.shape[1] - T]
 
-    def with_image(self, joint: Tensor, x: Tensor, side: Side, who: str) -> Tensor:
-        """The joint sequence ``[B, T + K, C]`` with its ``K`` image tokens replaced by ``x [B, K', C]``:
+    def with_stream(self, joint: Tensor, stream: Tensor, side: Side, who: str) -> Tensor:
+        """The joint sequence ``[B, T + K, C]`` with its image stream replaced by ``stream [B, K', C]``:
         ``[B, T + K', C]``."""
         T = self._check(joint, side, who)
         if self.lengths is not None:
             L, K = joint.shape[1], joint.shape[1] - T
-            appended = L + torch.arange(x.shape[1], device=joint.device)[None]  # [1, K']: rows of x after joint's
-            return _rows(torch.cat([joint, x], dim=1), ragged_index(self.lengths, T, K, appended), 1)
+            appended = L + torch.arange(stream.shape[1], device=joint.device)[None]  # [1, K']: rows after joint's
+            return _rows(torch.cat([joint, stream], dim=1), ragged_index(self.lengths, T, K, appended), 1)
         if side == "first":
-            return torch.cat([joint[:, :T], x], dim=1)
-        return torch.cat([x, joint[:, joint.shape[1] - T:]], dim=1)
+            return torch.cat([joint[:, :T], stream], dim=1)
+        return torch.cat([stream, joint[:, joint.shape[1] - T:]], dim=1)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class DeclaredBlock(BlockSpec):
-    """A block of a declared kind; reading its input also records the call's text and image lengths."""
+    """A block of a declared kind; reading its input also records the call's text and image lengths and the
+    model call's context tokens. Its input is the target part of the image stream."""
 
     decl: Kind = dataclasses.field(kw_only=True)
     info: DeclaredCall = dataclasses.field(kw_only=True)
     model_text: Any = dataclasses.field(kw_only=True)  # () -> T (or [B] lengths) of the model call (joint_input kinds)
+    model_context: Any = dataclasses.field(default=lambda: NO_CONTEXT, kw_only=True)  # () -> ContextTokens
 
     def block_input(self, args: tuple, kwargs: dict) -> Tensor:
         self.info.reset()
@@ -257,10 +272,14 @@ class DeclaredBlock(BlockSpec):
                 raise RuntimeError(f"tomerge: the {self.decl.name!r} block input {tuple(x.shape)} is a joint sequence, "
                                    "but the model call has no text length")
             self.info.set_text(T)
-            x = self.info.image_part(x, self.decl.joint_input, f"the {self.decl.name!r} block input")
+            x = self.info.stream(x, self.decl.joint_input, f"the {self.decl.name!r} block input")
         elif self.decl.text_arg is not None:
             text = call_arg(args, kwargs, self.decl.text_arg, self.decl.text_index)
             self.info.text = int(text.shape[1]) if isinstance(text, Tensor) else 0
+        context = self.model_context()
+        context.check(x, f"the {self.decl.name!r} block")
+        self.info.context = context
+        x = context.target(x)  # [B, N, C]: the target part of the image stream
         self.info.image = int(x.shape[1])
         return x
 
@@ -277,32 +296,46 @@ class DeclaredPoint(MergePoint):
     def _raw(self, args: tuple, kwargs: dict) -> Tensor:
         return call_arg(args, kwargs, self.arg, self.site.index)
 
-    def _image_part(self, joint: Tensor) -> Tensor:
-        return self.info.image_part(joint, self.joint, type(self.module).__name__)
+    def _stream(self, joint: Tensor) -> Tensor:
+        """The image stream of a joint sequence (``[B, before + N + after, C]``, or ``M`` when merged)."""
+        return self.info.stream(joint, self.joint, type(self.module).__name__)
 
-    def _with_image(self, joint: Tensor, x: Tensor) -> Tensor:
-        return self.info.with_image(joint, x, self.joint, type(self.module).__name__)
+    def _with_stream(self, joint: Tensor, stream: Tensor) -> Tensor:
+        return self.info.with_stream(joint, stream, self.joint, type(self.module).__name__)
 
     def _batch_first(self, t: Tensor) -> Tensor:
-        """``[B, L, C]`` tokens of the submodule's input or output (a sequence-first ``[L, B, C]`` one transposed)."""
+        """``[B, L, C]`` tokens of the submodule's input or output (a sequence-first ``[L, B, C]`` one transposed, and
+        back)."""
         return t.transpose(0, 1) if self.site.batch_dim == 1 else t
+
+    def _target(self, tokens: Tensor) -> Tensor:
+        """The target image tokens of a site's input or output (a joint sequence or an image stream)."""
+        stream = self._stream(tokens) if self.site.tokens == "joint" else tokens
+        return self.info.context.target(stream)
+
+    def _with_target(self, tokens: Tensor, x: Tensor) -> Tensor:
+        """``tokens`` (a joint sequence or an image stream) with its target image tokens replaced by ``x``."""
+        context = self.info.context
+        if self.site.tokens == "joint":
+            return self._with_stream(tokens, context.with_target(self._stream(tokens), x))
+        return context.with_target(tokens, x)
 
     def get_input(self, args: tuple, kwargs: dict) -> Tensor:
         raw = self._batch_first(self._raw(args, kwargs))
-        if self.site.tokens == "joint":
-            return self._image_part(raw)  # [B, N, C] (or [B, M, C] when an earlier site kept it merged)
         if self.site.tokens == "conv":
+            if self.info.context:
+                raise RuntimeError(f"tomerge: {type(self.module).__name__} takes a channels-first grid, which holds "
+                                   "no context (reference-image) tokens")
             self.info.shapes[id(self)] = tuple(raw.shape[2:])
             return raw.flatten(2).transpose(1, 2)  # [B, C, H, W] -> [B, H*W, C]
-        return raw
+        return self._target(raw)  # [B, N, C] (or [B, M, C] when an earlier site kept it merged)
 
     def set_input(self, args: tuple, kwargs: dict, x: Tensor) -> tuple[tuple, dict]:
         raw = self._raw(args, kwargs)
-        if self.site.tokens == "joint":
-            x = self._with_image(self._batch_first(raw), x)
-        elif self.site.tokens == "conv":
+        if self.site.tokens == "conv":
             x = x.transpose(1, 2).unsqueeze(-1)  # [B, M, C] -> [B, C, M, 1]: a 1x1 convolution takes any layout
-        x = self._batch_first(x)  # back to the call's layout
+        else:
+            x = self._batch_first(self._with_target(self._batch_first(raw), x))  # in the call's layout
         if self.site.self_kv:
             if call_arg(args, kwargs, "encoder_hidden_states", 1) is not raw:
                 raise RuntimeError(f"tomerge: {type(self.module).__name__} is declared a self-attention called as "
@@ -355,18 +388,16 @@ class DeclaredPoint(MergePoint):
 
     def get_output(self, out: Any) -> Tensor:
         y = self._batch_first(out if self.output is None else out[self.output])
-        if self.site.tokens == "joint":
-            return self._image_part(y)
         if self.site.tokens == "conv":
             return y.flatten(2).transpose(1, 2)  # [B, C', M, 1] -> [B, M, C']
-        return y
+        return self._target(y)
 
     def set_output(self, out: Any, y: Tensor) -> Any:
-        if self.site.tokens == "joint":
-            y = self._with_image(self._batch_first(out if self.output is None else out[self.output]), y)
-        elif self.site.tokens == "conv":
+        if self.site.tokens == "conv":
             y = y.transpose(1, 2).unflatten(2, self.info.shapes[id(self)])  # [B, N, C'] -> [B, C', H, W]
-        return super().set_output(out, self._batch_first(y))
+        else:
+            y = self._batch_first(self._with_target(self._batch_first(out if self.output is None else out[self.output]), y))
+        return super().set_output(out, y)
 
     # -------------------------------------------------------------- what follows the tokens
     def _merge_mask(self, args: tuple, kwargs: dict, plan: MergePlan) -> tuple[tuple, dict]:
@@ -377,10 +408,12 @@ class DeclaredPoint(MergePoint):
             raise ValueError(f"tomerge: {type(self.module).__name__} got an attention mask ({self.site.mask_arg}) over "
                              "the unmerged sequence, which merged image tokens cannot use; run without the mask or "
                              "without merging")
-        merged = gather_key_mask(mask, plan.dst, plan.num_tokens, text_side=self.joint, lengths=self.info.lengths)
+        dst, stream = self._stream_positions(plan)
+        lengths = self.info.lengths
+        merged = gather_key_mask(mask, dst, stream, text_side=self.joint, lengths=lengths)
         if self.site.mask == "matrix":  # the query rows too: [B, 1, L, T + M] -> [B, 1, T + M, T + M]
-            merged = gather_key_mask(merged.transpose(-1, -2), plan.dst, plan.num_tokens, text_side=self.joint,
-                                     lengths=self.info.lengths).transpose(-1, -2)
+            merged = gather_key_mask(merged.transpose(-1, -2), dst, stream, text_side=self.joint,
+                                     lengths=lengths).transpose(-1, -2)
         return with_arg(args, kwargs, self.site.mask_arg, self.site.mask_index, merged)
 
     def _merge_rope(self, args: tuple, kwargs: dict, plan: MergePlan) -> tuple[tuple, dict]:
@@ -388,9 +421,15 @@ class DeclaredPoint(MergePoint):
         freqs = call_arg(args, kwargs, rope.arg, rope.index)
         if freqs is None:
             return args, kwargs
+        dst, stream = self._stream_positions(plan)
         return with_arg(args, kwargs, rope.arg, rope.index,
-                        gather_rope(freqs, plan.dst, plan.num_tokens, rope.layout, text_side=rope.text,
-                                    lengths=self.info.lengths))
+                        gather_rope(freqs, dst, stream, rope.layout, text_side=rope.text, lengths=self.info.lengths))
+
+    def _stream_positions(self, plan: MergePlan) -> tuple[Tensor, int]:
+        """``(positions [B, before + M + after], before + N + after)``: the plan's representatives in the image
+        stream (each context token its own), and the stream's length, for the gathers below."""
+        context = self.info.context
+        return context.stream_positions(plan.dst, plan.num_tokens), plan.num_tokens + context.count
 
 
 # ---------------------------------------------------------------------- gathers
@@ -591,7 +630,6 @@ class DeclaredAdapter(BackboneAdapter):
             a tuple, e.g. Wan's ``patch_size = (1, 2, 2)``; a single int for a 2-D latent is used for both axes).
     """
 
-    model_class: ClassVar[str] = ""
     kinds: ClassVar[tuple[Kind, ...]] = ()
     timestep_arg: ClassVar[str] = "timestep"
     timestep_index: ClassVar[int] = 1
@@ -609,6 +647,7 @@ class DeclaredAdapter(BackboneAdapter):
     def __init__(self, model: nn.Module, options: Any) -> None:
         super().__init__(model, options)
         self.grid_size: tuple[int, ...] | None = None
+        self.context = NO_CONTEXT  # context tokens in the image stream of the model call in progress
         self.model_text: int | Tensor | None = None
         self._warned_grid = False
 
@@ -637,7 +676,8 @@ class DeclaredAdapter(BackboneAdapter):
                     points.append(DeclaredPoint(site.sublayer, sub, arg=site.arg, output=site.output, site=site,
                                                 info=info, joint=kind.joint))
             specs.append(DeclaredBlock(module, layer=len(specs), kind=kind.name, points=tuple(points), arg=kind.arg,
-                                       decl=kind, info=info, model_text=lambda: self.model_text))
+                                       decl=kind, info=info, model_text=lambda: self.model_text,
+                                       model_context=lambda: self.context))
         return specs
 
     def check(self) -> None:
@@ -646,7 +686,7 @@ class DeclaredAdapter(BackboneAdapter):
     # -------------------------------------------------------------- calls
     def on_model_call(self, args: tuple, kwargs: dict) -> Tensor | float | None:
         self.model_text = self.call_text(args, kwargs)
-        self.grid_size = self.call_grid(args, kwargs)
+        self.grid_size, self.context = self.call_layout(args, kwargs)
         if self.grid_size is None and not self._warned_grid:
             self._warned_grid = True
             warnings.warn(f"tomerge {self.name}: the token grid of this {type(self.model).__name__} call is unknown "
@@ -677,6 +717,11 @@ class DeclaredAdapter(BackboneAdapter):
             sizes.extend(int(v) for v in value) if isinstance(value, (tuple, list)) else sizes.append(int(value))
         return tuple(sizes)
 
+    def call_layout(self, args: tuple, kwargs: dict) -> tuple[tuple[int, ...] | None, ContextTokens]:
+        """The target's token grid and the context tokens of a model call's image stream (default:
+        :meth:`call_grid`, no context). Families whose calls carry reference images override it."""
+        return self.call_grid(args, kwargs), NO_CONTEXT
+
     def call_grid(self, args: tuple, kwargs: dict) -> tuple[int, ...] | None:
         """The image-token grid of a model call (default: the latent's sizes divided by the patch sizes)."""
         sample = call_arg(args, kwargs, self.latent_arg, self.latent_index)
@@ -694,10 +739,45 @@ class DeclaredAdapter(BackboneAdapter):
             return None
         return self.grid_size
 
+    # -------------------------------------------------------------- what it merges (tomerge backbones)
+    @staticmethod
+    def probes_site(site: Site) -> bool:
+        """Whether :meth:`probe` records received attention at an ``"attn"`` site (the one rule it and
+        :meth:`probed_kinds` share)."""
+        return site.probe
+
+    @classmethod
+    def probed_kinds(cls) -> frozenset[str]:
+        """The kinds with an ``"attn"`` site that :meth:`probes_site` (its block's other ``"attn"`` sites, e.g.
+        HunyuanVideo's ``proj_mlp``, record nothing: that site's attention is the record)."""
+        return frozenset(kind.name for kind in cls.kinds
+                         if any(site.sublayer == "attn" and cls.probes_site(site) for site in kind.sites))
+
+    @classmethod
+    def kind_summaries(cls) -> tuple[KindSummary, ...]:
+        """Read from :attr:`kinds`. The context is a joint attention (text on the kind's side) when the block input
+        is a joint sequence (``joint_input``), the block takes text for joint sites (``text_arg``) or an ``"attn"``
+        site returns a tuple (``output`` set: the image and text streams of a joint attention); else a
+        cross-attention when there is a ``"crossattn"`` site."""
+        summaries = []
+        for kind in cls.kinds:
+            attn = [site for site in kind.sites if site.sublayer == "attn"]
+            if kind.joint_input is not None or kind.text_arg is not None or any(s.output is not None for s in attn):
+                context = f"joint attention, text {kind.joint_input or kind.joint}"
+            elif any(site.sublayer == "crossattn" for site in kind.sites):
+                context = "cross-attention"
+            else:
+                context = "none in these blocks"
+            ropes = dict.fromkeys(site.rope.layout for site in kind.sites if site.rope is not None)
+            summaries.append(KindSummary(kind.name, tuple(dict.fromkeys(site.sublayer for site in kind.sites)),
+                                         context=context, rope=", ".join(ropes) or None))
+        return tuple(summaries)
+
+    # -------------------------------------------------------------- probes, text keys
     def probe(self, block: BlockSpec, point: MergePoint, state: MergeState) -> list[Any]:
         site = point.site if isinstance(point, DeclaredPoint) else None
-        if site is None or not site.probe:
-            if isinstance(block, DeclaredBlock) and any(s.probe for s in block.decl.sites):
+        if site is None or not self.probes_site(site):
+            if isinstance(block, DeclaredBlock) and any(self.probes_site(s) for s in block.decl.sites):
                 return []  # another site of the block (its attention) records
             raise NotImplementedError(
                 f"backbone {self.name!r} cannot record received attention in its {block.kind!r} blocks (no probe is "
@@ -714,7 +794,7 @@ class DeclaredAdapter(BackboneAdapter):
         return probe_joint_attention(point.module, state, text_side=kind.joint, text_len=lambda: point.info.text,
                                      rope=None if rope is None else (rope.arg, rope.index),
                                      rope_layout="rows" if rope is None else rope.layout,
-                                     mask=(site.mask_arg, site.mask_index),
+                                     mask=(site.mask_arg, site.mask_index), context=lambda: point.info.context,
                                      record_before=_submodule(block.module, inner[0]) if inner else None)
 
     def text_keys(self, block: BlockSpec, point: MergePoint) -> TextKeys | None:

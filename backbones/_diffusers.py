@@ -22,6 +22,8 @@ from tomerge.context import Grid
 from tomerge.probe import _EPS, attention_probe, received_attention, received_self_attention, strided_queries
 from tomerge.state import MergeState
 
+from ._context import NO_CONTEXT, ContextTokens
+
 
 def submodel(obj: Any, attr: str, class_name: str) -> nn.Module | None:
     """``obj`` itself if one of its classes is named ``class_name``, else ``obj.<attr>`` if that is."""
@@ -57,14 +59,17 @@ def probe_self_attention(block: BlockSpec, point: MergePoint, state: MergeState,
 def probe_joint_attention(attn: nn.Module, state: MergeState, *, text_side: str,
                           text_len: Callable[[], int | None] | None = None, rope: tuple[str, int] | None = None,
                           rope_layout: str = "rows", mask: tuple[str, int] | None = None,
-                          record_before: nn.Module | None = None, heads_first: bool = False) -> list[Any]:
+                          record_before: nn.Module | None = None, heads_first: bool = False,
+                          context: Callable[[], ContextTokens] | None = None) -> list[Any]:
     """Records the attention each image token receives in a joint text-image attention (MMDiT style).
 
     The rule (every joint attention of tomerge's adapters): all text queries of the call against all keys
     (text and image) with the model's own logits (its q/k norms, its rotary rotation, its attention mask, the
     SDPA scale ``d ** -0.5``), averaged over heads and text queries, then restricted to the image keys and
     renormalised to sum to 1 per sample (:func:`~tomerge.probe.received_attention` with ``keys=``). A text
-    token that the attention mask masks out (padding) is neither a key nor a counted query.
+    token that the attention mask masks out (padding) is neither a key nor a counted query. Context tokens of the
+    image stream (reference images, :mod:`tomerge.backbones._context`) are keys like the text; the record is the
+    share of the target's keys.
 
     The q/k are the ones the processor computes, captured by forward hooks (:func:`~tomerge.probe.attention_probe`;
     a norm runs after its projection and overwrites the capture), in one of two layouts:
@@ -90,6 +95,8 @@ def probe_joint_attention(attn: nn.Module, state: MergeState, *, text_side: str,
         mask: ``(keyword, position)`` of the call's attention mask (see :func:`joint_key_mask`); ``None``: none.
         record_before: see :func:`~tomerge.probe.attention_probe`.
         heads_first: the q/k norms see ``[B, heads, L, d]``.
+        context: ``() -> ContextTokens`` of the call in progress (the image stream is ``[before, target,
+            after]``); ``None``: none.
 
     Returns:
         The hook handles. Calls without text, or whose attention ran on merged slots, are not recorded.
@@ -124,31 +131,34 @@ def probe_joint_attention(attn: nn.Module, state: MergeState, *, text_side: str,
         return t.transpose(1, 2) if heads_first else t  # [B, L, heads, d]
 
     def compute(got: dict[str, Any], grid: Grid) -> Tensor | None:
+        around = NO_CONTEXT if context is None else context()
         N = math.prod(grid)
+        S = N + around.count  # the image stream: [before, target N, after]
         if separate:
             if not all(name in got for name in ("k", "q_txt", "k_txt")):
                 return None  # no text in this call
-            k_img, q_txt, k_txt = heads(got["k"]), heads(got["q_txt"]), heads(got["k_txt"])  # [B, N|T, h, d]
+            k_img, q_txt, k_txt = heads(got["k"]), heads(got["q_txt"]), heads(got["k_txt"])  # [B, S|T, h, d]
             T = q_txt.shape[1]
         else:
             if "q" not in got or "k" not in got:
                 return None
             T = text_len() or 0
-            q, k = heads(got["q"]), heads(got["k"])  # [B, T + N, h, d]
-            if k.shape[1] != T + N:
+            q, k = heads(got["q"]), heads(got["k"])  # [B, T + S, h, d]
+            if k.shape[1] != T + S:
                 return None  # the attention ran on merged slots
-            text, image = _joint_parts(T, N, text_side)
+            text, image = _joint_parts(T, S, text_side)
             k_img, q_txt, k_txt = k[:, image], q[:, text], k[:, text]
-        if T == 0 or k_img.shape[1] != N:
+        if T == 0 or k_img.shape[1] != S:
             return None  # no text queries, or the attention ran on merged slots
         if got.get("rope") is not None:
             q_txt, k_txt, k_img = _rotate_joint(got["rope"], rope_layout, q_txt, k_txt, k_img, text_side)
-        key_bias, text_valid = joint_key_mask(got.get("mask"), k_img.shape[0], T, N, text_side)
+        key_bias, text_valid = joint_key_mask(got.get("mask"), k_img.shape[0], T, S, text_side)
         k_txt = k_txt.to(k_img.dtype)
-        k = torch.cat((k_txt, k_img) if text_side == "first" else (k_img, k_txt), dim=1)  # [B, T + N, h, d]
+        k = torch.cat((k_txt, k_img) if text_side == "first" else (k_img, k_txt), dim=1)  # [B, T + S, h, d]
+        start = _joint_parts(T, S, text_side)[1].start + around.before
         return received_attention(q_txt.transpose(1, 2), k.transpose(1, 2), q_txt.shape[-1] ** -0.5,
-                                  keys=_joint_parts(T, N, text_side)[1], key_bias=key_bias,
-                                  query_mask=text_valid)  # [B, N]
+                                  keys=slice(start, start + N), key_bias=key_bias,
+                                  query_mask=text_valid)  # [B, N]: the target's keys
 
     return attention_probe(state, attn, sources, compute, before=before, record_before=record_before)
 
@@ -490,7 +500,6 @@ class PatchifiedAdapter(BackboneAdapter):
     :meth:`merge_points`.
     """
 
-    model_class: ClassVar[str] = ""
     block_kind: ClassVar[str] = "basic"
     timestep_index: ClassVar[int] = 1
 

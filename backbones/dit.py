@@ -25,7 +25,7 @@ from typing import Any, ClassVar
 
 from torch import nn
 
-from tomerge.adapter import BlockSpec, MergePoint
+from tomerge.adapter import BlockSpec, KindSummary, MergePoint
 from tomerge.state import MergeState
 
 from ._diffusers import FeedForwardPoint, PatchifiedAdapter, probe_self_attention
@@ -48,6 +48,14 @@ class DiTAdapter(PatchifiedAdapter):
 
     def merge_points(self, block: nn.Module) -> tuple[MergePoint, ...]:
         return (MergePoint("attn", block.attn1), FeedForwardPoint("mlp", block.ff, block=block))
+
+    @classmethod
+    def kind_summaries(cls) -> tuple[KindSummary, ...]:
+        return (KindSummary(cls.block_kind, ("attn", "mlp"), context="class label (adaLN modulation)"),)
+
+    @classmethod
+    def probed_kinds(cls) -> frozenset[str]:
+        return frozenset({cls.block_kind})
 
     def probe(self, block: BlockSpec, point: MergePoint, state: MergeState) -> list[Any]:
         return probe_self_attention(block, point, state)

@@ -26,13 +26,18 @@ Facts from the installed diffusers (0.42.1, ``models/transformers/transformer_fl
   batch axis (any other use raises). The processor and the attention backend are untouched.
 * Grid: the packed latent has ``H x W`` tokens (``H = height / 16`` of the image); ``img_ids [N, 3]`` hold
   ``(0, row, col)`` of every image token in raster order. The adapter reads ``(H, W)`` from them on every
-  model call; ids that are not one raster grid (e.g. FLUX Kontext's extra reference-image tokens) are
-  not merged, with a warning. The timestep comes from each call, in ``[0, 1]`` (``t_max = 1``).
+  model call (:func:`split_ids`); ids that are not one raster grid are not merged, with a warning. The
+  timestep comes from each call, in ``[0, 1]`` (``t_max = 1``).
+* Reference images (``FluxKontextPipeline``): the latent tokens of the input image follow the generated
+  image's in the image stream, ``[B, N + R, C]``, with ids ``(1, row, col)``. The target is the run of tokens
+  with the smallest first id; the others are context tokens (:mod:`tomerge.backbones._context`): every
+  merge point merges the target's part of the stream and passes the reference tokens through, their RoPE rows
+  kept, so the attention sees them at full length like the text.
 
 Received attention (``idm``): the text-to-image part of the joint attention, from the q/k the processor
-computes, RoPE applied as the model does, all text queries against all keys, restricted to the image keys and
-renormalised per sample (:func:`~tomerge.backbones._diffusers.probe_joint_attention`, shared with the declared
-joint families).
+computes, RoPE applied as the model does, all text queries against all keys (the reference-image tokens among
+them), restricted to the target's image keys and renormalised per sample
+(:func:`~tomerge.backbones._diffusers.probe_joint_attention`, shared with the declared joint families).
 
 Prompt reweighting (``sdtm`` with text labels, :mod:`tomerge.strategies.sdtm_prompts` and
 :mod:`tomerge.text_bias`): the text tokens are the first ``T`` keys of every joint attention (double: ``T``
@@ -50,15 +55,17 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
 
-from tomerge.adapter import BackboneAdapter, BlockSpec, MergePoint, TextKeys, class_names
+from tomerge.adapter import BackboneAdapter, BlockSpec, KindSummary, MergePoint, TextKeys, class_names
 from tomerge.plan import MergePlan
 from tomerge.state import MergeState
 
+from ._context import NO_CONTEXT, ContextTokens
 from ._diffusers import call_arg, probe_joint_attention, submodel
 
 
@@ -144,32 +151,62 @@ def gather_rotary(freqs: tuple[Tensor, Tensor], dst: Tensor, text_len: int) -> t
 # ---------------------------------------------------------------------- blocks and merge points
 @dataclasses.dataclass
 class CallLengths:
-    """The single-stream block call in progress (reset by :meth:`FluxBlockSpec.block_input`): text and image
-    lengths, and the last merge of the joint input (``proj_mlp`` and ``attn`` read the same tensor)."""
+    """The block call in progress (reset by :meth:`FluxBlockSpec.block_input`): text and target image lengths,
+    the model call's context (reference-image) tokens in the image stream, and the last merge of the joint
+    input (a single-stream block's ``proj_mlp`` and ``attn`` read the same tensor)."""
 
     text: int | None = None
     image: int | None = None
+    context: ContextTokens = NO_CONTEXT
     merged: tuple[Tensor, MergePlan, Tensor] | None = None  # (joint input, plan, merged image part)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class FluxBlockSpec(BlockSpec):
-    """A Flux block; reading its input also records the call's text and image lengths for its points."""
+    """A Flux block; reading its input also records the call's text and image lengths and the model call's
+    context tokens for its points. Its input is the target part of the image stream."""
 
     lengths: CallLengths = dataclasses.field(default_factory=CallLengths, kw_only=True)
+    model_context: Callable[[], ContextTokens] = dataclasses.field(default=lambda: NO_CONTEXT, kw_only=True)
 
     def block_input(self, args: tuple, kwargs: dict) -> Tensor:
-        x = call_arg(args, kwargs, "hidden_states", 0)  # [B, N, C] image tokens
+        stream = call_arg(args, kwargs, "hidden_states", 0)  # [B, before + N + after, C] image stream
         text = call_arg(args, kwargs, "encoder_hidden_states", 1)  # [B, T, C]
+        context = self.model_context()
+        context.check(stream, type(self.module).__name__)
+        x = context.target(stream)  # [B, N, C]
         self.lengths.text = int(text.shape[1]) if text is not None else 0
         self.lengths.image = int(x.shape[1])
+        self.lengths.context = context
         self.lengths.merged = None
         return x
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class DoubleAttentionPoint(MergePoint):
-    """``attn`` of a double-stream block: merges the image ``hidden_states`` and gathers their RoPE rows.
+class ImageStreamPoint(MergePoint):
+    """A submodule of a double-stream block that reads the image stream (``ff``; ``attn`` is
+    :class:`DoubleAttentionPoint`): its target part is merged and unmerged, the context tokens pass through."""
+
+    lengths: CallLengths = dataclasses.field(default_factory=CallLengths, kw_only=True)
+
+    def get_input(self, args: tuple, kwargs: dict) -> Tensor:
+        return self.lengths.context.target(super().get_input(args, kwargs))  # [B, N, C]
+
+    def set_input(self, args: tuple, kwargs: dict, x: Tensor) -> tuple[tuple, dict]:
+        stream = super().get_input(args, kwargs)  # [B, before + N + after, C]
+        return super().set_input(args, kwargs, self.lengths.context.with_target(stream, x))
+
+    def get_output(self, out: Any) -> Tensor:
+        return self.lengths.context.target(super().get_output(out))  # [B, M, C']
+
+    def set_output(self, out: Any, y: Tensor) -> Any:
+        return super().set_output(out, self.lengths.context.with_target(super().get_output(out), y))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class DoubleAttentionPoint(ImageStreamPoint):
+    """``attn`` of a double-stream block: merges the target part of the image ``hidden_states`` and gathers
+    their RoPE rows (text and context rows kept).
 
     Its output is ``(image, text)`` or ``(image, text, ip)``; both image parts are unmerged.
     """
@@ -178,44 +215,48 @@ class DoubleAttentionPoint(MergePoint):
         _check_no_mask(args, kwargs)
         text = call_arg(args, kwargs, "encoder_hidden_states", 1)  # [B, T, C]
         args, kwargs = super().merge_input(args, kwargs, x, plan)
-        return _merge_rotary(args, kwargs, plan, 0 if text is None else int(text.shape[1]))
+        return _merge_rotary(args, kwargs, plan, 0 if text is None else int(text.shape[1]), self.lengths.context)
 
     def get_output(self, out: Any) -> Tensor:
+        context = self.lengths.context
         if len(out) == 3:  # IP-adapter: (image, text, ip image output), both image outputs unmerged together
-            return torch.cat([out[0], out[2]], dim=-1)  # [B, M, 2C]
-        return out[0]
+            return torch.cat([context.target(out[0]), context.target(out[2])], dim=-1)  # [B, M, 2C]
+        return context.target(out[0])
 
     def set_output(self, out: Any, y: Tensor) -> Any:
+        context = self.lengths.context
         if len(out) == 3:
             image, ip = y.split([out[0].shape[-1], out[2].shape[-1]], dim=-1)  # [B, N, C] each
-            return (image, out[1], ip)
-        return (y, *out[1:])
+            return (context.with_target(out[0], image), out[1], context.with_target(out[2], ip))
+        return (context.with_target(out[0], y), *out[1:])
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class SingleStreamPoint(MergePoint):
-    """A submodule of a single-stream block that reads the normalised joint ``[text, image]`` sequence
-    (``proj_mlp``; ``attn`` is :class:`SingleAttentionPoint`): the image part (after the call's ``T`` text
-    tokens) is merged on the way in. When the block call also merges ``"mlp"`` (``proj_out``), the output
-    stays merged: the activation, the concatenation and ``proj_out`` run on the merged sequence and
-    :class:`SingleOutputPoint` unmerges once. Otherwise the image part of the output is unmerged here."""
+    """A submodule of a single-stream block that reads the normalised joint ``[text, image stream]`` sequence
+    (``proj_mlp``; ``attn`` is :class:`SingleAttentionPoint`): the target part of the image stream (after the
+    call's ``T`` text tokens, within the context tokens) is merged on the way in. When the block call also
+    merges ``"mlp"`` (``proj_out``), the output stays merged: the activation, the concatenation and
+    ``proj_out`` run on the merged sequence and :class:`SingleOutputPoint` unmerges once. Otherwise the target
+    part of the output is unmerged here."""
 
     lengths: CallLengths = dataclasses.field(kw_only=True)
 
     def _split(self, joint: Tensor) -> int:
-        T, N = self.lengths.text, self.lengths.image
-        if T is None or N is None or joint.shape[1] != T + N:
+        T, N, context = self.lengths.text, self.lengths.image, self.lengths.context
+        if T is None or N is None or joint.shape[1] != T + N + context.count:
             raise RuntimeError(
                 f"tomerge flux: {type(self.module).__name__} got {tuple(joint.shape)}, expected [B, T + N, C] with "
-                f"T={T} text and N={N} image tokens of this block call")
+                f"T={T} text and N={N} image tokens of this block call"
+                + (f" and {context.count} context tokens" if context else ""))
         return T
 
     def get_input(self, args: tuple, kwargs: dict) -> Tensor:
-        joint = super().get_input(args, kwargs)  # [B, T + N, C]
-        return joint[:, self._split(joint):]  # [B, N, C]
+        joint = super().get_input(args, kwargs)  # [B, T + before + N + after, C]
+        return self.lengths.context.target(joint[:, self._split(joint):])  # [B, N, C]
 
     def merge_input(self, args: tuple, kwargs: dict, x: Tensor, plan: MergePlan) -> tuple[tuple, dict]:
-        joint = super().get_input(args, kwargs)  # [B, T + N, C]
+        joint = super().get_input(args, kwargs)  # [B, T + before + N + after, C]
         cached = self.lengths.merged
         if cached is not None and cached[0] is joint and cached[1] is plan:
             merged = cached[2]  # proj_mlp and attn read the same normalised tokens: merge them once
@@ -225,29 +266,31 @@ class SingleStreamPoint(MergePoint):
         return self.set_input(args, kwargs, merged)
 
     def set_input(self, args: tuple, kwargs: dict, x: Tensor) -> tuple[tuple, dict]:
-        joint = super().get_input(args, kwargs)  # [B, T + N, C]
-        merged = torch.cat([joint[:, : self.lengths.text], x], dim=1)  # [B, T + M, C]
+        joint = super().get_input(args, kwargs)  # [B, T + before + N + after, C]
+        T = self.lengths.text
+        merged = torch.cat([joint[:, :T], self.lengths.context.with_target(joint[:, T:], x)], dim=1)  # [.., T + M ..]
         return super().set_input(args, kwargs, merged)
 
     def keeps_merged(self, sublayers: frozenset[str]) -> bool:
         return "mlp" in sublayers  # proj_out reads this output and unmerges
 
     def get_output(self, out: Tensor) -> Tensor:
-        return out[:, self.lengths.text:]  # [B, M, C']
+        return self.lengths.context.target(out[:, self.lengths.text:])  # [B, M, C']
 
     def set_output(self, out: Tensor, y: Tensor) -> Tensor:
-        return torch.cat([out[:, : self.lengths.text], y], dim=1)  # [B, T + N, C']
+        T = self.lengths.text
+        return torch.cat([out[:, :T], self.lengths.context.with_target(out[:, T:], y)], dim=1)  # [B, T + .. N .., C']
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class SingleOutputPoint(SingleStreamPoint):
     """``proj_out`` of a single-stream block (``"mlp"``): reads ``cat([attn_out, mlp_out], -1)``, already
-    merged when the block call merged ``"attn"`` too (``[B, T + M, C']``), else full length (merged here);
-    its output's image part is unmerged."""
+    merged when the block call merged ``"attn"`` too (``[B, T + M, C']``, context tokens within), else full
+    length (merged here); the target part of its output is unmerged."""
 
     def get_input(self, args: tuple, kwargs: dict) -> Tensor:
-        joint = MergePoint.get_input(self, args, kwargs)  # [B, T + N, C'] or [B, T + M, C']
-        return joint[:, self.lengths.text or 0:]
+        joint = MergePoint.get_input(self, args, kwargs)  # [B, T + .. N .., C'] or [B, T + .. M .., C']
+        return self.lengths.context.target(joint[:, self.lengths.text or 0:])
 
     def merge_input(self, args: tuple, kwargs: dict, x: Tensor, plan: MergePlan) -> tuple[tuple, dict]:
         if x.shape[1] == plan.num_slots:
@@ -261,12 +304,12 @@ class SingleOutputPoint(SingleStreamPoint):
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class SingleAttentionPoint(SingleStreamPoint):
-    """``attn`` of a single-stream block: the joint sequence's image part is merged, its RoPE rows gathered."""
+    """``attn`` of a single-stream block: the joint sequence's target part is merged, its RoPE rows gathered."""
 
     def merge_input(self, args: tuple, kwargs: dict, x: Tensor, plan: MergePlan) -> tuple[tuple, dict]:
         _check_no_mask(args, kwargs)
         args, kwargs = super().merge_input(args, kwargs, x, plan)
-        return _merge_rotary(args, kwargs, plan, self.lengths.text)
+        return _merge_rotary(args, kwargs, plan, self.lengths.text, self.lengths.context)
 
 
 def _check_no_mask(args: tuple, kwargs: dict) -> None:
@@ -275,16 +318,19 @@ def _check_no_mask(args: tuple, kwargs: dict) -> None:
                          "tokens; drop it from joint_attention_kwargs or run without merging")
 
 
-def _merge_rotary(args: tuple, kwargs: dict, plan: MergePlan, text_len: int) -> tuple[tuple, dict]:
-    """Replaces the attention call's ``image_rotary_emb`` by the table of the merged sequence."""
+def _merge_rotary(args: tuple, kwargs: dict, plan: MergePlan, text_len: int,
+                  context: ContextTokens = NO_CONTEXT) -> tuple[tuple, dict]:
+    """Replaces the attention call's ``image_rotary_emb`` by the table of the merged sequence (text and context
+    rows kept, the target's gathered)."""
     freqs = call_arg(args, kwargs, "image_rotary_emb", 3)
     if freqs is None:
         return args, kwargs
-    if freqs[0].shape[0] != text_len + plan.num_tokens:
+    if freqs[0].shape[0] != text_len + plan.num_tokens + context.count:
         raise ValueError(
             f"tomerge flux: image_rotary_emb has {freqs[0].shape[0]} rows, expected {text_len} text + "
-            f"{plan.num_tokens} image positions")
-    return _with_arg(args, kwargs, "image_rotary_emb", 3, gather_rotary(freqs, plan.dst, text_len))
+            f"{plan.num_tokens} image positions" + (f" + {context.count} context positions" if context else ""))
+    dst = context.stream_positions(plan.dst, plan.num_tokens)  # [B, before + M + after]
+    return _with_arg(args, kwargs, "image_rotary_emb", 3, gather_rotary(freqs, dst, text_len))
 
 
 # ---------------------------------------------------------------------- the adapter
@@ -314,6 +360,32 @@ def grid_from_ids(img_ids: Tensor) -> tuple[int, int] | None:
     return (int(H), int(W)) if bool(ok) else None
 
 
+def split_ids(img_ids: Tensor) -> tuple[tuple[int, int] | None, ContextTokens]:
+    """The target's ``(H, W)`` grid and the context tokens of a model call's image ids ``[L, 3]`` (FLUX.1
+    ``(t, row, col)``) or ``[L, 4]`` (FLUX.2 ``(t, h, w, l)``); ``(None, no context)`` when there is no target.
+
+    The target is the generated image: the tokens whose first id ``t`` is the smallest (0 in every FLUX
+    pipeline; reference images have ``t = 1`` in Kontext, ``10, 20, ...`` in FLUX.2), which must be one
+    contiguous run forming a raster grid (:func:`grid_from_ids`). The tokens before and after it are context.
+
+    Example:
+        >>> target = torch.tensor([[0, r, c] for r in range(2) for c in range(3)])
+        >>> reference = torch.tensor([[1, r, c] for r in range(2) for c in range(2)])
+        >>> split_ids(torch.cat([target, reference]))
+        ((2, 3), ContextTokens(before=0, after=4))
+    """
+    ids = img_ids[0] if img_ids.dim() == 3 else img_ids  # [L, 3 or 4]
+    if ids.dim() != 2 or ids.shape[0] == 0:
+        return None, NO_CONTEXT
+    first = ids[:, 0]
+    target = (first == first.min()).nonzero().flatten()  # [N] positions of the target's tokens
+    start, stop = int(target[0]), int(target[-1]) + 1
+    grid = grid_from_ids(ids[start:stop]) if stop - start == target.numel() else None
+    if grid is None:
+        return None, NO_CONTEXT
+    return grid, ContextTokens(before=start, after=ids.shape[0] - stop)
+
+
 class FluxAdapter(BackboneAdapter):
     """Adapter for diffusers `FluxTransformer2DModel` (see the module docstring).
 
@@ -324,18 +396,29 @@ class FluxAdapter(BackboneAdapter):
     """
 
     name: ClassVar[str] = "flux"
+    model_class: ClassVar[str] = "FluxTransformer2DModel"
     block_names: ClassVar[tuple[str, ...]] = ("FluxTransformerBlock", "FluxSingleTransformerBlock")
     t_max: ClassVar[float] = 1.0  # Flux is called with t in [0, 1] (it multiplies by 1000 inside)
 
     def __init__(self, model: nn.Module, options: Any) -> None:
         super().__init__(model, options)
         self.grid_size: tuple[int, int] | None = None
+        self.context = NO_CONTEXT  # reference-image tokens of the model call in progress
         self._warned_ids = False
 
     @classmethod
     def find_model(cls, obj: Any) -> nn.Module | None:
         """The transformer: ``obj`` itself or a pipeline's ``obj.transformer``."""
-        return submodel(obj, "transformer", "FluxTransformer2DModel")
+        return submodel(obj, "transformer", cls.model_class)
+
+    @classmethod
+    def kind_summaries(cls) -> tuple[KindSummary, ...]:
+        return tuple(KindSummary(kind, ("attn", "mlp"), context="joint attention, text first", rope="rows")
+                     for kind in ("double", "single"))
+
+    @classmethod
+    def probed_kinds(cls) -> frozenset[str]:
+        return frozenset({"double", "single"})
 
     def blocks(self) -> list[BlockSpec]:
         specs: list[BlockSpec] = []
@@ -343,8 +426,8 @@ class FluxAdapter(BackboneAdapter):
             names = class_names(module)
             lengths = CallLengths()
             if "FluxTransformerBlock" in names:
-                points = (DoubleAttentionPoint("attn", module.attn),
-                          MergePoint("mlp", module.ff))
+                points = (DoubleAttentionPoint("attn", module.attn, lengths=lengths),
+                          ImageStreamPoint("mlp", module.ff, lengths=lengths))
                 kind = "double"
             elif "FluxSingleTransformerBlock" in names:
                 points = (SingleStreamPoint("attn", module.proj_mlp, arg="input", lengths=lengths),
@@ -353,18 +436,19 @@ class FluxAdapter(BackboneAdapter):
                 kind = "single"
             else:
                 continue
-            specs.append(FluxBlockSpec(module, layer=len(specs), kind=kind, points=points, lengths=lengths))
+            specs.append(FluxBlockSpec(module, layer=len(specs), kind=kind, points=points, lengths=lengths,
+                                       model_context=lambda: self.context))
         return specs
 
     def on_model_call(self, args: tuple, kwargs: dict) -> Tensor | float | None:
         x = call_arg(args, kwargs, "hidden_states", 0)  # [B, N, C_in] packed latent
         img_ids = call_arg(args, kwargs, "img_ids", 4)
-        self.grid_size = grid_from_ids(img_ids) if img_ids is not None else None
+        self.grid_size, self.context = split_ids(img_ids) if img_ids is not None else (None, NO_CONTEXT)
         if self.grid_size is None and not self._warned_ids:
             self._warned_ids = True
             warnings.warn(
-                f"tomerge flux: the img_ids of this call ({x.shape[1]} image tokens) are not one raster-ordered "
-                "H x W grid (e.g. FLUX Kontext's reference-image tokens); its blocks are not merged", stacklevel=2)
+                f"tomerge flux: the img_ids of this call ({x.shape[1]} image tokens) hold no raster-ordered "
+                "H x W grid of the generated image; its blocks are not merged", stacklevel=2)
         return call_arg(args, kwargs, "timestep", 3)
 
     def grid(self, block: BlockSpec, num_tokens: int) -> tuple[int, int] | None:
@@ -389,7 +473,8 @@ class FluxAdapter(BackboneAdapter):
             return []  # proj_mlp: the attention's own point records
         lengths = getattr(block, "lengths", CallLengths())
         return probe_joint_attention(point.module, state, text_side="first", text_len=lambda: lengths.text,
-                                     rope=("image_rotary_emb", 3), mask=("attention_mask", 2))
+                                     rope=("image_rotary_emb", 3), mask=("attention_mask", 2),
+                                     context=lambda: lengths.context)
 
 
 def text_tokens(pipe: Any, prompt: str, max_sequence_length: int = 512) -> list[str]:

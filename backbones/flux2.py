@@ -15,18 +15,23 @@ Facts from the installed diffusers (0.42.1, ``models/transformers/transformer_fl
   and MLP both run merged) and ``attn.to_out`` (``"mlp"``: the image part of ``cat([attn, mlp])``). With both
   on, ``attn`` keeps its output merged and ``to_out`` unmerges once; ``"mlp"`` alone merges only ``to_out``.
 * Grid: ``img_ids [B, N, 4]`` hold ``(t, h, w, l)``; the grid ``(H, W)`` is read from the ``h, w`` columns on
-  every call (raster order). Reference-image tokens of FLUX.2 editing (other ``t``) make the ids no single
-  grid: such calls are not merged, with a warning. The pipeline calls the model with ``timestep / 1000``
-  (``t_max = 1``).
+  every call (raster order). The pipeline calls the model with ``timestep / 1000`` (``t_max = 1``).
+* Reference images (``Flux2Pipeline(image=...)``, klein): their latent tokens follow the generated image's in
+  the image stream, with ids of other ``t`` (10, 20, ...); klein's KV-cache "extract" call puts them first.
+  The target is the run of tokens with the smallest ``t`` (:func:`~tomerge.backbones.flux.split_ids`), the
+  others are context tokens (:mod:`tomerge.backbones._context`): merged sites merge the target, the reference
+  tokens pass through at full length with their RoPE rows (the processor's ``num_ref_tokens`` split of the
+  extract call stays right: the tokens ahead of the target are not merged).
 """
 
 from __future__ import annotations
 
 from typing import ClassVar
 
+from ._context import NO_CONTEXT, ContextTokens
 from ._declared import DeclaredAdapter, Kind, Rope, Site
 from ._diffusers import call_arg
-from .flux import grid_from_ids
+from .flux import split_ids
 
 _DOUBLE_ROPE = Rope("image_rotary_emb", 3, "rows")  # Flux2Attention.forward(hidden, encoder, mask, rope)
 _SINGLE_ROPE = Rope("image_rotary_emb", 2, "rows")  # Flux2ParallelSelfAttention.forward(hidden, mask, rope)
@@ -51,9 +56,9 @@ class Flux2Adapter(DeclaredAdapter):
         ), joint_input="first"),
     )
 
-    def call_grid(self, args: tuple, kwargs: dict) -> tuple[int, ...] | None:
+    def call_layout(self, args: tuple, kwargs: dict) -> tuple[tuple[int, ...] | None, ContextTokens]:
         img_ids = call_arg(args, kwargs, "img_ids", 3)
-        return grid_from_ids(img_ids) if img_ids is not None else None
+        return split_ids(img_ids) if img_ids is not None else (None, NO_CONTEXT)
 
     def unknown_grid_reason(self) -> str:
-        return "its img_ids are not one raster-ordered H x W grid, e.g. FLUX.2 reference-image tokens"
+        return "its img_ids hold no raster-ordered H x W grid of the generated image"

@@ -37,6 +37,7 @@ class HunyuanVideoAdapter(DeclaredAdapter):
 
     name: ClassVar[str] = "hunyuan_video"
     model_class: ClassVar[str] = "HunyuanVideoTransformer3DModel"
+    grid_dims: ClassVar[int] = 3
     timestep_index: ClassVar[int] = 1  # forward(hidden_states, timestep, encoder_hidden_states, ...)
     text_index: ClassVar[int] = 2
     patch_attrs: ClassVar[tuple[str, ...]] = ("patch_size_t", "patch_size", "patch_size")

@@ -32,6 +32,7 @@ class LTXAdapter(DeclaredAdapter):
 
     name: ClassVar[str] = "ltx"
     model_class: ClassVar[str] = "LTXVideoTransformer3DModel"
+    grid_dims: ClassVar[int] = 3
     timestep_index: ClassVar[int] = 2  # forward(hidden_states, encoder_hidden_states, timestep, mask, F, H, W, ...)
     kinds: ClassVar[tuple[Kind, ...]] = (
         Kind("ltx", "transformer_blocks", ("LTXVideoTransformerBlock",), (

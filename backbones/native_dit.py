@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 
 from torch import Tensor, nn
 
-from tomerge.adapter import BackboneAdapter, BlockSpec, MergePoint, class_names
+from tomerge.adapter import BackboneAdapter, BlockSpec, KindSummary, MergePoint, class_names
 from tomerge.probe import attention_probe, received_self_attention
 from tomerge.state import MergeState
 
@@ -39,6 +39,14 @@ class NativeDiTAdapter(BackboneAdapter):
                 and "DiTTransformer2DModel" not in class_names(obj):
             return obj
         return None
+
+    @classmethod
+    def kind_summaries(cls) -> tuple[KindSummary, ...]:
+        return (KindSummary("dit", ("attn", "mlp"), context="class label (adaLN modulation)"),)
+
+    @classmethod
+    def probed_kinds(cls) -> frozenset[str]:
+        return frozenset({"dit"})
 
     def blocks(self) -> list[BlockSpec]:
         return [BlockSpec(block, layer=i, kind="dit", arg="x",

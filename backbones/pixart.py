@@ -27,7 +27,7 @@ from typing import Any, ClassVar
 
 from torch import Tensor, nn
 
-from tomerge.adapter import BlockSpec, MergePoint
+from tomerge.adapter import BlockSpec, KindSummary, MergePoint
 from tomerge.state import MergeState
 
 from ._diffusers import FeedForwardPoint, PatchifiedAdapter, call_arg, probe_self_attention
@@ -61,6 +61,14 @@ class PixArtAdapter(PatchifiedAdapter):
                 "(PixArt pipelines never pass one; the text mask is encoder_attention_mask, which is fine); "
                 "call the transformer without attention_mask, or tomerge.remove() it first")
         return super().on_model_call(args, kwargs)
+
+    @classmethod
+    def kind_summaries(cls) -> tuple[KindSummary, ...]:
+        return (KindSummary(cls.block_kind, ("attn", "crossattn", "mlp"), context="cross-attention"),)
+
+    @classmethod
+    def probed_kinds(cls) -> frozenset[str]:
+        return frozenset({cls.block_kind})
 
     def probe(self, block: BlockSpec, point: MergePoint, state: MergeState) -> list[Any]:
         return probe_self_attention(block, point, state)

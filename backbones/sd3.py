@@ -44,7 +44,7 @@ from typing import Any, ClassVar
 
 from torch import nn
 
-from tomerge.adapter import BlockSpec, MergePoint, TextKeys
+from tomerge.adapter import BlockSpec, KindSummary, MergePoint, TextKeys
 from tomerge.state import MergeState
 
 from ._diffusers import FeedForwardPoint, PatchifiedAdapter, call_arg, probe_joint_attention
@@ -93,6 +93,14 @@ class SD3Adapter(PatchifiedAdapter):
         if point.module is not block.module.attn:
             return None  # attn2 (dual attention) is image-only
         return TextKeys(point.module, text_len=_text_len, text_first=False)  # [image, text] in the processor
+
+    @classmethod
+    def kind_summaries(cls) -> tuple[KindSummary, ...]:
+        return (KindSummary(cls.block_kind, ("attn", "mlp"), context="joint attention, text last"),)
+
+    @classmethod
+    def probed_kinds(cls) -> frozenset[str]:
+        return frozenset({cls.block_kind})
 
     def probe(self, block: BlockSpec, point: MergePoint, state: MergeState) -> list[Any]:
         if point.module is not block.module.attn:

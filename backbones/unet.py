@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 
 from torch import Tensor, nn
 
-from tomerge.adapter import BackboneAdapter, BlockSpec, MergePoint, class_names
+from tomerge.adapter import BackboneAdapter, BlockSpec, KindSummary, MergePoint, class_names
 from tomerge.state import MergeState
 
 from ._diffusers import FeedForwardPoint, call_arg, probe_self_attention, submodel
@@ -76,6 +76,7 @@ class UNetAdapter(BackboneAdapter):
     """Adapter for diffusers `UNet2DConditionModel` (see the module docstring)."""
 
     name: ClassVar[str] = "unet"
+    model_class: ClassVar[str] = "UNet2DConditionModel"
     block_names: ClassVar[tuple[str, ...]] = ("BasicTransformerBlock",)
     Options: ClassVar[type] = UNetOptions
 
@@ -98,7 +99,15 @@ class UNetAdapter(BackboneAdapter):
 
     @classmethod
     def find_model(cls, obj: Any) -> nn.Module | None:
-        return submodel(obj, "unet", "UNet2DConditionModel")
+        return submodel(obj, "unet", cls.model_class)
+
+    @classmethod
+    def kind_summaries(cls) -> tuple[KindSummary, ...]:
+        return (KindSummary("basic", ("attn", "crossattn", "mlp"), context="cross-attention"),)
+
+    @classmethod
+    def probed_kinds(cls) -> frozenset[str]:
+        return frozenset({"basic"})
 
     def blocks(self) -> list[BlockSpec]:
         specs = []

@@ -33,6 +33,7 @@ class WanAdapter(DeclaredAdapter):
 
     name: ClassVar[str] = "wan"
     model_class: ClassVar[str] = "WanTransformer3DModel"
+    grid_dims: ClassVar[int] = 3
     timestep_index: ClassVar[int] = 1  # forward(hidden_states, timestep, encoder_hidden_states, ...)
     text_index: ClassVar[int] = 2
     kinds: ClassVar[tuple[Kind, ...]] = (

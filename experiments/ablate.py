@@ -184,9 +184,13 @@ def quality_scorer(folder: RunFolder, config: AblationConfig, baseline_files: Se
     reference = cached.get("reference")
     if reference is None and m.reference_images is None and config.fd_reference_images \
             and config.model.kind == "reference":
+        from PIL import Image
+
         from .data import FashionMNIST
 
-        real = FashionMNIST(config.data_root, split="test", limit=config.fd_reference_images,
+        with Image.open(baseline_files[0]) as first:  # the test images at the model's resolution
+            side = first.size[0]
+        real = FashionMNIST(config.data_root, split="test", limit=config.fd_reference_images, size=side,
                             root_hint="--set data_root=DIR")
         extract = FeatureExtractor(device=config.model.device, batch_size=m.batch_size)
         reference = extract(real.images.float().div(127.5).sub(1.0).unsqueeze(1))  # [n, 1, H, W] -> [n, 1280]
@@ -272,7 +276,7 @@ def _run_grid(config: AblationConfig, folder: RunFolder, progress: bool) -> RunF
         }
         row["overhead_ratio"] = row["speedup"] / row["flop_speedup"]
         folder.save_grid(run.run_id, files)
-        folder.save_maps(run.run_id, measured["maps"], measured["records"])
+        folder.save_maps(run.run_id, measured["maps"], measured["records"], measured["grids"])
         folder.append(row)
         logger.row(row, images=files, prompts=prompts, maps=measured["maps"], grids=measured["grids"])
     folder.finish()

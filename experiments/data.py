@@ -125,13 +125,15 @@ class FashionMNIST(Dataset):
 
     ``size`` 32 is the 28x28 image zero-padded by 2 pixels on each side; a multiple ``32 k`` is the image
     upsampled bilinearly to ``28 k`` and padded by ``2 k`` (64: 28 -> 56, padded to 64), so every size
-    shows the garment at the same fraction of the frame.
+    shows the garment at the same fraction of the frame. (IDX files of other ``s x s`` images work the
+    same way, with ``s + 4`` in place of 32.)
 
     Args:
         root: folder with ``{train,t10k}-{images-idx3,labels-idx1}-ubyte[.gz]``.
         split: ``"train"`` (60k) or ``"test"`` (10k).
         limit: keep only the first ``limit`` images (smoke tests).
-        size: the image side, a multiple of 32 (32 for the reference model, 64 for ``reference-1024``).
+        size: the image side, a multiple of 32 (32 for the reference model, 64 for ``reference-1024``);
+            ``None``: 32.
         root_hint: how the caller's user gives another folder, in the message of a missing file
             (``tomerge train-reference``: ``"pass --data-root DIR"``).
 
@@ -140,9 +142,7 @@ class FashionMNIST(Dataset):
     """
 
     def __init__(self, root: str | os.PathLike | None = None, split: str = "train", limit: int | None = None,
-                 size: int = 32, root_hint: str = "pass root=DIR") -> None:
-        if size < 32 or size % 32:
-            raise ValueError(f"Fashion-MNIST image size must be a multiple of 32, got {size}")
+                 size: int | None = None, root_hint: str = "pass root=DIR") -> None:
         images_file, labels_file = fashion_mnist_files(root, split, root_hint)
         root = images_file.parent
         images = read_idx(images_file)  # [N, 28, 28] uint8
@@ -151,14 +151,18 @@ class FashionMNIST(Dataset):
             raise ValueError(f"inconsistent IDX files in {root}: images {tuple(images.shape)}, labels {tuple(labels.shape)}")
         if limit is not None:
             images, labels = images[:limit], labels[:limit]
-        scale = size // 32
+        side = images.shape[-1]  # 28
+        scale, rest = divmod(size or side + 4, side + 4)
+        if scale < 1 or rest:
+            raise ValueError(f"Fashion-MNIST image size must be a multiple of {side + 4} (its {side}x{side} images "
+                             f"padded by 2), got {size}")
         if scale > 1:
-            images = _upsample(images, 28 * scale)  # [N, 28k, 28k] uint8
+            images = _upsample(images, side * scale)  # [N, 28k, 28k] uint8
         pad = 2 * scale
         images = torch.nn.functional.pad(images, (pad, pad, pad, pad))  # [N, size, size], background 0
         self.images = images.contiguous()
         self.labels = labels.long()
-        self.root, self.split, self.size = root, split, size
+        self.root, self.split, self.size = root, split, images.shape[-1]
 
     def __len__(self) -> int:
         return self.images.shape[0]

@@ -16,6 +16,12 @@ Reads what ``tomerge ablate`` wrote (``results.jsonl``, ``images/``, ``maps/``, 
   tokens dark, over the run's first image, per kept step and layer), ``grid.png`` (one image per
   class or prompt, at most ``--k``, or the first ``--k`` with ``--grid-items first``; the same items
   in every row: baseline row then one row per run, or for prompts one row per prompt).
+* per video run folder (items are folders of frames), instead of the grid and the image merge maps:
+  ``frames/<item>.png`` for the same items (a frame strip: baseline row then one row per run, a few evenly
+  spaced frames side by side), ``maps/<run>.png`` (per kept step and layer a row of merge maps, one per latent
+  frame, over the matching frame of the run's first video) and ``frame_quality.png`` with
+  ``frame_quality.json`` (PSNR, SSIM and DINO distance vs the baseline per frame index, one line per run:
+  the rows' ``psnr_per_frame``, ...).
 
 A W&B offline run directory inside a run folder (``runs/<name>/wandb/offline-run-*``) resolves to
 that run folder; standalone W&B runs are not supported (their binary logs hold no more than the
@@ -51,7 +57,9 @@ if TYPE_CHECKING:  # torch is imported where images are drawn: `tomerge figures 
 
 __all__ = ["RunData", "load_run", "varying_options", "pareto_front", "ablation_table", "timing_interval", "point_styles",
            "place_labels", "pareto_plot", "pareto_figure", "schedule_figure",
-           "merge_map_figure", "image_grid_figure", "make_figures", "add_arguments", "run"]
+           "merge_map_figure", "image_grid_figure", "frame_indices", "frame_strip", "frame_strip_plot",
+           "frame_strip_figure", "video_merge_map_figure", "frame_quality_figure", "make_figures", "add_arguments",
+           "run"]
 
 # metric -> (axis label, higher is better, paired with the baseline images); keys as in metrics.compute_quality
 METRICS = {"psnr": ("PSNR vs baseline (dB)", True, True), "ssim": ("SSIM vs baseline", True, True),
@@ -72,6 +80,8 @@ PHASE_COLOURS = {"structure": "tab:blue", "detail": "tab:orange", "protected": "
                  "skip_step": "tab:gray", "skip_block": "tab:brown", "skip": "tab:gray"}
 MARKERS = "osD^vP*Xh<>p"
 GRID_SELECT = {"distinct": "one image per class or prompt", "first": "the first items"}
+STRIP_FRAMES = 5  # frames per video in the frame strips
+FRAME_METRICS = ("psnr", "ssim", "dino_dist")  # per-frame keys of video rows: <metric>_per_frame
 
 
 @dataclasses.dataclass
@@ -111,13 +121,15 @@ class RunData:
     def images(self, run: str, k: int | None = None, indices: Sequence[int] | None = None) -> Tensor | None:
         """Images ``[n, C, H, W]`` float in [-1, 1], or ``None``: the items with these ``index`` values in
         that order (``indices``; items the run lacks are left out), else the first ``k`` (all: ``None``)."""
-        from .metrics import load_image_files
-
         items = self.items(run, indices) if indices is not None else self.index(run)[:k]
         files = [self.path / "images" / run / item["file"] for item in items]
         files = [f for f in files if f.exists()]
-        if not files:
-            return None
+        return self._load(files) if files else None
+
+    def _load(self, files: Sequence[Path]) -> Tensor:
+        """``load_image_files(files)``; a damaged file is named in a :class:`DamagedFileError`."""
+        from .metrics import load_image_files
+
         try:
             return load_image_files(files)
         except (OSError, SyntaxError, ValueError) as err:  # PIL: truncated, not an image
@@ -128,6 +140,30 @@ class RunData:
                     raise DamagedFileError(f"{file} is damaged ({one}); delete it and {regenerate(self.path)}") \
                         from one
             raise err
+
+    @property
+    def is_video(self) -> bool:
+        """Whether the folder's items are videos (folders of frames, as video pipelines write them)."""
+        for r in self.rows:
+            for item in self.index(r["run"]):
+                path = self.path / "images" / r["run"] / item["file"]
+                if path.exists():
+                    return path.is_dir()
+        return False
+
+    def video(self, run: str, index: int) -> Tensor | None:
+        """The frames ``[T, C, H, W]`` (float, [-1, 1]) of the run's item with this ``index``, or ``None``."""
+        from .metrics import frame_files
+
+        items = self.items(run, [index])
+        folder = self.path / "images" / run / items[0]["file"] if items else None
+        if folder is None or not folder.is_dir():
+            return None
+        try:
+            frames = frame_files(folder)
+        except ValueError as err:
+            raise DamagedFileError(f"{folder}: {err}; delete it and {regenerate(self.path)}") from err
+        return self._load(frames)
 
     def prompts(self, k: int | None = None, indices: Sequence[int] | None = None) -> list[str] | None:
         """Prompts of the baseline's items with these ``index`` values (``indices``), else of its first ``k``
@@ -176,6 +212,23 @@ class RunData:
         except Exception as err:  # noqa: BLE001 - safetensors raises its own SafetensorError
             raise DamagedFileError(f"{file} is damaged ({type(err).__name__}: {err}); delete it (the figures then "
                                    "leave out that run's merge maps)") from err
+
+    def map_grids(self, run: str) -> dict[str, tuple[int, ...]]:
+        """The token grid of each merge map of the run (``(H, W)`` or ``(T, H, W)``), from the maps file's
+        metadata; ``{}`` for maps written without it."""
+        file = self.path / "maps" / f"{run}.safetensors"
+        if not file.exists():
+            return {}
+        from safetensors import safe_open
+
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                metadata = f.metadata() or {}
+            grids = json.loads(metadata.get("grids", "{}"))
+        except Exception as err:  # noqa: BLE001 - safetensors raises its own SafetensorError
+            raise DamagedFileError(f"{file} is damaged ({type(err).__name__}: {err}); delete it (the figures then "
+                                   "leave out that run's merge maps)") from err
+        return {k: tuple(int(v) for v in g) for k, g in grids.items()}
 
     def records(self, run: str) -> list[dict[str, Any]]:
         file = self.path / "maps" / f"{run}.json"
@@ -737,14 +790,19 @@ def _rgb(image: Tensor) -> Tensor:
 def _overlay(slots: Tensor, image: Tensor | None, alpha: float) -> Tensor:
     """Slot colours (``[N]`` -> ``[gh, gw, 3]``), blended over ``image [C, H, W]`` when given -> float [h, w, 3]."""
     hw = tuple(image.shape[-2:]) if image is not None else (1, 1)
-    colours = merge_map_rgb(slots, token_grid(slots.numel(), hw), scale=1).float() / 255  # [gh, gw, 3]
+    return _blend(merge_map_rgb(slots, token_grid(slots.numel(), hw), scale=1), image, alpha)
+
+
+def _blend(colours: Tensor, image: Tensor | None, alpha: float) -> Tensor:
+    """Token colours ``[gh, gw, 3]`` uint8, upsampled over ``image [C, H, W]`` when given -> float [h, w, 3]."""
+    colours = colours.float() / 255
     if image is None:
         return colours
-    img = _rgb(image)  # [H, W, 3]
     import torch
 
-    up = torch.nn.functional.interpolate(colours.permute(2, 0, 1)[None], size=hw, mode="nearest")[0]  # [3, H, W]
-    return ((1 - alpha) * img + alpha * up.permute(1, 2, 0)).clamp(0, 1)  # unmerged (black) tokens: dimmed image
+    up = torch.nn.functional.interpolate(colours.permute(2, 0, 1)[None], size=tuple(image.shape[-2:]),
+                                         mode="nearest")[0]  # [3, H, W]
+    return ((1 - alpha) * _rgb(image) + alpha * up.permute(1, 2, 0)).clamp(0, 1)  # unmerged (black): dimmed image
 
 
 def merge_map_figure(data: RunData, run: str, stem: Path, formats: Sequence[str] = ("png",),
@@ -861,6 +919,166 @@ def _prompt_grid_figure(data: RunData, runs: list[tuple[str, Tensor]], prompts: 
     return _save(fig, stem, formats)
 
 
+# ------------------------------------------------------------------------------------------ videos
+def frame_indices(num_frames: int, k: int = STRIP_FRAMES) -> list[int]:
+    """At most ``k`` evenly spaced frame indices of a video, first and last included.
+
+    Example:
+        >>> frame_indices(9, 5), frame_indices(81, 4), frame_indices(3, 5)
+        ([0, 2, 4, 6, 8], [0, 27, 53, 80], [0, 1, 2])
+    """
+    if num_frames <= k:
+        return list(range(num_frames))
+    if k == 1:
+        return [0]
+    return [round(i * (num_frames - 1) / (k - 1)) for i in range(k)]
+
+
+def frame_strip(videos: Sequence[Tensor], frames: Sequence[int]) -> Tensor:
+    """One row per video, its ``frames`` side by side: videos ``[T, C, H, W]`` in [-1, 1] (one size) -> a
+    ``[len(videos) * H, len(frames) * W, 3]`` uint8 image (row ``r``, column ``j``: frame ``frames[j]`` of video
+    ``r``)."""
+    import torch
+
+    picked = torch.cat([video[list(frames)] for video in videos])  # [R * F, C, H, W], video-major
+    return image_grid(picked, columns=len(frames))
+
+
+def frame_strip_plot(data: RunData, index: int, k: int = STRIP_FRAMES):
+    """The frame strip of item ``index``: the baseline's video, then each run's, ``k`` evenly spaced frames
+    (:func:`frame_indices`), runs named on the left, frame numbers below, the prompt above; ``None`` when no
+    run has the video. The figure's one image is :func:`frame_strip` of the videos."""
+    runs = [(r["run"], data.video(r["run"], index)) for r in data.rows]
+    runs = [(name, video) for name, video in runs if video is not None]
+    if not runs:
+        return None
+    frames = frame_indices(min(video.shape[0] for _, video in runs), k)
+    strip = frame_strip([video for _, video in runs], frames)  # [R * H, F * W, 3]
+    H, W = runs[0][1].shape[-2:]
+    label_w = 0.15 + 0.06 * max(len(line) for name, _ in runs for line in _wrap(name).splitlines())
+    cell = 1.1
+    fig = _figure(label_w + cell * len(frames) * W / H + 0.2, cell * len(runs) + 0.9)
+    ax = fig.add_subplot()
+    ax.imshow(strip.numpy(), interpolation="nearest")
+    for r in range(1, len(runs)):  # white separators between runs and between frames
+        ax.axhline(r * H - 0.5, color="white", linewidth=1.5)
+    for j in range(1, len(frames)):
+        ax.axvline(j * W - 0.5, color="white", linewidth=1.5)
+    ax.set_yticks([(r + 0.5) * H - 0.5 for r in range(len(runs))], [_wrap(name) for name, _ in runs], fontsize=7)
+    ax.set_xticks([(j + 0.5) * W - 0.5 for j in range(len(frames))], [f"frame {t}" for t in frames], fontsize=7)
+    ax.tick_params(length=0)
+    for side in ax.spines.values():
+        side.set_visible(False)
+    prompts = data.prompts(indices=[index])
+    what = f"item {index}" + (f": {prompts[0]}" if prompts else "")
+    ax.set_title(_wrap(f"{data.name}, {what}", 90), fontsize=8)
+    return fig
+
+
+def frame_strip_figure(data: RunData, index: int, stem: Path, k: int = STRIP_FRAMES,
+                       formats: Sequence[str] = ("png",)) -> list[Path]:
+    """:func:`frame_strip_plot` saved as ``stem.<format>``."""
+    fig = frame_strip_plot(data, index, k)
+    return [] if fig is None else _save(fig, stem, formats)
+
+
+def video_merge_map_figure(data: RunData, run: str, stem: Path, formats: Sequence[str] = ("png",),
+                           alpha: float = 0.6) -> list[Path]:
+    """Merge maps of a video run over its first video: per kept step and layer a row, one panel per latent frame
+    (tokens sharing a slot share a colour across frames too, unmerged tokens dark), each over the video frame at
+    the same relative time (latent frame ``t`` of ``T``: frame ``round(t (F - 1) / (T - 1))`` of ``F``). Needs the
+    maps' token grids (the maps file's metadata); maps without a ``(T, H, W)`` grid are left out."""
+    import re
+    import warnings
+
+    maps, grids = data.maps(run), data.map_grids(run)
+    keys = [key for key in maps if len(grids.get(key, ())) == 3]
+    if len(keys) < len(maps):
+        warnings.warn(f"{data.path / 'maps' / run}: {len(maps) - len(keys)} merge maps have no (T, H, W) token grid "
+                      "in the file's metadata; they are left out", stacklevel=2)
+    if not keys:
+        return []
+    items = data.index(run) or data.index("baseline")
+    video = data.video(run, items[0]["index"]) if items else None
+    parsed = {k: re.fullmatch(r"step(\d+)_layer(\d+)", k) for k in keys}
+    keys.sort(key=lambda k: (int(parsed[k][1]), int(parsed[k][2])) if parsed[k] else (1 << 30, 0))
+    T = max(grids[key][0] for key in keys)
+    aspect = video.shape[-2] / video.shape[-1] if video is not None else 1.0
+    fig = _figure(1.3 * T + 0.4, (1.3 * aspect + 0.45) * len(keys) + 0.4)
+    axes = fig.subplots(len(keys), T, squeeze=False)
+    for ax in axes.flat:
+        ax.set_axis_off()
+    for r, key in enumerate(keys):
+        frames, H, W = grids[key]
+        slots = maps[key].long()
+        colours = merge_map_rgb(slots, (frames, H, W), scale=1)  # [H, T * W, 3]: frames side by side
+        removed = slots.numel() - int(slots.unique().numel())
+        name = f"step {int(parsed[key][1])}, layer {int(parsed[key][2])}" if parsed[key] else key
+        for t in range(frames):
+            shown = round(t * (video.shape[0] - 1) / max(frames - 1, 1)) if video is not None else None
+            ax = axes[r, t]
+            ax.imshow(_blend(colours[:, t * W:(t + 1) * W], None if video is None else video[shown], alpha).numpy(),
+                      interpolation="nearest")
+            title = f"latent frame {t}" + ("" if shown is None else f" (frame {shown})")
+            ax.set_title(f"{name}: -{removed}/{slots.numel()}\n{title}" if t == 0 else title, fontsize=7)
+    fig.suptitle(f"{run}: tokens sharing a slot share a colour (across frames too); unmerged tokens dark", fontsize=8)
+    return _save(fig, stem, formats)
+
+
+def frame_quality(data: RunData) -> dict[str, dict[str, list[float]]]:
+    """Per frame index, the quality of every merged run against the baseline, as the rows hold it:
+    ``{metric: {run: [value per frame]}}`` for the metrics of :data:`FRAME_METRICS` some row has (PSNR, SSIM, DINO
+    distance; each the mean over the videos of frame ``t``)."""
+    out: dict[str, dict[str, list[float]]] = {}
+    for metric in FRAME_METRICS:
+        series = {r["run"]: [float(v) for v in r[f"{metric}_per_frame"]] for r in data.merged
+                  if isinstance(r.get(f"{metric}_per_frame"), list)}
+        if series:
+            out[metric] = series
+    return out
+
+
+def frame_quality_figure(data: RunData, stem: Path, formats: Sequence[str] = ("png",)) -> list[Path]:
+    """Quality per frame index (:func:`frame_quality`): one panel per metric, one line per run; the values also
+    go to ``stem.json``."""
+    quality = frame_quality(data)
+    if not quality:
+        return []
+    fig = _figure(6.5, 0.9 + 2.2 * len(quality))
+    axes = fig.subplots(len(quality), 1, sharex=True, squeeze=False)[:, 0]
+    colours: dict[str, str] = {}
+    for ax, (metric, series) in zip(axes, quality.items()):
+        for run, values in series.items():
+            colour = colours.setdefault(run, f"C{len(colours) % 10}")
+            ax.plot(range(len(values)), values, marker=".", color=colour, linewidth=1.2, label=run)
+        ax.set_ylabel(METRICS[metric][0].split(" (")[0], fontsize=8)
+        ax.grid(True, alpha=0.3)
+    axes[-1].set_xlabel("frame")
+    axes[-1].xaxis.get_major_locator().set_params(integer=True)
+    handles, names = axes[0].get_legend_handles_labels()
+    fig.legend(handles, names, loc="outside lower center", ncols=min(3, len(names)), fontsize=7, frameon=False)
+    fig.suptitle(f"Quality per frame vs the baseline: {data.name}", fontsize=10)
+    values = stem.with_name(f"{stem.name}.json")
+    values.parent.mkdir(parents=True, exist_ok=True)
+    values.write_text(json.dumps(quality, indent=2))
+    return [*_save(fig, stem, formats), values]
+
+
+def video_figures(data: RunData, out: Path, k: int = 8, formats: Sequence[str] = ("png",),
+                  select: str = "distinct") -> list[Path]:
+    """The figures of a video run folder (the module docstring): frame strips of the grid's items, per-frame merge
+    maps of every merged run, quality per frame index."""
+    written: list[Path] = []
+    items = {item["index"]: item for item in data.index("baseline")}
+    for index in data.grid_items(k, select):
+        name = items[index]["file"] if index in items else f"{index:05d}"
+        written += frame_strip_figure(data, index, out / "frames" / name, formats=formats)
+    for r in data.merged:
+        written += video_merge_map_figure(data, r["run"], out / "maps" / r["run"], formats)
+    written += frame_quality_figure(data, out / "frame_quality", formats)
+    return written
+
+
 def make_figures(paths: Sequence[str | Path], out: str | Path, metrics: Sequence[str] | None = None,
                  x_key: str = "speedup", k: int = 8, formats: Sequence[str] = ("png",),
                  runs: Sequence[str] | None = None, grid_items: str = "distinct") -> list[Path]:
@@ -889,6 +1107,9 @@ def make_figures(paths: Sequence[str | Path], out: str | Path, metrics: Sequence
     written.append(out / "pareto.json")
     for d in data:
         written += schedule_figure(d, out / d.name / "schedules", formats)
+        if d.is_video:
+            written += video_figures(d, out / d.name, k, formats, grid_items)
+            continue
         for r in d.merged:
             written += merge_map_figure(d, r["run"], out / d.name / "maps" / r["run"], formats)
         written += image_grid_figure(d, out / d.name / "grid", k, formats, grid_items)

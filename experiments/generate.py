@@ -196,10 +196,11 @@ def item_output(out: Path, item: Item, video: bool = False) -> Path:
 
 
 def write_index(out: Path, items: Sequence[Item], video: bool = False) -> None:
-    """``OUT/prompts.jsonl``: one line per item (index, seed, file, prompt or label), rewritten whole; for a
-    video ``file`` is the item's folder of frames."""
+    """``OUT/prompts.jsonl``: one line per item (index, seed, file, prompt or label, and the input image of an
+    editing pipeline's item), rewritten whole; for a video ``file`` is the item's folder of frames."""
     lines = [json.dumps({"index": i.index, "seed": i.seed, "file": i.output_name(video),
-                         **({"prompt": i.prompt} if i.prompt is not None else {"label": i.label})})
+                         **({"prompt": i.prompt} if i.prompt is not None else {"label": i.label}),
+                         **({"image": i.image} if i.image is not None else {})})
              for i in items]
     _write_atomic(out / INDEX_FILE, "\n".join(lines) + "\n")
 
@@ -210,7 +211,8 @@ def read_index(out: Path) -> list[Item]:
     if not file.is_file():
         raise FileNotFoundError(f"{out} has no {INDEX_FILE}")
     rows = [json.loads(line) for line in file.read_text().splitlines() if line.strip()]
-    return [Item(r["index"], r["seed"], label=r.get("label"), prompt=r.get("prompt")) for r in rows]
+    return [Item(r["index"], r["seed"], label=r.get("label"), prompt=r.get("prompt"), image=r.get("image"))
+            for r in rows]
 
 
 def _write_atomic(path: Path, text: str) -> None:

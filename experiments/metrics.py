@@ -398,10 +398,8 @@ def fid(images_a: Tensor, images_b: Tensor, inception_weights: str | os.PathLike
 @functools.lru_cache(maxsize=2)
 def _load_clip(path: str, device: str) -> tuple:
     """A local CLIP folder's model and processor, loaded once per process (``local_files_only``)."""
-    try:
-        from transformers import CLIPModel, CLIPProcessor
-    except ImportError as e:
-        raise ImportError("CLIP score needs transformers: pip install transformers") from e
+    from transformers import CLIPModel, CLIPProcessor
+
     model = CLIPModel.from_pretrained(path, local_files_only=True).eval().to(device)
     return model, CLIPProcessor.from_pretrained(path, local_files_only=True)
 
@@ -459,10 +457,8 @@ def check_dino_model(path: str | os.PathLike | None) -> str:
     """
     path = _require_path(path, "metrics.dino_model", "DINO distance")
     folder = Path(path)
-    try:
-        from transformers import AutoConfig, AutoImageProcessor
-    except ImportError as e:
-        raise ImportError("DINO distance needs transformers: pip install transformers") from e
+    from transformers import AutoConfig, AutoImageProcessor
+
     try:
         config = AutoConfig.from_pretrained(folder, local_files_only=True)
         AutoImageProcessor.from_pretrained(folder, local_files_only=True)

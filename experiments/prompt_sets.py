@@ -5,7 +5,8 @@ Everything is read offline from a local file. Formats (``format:``; ``auto`` pic
 - ``txt``: one prompt per line; blank lines skipped; leading/trailing whitespace stripped. There is
   no comment syntax (prompts may contain ``#``).
 - ``jsonl``: one JSON object per line, the prompt in ``field`` (default: ``"prompt"``, else
-  ``"caption"``); blank lines skipped.
+  ``"caption"``); blank lines skipped. With ``image_field``, each line also names the input image of its
+  prompt (editing pipelines such as FLUX.1 Kontext): a path, relative to the file's folder or absolute.
 - ``coco``: a COCO captions JSON, one caption per image (see :func:`read_prompts` for the rule).
 - ``parti``: PartiPrompts' TSV (``PartiPrompts.tsv``, 1,632 prompts): tab-separated with a header
   row, the prompt in the ``Prompt`` column, the other columns ignored.
@@ -50,6 +51,9 @@ class PromptSet:
             :meth:`prompts`.
         coco_caption: coco only: which caption of an image: ``first`` (smallest annotation id) or
             ``longest`` (SDTM's sampler keeps each image's longest caption).
+        image_field: jsonl only: the key holding each prompt's input image (a PNG/JPEG path, relative to the
+            prompt file's folder or absolute), for editing pipelines that take ``image=`` (FLUX.1 Kontext,
+            Qwen-Image-Edit, FLUX.2 with reference images); ``None``: no input images.
 
     >>> ps = PromptSet("captions.json", num_prompts=100, images_per_prompt=2)
     >>> ps.format, ps.num_prompts, ps.prompt_offset, ps.images_per_prompt
@@ -64,6 +68,7 @@ class PromptSet:
     prompt_offset: int = 0
     images_per_prompt: int = 1
     coco_caption: str = "first"
+    image_field: str | None = None
 
     def __post_init__(self):
         if isinstance(self.file, os.PathLike):
@@ -74,6 +79,13 @@ class PromptSet:
         if self.field is not None and (not isinstance(self.field, str) or not self.field):
             raise ValueError(f"prompts: field must be a non-empty string or None, got {self.field!r}")
         _check_template(self.template)
+        if self.image_field is not None:
+            if not isinstance(self.image_field, str) or not self.image_field:
+                raise ValueError(f"prompts: image_field must be a non-empty string or None, got {self.image_field!r}")
+            if self.format not in ("auto", "jsonl") or (self.format == "auto"
+                                                        and Path(self.file).suffix.lower() != ".jsonl"):
+                raise ValueError(f"prompts: image_field reads input images from a jsonl file; {self.file!r} is "
+                                 f"read as {self.format}")
         if self.coco_caption not in COCO_CAPTION_RULES:
             raise ValueError(f"prompts: coco_caption must be one of {list(COCO_CAPTION_RULES)}, got {self.coco_caption!r}")
         if self.num_prompts is not None and (not _is_int(self.num_prompts) or self.num_prompts < 1):
@@ -91,7 +103,7 @@ class PromptSet:
         Unknown keys, in the mapping or the overrides, raise naming the valid ones.
 
         >>> PromptSet.from_config("parti.tsv", num_prompts=8)
-        PromptSet(file='parti.tsv', format='auto', field=None, template='a photo of a {name}', num_prompts=8, prompt_offset=0, images_per_prompt=1, coco_caption='first')
+        PromptSet(file='parti.tsv', format='auto', field=None, template='a photo of a {name}', num_prompts=8, prompt_offset=0, images_per_prompt=1, coco_caption='first', image_field=None)
         >>> PromptSet.from_config({"file": "classes.txt", "format": "classes", "template": "a {name}"}).template
         'a {name}'
         >>> PromptSet.from_config(None) is None
@@ -128,6 +140,35 @@ class PromptSet:
         ['a fox', 'a boat']
         """
         return read_prompts(self.file, self.format, self.field, self.template, self.coco_caption)
+
+    def images(self) -> list[Path] | None:
+        """The input image of each prompt of :meth:`prompts` (``image_field``), or ``None`` without
+        ``image_field``. Raises ``ValueError`` for a line without the field and ``FileNotFoundError`` for an
+        image file that is not there.
+
+        >>> import pathlib, tempfile
+        >>> folder = pathlib.Path(tempfile.mkdtemp())
+        >>> _ = (folder / "cat.png").write_bytes(b"")
+        >>> _ = (folder / "edits.jsonl").write_text('{"prompt": "make it red", "image": "cat.png"}\\n')
+        >>> [p.name for p in PromptSet(str(folder / "edits.jsonl"), image_field="image").images()]
+        ['cat.png']
+        """
+        if self.image_field is None:
+            return None
+        path = Path(self.file)
+        images = []
+        for lineno, record in _jsonl_records(path):
+            value = record.get(self.image_field)
+            if not isinstance(value, str) or not value.strip():
+                raise ValueError(f"line {lineno} of {path}: image_field {self.image_field!r} must name an image "
+                                 f"file, got {value!r}")
+            images.append(path.parent / Path(value.strip()).expanduser())  # an absolute path stays as it is
+        stop = None if self.num_prompts is None else self.prompt_offset + self.num_prompts
+        chosen = images[self.prompt_offset:stop]
+        missing = [str(image) for image in chosen if not image.is_file()]
+        if missing:
+            raise FileNotFoundError(f"{len(missing)} input images of {path} not found (first: {missing[0]})")
+        return chosen
 
     def prompts(self) -> list[str]:
         """The prompts used: ``read()[prompt_offset:prompt_offset + num_prompts]``.
@@ -253,8 +294,9 @@ def _read_txt(path: Path) -> list[str]:
     return [line.strip() for line in _read_text(path).splitlines() if line.strip()]
 
 
-def _read_jsonl(path: Path, field: str | None) -> list[str]:
-    prompts = []
+def _jsonl_records(path: Path) -> list[tuple[int, dict[str, Any]]]:
+    """``(line number, object)`` of every non-blank line of a jsonl file."""
+    records = []
     for lineno, line in enumerate(_read_text(path).splitlines(), start=1):
         if not line.strip():
             continue
@@ -264,6 +306,13 @@ def _read_jsonl(path: Path, field: str | None) -> list[str]:
             raise ValueError(f"line {lineno} of {path} is not valid JSON: {e}") from None
         if not isinstance(record, dict):
             raise ValueError(f"line {lineno} of {path} is not a JSON object")
+        records.append((lineno, record))
+    return records
+
+
+def _read_jsonl(path: Path, field: str | None) -> list[str]:
+    prompts = []
+    for lineno, record in _jsonl_records(path):
         if field is not None:
             if field not in record:
                 raise ValueError(f"line {lineno} of {path} has no {field!r} field (field: {field!r})")

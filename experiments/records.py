@@ -5,7 +5,8 @@ appended as they finish: the resume point), ``results.csv`` and ``table.md`` (re
 ``images/<run>/`` (one PNG per item, with ``prompts.jsonl``; video pipelines: one folder of
 ``frame_000.png``, ... per item), ``images/<run>.png`` (a grid of the first images; videos: one row of
 frames per video), ``features.safetensors`` (EfficientNet-Lite0 features of the baseline and reference images),
-``maps/<run>.safetensors`` (slot of every token of the first timed image at the kept steps/layers) and
+``maps/<run>.safetensors`` (slot of every token of the first timed image at the kept steps/layers; its
+metadata ``grids`` holds each map's token grid, ``(H, W)`` or ``(T, H, W)``) and
 ``maps/<run>.json`` (every block call's decision in the timed batch). Figures are built from these
 files alone.
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import io
 import json
 import os
 import subprocess
@@ -44,8 +46,14 @@ TABLE_COLUMNS = [("run", "run"), ("ratio", "ratio"), ("speedup", "speed-up"), ("
                  ("feat_cos_dist", "EffNetLite0 cos dist"), ("fd_effnetlite0", "FD-EffNetLite0 vs baseline"),
                  ("fd_effnetlite0_ref", "FD-EffNetLite0 vs test"), ("clip_score", "CLIP score"), ("fid", "FID"),
                  ("dino_dist", "DINO dist (lower is better)")]
+# Which way each numeric column of a result row is better (what `tomerge search` optimises, and figures mark).
+BETTER = {"flops": "lower", "flops_per_image": "lower", "speedup": "higher", "flop_speedup": "higher",
+          "denoiser_speedup": "higher", "time_s": "lower", "time_per_image_s": "lower", "peak_memory_mb": "lower",
+          "psnr": "higher", "ssim": "higher", "feat_cos_dist": "lower", "fd_effnetlite0": "lower",
+          "fd_effnetlite0_ref": "lower", "clip_score": "higher", "fid": "lower", "dino_dist": "lower"}
 GRID_IMAGES = 20  # images in a run's grid PNG and logged to W&B
 GRID_VIDEOS = 4  # videos in a run's grid PNG (one row of frames each) and logged to W&B
+VIDEO_FPS = 8  # frame rate of the videos logged to W&B (GIF)
 
 
 def environment() -> dict[str, Any]:
@@ -200,12 +208,16 @@ class RunFolder:
 
         return load_file(file)
 
-    def save_maps(self, run_id: str, maps: dict[str, Tensor], records: list) -> None:
+    def save_maps(self, run_id: str, maps: dict[str, Tensor], records: list,
+                  grids: dict[str, tuple[int, ...]] | None = None) -> None:
+        """``maps/<run>.safetensors`` (``[N]`` slots per key; the metadata ``grids``: each key's token grid) and
+        ``maps/<run>.json`` (the block-call records)."""
         from safetensors.torch import save_file
 
         if maps:
+            metadata = {"grids": json.dumps({k: list(g) for k, g in (grids or {}).items()})}
             write_with(self.path / "maps" / f"{run_id}.safetensors",
-                       lambda tmp: save_file({k: v.contiguous() for k, v in maps.items()}, tmp))
+                       lambda tmp: save_file({k: v.contiguous() for k, v in maps.items()}, tmp, metadata=metadata))
         write_text_atomic(self.path / "maps" / f"{run_id}.json", json.dumps([dataclasses.asdict(r) for r in records]))
 
     def finish(self) -> None:
@@ -318,7 +330,8 @@ class WandbLogger:
     def row(self, row: dict[str, Any], images: list[Path] | None = None, prompts: list[str] | None = None,
             maps: dict[str, Tensor] | None = None, grids: dict[str, tuple[int, ...]] | None = None) -> None:
         """One run's metrics, its first images (each with its prompt as caption; a video as one row of its
-        frames) and merge maps (``grids``: each map's token grid, ``(H, W)`` or ``(T, H, W)``)."""
+        frames, and as a video, ``videos/<run>``) and merge maps (``grids``: each map's token grid, ``(H, W)`` or
+        ``(T, H, W)``)."""
         if self.run is None:
             return
         import wandb
@@ -331,7 +344,12 @@ class WandbLogger:
             video = images[0].is_dir()
             first = images[:GRID_VIDEOS if video else GRID_IMAGES]
             if video:
-                strips = [image_grid(frames, columns=frames.shape[0]) for frames in map(load_video, first)]
+                videos = [load_video(f) for f in first]  # each [T, C, H, W]
+                strips = [image_grid(frames, columns=frames.shape[0]) for frames in videos]
+                payload[f"videos/{row['run']}"] = [
+                    wandb.Video(gif_bytes(frames), format="gif",
+                                caption=prompts[k] if prompts is not None else first[k].name)
+                    for k, frames in enumerate(videos)]
             else:
                 loaded = load_image_files(first)  # [k, C, H, W]
                 strips = [image_grid(loaded[k:k + 1], columns=1) for k in range(len(first))]
@@ -353,6 +371,18 @@ class WandbLogger:
         self.run.log({"ablation": table})
         self.run.summary.update({f"{r['run']}/{k}": r.get(k) for r in folder.rows for k in columns[2:]})
         self.run.finish()
+
+
+def gif_bytes(frames: Tensor, fps: int = VIDEO_FPS) -> io.BytesIO:
+    """A video ``[T, C, H, W]`` in [-1, 1] as an animated GIF (looping, ``fps`` frames per second), in memory:
+    what ``wandb.Video`` takes without a video encoder installed."""
+    from PIL import Image
+
+    images = [Image.fromarray(image_grid(frame[None], columns=1).numpy()) for frame in frames]  # [H, W, 3] each
+    buffer = io.BytesIO()
+    images[0].save(buffer, format="GIF", save_all=True, append_images=images[1:], duration=round(1000 / fps), loop=0)
+    buffer.seek(0)
+    return buffer
 
 
 def merge_map_rgb(slots: Tensor, grid: tuple[int, ...] | None = None, scale: int = 8) -> Tensor:

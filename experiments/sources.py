@@ -5,11 +5,14 @@ Every subcommand that runs a model takes the same ``model:`` entry:
 * ``model: reference`` (the default): the bundled class-conditional reference DiT, or a native DiT
   checkpoint (``{reference: PATH, call: {num_steps, cfg_scale, shift}}``; ``reference: bundled`` is
   the bundled one), sampled with tomerge's Euler sampler; items carry class labels.
-* ``model: {pipeline: PATH, dtype: bf16|fp16|fp32, device: cpu|cuda, call: {...}}``: any diffusers
-  pipeline folder on local disk, loaded with ``DiffusionPipeline.from_pretrained(PATH,
-  local_files_only=True)`` (never a download); items carry prompts. ``call`` holds pipeline-call
+* ``model: {pipeline: PATH, dtype: bf16|fp16|fp32, device: cpu|cuda, offload: model|sequential, call: {...}}``:
+  any diffusers pipeline folder on local disk, loaded with ``DiffusionPipeline.from_pretrained(PATH,
+  local_files_only=True)`` (never a download; diffusers loads through ``accelerate``, which keeps the modules a
+  model class lists in ``_keep_in_fp32_modules`` in fp32); items carry prompts, and for editing pipelines an
+  input image each (``prompts: {image_field: KEY}``, passed as ``image=``). ``call`` holds pipeline-call
   arguments (``num_inference_steps``, ``guidance_scale``, ``height``, ``width``,
-  ``max_sequence_length``, ...) on top of the family's defaults (:data:`CALL_DEFAULTS`).
+  ``max_sequence_length``, ...) on top of the family's defaults (:data:`CALL_DEFAULTS`). ``offload``
+  keeps the models of a pipeline larger than GPU memory in CPU memory (:func:`place_pipeline`).
 
 Both produce images ``[B, C, H, W]`` in ``[-1, 1]`` (float32, CPU) for a batch of items, the initial
 noise of item ``i`` drawn from ``torch.Generator("cpu").manual_seed(seed_i)`` so an image depends
@@ -41,11 +44,18 @@ if TYPE_CHECKING:
 
 # torch is imported where a model is loaded or run, so that configs (and `tomerge ... --help`) load without it.
 
-__all__ = ["Item", "ModelSpec", "check_call", "ReferenceSource", "PipelineSource", "CALL_DEFAULTS", "DTYPES",
-           "DTYPE_NAMES", "torch_dtype"]
+__all__ = ["Item", "ModelSpec", "BUNDLED_REFERENCES", "reference_checkpoint", "check_call", "ReferenceSource",
+           "PipelineSource", "CALL_DEFAULTS", "DTYPES", "DTYPE_NAMES", "OFFLOAD_MODES", "torch_dtype", "place_pipeline"]
 
-REFERENCE_CHECKPOINT = Path(__file__).parent / "reference" / "dit_reference.safetensors"
+# The reference models shipped with the package, by the name a config gives (`model: {reference: NAME}`):
+# the same DiT at 256 (32 x 32 images) and 1,024 image tokens (64 x 64), docs/reference-model.md.
+BUNDLED_REFERENCES = {
+    "bundled": Path(__file__).parent / "reference" / "dit_reference.safetensors",
+    "bundled-1024": Path(__file__).parent / "reference" / "dit_reference_1024.safetensors",
+}
+REFERENCE_CHECKPOINT = BUNDLED_REFERENCES["bundled"]
 DTYPE_NAMES = ("fp32", "fp16", "bf16")
+OFFLOAD_MODES = ("model", "sequential")
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -82,7 +92,7 @@ CALL_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 # Arguments tomerge sets itself for every call (one image per item, per-item generators, tensor output).
 RESERVED_CALL_ARGS = ("prompt", "generator", "output_type", "num_images_per_prompt", "num_videos_per_prompt",
-                      "return_dict", "class_labels", "latents", "prompt_embeds")
+                      "return_dict", "class_labels", "latents", "prompt_embeds", "image")
 
 
 # The reference DiT's sampler argument and the pipeline call argument that means the same.
@@ -128,7 +138,8 @@ def check_call(pipeline_class: type, call: dict[str, Any]) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class Item:
-    """One image to produce: its global index, noise seed, and its condition (class label or prompt).
+    """One image to produce: its global index, noise seed, and its condition (class label or prompt, and for
+    editing pipelines the path of its input image).
 
     Example:
         >>> Item(7, 107, label=3).filename, Item(7, 107, prompt="a cat").filename
@@ -139,6 +150,7 @@ class Item:
     seed: int
     label: int | None = None
     prompt: str | None = None
+    image: str | None = None
 
     @property
     def filename(self) -> str:
@@ -168,15 +180,34 @@ def _cpu_generator(seed: int) -> torch.Generator:
     return torch.Generator("cpu").manual_seed(int(seed))
 
 
+def reference_checkpoint(path: str | None) -> Path:
+    """The file of ``model.reference``: ``None`` is the default bundled model, a name of
+    :data:`BUNDLED_REFERENCES` its file, anything else a path.
+
+    Example:
+        >>> reference_checkpoint("bundled-1024").name
+        'dit_reference_1024.safetensors'
+    """
+    if path is None:
+        return REFERENCE_CHECKPOINT
+    return BUNDLED_REFERENCES.get(path, Path(path))
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
     """A model source as plain data (what configs hold, what is pickled to worker processes).
 
     Args:
         kind: ``"reference"`` (native DiT) or ``"pipeline"`` (a diffusers pipeline folder).
-        path: the DiT checkpoint (``None``: the bundled reference model) or the pipeline folder.
+        path: the DiT checkpoint (``None``: the bundled reference model; ``"bundled-1024"``: the bundled
+            1,024-token one, :data:`BUNDLED_REFERENCES`) or the pipeline folder.
         dtype: ``fp32``, ``fp16`` or ``bf16`` (pipelines).
         device: ``cpu`` or ``cuda`` (``cuda:N`` too).
+        offload: pipelines larger than GPU memory, with a ``cuda`` device: ``model`` keeps every model of the
+            pipeline in CPU memory and moves each whole to the GPU while it runs (diffusers'
+            ``enable_model_cpu_offload``: the largest model must fit, a little slower); ``sequential`` moves one
+            layer at a time (``enable_sequential_cpu_offload``: the least GPU memory, much slower); unset: the
+            whole pipeline on the device.
         call: sampler arguments: for the reference model ``num_steps``, ``cfg_scale``, ``shift``; for a
             pipeline its ``__call__`` arguments on top of :data:`CALL_DEFAULTS`.
     """
@@ -185,20 +216,34 @@ class ModelSpec:
     path: str | None = None
     dtype: str = "fp32"
     device: str = "cpu"
+    offload: str | None = None
     call: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     REFERENCE_CALL = {"num_steps": 20, "cfg_scale": 2.0, "shift": 1.0}
 
     def __post_init__(self) -> None:
-        problems = self.field_problems(self.kind, self.path, self.dtype, self.device, self.call)
+        problems = self.field_problems(self.kind, self.path, self.dtype, self.device, self.call, self.offload)
         if problems:
             raise ValueError("; ".join(problems))
 
     @classmethod
-    def field_problems(cls, kind: Any, path: Any, dtype: Any, device: Any, call: Any) -> list[str]:
+    def field_problems(cls, kind: Any, path: Any, dtype: Any, device: Any, call: Any,
+                       offload: Any = None) -> list[str]:
         """Every problem of these fields, one message each (what the constructor raises, joined by ``; ``),
         without touching the disk (:meth:`check` does)."""
         problems = []
+        if offload is not None:
+            if offload not in OFFLOAD_MODES:
+                problems.append(f"model.offload must be model or sequential (or left out), got {offload!r}"
+                                f"{did_you_mean(str(offload), OFFLOAD_MODES)}")
+            elif kind != "pipeline":
+                problems.append("model.offload is for pipeline folders (model: {pipeline: PATH, ...}); the reference "
+                                "DiT runs whole on model.device")
+            elif not (isinstance(device, str) and device.startswith("cuda")):
+                problems.append(f"model.offload: {offload} needs model.device: cuda (it keeps the pipeline's models in "
+                                "CPU memory and moves each to the GPU when it runs; with model.device "
+                                f"{device!r} they are in CPU memory already): set model.device: cuda, or remove "
+                                "model.offload")
         if kind not in ("reference", "pipeline"):
             problems.append(f"model kind must be reference or pipeline, got {kind!r}")
         if dtype not in DTYPE_NAMES:
@@ -225,7 +270,8 @@ class ModelSpec:
             reserved = sorted(set(call) & set(RESERVED_CALL_ARGS)) if isinstance(call, dict) else []
             if reserved:
                 problems.append(f"model.call sets {reserved}, which tomerge sets per item; remove them "
-                                "(prompts come from `prompts:`, seeds from `seed:`)")
+                                "(prompts come from `prompts:`, seeds from `seed:`, input images from "
+                                "`prompts: {image_field: KEY}`)")
         return problems
 
     @classmethod
@@ -272,7 +318,7 @@ it is a call argument, model.call.num_steps")
         if len(kinds) != 1:
             problems.append("model needs exactly one of `reference: CHECKPOINT` or `pipeline: FOLDER`, "
                             f"got keys {sorted(value)}")
-        valid = ("reference", "pipeline", "dtype", "device", "call")
+        valid = ("reference", "pipeline", "dtype", "device", "offload", "call")
         call_names = {*cls.REFERENCE_CALL, *(k for d in CALL_DEFAULTS.values() for k in d)}
         for key in [k for k in value if k not in valid]:
             if key in MOVED_MODEL_KEYS:
@@ -283,18 +329,21 @@ it is a call argument, model.call.num_steps")
                 problems.append(f"unknown key 'model.{key}'"
                                 + (did_you_mean(f"model.{key}", [f"model.{v}" for v in valid])
                                    or f"; valid: {', '.join(valid)}"))
-        fields = {k: value[k] for k in ("dtype", "device", "call") if k in value}
+        fields = {k: value[k] for k in ("dtype", "device", "offload", "call") if k in value}
         if len(kinds) != 1:
             return None, problems
         kind, path = kinds[0], value[kinds[0]]
         path = None if path in (None, "bundled") else str(path)
         defaults = cls()
         problems += cls.field_problems(kind, path, fields.get("dtype", defaults.dtype),
-                                       fields.get("device", defaults.device), fields.get("call", {}))
+                                       fields.get("device", defaults.device), fields.get("call", {}),
+                                       fields.get("offload"))
         if fields.get("dtype", "fp32") not in DTYPE_NAMES:  # the right fields only, for the checks that follow
             del fields["dtype"]
         if cls.field_problems("reference", None, "fp32", fields.get("device", "cpu"), {}):
             del fields["device"]
+        if cls.field_problems(kind, path, "fp32", fields.get("device", defaults.device), {}, fields.get("offload")):
+            fields.pop("offload", None)
         if not isinstance(fields.get("call", {}), dict):
             del fields["call"]
         elif "call" in fields:
@@ -310,13 +359,30 @@ it is a call argument, model.call.num_steps")
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def to_config(self) -> dict[str, Any]:
+        """The ``model:`` mapping of a config file that gives this spec back (:meth:`parse`).
+
+        Example:
+            >>> ModelSpec(call={"num_steps": 8}).to_config()
+            {'reference': 'bundled', 'call': {'num_steps': 8}}
+        """
+        values: dict[str, Any] = {self.kind: self.path if self.path is not None else "bundled"}
+        defaults = ModelSpec()
+        values.update({k: getattr(self, k) for k in ("dtype", "device") if getattr(self, k) != getattr(defaults, k)})
+        if self.call:
+            values["call"] = dict(self.call)
+        return values
+
     def check(self) -> None:
         """Fails fast, without loading weights: the checkpoint or pipeline folder exists, the folder is a
-        diffusers pipeline, and every ``call`` argument is one its ``__call__`` takes."""
+        diffusers pipeline, every ``call`` argument is one its ``__call__`` takes, and a GPU is visible for
+        ``offload``."""
         if self.kind == "reference":
-            path = Path(self.path) if self.path else REFERENCE_CHECKPOINT
+            path = reference_checkpoint(self.path)
             if not path.is_file():
-                raise FileNotFoundError(f"model.reference: checkpoint {path} not found (local weights only)")
+                bundled = (f" (the bundled model {self.path!r} is not in this installation; "
+                           f"docs/reference-model.md says how to train it)" if self.path in BUNDLED_REFERENCES else "")
+                raise FileNotFoundError(f"model.reference: checkpoint {path} not found (local weights only){bundled}")
             return
         folder = Path(self.path).expanduser()
         if not folder.is_dir():
@@ -339,6 +405,13 @@ it is a call argument, model.call.num_steps")
             raise ValueError(f"model.pipeline {folder}: model_index.json names pipeline class {name!r}, which this "
                              f"diffusers ({diffusers.__version__}) does not have")
         check_call(pipeline_class, self.call)
+        if self.offload is not None:
+            import torch
+
+            if not torch.cuda.is_available():
+                raise ValueError(f"model.offload: {self.offload} needs a CUDA GPU, and torch sees none "
+                                 "(torch.cuda.is_available() is False); on a CPU-only machine remove model.offload "
+                                 "and set model.device: cpu")
 
     @property
     def conditioning(self) -> str:
@@ -383,7 +456,7 @@ class ReferenceSource:
 
         self.spec = spec
         spec.check()
-        path = Path(spec.path) if spec.path else REFERENCE_CHECKPOINT
+        path = reference_checkpoint(spec.path)
         self.checkpoint = path
         self.model = load_dit(path, map_location=spec.device).eval().to(torch_dtype(spec.dtype))
         self.call = {**ModelSpec.REFERENCE_CALL, **spec.call}
@@ -433,30 +506,17 @@ class PipelineSource:
     conditioning = "prompt"
 
     def __init__(self, spec: ModelSpec) -> None:
-        import torch
         from diffusers import DiffusionPipeline
-        from diffusers.utils import is_accelerate_available
-        from torch import nn
 
         self.spec = spec
         spec.check()
         folder = Path(spec.path).expanduser()
-        dtype = torch_dtype(spec.dtype)
-        # Without `accelerate`, diffusers loads with low_cpu_mem_usage=False, which it refuses for model classes
-        # that keep modules in fp32 (Wan's time embedder and norms): load those in fp32 with the keep list
-        # lifted, and cast below, keeping the listed modules in fp32 as diffusers would.
-        keep_fp32 = {} if is_accelerate_available() else _keep_in_fp32_classes(spec.pipeline_class(), folder)
-        load_dtype = torch.float32 if keep_fp32 else dtype
-        with warnings.catch_warnings(), _without_keep_in_fp32(keep_fp32):
+        with warnings.catch_warnings():
             # diffusers 0.42 renames torch_dtype; older releases know only it
             warnings.filterwarnings("ignore", message="`torch_dtype` is deprecated", category=FutureWarning)
-            self.pipe = DiffusionPipeline.from_pretrained(str(folder), torch_dtype=load_dtype, local_files_only=True)
-        for module in self.pipe.components.values():
-            # Without `accelerate`, diffusers 0.42 also leaves some components (SD3's transformer) in the
-            # file's dtype: cast those that were missed.
-            if isinstance(module, nn.Module) and any(p.dtype != dtype for p in module.parameters()):
-                _cast_keeping_fp32_modules(module, dtype)
-        self.pipe.to(spec.device)
+            self.pipe = DiffusionPipeline.from_pretrained(str(folder), torch_dtype=torch_dtype(spec.dtype),
+                                                          local_files_only=True)
+        place_pipeline(self.pipe, spec.device, spec.offload)
         self.video = spec.is_video
         self.pipe.set_progress_bar_config(disable=True)
         self.family = self._family()
@@ -499,13 +559,20 @@ class PipelineSource:
     def check_items(self, items: Sequence[Item]) -> None:
         if any(i.prompt is None for i in items):
             raise UsageError(f"{type(self.pipe).__name__} is a text-to-image pipeline: give prompts (`prompts:`)")
+        with_image = {i.image is not None for i in items}
+        if with_image == {True, False}:
+            raise UsageError("some items have an input image and some have none; give every prompt one")
+        if True in with_image and not takes_image(type(self.pipe)):
+            raise UsageError(f"{type(self.pipe).__name__} takes no input image (`image=`); remove "
+                             "prompts.image_field or use an editing pipeline")
 
     def generate(self, batch: Sequence[Item]) -> Tensor:
         """Images ``[B, 3, H, W]``, or for a video pipeline videos ``[B, T, 3, H, W]``, in ``[-1, 1]`` (float32,
         CPU). Video pipelines return their frames (``output_type="pt"``: ``.frames``, ``[B, T, C, H, W]`` in
         ``[0, 1]``), image pipelines ``.images`` (``[B, C, H, W]``)."""
+        images = {} if batch[0].image is None else {"image": [_load_rgb(i.image) for i in batch]}
         out = self.pipe(prompt=[i.prompt for i in batch], generator=[_cpu_generator(i.seed) for i in batch],
-                        output_type="pt", **self.call)
+                        output_type="pt", **images, **self.call)
         for name in ("frames", "images"):
             if hasattr(out, name):
                 pixels = getattr(out, name)
@@ -520,48 +587,31 @@ class PipelineSource:
         return (pixels.float().cpu() * 2 - 1).clamp(-1, 1)  # [B, 3, H, W] or [B, T, 3, H, W]
 
 
-def _keep_in_fp32_classes(pipeline_class: type | None, folder: Path) -> dict[type, Any]:
-    """The diffusers model classes of the folder's components that keep modules in fp32
-    (``_keep_in_fp32_modules``), with their lists."""
-    import json
-
-    import diffusers
-
-    index = json.loads((folder / "model_index.json").read_text())
-    out = {}
-    for value in index.values():
-        if isinstance(value, list) and len(value) == 2 and value[0] == "diffusers":
-            cls = getattr(diffusers, str(value[1]), None)
-            if cls is not None and getattr(cls, "_keep_in_fp32_modules", None):
-                out[cls] = cls._keep_in_fp32_modules
-    return out
+def takes_image(pipeline_class: type) -> bool:
+    """Whether a pipeline's ``__call__`` takes input images (``image``): editing pipelines (FLUX.1 Kontext,
+    Qwen-Image-Edit, FLUX.2), image-to-image and image-to-video ones."""
+    return "image" in inspect.signature(pipeline_class.__call__).parameters
 
 
-class _without_keep_in_fp32:
-    """Lifts ``_keep_in_fp32_modules`` of the given classes for a load, and restores it."""
+def _load_rgb(path: str):
+    """An item's input image as an RGB PIL image (what the pipelines' image processors take)."""
+    from PIL import Image
 
-    def __init__(self, classes: dict[type, Any]) -> None:
-        self.classes = classes
-
-    def __enter__(self) -> None:
-        for cls in self.classes:
-            cls._keep_in_fp32_modules = None
-
-    def __exit__(self, *exc: object) -> None:
-        for cls, keep in self.classes.items():
-            cls._keep_in_fp32_modules = keep
+    with Image.open(path) as image:
+        return image.convert("RGB")
 
 
-def _cast_keeping_fp32_modules(module: nn.Module, dtype: torch.dtype) -> None:
-    """``module.to(dtype)``, except the submodules named in its class's ``_keep_in_fp32_modules`` (a name
-    matches a component of the submodule's dotted path, diffusers' rule), which stay fp32."""
-    import torch
-
-    module.to(dtype)
-    keep = getattr(type(module), "_keep_in_fp32_modules", None) or []
-    if dtype == torch.float32 or not keep:
-        return
-    for name, sub in module.named_modules():
-        if any(k in name.split(".") for k in keep):
-            sub.to(torch.float32)
-
+def place_pipeline(pipe: Any, device: str, offload: str | None = None) -> None:
+    """Puts a loaded pipeline on ``device`` (``pipe.to(device)``), or with ``offload`` (:attr:`ModelSpec.offload`)
+    keeps its models in CPU memory and has diffusers move them to ``device`` when they run: ``"model"`` a whole
+    model at a time (``pipe.enable_model_cpu_offload(device=device)``), ``"sequential"`` one layer at a time
+    (``pipe.enable_sequential_cpu_offload(device=device)``). Both use ``accelerate``'s hooks, which run inside the
+    module calls, so :func:`tomerge.apply` hooks on the same modules compose with them."""
+    if offload is None:
+        pipe.to(device)
+    elif offload == "model":
+        pipe.enable_model_cpu_offload(device=device)
+    elif offload == "sequential":
+        pipe.enable_sequential_cpu_offload(device=device)
+    else:
+        raise ValueError(f"offload must be None, model or sequential, got {offload!r}")

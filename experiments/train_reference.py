@@ -137,7 +137,8 @@ def _module_class():
         """Rectified-flow training of a native DiT with an EMA copy (``self.ema``)."""
 
         def __init__(self, config: dict, lr: float = 3e-4, weight_decay: float = 0.0, warmup_steps: int = 200,
-                     ema_decay: float = 0.999, t_sampling: str = "logit-normal", data: str = "") -> None:
+                     ema_decay: float = 0.999, t_sampling: str = "logit-normal", data: str = "",
+                     seed: int = 0) -> None:
             super().__init__()
             self.save_hyperparameters()
             self.config = DiTConfig.from_dict(config)
@@ -152,6 +153,11 @@ def _module_class():
             if self.hparams.t_sampling == "uniform":
                 return torch.rand(n, device=device)
             return torch.sigmoid(torch.randn(n, device=device))  # logit-normal(0, 1), SD3
+
+        def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+            # Step n draws its noise, times and label drops from the seed (seed, n): with the data order of
+            # EpochPermutations, a resumed run continues exactly as the uninterrupted one would have.
+            torch.manual_seed(self.hparams.seed * 1_000_003 + self.global_step)
 
         def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
             x0, y = batch  # [B, 1, S, S] in [-1, 1] (S = config image side), [B]
@@ -385,7 +391,7 @@ def run(args: argparse.Namespace) -> int:
     shown = "28x28 padded to 32x32" if size == 32 else f"28x28 upsampled to {28 * size // 32} and padded to {size}x{size}"
     data = f"Fashion-MNIST train ({len(dataset)} images, {shown}) from {data_root}"
     module = build_module(config, lr=args.lr, weight_decay=args.weight_decay, warmup_steps=args.warmup_steps,
-                          ema_decay=args.ema_decay, t_sampling=args.t_sampling, data=data)
+                          ema_decay=args.ema_decay, t_sampling=args.t_sampling, data=data, seed=args.seed)
 
     if args.ckpt_every_steps > 0:
         periodic = ModelCheckpoint(dirpath=out_dir, filename="step{step:07d}", auto_insert_metric_name=False,

@@ -27,9 +27,12 @@ tokenizer is case-sensitive and maps characters outside printable ASCII to ``<un
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
+import logging
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -273,6 +276,21 @@ def pipeline_folder(family: str) -> Path:
     return save_tiny_pipeline(family, _temp_dir(f"tomerge-tiny-{family}-"))
 
 
+@contextlib.contextmanager
+def diffusers_log() -> Iterator[list[logging.LogRecord]]:
+    """The records diffusers logs inside the block (its library logger does not propagate to the root logger,
+    so pytest's ``caplog`` does not see them)."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("diffusers")
+    logger.addHandler(handler)
+    try:
+        yield records
+    finally:
+        logger.removeHandler(handler)
+
+
 # ---------------------------------------------------------------------- CLIP (for metrics)
 def save_tiny_clip(folder: str | Path) -> Path:
     """A tiny random-weight ``CLIPModel`` (text and vision width 32, 2 layers, 32 x 32 images, patch 8,
@@ -370,3 +388,25 @@ def _build_wan():
 
 
 _BUILDERS.update({"sana": _build_sana, "wan": _build_wan})
+
+
+# ---------------------------------------------------------------------- editing pipelines (input images)
+# | family | loads as | input image | output | merged token grid |
+# |---|---|---|---|---|
+# | ``flux_kontext`` | FluxKontextPipeline (the ``flux`` components) | any size (a multiple of 4) | 32 x 32 | 8 x 8 target tokens; the input image's tokens are context |
+#
+# ``max_area`` keeps the output at 32 x 32 (Kontext scales height and width to it, default 1024^2) and
+# ``_auto_resize=False`` the input image at its own size (not one of Kontext's preferred resolutions).
+EDIT_CALL_DEFAULTS: dict[str, dict[str, Any]] = {
+    "flux_kontext": {**_SIZE, "guidance_scale": 2.5, "max_sequence_length": 16, "max_area": 32 * 32,
+                     "_auto_resize": False},
+}
+
+
+def _build_flux_kontext():
+    from diffusers import FluxKontextPipeline
+
+    return FluxKontextPipeline(**_build_flux().components)  # Kontext is a FLUX.1 transformer with reference tokens
+
+
+_BUILDERS.update({"flux_kontext": _build_flux_kontext})

@@ -266,7 +266,7 @@ def test_grid_from_ids():
     assert grid_from_ids(image_ids(3, 5) + torch.tensor([0.0, 2.0, 7.0])) == (3, 5)  # offsets are fine
     assert grid_from_ids(image_ids(3, 5)[None]) == (3, 5)  # deprecated 3D ids
     assert grid_from_ids(image_ids(12, 9).bfloat16()) == (12, 9)  # pipelines pass ids in the model dtype
-    assert grid_from_ids(torch.cat([image_ids(2, 2), image_ids(2, 2)])) is None  # e.g. Kontext reference tokens
+    assert grid_from_ids(torch.cat([image_ids(2, 2), image_ids(2, 2)])) is None  # two grids (split_ids: one target)
     assert grid_from_ids(image_ids(3, 5) * 0.5) is None
 
 

@@ -7,8 +7,8 @@ on one CPU thread. Checks: ratio 0 and ``remove()`` are bit-identical to the unp
 finite, of the right shape, and its blocks cost what the unpatched blocks cost on half the tokens; a
 permutation "merge" (slots = all tokens, reordered per sample) gives the unpatched output, which holds only if
 every slot carries its token's rotary position; a batch equals its samples alone (float64); grids with
-leftover rows; calls whose tokens are not one grid are not merged. The helpers here are shared with
-``test_backbones_video.py``.
+leftover rows (editing calls with reference images: ``test_reference_images.py``). The helpers here are shared
+with ``test_backbones_video.py``.
 """
 
 from __future__ import annotations
@@ -372,21 +372,6 @@ def test_flux2_mlp_only_merges_to_out_and_leaves_the_attention_at_full_length(mo
     assert seen == [32, 8 + 64, 8 + 32]  # double ff merged; single attn full length; to_out merged
 
 
-@pytest.mark.filterwarnings("ignore:tomerge. no block")
-def test_flux2_reference_image_tokens_are_not_merged(models):
-    model = models["flux2"]
-    inputs = flux2_inputs(model, grid=(4, 4))
-    reference = _ids(1, 4, 4, 1) + torch.tensor([10, 0, 0, 0])  # Flux2Pipeline._prepare_image_ids: t = 10
-    inputs["hidden_states"] = torch.cat([inputs["hidden_states"], inputs["hidden_states"]], dim=1)
-    inputs["img_ids"] = torch.cat([_ids(1, 4, 4, 1), reference])[None].expand(2, -1, -1)
-    before = run(model, inputs)
-    with tomerge.merging(model, "tomesd", ratio=0.5) as handle:
-        with pytest.warns(UserWarning, match="reference-image"):
-            out = run(model, inputs)
-        assert handle.stats["tokens_removed"] == 0
-    assert torch.equal(out, before)
-
-
 def test_flux2_timestep_in_the_unit_interval_gives_progress(models):
     model = models["flux2"]
     with tomerge.merging(model, "tomesd", ratio=0.5) as handle:
@@ -395,18 +380,6 @@ def test_flux2_timestep_in_the_unit_interval_gives_progress(models):
         inputs["timestep"] = torch.full((2,), 0.25)
         run(model, inputs)
         assert handle.state.clock.step == 1 and handle.state.clock.progress == pytest.approx(0.75)
-
-
-@pytest.mark.filterwarnings("ignore:tomerge. no block")
-def test_qwenimage_edit_shapes_are_not_merged(models):
-    model = models["qwenimage"]
-    inputs = qwenimage_inputs(model, grid=(4, 4))
-    inputs["hidden_states"] = torch.cat([inputs["hidden_states"]] * 2, dim=1)
-    inputs["img_shapes"] = [[(1, 4, 4), (1, 4, 4)]] * 2  # target + one reference image (Qwen-Image-Edit)
-    with tomerge.merging(model, "tomesd", ratio=0.5) as handle:
-        with pytest.warns(UserWarning, match="img_shapes"):
-            run(model, inputs)
-        assert handle.stats["tokens_removed"] == 0
 
 
 def test_sana_mlp_convolutions_run_on_merged_tokens(models):

@@ -633,14 +633,14 @@ def test_ragged_gathers_follow_each_samples_text_length():
     call.set_text(lengths)
     assert (call.text, call.lengths.tolist()) == (2, [2, 1])
     joint = torch.arange(10.0).view(2, 5, 1)
-    assert call.image_part(joint, "first", "test")[..., 0].tolist() == [[2.0, 3, 4], [6, 7, 8]]
-    merged = call.with_image(joint, torch.tensor([[[-1.0], [-2.0]], [[-3.0], [-4.0]]]), "first", "test")
+    assert call.stream(joint, "first", "test")[..., 0].tolist() == [[2.0, 3, 4], [6, 7, 8]]
+    merged = call.with_stream(joint, torch.tensor([[[-1.0], [-2.0]], [[-3.0], [-4.0]]]), "first", "test")
     assert merged[..., 0].tolist() == [[0.0, 1, -1, -2], [5, -3, -4, 9]]  # sample 1 keeps its padding row last
     call.set_text(torch.tensor([3, 3]))
     assert (call.text, call.lengths) == (3, None)  # equal lengths: one text length
     with pytest.raises(ValueError, match="text first"):
         call.set_text(lengths)
-        call.image_part(joint, "last", "test")
+        call.stream(joint, "last", "test")
 
 
 def test_a_self_kv_site_refuses_keys_from_another_tensor():

@@ -93,6 +93,14 @@ def test_a_bug_prints_its_traceback_and_asks_for_a_report(monkeypatch, capsys):
         cli.main(["ablate", "--debug"])
 
 
+def test_a_closed_output_pipe_ends_the_command_quietly(monkeypatch, capsys):
+    _patch_run(monkeypatch, "backbones", BrokenPipeError(32, "Broken pipe"))
+    assert cli.main(["backbones"]) == 141
+    assert capsys.readouterr().err == ""
+    with pytest.raises(BrokenPipeError):
+        cli.main(["--debug", "backbones"])
+
+
 def test_ctrl_c_says_that_rerunning_resumes(monkeypatch, capsys):
     _patch_run(monkeypatch, "ablate", KeyboardInterrupt())
     assert cli.main(["ablate"]) == 130
@@ -122,7 +130,7 @@ def test_help_imports_no_subcommand_module_and_no_torch():
         "from tomerge.experiments import cli\n"
         "seen = {}\n"
         "for argv in (['--help'], ['ablate', '--help'], ['generate', '--help'], ['bench', '--help'],\n"
-        "             ['train-reference', '--help'], ['figures', '--help']):\n"
+        "             ['train-reference', '--help'], ['figures', '--help'], ['backbones', '--help']):\n"
         "    try:\n"
         "        cli.main(argv)\n"
         "    except SystemExit:\n"
@@ -130,7 +138,8 @@ def test_help_imports_no_subcommand_module_and_no_torch():
         "    heavy = sorted(m for m in sys.modules if m.split('.')[0] in\n"
         "                   ('torch', 'diffusers', 'transformers', 'timm', 'pytorch_lightning', 'wandb', 'matplotlib'))\n"
         "    subcommands = sorted(m for m in sys.modules if m.startswith('tomerge.experiments.')\n"
-        "                         and m.rsplit('.', 1)[1] in ('ablate', 'generate', 'figures', 'bench', 'train_reference'))\n"
+        "                         and m.rsplit('.', 1)[1] in ('ablate', 'generate', 'figures', 'bench', 'train_reference',\n"
+        "                                                     'coverage'))\n"
         "    seen[' '.join(argv)] = [heavy[:3], subcommands]\n"
         "print(json.dumps(seen))\n"
     )

@@ -13,9 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("transformers")
-
-from tomerge.experiments import metrics as M  # noqa: E402
+from tomerge.experiments import metrics as M
 
 
 @pytest.fixture(scope="module")

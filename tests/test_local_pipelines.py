@@ -20,8 +20,6 @@ import torch
 import local_pipelines
 import tomerge
 
-pytest.importorskip("transformers", reason="the text pipelines of diffusers import transformers")
-
 # DPMSolver/Euler schedulers build numpy arrays the way numpy 2 deprecates; not ours.
 pytestmark = pytest.mark.filterwarnings("ignore:__array__ implementation:DeprecationWarning")
 

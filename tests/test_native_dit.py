@@ -192,3 +192,80 @@ def test_training_smoke_checkpoint_resume_export(tmp_path):
     assert main(["--out-dir", str(tmp_path / "warm"), "--export", str(again)]) == 0
     start, end = load_dit(target).state_dict(), load_dit(again).state_dict()
     assert all(torch.equal(start[k], end[k]) for k in start)
+
+
+def test_fashion_mnist_at_64_keeps_the_garment_at_the_same_fraction_of_the_frame(tmp_path):
+    _write_fake_fashion_mnist(tmp_path)
+    small, big = FashionMNIST(tmp_path, size=32), FashionMNIST(tmp_path, size=64)
+    image, label = big[3]
+    assert image.shape == (1, 64, 64) and int(label) == int(small[3][1])
+    assert torch.all(image[:, :4] == -1) and torch.all(image[:, -4:] == -1)  # 2 k pixels of background
+    assert torch.all(image[:, :, :4] == -1) and torch.all(image[:, :, -4:] == -1)
+    # a constant garment stays constant under bilinear upsampling
+    write_idx(tmp_path / "train-images-idx3-ubyte.gz", torch.full((8, 28, 28), 200, dtype=torch.uint8))
+    flat = FashionMNIST(tmp_path, size=64, limit=2).images
+    assert torch.all(flat[:, 4:60, 4:60] == 200) and torch.all(flat[:, :4] == 0)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        FashionMNIST(tmp_path, size=48)
+
+
+def test_epoch_permutations_resume_where_the_uninterrupted_order_is():
+    from tomerge.experiments.train_reference import EpochPermutations
+
+    full = EpochPermutations(10, 3, seed=5)  # 3 batches per epoch, image 9 of each permutation dropped
+    uninterrupted = [b for _ in range(3) for b in full]  # 3 epochs, 9 batches
+    assert len(full) == 3 and len(uninterrupted) == 9
+    for epoch in range(3):
+        seen = [i for b in uninterrupted[3 * epoch:3 * epoch + 3] for i in b]
+        assert len(set(seen)) == 9  # each epoch: distinct images ...
+    assert uninterrupted[:3] != uninterrupted[3:6]  # ... in a new order
+    for step in (0, 2, 3, 4, 8):
+        resumed = EpochPermutations(10, 3, seed=5, start_batch=step)
+        batches = [b for _ in range(3) for b in resumed]
+        assert batches[:9 - step] == uninterrupted[step:]
+
+
+TINY_TRAIN = ["--limit-images", "8", "--batch-size", "4", "--hidden-size", "32", "--depth", "2",
+              "--num-heads", "2", "--threads", "1", "--wandb", "disabled", "--progress-refresh", "0",
+              "--warmup-steps", "1", "--export-every", "0"]
+
+
+def test_an_interrupted_training_run_resumes_bit_identically(tmp_path):
+    pytest.importorskip("pytorch_lightning")
+    from tomerge.experiments.train_reference import main
+
+    data = tmp_path / "data"
+    data.mkdir()
+    _write_fake_fashion_mnist(data)
+    common = ["--data-root", str(data), *TINY_TRAIN, "--ckpt-every-steps", "1000"]
+    assert main(common + ["--out-dir", str(tmp_path / "a"), "--max-steps", "5"]) == 0
+    assert main(common + ["--out-dir", str(tmp_path / "b"), "--max-steps", "3"]) == 0  # stops mid-epoch 1 (2 per epoch)
+    assert main(common + ["--out-dir", str(tmp_path / "b"), "--max-steps", "5", "--resume"]) == 0
+    a = torch.load(tmp_path / "a" / "last.ckpt", map_location="cpu", weights_only=True)
+    b = torch.load(tmp_path / "b" / "last.ckpt", map_location="cpu", weights_only=True)
+    assert a["global_step"] == b["global_step"] == 5
+    assert a["state_dict"].keys() == b["state_dict"].keys()
+    assert all(torch.equal(a["state_dict"][k], b["state_dict"][k]) for k in a["state_dict"])  # model and EMA
+    moments = [s for o in (a, b) for s in o["optimizer_states"][0]["state"].values()]
+    assert moments and all(torch.equal(x["exp_avg"], y["exp_avg"]) for x, y in zip(moments[:len(moments) // 2],
+                                                                                 moments[len(moments) // 2:]))
+
+
+def test_the_1024_token_preset_trains_exports_loads_and_samples(tmp_path):
+    pytest.importorskip("pytorch_lightning")
+    from tomerge.experiments.train_reference import main
+
+    data = tmp_path / "data"
+    data.mkdir()
+    _write_fake_fashion_mnist(data)
+    out = tmp_path / "run"
+    args = ["--data-root", str(data), "--out-dir", str(out), "--preset", "reference-1024", *TINY_TRAIN,
+            "--max-steps", "1"]
+    assert main(args) == 0
+    target = tmp_path / "dit_1024.safetensors"
+    assert main(["--out-dir", str(out), "--export", str(target)]) == 0
+    model = load_dit(target)
+    assert model.config.image_hw == (64, 64) and model.config.grid_hw == (32, 32)  # 1,024 image tokens
+    assert model.config.hidden_size == 32  # the override, on the preset's 64 x 64 input
+    images = sample(model, torch.tensor([0, 7]), num_steps=2, cfg_scale=2.0, generator=torch.Generator().manual_seed(0))
+    assert images.shape == (2, 1, 64, 64) and torch.isfinite(images).all()

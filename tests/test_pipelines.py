@@ -38,7 +38,6 @@ pytestmark = pytest.mark.filterwarnings("ignore:__array__ implementation:Depreca
 STEPS = 4
 STRATEGIES = ["tomesd", "ssm", "idm", "facility_location", "sdtm", "toma"]
 BACKBONES = ["unet", "sd3", "flux", "pixart", "dit", "native_dit"]
-TEXT_PIPELINES = {"unet", "sd3", "flux", "pixart"}  # their diffusers pipelines need `transformers`
 
 # Options of the generation test. sdtm: the authors' "SDTM*" curve (0.5 at the first step, 0.1 at the
 # last), switch at progress 0.4 (4 steps: structure 0, 1; detail 2, 3). toma: skip the first block of
@@ -58,11 +57,6 @@ INDEPENDENT: dict[str, dict[str, Any]] = {
     "sdtm": {"deviation": 0.2},
     "toma": {"num_tiles": 4, "group_size": 2, "recompute_every": 2},
 }
-
-
-def _needs_transformers(backbone: str) -> None:
-    if backbone in TEXT_PIPELINES:
-        pytest.importorskip("transformers", reason=f"the diffusers pipeline of {backbone!r} imports transformers")
 
 
 # ---------------------------------------------------------------------- conditioning
@@ -239,7 +233,6 @@ def kind_positions(handle: tomerge.MergeHandle) -> dict[int, int]:
 @pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("backbone", BACKBONES)
 def test_generation_merges_records_the_steps_and_ratio_zero_and_remove_are_bit_identical(backbone, strategy):
-    _needs_transformers(backbone)
     pipe, before = pipeline(backbone), baseline(backbone)
     model = model_of(pipe)
     zero = {k: v for k, v in OPTIONS.get(strategy, {}).items() if k != "deviation"}
@@ -295,7 +288,6 @@ def test_a_batch_of_two_equals_the_samples_generated_alone(backbone, strategy):
     """float64, so that the only difference between batch sizes, kernel rounding, stays far below the
     tolerance (in float32 facility location's greedy pick flips between near-tied candidates of these
     tiny models when a batch-size change perturbs the last bit, see test_backbones_diffusers.py)."""
-    _needs_transformers(backbone)
     pipe = pipeline(backbone, torch.float64)
     options = INDEPENDENT.get(strategy, {})
     if strategy not in ("sdtm", "toma"):
@@ -351,7 +343,6 @@ def test_batched_guidance_equals_split_guidance(backbone, strategy):
     """Three steps of (cond, uncond) calls, batched vs one call per branch at the same timestep, each on a
     fresh application: per-sample plans, merge streaks, received attention and (toma) plans reused across
     blocks and steps must not mix the branches. float64 for the reason given above."""
-    _needs_transformers(backbone)
     model = model_of(pipeline(backbone, torch.float64))
     options = {**adapter_options(backbone), **INDEPENDENT.get(strategy, {})}
     runs = []
@@ -375,7 +366,6 @@ def test_batched_guidance_equals_split_guidance(backbone, strategy):
 @pytest.mark.parametrize("backbone", BACKBONES)
 def test_fp16_generation_runs(backbone, strategy):
     """CPU runs every op of these pipelines in fp16 with torch 2.14 (bf16: test_backbones_diffusers.py)."""
-    _needs_transformers(backbone)
     pipe = pipeline(backbone, torch.float16)
     handle = attach(backbone, pipe, strategy, RATIO.get(strategy, 0.5), OPTIONS.get(strategy, {}))
     seen: list[torch.dtype] = []
@@ -395,7 +385,6 @@ def test_fp16_generation_runs(backbone, strategy):
 def test_sd3_skip_layer_guidance_calls_share_the_step(strategy):
     """StableDiffusion3Pipeline with skip-layer guidance calls the transformer twice on steps 1..3 (the
     guidance batch, then the conditional batch without block 1): both calls record the same step."""
-    _needs_transformers("sd3")
     pipe = pipeline("sd3")
     calls: list[float] = []
     counter = pipe.transformer.register_forward_pre_hook(
@@ -426,7 +415,6 @@ def test_tomesd_random_destinations_per_step_and_layer_are_batch_independent_acr
     """With ``rng="per_step_layer"`` a guidance pair draws the same destinations whether it is batched
     with another pair or alone (one draw for the batch, seeded by step and layer). A single branch of
     split guidance is an odd batch, where tomesd (and so this strategy) uses no randomness."""
-    _needs_transformers("sd3")
     model = model_of(pipeline("sd3", torch.float64))
     options = dict(use_rand=True, rng="per_step_layer", num_steps=2)
 

@@ -73,11 +73,12 @@ def record_sdpa(modules: dict[int, nn.Module]) -> tuple[dict[int, list], list]:
 
 
 def reference_received_attention(query: Tensor, key: Tensor, mask: Tensor | None, scale: float | None, N: int,
-                                 text_first: bool) -> Tensor:
-    """The probe's rule, from the SDPA inputs ``[B, h, T + N, d]``: ``[B, N]`` float64."""
+                                 text_first: bool, context: tuple[int, int] = (0, 0)) -> Tensor:
+    """The probe's rule, from the SDPA inputs ``[B, h, T + S, d]`` (``S``: the image stream, ``context[0]``
+    reference tokens, the ``N`` target tokens, ``context[1]`` reference tokens): ``[B, N]`` float64."""
     q, k = query.double(), key.double()
     B, h, L, d = q.shape
-    T = L - N
+    T = L - N - sum(context)
     logits = torch.einsum("bhqd,bhkd->bhqk", q, k) * (d ** -0.5 if scale is None else scale)  # [B, h, L, L]
     attended = torch.ones(B, L, dtype=torch.bool)  # [B, L]: keys some query may attend
     if mask is not None:
@@ -88,7 +89,7 @@ def reference_received_attention(query: Tensor, key: Tensor, mask: Tensor | None
             logits = logits + mask
     p = logits.softmax(-1)  # rows of masked queries may be NaN: they are not counted
     text = torch.arange(T) if text_first else torch.arange(L - T, L)
-    image = torch.arange(T, L) if text_first else torch.arange(L - T)
+    image = (T if text_first else 0) + context[0] + torch.arange(N)  # the target's keys
     out = []
     for b in range(B):
         rows = text[attended[b, text]]  # the text queries the mask keeps
@@ -99,10 +100,11 @@ def reference_received_attention(query: Tensor, key: Tensor, mask: Tensor | None
 
 def check_probe_matches_the_model(model: nn.Module, inputs: dict,
                                   attentions: Callable[[nn.Module], dict[int, nn.Module]], num_tokens: int,
-                                  text_first: bool, masked: bool) -> None:
+                                  text_first: bool, masked: bool, context: tuple[int, int] = (0, 0)) -> None:
     """float64: the received attention recorded for every block of ``attentions(model)`` (``{layer: attention
     module}``) equals the reference from that module's SDPA call; ``masked``: the call has a text mask, and the
-    reference without it differs (so the probe used it)."""
+    reference without it differs (so the probe used it); ``context``: reference-image tokens before and after the
+    ``num_tokens`` target tokens of the image stream."""
     model = copy.deepcopy(model).double()
     inputs = {k: v.double() if isinstance(v, Tensor) and v.is_floating_point() else v for k, v in inputs.items()}
     modules = attentions(model)
@@ -118,14 +120,14 @@ def check_probe_matches_the_model(model: nn.Module, inputs: dict,
     for layer, calls in seen.items():
         assert len(calls) == 1, f"layer {layer}: {len(calls)} SDPA calls"
         q, k, mask, scale = (calls[0][name] for name in ("query", "key", "attn_mask", "scale"))
-        reference = reference_received_attention(q, k, mask, scale, num_tokens, text_first)
+        reference = reference_received_attention(q, k, mask, scale, num_tokens, text_first, context)
         a = recorded[layer]
         assert a.shape == reference.shape and a.dtype == torch.float32
         torch.testing.assert_close(a.double(), reference, rtol=1e-5, atol=1e-8)
         assert (reference.max(-1).values - reference.min(-1).values > 1e-3).all()  # not uniform: real q/k
         if masked:
             assert mask is not None
-            unmasked = reference_received_attention(q, k, None, scale, num_tokens, text_first)
+            unmasked = reference_received_attention(q, k, None, scale, num_tokens, text_first, context)
             assert (unmasked - reference).abs().max() > 1e-4
 
 
@@ -202,6 +204,24 @@ def test_declared_joint_probe_equals_the_models_attention(name):
     model = family.build()
     check_probe_matches_the_model(model, family.inputs(model), attentions, math.prod(family.grid),
                                   text_first=text_first, masked=masked)
+
+
+@pytest.mark.parametrize("name", ["flux_kontext", "flux2_reference", "flux2_reference_first", "flux2_kv_extract",
+                                  "qwenimage_edit"])
+def test_joint_probe_with_reference_images_records_the_targets_share(name):
+    """Editing calls: the reference-image tokens around the target are keys like the text (the model's softmax
+    over text, target and reference keys); the record is the target's keys' share. FLUX.2 klein's KV-cache
+    extract call masks the reference queries' view of the target, not the text queries'."""
+    from test_reference_images import CASES as EDITS, GRID, REFERENCE
+
+    case = EDITS[name]
+    model = case.build()
+    before = case.before
+    context = (before, math.prod(REFERENCE) - before)
+    containers = ("transformer_blocks",) if name == "qwenimage_edit" else ("transformer_blocks",
+                                                                           "single_transformer_blocks")
+    check_probe_matches_the_model(model, case.inputs(model), _attentions(*containers), math.prod(GRID),
+                                  text_first=True, masked=name == "qwenimage_edit", context=context)
 
 
 # ---------------------------------------------------------------------- SANA: linear attention

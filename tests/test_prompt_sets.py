@@ -165,7 +165,8 @@ def test_from_config_string_dict_overrides_none_and_unknown_keys(tmp_path):
     assert PromptSet.from_config({"file": str(f), "num_prompts": 1}, num_prompts=2).num_prompts == 2
     assert PromptSet.from_config(ps.to_dict()) == ps
     assert ps.to_dict() == {"file": str(f), "format": "auto", "field": None, "template": "a photo of a {name}",
-                            "num_prompts": 1, "prompt_offset": 1, "images_per_prompt": 3, "coco_caption": "first"}
+                            "num_prompts": 1, "prompt_offset": 1, "images_per_prompt": 3, "coco_caption": "first",
+                            "image_field": None}
     with pytest.raises(ValueError, match=r"unknown prompts key\(s\) \['count'\]; valid keys: \['file', 'format'"):
         PromptSet.from_config({"file": str(f), "count": 3})
     with pytest.raises(ValueError, match=r"unknown prompts key\(s\) \['seed'\]"):

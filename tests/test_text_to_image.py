@@ -18,13 +18,11 @@ import pytest
 import torch
 import yaml
 
-pytest.importorskip("transformers")
-
-import local_pipelines  # noqa: E402
-from tomerge.experiments import generate as gen  # noqa: E402
-from tomerge.experiments.ablate import run_ablation  # noqa: E402
-from tomerge.experiments.cli import main as cli  # noqa: E402
-from tomerge.experiments.config import load_config  # noqa: E402
+import local_pipelines
+from tomerge.experiments import generate as gen
+from tomerge.experiments.ablate import run_ablation
+from tomerge.experiments.cli import main as cli
+from tomerge.experiments.config import load_config
 
 pytestmark = pytest.mark.filterwarnings("ignore:__array__ implementation:DeprecationWarning")
 

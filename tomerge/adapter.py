@@ -119,6 +119,26 @@ class TextKeys:
 
 
 @dataclasses.dataclass(frozen=True)
+class KindSummary:
+    """What an adapter merges in one block kind, as ``tomerge backbones`` lists it (no model is built).
+
+    Args:
+        kind: the block kind (``BlockSpec.kind``).
+        sublayers: the sublayers of its merge points, in block order, each once (``"attn"``, ``"crossattn"``,
+            ``"mlp"``).
+        context: how the text (or other context) tokens meet the image tokens in these blocks, e.g. ``"joint
+            attention, text first"``, ``"cross-attention"``.
+        rope: the layout of the rotary table gathered for merged tokens (``Rope.layout`` of declared
+            adapters); ``None``: the blocks get no rotary table.
+    """
+
+    kind: str
+    sublayers: tuple[str, ...]
+    context: str
+    rope: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class NoOptions:
     """Adapters without options use this."""
 
@@ -128,15 +148,21 @@ class BackboneAdapter(abc.ABC):
 
     Class attributes:
         name: registry name.
+        model_class: class name of the diffusers model it patches (``""``: not a diffusers model class); the
+            key of ``tomerge backbones``' coverage table.
         block_names: class names of the blocks it looks for (named in the error when none match).
         Options: frozen dataclass of the adapter's options (accepted by :func:`tomerge.apply`).
         t_max: largest timestep value the model is called with (for progress without a step count).
+        grid_dims: 2 for an ``(H, W)`` image token grid, 3 for a ``(T, H, W)`` video grid (what :meth:`grid`
+            returns).
     """
 
     name: ClassVar[str] = ""
+    model_class: ClassVar[str] = ""
     block_names: ClassVar[tuple[str, ...]] = ()
     Options: ClassVar[type] = NoOptions
     t_max: ClassVar[float] = 1000.0
+    grid_dims: ClassVar[int] = 2
 
     def __init__(self, model: nn.Module, options: Any) -> None:
         self.model = model
@@ -165,6 +191,18 @@ class BackboneAdapter(abc.ABC):
         ``"attn"`` point) into ``state.store_attention``; returns the hook handles. Adapters whose
         attention cannot be probed raise."""
         raise NotImplementedError(f"backbone {self.name!r} cannot record received attention")
+
+    @classmethod
+    def probed_kinds(cls) -> frozenset[str]:
+        """The block kinds in whose ``"attn"`` points :meth:`probe` records received attention (strategies that
+        need it run when every kind of :meth:`kind_summaries` is one); the default: none."""
+        return frozenset()
+
+    @classmethod
+    def kind_summaries(cls) -> tuple[KindSummary, ...]:
+        """What it merges in each block kind, in execution order, for ``tomerge backbones`` (read from the
+        class, no model built); the default ``()``: not declared."""
+        return ()
 
     def text_keys(self, block: BlockSpec, point: MergePoint) -> TextKeys | None:
         """The joint text-image attention of ``point`` (prompt reweighting), or ``None``: no text keys there."""

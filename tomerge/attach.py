@@ -304,10 +304,11 @@ def apply(target: Any, strategy: str | MergeStrategy | Schedule = "tomesd", *, r
 
 
 def check_options(strategy: str, *, ratio: float | None = None, backbones: Sequence[str] | None = None,
-                  **options: Any) -> None:
+                  **options: Any) -> Schedule:
     """Raises what :func:`apply` would raise for this strategy, ratio and options, without a model:
     unknown names, unknown options and invalid values (a config's whole grid can be checked before any
     work). Adapter options are accepted if one of ``backbones`` (default: every registered one) has them.
+    Returns the schedule :func:`apply` would run (e.g. its :attr:`~tomerge.schedule.Schedule.needs`).
 
     Example:
         >>> tomerge.check_options("tomesd", ratio=0.5, use_rnd=False)      # doctest: +SKIP
@@ -321,7 +322,7 @@ def check_options(strategy: str, *, ratio: float | None = None, backbones: Seque
         cls = backbone_class(names[0])
         build(cls.Options, {k: v for k, v in options.items() if k in adapter_fields}, what=f"backbone {cls.name!r}")
     rest = {k: v for k, v in options.items() if k not in adapter_fields and k not in _STATE_OPTIONS}
-    _make_schedule(strategy, ratio, rest, adapter_fields)
+    return _make_schedule(strategy, ratio, rest, adapter_fields)
 
 
 def option_names(strategy: str, backbones: Sequence[str] | None = None) -> list[str]:

@@ -96,6 +96,12 @@ class Schedule(abc.ABC):
     def strategies(self) -> tuple[MergeStrategy, ...]:
         """Every strategy the schedule may pick (adapters record what they need)."""
 
+    @property
+    def needs(self) -> frozenset[str]:
+        """What the adapter must record for the schedule: the :attr:`~MergeStrategy.needs` of its
+        :meth:`strategies`, together."""
+        return frozenset().union(*(s.needs for s in self.strategies()))
+
     # ------------------------------------------------------------------ extension: a text-key bias
     def prepare_text_labels(self, labels: Any) -> Any:
         """Validates the text-token labels a user gives (``tomerge.apply(..., text_labels=...)`` or

@@ -170,9 +170,8 @@ class MergeState:
         self._forked: dict[torch.device, torch.Generator] = {}
         # Called with (block call, new plan) whenever a plan is computed: merge maps, probes, logging.
         self.observers: list[Callable[[BlockCall, MergePlan], None]] = []
-        strategies = schedule.strategies()
-        self.needs: frozenset[str] = frozenset().union(*(s.needs for s in strategies))
-        self.keep_streaks = any(s.uses_streak for s in strategies)
+        self.needs: frozenset[str] = schedule.needs
+        self.keep_streaks = any(s.uses_streak for s in schedule.strategies())
 
     # ------------------------------------------------------------------ model calls
     def begin_model_call(self, timestep: Tensor | float | None) -> None:

@@ -1,0 +1,269 @@
+"""`tomerge backbones`: which diffusers model classes tomerge merges, read from the installed diffusers and the
+registered backbone adapters (no model is built, nothing is downloaded).
+
+    tomerge backbones                                     # one line per class
+    tomerge backbones --json                              # one JSON object per class
+    tomerge backbones --markdown > docs/backbones/coverage.md
+
+The classes are every ``ModelMixin`` subclass that ``diffusers.models.transformers`` exports, and
+``UNet2DConditionModel``. A class is merged when a registered adapter names it as its ``model_class``
+(:func:`tomerge.apply` picks the first registered adapter that recognises a model, in name order; so does
+the table). What the table says about it comes from the adapter's class:
+
+* the token grid: ``grid_dims`` (2-D ``(H, W)`` or 3-D ``(T, H, W)``);
+* per block kind (``kind_summaries()``): the sublayers of its merge points, the rotary layout gathered for
+  merged tokens, how the text (or other context) tokens meet the image tokens;
+* the strategies: every registered strategy and schedule whose ``needs`` the adapter records, i.e. with
+  default options (ratio 0.5) ``needs`` is empty, or is received attention and every block kind has a probe
+  (``probed_kinds()``; :func:`tomerge.apply` installs the probe in every block).
+
+A class no adapter names gets its one-line reason from :data:`NOT_MERGED` (the one table of reasons, by class
+name), else :data:`NOT_DECLARED`. Adapters of models that are no class of this diffusers (``native_dit``,
+tomerge's reference DiT; a plugin's adapter for a class of another diffusers version) are listed after the
+classes. ``--plugin`` adapters and strategies count like the built-in ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tomerge.adapter import KindSummary
+
+__all__ = ["NOT_MERGED", "NOT_DECLARED", "PAGE", "Row", "Coverage", "model_classes", "coverage", "runnable_strategies",
+           "text_table", "json_lines", "markdown", "add_arguments", "run"]
+
+# Why a class of diffusers.models.transformers is not merged, for the classes that are no image or video
+# generator from text (or are a part of another model). A class neither here nor named by an adapter reads
+# NOT_DECLARED.
+NOT_MERGED: dict[str, str] = {
+    "AceStepTransformer1DModel": "audio (music) generation: a 1-D sequence, no image or video token grid",
+    "DreamLiteTransformer2DModel": "a transformer stage inside the DreamLite UNet, not a model of its own",
+    "Kandinsky6SRTransformer3DModel": "video super-resolution (an upsampler of Kandinsky 6 videos), text-free",
+    "LongCatAudioDiTTransformer": "audio generation: a 1-D sequence, no image or video token grid",
+    "MiniMaxMusic3RVQDepthDecoder": "the audio-codebook language model of MiniMax Music 3, not a diffusion transformer",
+    "MiniMaxMusic3Transformer1DModel": "audio (music) generation: a 1-D sequence, no image or video token grid",
+    "PriorTransformer": "a prior (unCLIP, Kandinsky 2, Shap-E): text embeddings to image embeddings, no image tokens",
+    "RFD4ProteinaTransformer": "protein structure generation: residues, no image or video token grid",
+    "SanaWMLTX2RefinerTransformer3DModel": "the chunk-causal refiner stage of SANA-WM, not a text-to-video model",
+    "StableAudio3DiTModel": "audio generation: a 1-D sequence, no image or video token grid",
+    "StableAudioDiTModel": "audio generation: a 1-D sequence, no image or video token grid",
+    "T5FilmDecoder": "the spectrogram decoder of music spectrogram diffusion: audio",
+    "Transformer2DModel": "a transformer stage inside UNets (merged through UNet2DConditionModel), not a model of its own",
+    "TransformerTemporalModel": "the temporal layers of video UNets: attention across frames, no spatial token grid",
+}
+NOT_DECLARED = "not declared yet"
+
+PAGE = "docs/backbones/coverage.md"
+REGENERATE = f"tomerge backbones --markdown > {PAGE}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One model class: merged (``backbone`` set) or not (``reason`` set).
+
+    Args:
+        model_class: the class name.
+        module: the diffusers module defining it.
+        backbone: the registered adapter that merges it, or ``None``.
+        strategies: the registered strategies and schedules that run on it, sorted.
+        grid_dims: 2 or 3 (the adapter's token grid); ``None`` when not merged.
+        kinds: what the adapter merges per block kind (empty: merged, but not declared by the adapter).
+        probed: the block kinds with a received-attention probe.
+        reason: why it is not merged; ``None`` when merged.
+    """
+
+    model_class: str
+    module: str
+    backbone: str | None = None
+    strategies: tuple[str, ...] = ()
+    grid_dims: int | None = None
+    kinds: tuple[KindSummary, ...] = ()
+    probed: frozenset[str] = frozenset()
+    reason: str | None = None
+
+    def to_json(self, diffusers_version: str) -> dict[str, Any]:
+        """The ``--json`` object of the row."""
+        return {"class": self.model_class, "backbone": self.backbone, "strategies": list(self.strategies),
+                "reason": self.reason, "grid_dims": self.grid_dims,
+                "kinds": [{**dataclasses.asdict(k), "probe": k.kind in self.probed} for k in self.kinds],
+                "module": self.module, "diffusers": diffusers_version}
+
+
+@dataclasses.dataclass(frozen=True)
+class Coverage:
+    """The table: one row per model class (sorted by name), the registered strategies, and the adapters of models
+    that are no class of this diffusers (``(backbone, why)``)."""
+
+    diffusers_version: str
+    rows: tuple[Row, ...]
+    strategies: tuple[str, ...]
+    other_backbones: tuple[tuple[str, str], ...]
+
+    @property
+    def merged(self) -> tuple[Row, ...]:
+        return tuple(row for row in self.rows if row.backbone is not None)
+
+
+def model_classes() -> dict[str, type]:
+    """Name -> class of every ``ModelMixin`` subclass that ``diffusers.models.transformers`` exports, and of
+    ``UNet2DConditionModel``, sorted by name."""
+    import diffusers
+    import diffusers.models.transformers as transformers
+    from diffusers.models.modeling_utils import ModelMixin
+
+    classes = {name: value for name, value in vars(transformers).items()
+               if isinstance(value, type) and issubclass(value, ModelMixin)}
+    classes["UNet2DConditionModel"] = diffusers.UNet2DConditionModel
+    return dict(sorted(classes.items()))
+
+
+def runnable_strategies(adapter: type, strategies: Sequence[str]) -> tuple[str, ...]:
+    """The ones of ``strategies`` (registered names) that run on ``adapter`` with their default options (ratio
+    0.5): those whose schedule ``needs`` nothing, or received attention where every block kind has a probe."""
+    from tomerge.attach import check_options
+    from tomerge.strategy import RECORDED_NEEDS
+
+    kinds = {k.kind for k in adapter.kind_summaries()}
+    recorded = RECORDED_NEEDS if kinds and kinds <= adapter.probed_kinds() else frozenset()  # what probes record
+    return tuple(name for name in strategies
+                 if check_options(name, ratio=0.5, backbones=[adapter.name]).needs <= recorded)
+
+
+def coverage(backbones: Sequence[str] | None = None, strategies: Sequence[str] | None = None) -> Coverage:
+    """The table for the installed diffusers and the given registered names (default: every registered backbone,
+    strategy and schedule)."""
+    import diffusers
+
+    import tomerge
+    from tomerge.registry import backbone_class
+
+    backbones = sorted(tomerge.list_backbones() if backbones is None else backbones)
+    strategies = tuple(sorted(tomerge.list_strategies() if strategies is None else strategies))
+    classes = model_classes()
+    claimed: dict[str, type] = {}
+    others: list[tuple[str, str]] = []
+    for name in backbones:
+        adapter = backbone_class(name)
+        if not adapter.model_class:
+            others.append((name, "not a diffusers model class"))
+        elif adapter.model_class not in classes:
+            others.append((name, f"{adapter.model_class}: not a model class of diffusers {diffusers.__version__}"))
+        elif adapter.model_class in claimed:
+            others.append((name, f"{adapter.model_class}: merged by {claimed[adapter.model_class].name!r}, registered "
+                                 "first"))
+        else:
+            claimed[adapter.model_class] = adapter
+    rows = []
+    for class_name, cls in classes.items():
+        adapter = claimed.get(class_name)
+        if adapter is None:
+            rows.append(Row(class_name, cls.__module__, reason=NOT_MERGED.get(class_name, NOT_DECLARED)))
+        else:
+            rows.append(Row(class_name, cls.__module__, backbone=adapter.name,
+                            strategies=runnable_strategies(adapter, strategies), grid_dims=adapter.grid_dims,
+                            kinds=adapter.kind_summaries(), probed=adapter.probed_kinds()))
+    return Coverage(diffusers.__version__, tuple(rows), strategies, tuple(others))
+
+
+# ---------------------------------------------------------------------- output
+def _strategies_text(row: Row, all_strategies: tuple[str, ...]) -> str:
+    """``all``, ``all but idm, sdtm`` or ``tomesd, ssm``: the shortest of the last two."""
+    if row.strategies == all_strategies:
+        return "all"
+    missing = [s for s in all_strategies if s not in row.strategies]
+    listed = ", ".join(row.strategies) or "none"
+    return f"all but {', '.join(missing)}" if len(missing) < len(row.strategies) else listed
+
+
+def _kind_text(kind: KindSummary) -> str:
+    rope = f"RoPE {kind.rope}" if kind.rope else "no RoPE"
+    return f"{kind.kind}: {' '.join(kind.sublayers)} ({rope}; {kind.context})"
+
+
+def text_table(table: Coverage) -> str:
+    """What ``tomerge backbones`` prints: a summary line, then one line per class (merged: backbone, grid,
+    strategies, block kinds; not merged: the reason)."""
+    lines = [f"{len(table.merged)} of {len(table.rows)} model classes of diffusers {table.diffusers_version} are "
+             f"merged by tomerge (all = {len(table.strategies)} strategies and schedules: "
+             f"{', '.join(table.strategies)})"]
+    width = max(len(row.model_class) for row in table.rows)
+    backbone_width = max([len(row.backbone) for row in table.merged] + [1])
+    for row in table.rows:
+        if row.backbone is None:
+            lines.append(f"{row.model_class:<{width}}  {'-':<{backbone_width}}  {row.reason}")
+            continue
+        kinds = " | ".join(_kind_text(kind) for kind in row.kinds) or "block kinds not declared"
+        lines.append(f"{row.model_class:<{width}}  {row.backbone:<{backbone_width}}  {row.grid_dims}-D  "
+                     f"strategies: {_strategies_text(row, table.strategies)}  {kinds}")
+    lines += [f"other backbone {name}: {why}" for name, why in table.other_backbones]
+    return "\n".join(lines)
+
+
+def json_lines(table: Coverage) -> str:
+    """What ``tomerge backbones --json`` prints: one JSON object per class (:meth:`Row.to_json`)."""
+    return "\n".join(json.dumps(row.to_json(table.diffusers_version)) for row in table.rows)
+
+
+def _per_kind(values: list[str]) -> str:
+    """One cell for the kinds of a class: the value once when every kind has it, else one line per kind."""
+    return values[0] if len(set(values)) == 1 else "<br>".join(values)
+
+
+def markdown(table: Coverage) -> str:
+    """The page ``docs/backbones/coverage.md`` (``tomerge backbones --markdown``)."""
+    out = [
+        "# Backbone coverage",
+        "",
+        f"Which model classes of diffusers {table.diffusers_version} tomerge merges: every model class that "
+        "`diffusers.models.transformers` exports, and `UNet2DConditionModel`. The page is generated; regenerate it "
+        "with",
+        "",
+        "```bash",
+        REGENERATE,
+        "```",
+        "",
+        "(`tomerge backbones --json` prints the same per class as JSON; `experiments/coverage.py` says how each "
+        "column is read from the registered adapters). `tests/test_coverage.py` fails when the page is not what "
+        "the command prints for the installed diffusers, or when a class merged here is no longer merged with "
+        "these strategies.",
+        "",
+        f"{len(table.merged)} of {len(table.rows)} classes are merged. Strategies and schedules: "
+        f"{', '.join(f'`{s}`' for s in table.strategies)}.",
+        "",
+        "## Merged",
+        "",
+        "| model class | backbone | grid | strategies | block kinds: sublayers | RoPE | text / context |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in table.merged:
+        kinds = [f"{k.kind}: {', '.join(k.sublayers)}" for k in row.kinds] or ["not declared"]
+        ropes = [k.rope or "none" for k in row.kinds] or ["?"]
+        contexts = [k.context for k in row.kinds] or ["?"]
+        out.append(f"| `{row.model_class}` | `{row.backbone}` | {row.grid_dims}-D | {', '.join(row.strategies)} | "
+                   f"{'<br>'.join(kinds)} | {_per_kind(ropes)} | {_per_kind(contexts)} |")
+    out += ["", "## Not merged", "", "| model class | why not |", "|---|---|"]
+    out += [f"| `{row.model_class}` | {row.reason} |" for row in table.rows if row.backbone is None]
+    if table.other_backbones:
+        out += ["", "## Backbones of other models", "", "| backbone | model |", "|---|---|"]
+        out += [f"| `{name}` | {why} |" for name, why in table.other_backbones]
+    return "\n".join(out) + "\n"
+
+
+# ---------------------------------------------------------------------- the command
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    form = parser.add_mutually_exclusive_group()
+    form.add_argument("--json", action="store_true", help="one JSON object per class (keys class, backbone, "
+                      "strategies, reason, grid_dims, kinds, module, diffusers)")
+    form.add_argument("--markdown", action="store_true", help=f"the page {PAGE} ({REGENERATE})")
+
+
+def run(args: argparse.Namespace) -> int:
+    table = coverage()
+    print(json_lines(table) if args.json else markdown(table) if args.markdown else text_table(table),
+          end="" if args.markdown else "\n")
+    return 0

@@ -1,0 +1,492 @@
+"""``tomerge search``: a multi-objective search over strategies, ratios and options (Optuna).
+
+A search config is an ablation config (model, items, metrics, timing; ``grid:`` is not used) with a
+``search:`` section::
+
+    search:
+      trials: 40                      # trials in all (a resumed search runs the missing ones)
+      sampler: nsga2                  # nsga2 (NSGA-II), tpe (multi-objective TPE) or random
+      seed: 0
+      objectives: [flops, fd_effnetlite0]   # result-row columns; each is minimised or maximised as
+                                            # records.BETTER says (psnr: maximised)
+      space:                          # one entry per strategy or schedule
+        - strategy: tomesd
+          ratio: {low: 0.1, high: 0.75}          # a range (step 0.01 unless `step:` is given)
+          options: {use_rand: false}             # a fixed value
+        - strategy: sdtm_release
+          ratio: {low: 0.0, high: 0.6}
+          options: {protect_every: [2, 3, 4]}    # a list: one of these values
+      held_out: {seed: 1000, classes: [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]}   # item keys of the held-out set
+
+Every trial is a normal run of the run folder ``OUT_DIR/NAME`` (images, result row, W&B; the same run id
+as in ``tomerge ablate``), so an interrupted search keeps every finished trial: the Optuna study is a
+journal file in ``NAME/search/``, and a trial that was running when the process stopped is run again with
+the same values (its finished images are reused). After the trials: the Pareto front of the objectives
+as a table (``search/front.md``, with the held-out columns when they are run), a figure (``search/front.png`` and ``.pdf``), a config that reruns the
+front (``search/front.yaml``, ``tomerge ablate --config``), and the front re-scored on the held-out items
+(``search/held_out.yaml``, run as the folder ``NAME_held_out``; its table is printed beside the search's).
+
+Example:
+    tomerge search --config experiments/configs/search.yaml --set search.trials=10
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .cli import UsageError, did_you_mean, user_input
+from .config import AblationConfig, ConfigError, RunSpec, entry_problems, load_config_sections
+from .records import BETTER
+
+# optuna, torch and the model are imported where they are used: `--help` needs none.
+
+__all__ = ["SearchSpace", "SpaceEntry", "Dimension", "run_search", "add_arguments", "run", "main"]
+
+SAMPLERS = ("nsga2", "tpe", "random")
+SEARCH_KEYS = ("trials", "sampler", "seed", "objectives", "space", "held_out")
+ENTRY_KEYS = ("strategy", "ratio", "options")
+HELD_OUT_KEYS = ("seed", "classes", "per_class", "prompts", "num_prompts", "prompt_offset", "images_per_prompt")
+RATIO_STEP = 0.01  # ratios are searched on this grid, so run ids stay short and repeats reuse a run
+
+
+# ------------------------------------------------------------------------------------------ the space
+@dataclasses.dataclass(frozen=True)
+class Dimension:
+    """One searched value: ``fixed`` (``values[0]``), ``choice`` (one of ``values``), or an ``int`` /
+    ``float`` range ``values = (low, high)`` (``step``: its grid; ``log``: sampled log-uniformly)."""
+
+    kind: str
+    values: tuple[Any, ...]
+    step: float | None = None
+    log: bool = False
+
+    @classmethod
+    def parse(cls, value: Any, where: str, default_step: float | None = None) -> tuple[Dimension | None, list[str]]:
+        """A YAML value: a scalar is fixed, a list a choice, ``{low, high[, step][, log]}`` a range."""
+        if isinstance(value, list):
+            if not value:
+                return None, [f"{where}: an empty list of choices"]
+            return cls("choice", tuple(value)), []
+        if not isinstance(value, dict):
+            return cls("fixed", (value,)), []
+        unknown = [k for k in value if k not in ("low", "high", "step", "log")]
+        problems = [f"{where}: unknown range key {k!r}; a range is {{low, high, step, log}}" for k in unknown]
+        low, high, step, log = value.get("low"), value.get("high"), value.get("step", default_step), value.get("log", False)
+        numbers = [v for v in (low, high, step) if v is not None]
+        if low is None or high is None or any(isinstance(v, bool) or not isinstance(v, (int, float)) for v in numbers):
+            return None, [*problems, f"{where}: a range needs numbers low and high (and step), got {value!r}"]
+        if not low <= high:
+            problems.append(f"{where}: low {low} is above high {high}")
+        if step is not None and step <= 0:
+            problems.append(f"{where}: step must be > 0, got {step}")
+        if not isinstance(log, bool) or (log and low <= 0):
+            problems.append(f"{where}: log must be true or false, and needs low > 0")
+        kind = "int" if all(isinstance(v, int) for v in numbers) else "float"
+        return (None if problems else cls(kind, (low, high), step, log)), problems
+
+    def corners(self) -> list[Any]:
+        """The values whose validity stands for all: every choice, both ends of a range."""
+        return list(self.values)
+
+    def suggest(self, trial: Any, name: str) -> Any:
+        """This dimension's value in an Optuna ``trial`` (parameter ``name``)."""
+        if self.kind == "fixed":
+            return self.values[0]
+        if self.kind == "choice":  # by index: Optuna's categorical values must be plain scalars
+            return self.values[trial.suggest_categorical(name, list(range(len(self.values))))]
+        low, high = self.values
+        if self.kind == "int":
+            return trial.suggest_int(name, low, high, step=int(self.step or 1), log=self.log)
+        value = trial.suggest_float(name, low, high, step=None if self.log else self.step, log=self.log)
+        return round(value, 6) if self.step else value  # 0.35000000000000003 -> 0.35 in run ids
+
+
+@dataclasses.dataclass(frozen=True)
+class SpaceEntry:
+    """One strategy or schedule of the space: its ratio and options as :class:`Dimension` s."""
+
+    strategy: str
+    ratio: Dimension
+    options: tuple[tuple[str, Dimension], ...]
+
+    @property
+    def label(self) -> str:
+        return self.strategy
+
+    def grid_entries(self) -> list[dict[str, Any]]:
+        """Grid entries covering every choice and range end (each option varied alone, the others at their
+        first value): what the ablation's checks validate before any image."""
+        first = {name: dim.corners()[0] for name, dim in self.options}
+        variants = [first] + [{**first, name: value} for name, dim in self.options for value in dim.corners()[1:]]
+        return [{"strategy": self.strategy, "ratios": self.ratio.corners(), "options": options} for options in variants]
+
+    def suggest(self, trial: Any, prefix: str) -> RunSpec:
+        ratio = float(self.ratio.suggest(trial, f"{prefix}.ratio"))
+        options = {name: dim.suggest(trial, f"{prefix}.{name}") for name, dim in self.options}
+        return RunSpec(self.strategy, ratio, options)
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchSpace:
+    """The parsed ``search:`` section (see the module docstring)."""
+
+    trials: int
+    sampler: str
+    seed: int
+    objectives: tuple[str, ...]
+    entries: tuple[SpaceEntry, ...]
+    held_out: dict[str, Any]
+
+    @property
+    def directions(self) -> list[str]:
+        return ["minimize" if BETTER[c] == "lower" else "maximize" for c in self.objectives]
+
+    @classmethod
+    def parse(cls, raw: Any, config: AblationConfig) -> SearchSpace:
+        """Checks the whole section against ``config`` (strategies, options and ratios as ``tomerge ablate``
+        checks its grid; objectives the run computes; held-out items that differ from the searched ones)
+        and raises one :class:`ConfigError` listing every problem."""
+        if not isinstance(raw, dict):
+            raise ConfigError([f"the config needs a search: section (a mapping of {', '.join(SEARCH_KEYS)}), "
+                               f"got {raw!r}"])
+        problems = [f"unknown key 'search.{k}'{did_you_mean(str(k), SEARCH_KEYS) or f'; valid: {SEARCH_KEYS}'}"
+                    for k in raw if k not in SEARCH_KEYS]
+        trials, sampler, seed = raw.get("trials", 20), raw.get("sampler", "nsga2"), raw.get("seed", 0)
+        if isinstance(trials, bool) or not isinstance(trials, int) or trials < 1:
+            problems.append(f"search.trials must be an integer >= 1, got {trials!r}")
+        if sampler not in SAMPLERS:
+            problems.append(f"search.sampler must be one of {SAMPLERS}, got {sampler!r}{did_you_mean(str(sampler), SAMPLERS)}")
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            problems.append(f"search.seed must be an integer, got {seed!r}")
+        objectives = raw.get("objectives", ["flops", "fd_effnetlite0"])
+        if not isinstance(objectives, list) or not objectives:
+            problems.append(f"search.objectives must be a non-empty list of result columns, got {objectives!r}")
+            objectives = []
+        for name in objectives:
+            if name not in BETTER:
+                problems.append(f"search.objectives: {name!r} is not a numeric result column"
+                                f"{did_you_mean(str(name), BETTER) or f'; valid: {sorted(BETTER)}'}")
+        problems += _objective_inputs([o for o in objectives if o in BETTER], config)
+        if len(set(objectives)) != len(objectives):
+            problems.append(f"search.objectives repeats a column: {objectives}")
+        entries = []
+        space = raw.get("space")
+        if not isinstance(space, list) or not space:
+            problems.append("search.space must be a non-empty list of {strategy, ratio, options} entries")
+            space = []
+        backbones = ["native_dit"] if config.model.kind == "reference" else None
+        for i, item in enumerate(space):
+            entry, entry_problems_ = _parse_entry(i, item, backbones)
+            problems += entry_problems_
+            if entry is not None:
+                entries.append(entry)
+        held_out = raw.get("held_out") or {}
+        problems += _held_out_problems(held_out, config)
+        if problems:
+            raise ConfigError(problems)
+        return cls(trials, sampler, seed, tuple(objectives), tuple(entries), dict(held_out))
+
+    def suggest(self, trial: Any) -> RunSpec:
+        """The run of one trial: which entry, then its ratio and options (parameters named per entry)."""
+        labels = [f"{i}:{e.label}" for i, e in enumerate(self.entries)]
+        label = trial.suggest_categorical("entry", labels)
+        return self.entries[labels.index(label)].suggest(trial, label)
+
+    def held_out_config(self, config: AblationConfig, runs: Sequence[RunSpec]) -> AblationConfig:
+        return dataclasses.replace(config, name=f"{config.name}_held_out", grid=grid_of(runs), **self.held_out)
+
+
+def _parse_entry(i: int, item: Any, backbones: list[str] | None) -> tuple[SpaceEntry | None, list[str]]:
+    where = f"search.space[{i}]"
+    if not isinstance(item, dict) or "strategy" not in item:
+        return None, [f"{where}: entries are {{strategy, ratio, options}}, got {item!r}"]
+    problems = [f"{where}: unknown key {k!r}{did_you_mean(str(k), ENTRY_KEYS) or f'; valid: {ENTRY_KEYS}'}"
+                for k in item if k not in ENTRY_KEYS]
+    ratio, ratio_problems = Dimension.parse(item.get("ratio", 0.5), f"{where}.ratio", default_step=RATIO_STEP)
+    problems += ratio_problems
+    options_raw = item.get("options") or {}
+    if not isinstance(options_raw, dict):
+        return None, [*problems, f"{where}.options must be a mapping {{option: value, list or range}}"]
+    options = []
+    for name, value in options_raw.items():
+        dim, dim_problems = Dimension.parse(value, f"{where}.options.{name}")
+        problems += dim_problems
+        if dim is not None:
+            options.append((name, dim))
+    if problems or ratio is None:
+        return None, problems
+    entry = SpaceEntry(item["strategy"], ratio, tuple(options))
+    for grid_entry in entry.grid_entries():  # the ablation's own checks, at every choice and range end
+        for problem in entry_problems(i, grid_entry, backbones, prefix="search.space"):
+            if problem not in problems:
+                problems.append(problem)
+    return (None if problems else entry), problems
+
+
+def _objective_inputs(objectives: Sequence[str], config: AblationConfig) -> list[str]:
+    """Objectives whose metric the run would not compute (the row would lack the column)."""
+    m, needs = config.metrics, []
+    if "clip_score" in objectives and m.clip_model is None:
+        needs.append("search.objectives: clip_score needs metrics.clip_model")
+    if "dino_dist" in objectives and m.dino_model is None:
+        needs.append("search.objectives: dino_dist needs metrics.dino_model")
+    if "fid" in objectives and (m.fid_weights is None or m.reference_images is None):
+        needs.append("search.objectives: fid needs metrics.fid_weights and metrics.reference_images")
+    if "fd_effnetlite0_ref" in objectives and m.reference_images is None and not (
+            config.model.kind == "reference" and config.fd_reference_images):
+        needs.append("search.objectives: fd_effnetlite0_ref needs metrics.reference_images (or the reference "
+                     "model's fd_reference_images > 0)")
+    return needs
+
+
+def _held_out_problems(held_out: Any, config: AblationConfig) -> list[str]:
+    if not isinstance(held_out, dict):
+        return [f"search.held_out must be a mapping of item keys ({', '.join(HELD_OUT_KEYS)}), got {held_out!r}"]
+    problems = [f"search.held_out: {k!r} is not an item key{did_you_mean(str(k), HELD_OUT_KEYS) or f'; valid: {HELD_OUT_KEYS}'}"
+                for k in held_out if k not in HELD_OUT_KEYS]
+    if problems or not held_out:
+        return problems
+    values = {k: tuple(v) if isinstance(v, list) else v for k, v in held_out.items()}
+    try:
+        other = dataclasses.replace(config, name=f"{config.name}_held_out", **values)
+        searched = {(i.seed, i.label, i.prompt) for i in config.items()}
+        shared = [i for i in other.items() if (i.seed, i.label, i.prompt) in searched]
+    except (ConfigError, ValueError) as err:
+        return [f"search.held_out: {p}" for p in getattr(err, "problems", [str(err)])]
+    if shared:
+        problems.append(f"search.held_out: {len(shared)} held-out item(s) are searched items too (same seed and "
+                        f"class/prompt, e.g. seed {shared[0].seed}): give other seeds (e.g. seed: "
+                        f"{config.seed + 10_000}) or other classes/prompts")
+    return problems
+
+
+def grid_of(runs: Sequence[RunSpec]) -> tuple[dict[str, Any], ...]:
+    """Grid entries that rerun ``runs`` (one entry per run: options differ from run to run)."""
+    return tuple({"strategy": r.strategy, "ratios": [r.ratio], "options": dict(r.options)} for r in runs)
+
+
+# ------------------------------------------------------------------------------------------ the loop
+@dataclasses.dataclass
+class SearchResult:
+    """The finished search: every completed trial's run and objective values, the Pareto front, the
+    rows of the front's runs in the search and (when run) on the held-out items."""
+
+    folder: Path
+    trials: list[tuple[RunSpec, tuple[float, ...]]]
+    front: list[RunSpec]
+    front_rows: list[dict[str, Any]]
+    held_out_rows: list[dict[str, Any]] | None
+
+
+def _sampler(space: SearchSpace):
+    import optuna
+
+    if space.sampler == "nsga2":
+        return optuna.samplers.NSGAIISampler(seed=space.seed)
+    if space.sampler == "tpe":
+        return optuna.samplers.TPESampler(seed=space.seed, multivariate=True, group=True)
+    return optuna.samplers.RandomSampler(seed=space.seed)
+
+
+def _run_trial(config: AblationConfig, run: RunSpec) -> dict[str, Any]:
+    """The result row of ``run`` in the run folder: run as a one-run grid unless the folder has it."""
+    from .ablate import run_ablation
+
+    folder = run_ablation(dataclasses.replace(config, grid=grid_of([run])), progress=False)
+    return next(r for r in reversed(folder.rows) if r["run"] == run.run_id)
+
+
+def _values(row: dict[str, Any], space: SearchSpace) -> list[float]:
+    values = []
+    for column in space.objectives:
+        value = row.get(column)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+            raise UsageError(f"run {row['run']} has no number in column {column!r} (got {value!r}): the "
+                             "objective is not computed for this model or config")
+        values.append(float(value))
+    return values
+
+
+def _run_spec(trial: Any) -> RunSpec:
+    attrs = trial.user_attrs
+    return RunSpec(attrs["strategy"], attrs["ratio"], attrs["options"])
+
+
+def run_search(config: AblationConfig, space: SearchSpace, progress: bool = True,
+               held_out: bool = True) -> SearchResult:
+    """Runs (or resumes) the search; writes the front's table, figure and configs; re-scores the front on
+    the held-out items when ``space.held_out`` is set and ``held_out``."""
+    import optuna
+    from optuna.storages import JournalStorage
+    from optuna.storages.journal import JournalFileBackend
+    from optuna.trial import TrialState
+    from tqdm import tqdm
+
+    from .files import lock_folder
+
+    out = Path(config.out_dir) / config.name / "search"
+    out.mkdir(parents=True, exist_ok=True)
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    with lock_folder(out, "tomerge search"):
+        storage = JournalStorage(JournalFileBackend(str(out / "study.journal")))
+        study = optuna.create_study(study_name=config.name, storage=storage, load_if_exists=True,
+                                    directions=space.directions, sampler=_sampler(space))
+        if [d.name.lower() for d in study.directions] != space.directions:
+            raise UsageError(f"{out} holds a search with other objectives; use another name (--set name=...)")
+        for stopped in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+            study.tell(stopped.number, state=TrialState.FAIL)  # stopped with its process: the same values again
+            study.enqueue_trial(stopped.params, skip_if_exists=False)
+        done = len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
+        for _ in tqdm(range(max(0, space.trials - done)), desc=f"search {config.name}", disable=not progress,
+                      initial=min(done, space.trials), total=space.trials):
+            trial = study.ask()
+            run = space.suggest(trial)
+            for key, value in (("run", run.run_id), ("strategy", run.strategy), ("ratio", run.ratio),
+                               ("options", run.options)):
+                trial.set_user_attr(key, value)
+            try:
+                values = _values(_run_trial(config, run), space)
+            except KeyboardInterrupt:
+                raise  # left running: the next search runs it again
+            except Exception:
+                study.tell(trial, state=TrialState.FAIL)
+                raise
+            study.tell(trial, values)
+        completed = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+        trials = [(_run_spec(t), tuple(t.values)) for t in completed]
+        front = list({(r := _run_spec(t)).run_id: r for t in study.best_trials}.values())
+        write_front(study, space, config, front, out)
+    front_rows = _rows_of(config, front)
+    held_out_rows = None
+    if held_out and space.held_out:
+        from .ablate import run_ablation
+
+        folder = run_ablation(space.held_out_config(config, front), progress=progress)
+        held_out_rows = [r for r in folder.rows if r["run"] != "baseline"]
+    from .files import write_text_atomic
+
+    write_text_atomic(out / "front.md", front_table(front, front_rows, held_out_rows, space))
+    return SearchResult(out.parent, trials, front, front_rows, held_out_rows)
+
+
+def _rows_of(config: AblationConfig, runs: Sequence[RunSpec]) -> list[dict[str, Any]]:
+    from .records import RunFolder
+
+    folder = RunFolder.open(dataclasses.replace(config, grid=grid_of(runs)))
+    try:
+        last = {r["run"]: r for r in folder.rows}
+        return [last[r.run_id] for r in runs]
+    finally:
+        folder.close()
+
+
+def front_table(front: Sequence[RunSpec], rows: Sequence[dict[str, Any]],
+                held_out_rows: Sequence[dict[str, Any]] | None, space: SearchSpace) -> str:
+    """The front as a markdown table: each objective on the searched items and, when given, held out."""
+    held = {r["run"]: r for r in held_out_rows or []}
+    titles = [f"{c} ({BETTER[c]} is better)" for c in space.objectives]
+    header = ["run", *titles, *([f"{t}, held out" for t in titles] if held_out_rows is not None else [])]
+    lines = ["| " + " | ".join(header) + " |", "|---" + "|---:" * (len(header) - 1) + "|"]
+    for run, row in sorted(zip(front, rows), key=lambda pair: pair[1][space.objectives[0]]):
+        cells = [run.run_id, *(_number(row.get(c)) for c in space.objectives)]
+        if held_out_rows is not None:
+            cells += [_number(held.get(run.run_id, {}).get(c)) for c in space.objectives]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _number(value: Any) -> str:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return "-"
+    return f"{value:.4g}" if abs(value) < 1e6 else f"{value:.4e}"
+
+
+def write_front(study: Any, space: SearchSpace, config: AblationConfig, front: Sequence[RunSpec], out: Path) -> None:
+    """``front.yaml`` (an ablation config of the front's runs), ``held_out.yaml`` (the same runs on the held-out
+    items) and ``front.png`` / ``front.pdf`` (Optuna's Pareto-front plot of the first two objectives)."""
+    from .files import write_text_atomic
+
+    def dump(c: AblationConfig) -> str:  # a config file that `tomerge ablate --config` reads
+        return yaml.safe_dump({**c.to_dict(), "model": c.model.to_config()}, sort_keys=False)
+
+    front_config = dataclasses.replace(config, name=f"{config.name}_front", grid=grid_of(front))
+    write_text_atomic(out / "front.yaml", dump(front_config))
+    if space.held_out:
+        write_text_atomic(out / "held_out.yaml", dump(space.held_out_config(config, front)))
+    if len(space.objectives) >= 2:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        import optuna.visualization.matplotlib as ovm
+
+        import warnings
+
+        import optuna
+
+        names = list(space.objectives[:2])
+        with warnings.catch_warnings():  # Optuna marks its matplotlib plots experimental
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            axes = ovm.plot_pareto_front(study, targets=lambda t: tuple(t.values[:2]), target_names=names)
+        axes.set_title(f"{config.name}: {len(study.trials)} trials, {len(front)} on the front")
+        for suffix in ("png", "pdf"):
+            axes.figure.savefig(out / f"front.{suffix}", bbox_inches="tight")
+        plt.close(axes.figure)
+
+
+# ------------------------------------------------------------------------------------------- command
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", type=Path, required=True, help="YAML config with a search: section")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config entry, dotted keys (search.trials=10), YAML values (repeatable)")
+    parser.add_argument("--wandb", choices=["disabled", "offline", "online"], default=None,
+                        help="W&B mode (default: offline unless an API key is configured)")
+    parser.add_argument("--out-dir", type=Path, default=None, help="parent folder of run folders (default runs/)")
+    parser.add_argument("--no-held-out", action="store_true", help="do not re-score the front on search.held_out")
+
+
+def load_search(path: Path, overrides: list[str], plugins: list[str] | None = None,
+                check_inputs: bool = True) -> tuple[AblationConfig, SearchSpace]:
+    """The ablation config and the parsed ``search:`` section of a search config (every problem at once)."""
+    config, sections = load_config_sections(path, overrides, plugins=plugins, check_inputs=check_inputs,
+                                            sections=("search",))
+    if config.grid:
+        raise ConfigError(["a search config has no grid: (the search chooses the runs); remove it"])
+    return config, SearchSpace.parse(sections.get("search"), config)
+
+
+def run(args: argparse.Namespace) -> int:
+    overrides = list(args.overrides)
+    if args.wandb is not None:
+        overrides.append(f"wandb={args.wandb}")
+    if args.out_dir is not None:
+        overrides.append(f"out_dir={args.out_dir}")
+    with user_input():
+        config, space = load_search(args.config, overrides, plugins=list(getattr(args, "plugins", None) or []))
+    result = run_search(config, space, held_out=not args.no_held_out)
+    print()
+    print(f"{len(result.trials)} trials; the Pareto front of {', '.join(space.objectives)}:")
+    print(front_table(result.front, result.front_rows, result.held_out_rows, space))
+    print(f"front: {result.folder}/search/front.md, front.png/.pdf; rerun it: tomerge ablate --config "
+          f"{result.folder}/search/front.yaml")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tomerge search", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    from tomerge.experiments.cli import module_main
+
+    module_main("search", main)

@@ -1,0 +1,139 @@
+"""`tomerge backbones`: the coverage table of the installed diffusers' model classes.
+
+The committed page docs/backbones/coverage.md is what the command prints (for the diffusers it names), and every
+class it lists as merged is still merged, by the same backbone, with at least its strategies. The strategies
+column is checked against ``tomerge.apply`` itself: every merged class is built on the meta device from its
+default config (no weights are allocated) and each registered strategy is applied; it attaches exactly when the
+table lists it, and the blocks the adapter finds are the block kinds and sublayers the table shows.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import re
+from importlib.metadata import entry_points
+from pathlib import Path
+
+import pytest
+import torch
+
+import tomerge
+from tomerge.experiments import cli
+from tomerge.registry import backbone_class
+from tomerge.experiments.coverage import NOT_DECLARED, NOT_MERGED, PAGE, REGENERATE, coverage, markdown, model_classes
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def builtin(group: str) -> list[str]:
+    """The names tomerge itself registers (the page is made without plugins; tests may register more)."""
+    return sorted({ep.name for ep in entry_points(group=group) if getattr(ep.dist, "name", None) == "tomerge"})
+
+
+@pytest.fixture(scope="module")
+def table():
+    return coverage(builtin("tomerge.backbones"), builtin("tomerge.strategies"))
+
+
+@pytest.fixture(scope="module")
+def page() -> str:
+    return (ROOT / PAGE).read_text()
+
+
+def page_version(page: str) -> str:
+    return re.search(r"model classes of diffusers (\S+) tomerge merges", page).group(1)
+
+
+def page_merged(page: str) -> dict[str, tuple[str, set[str]]]:
+    """class -> (backbone, strategies) of the page's "Merged" table."""
+    section = page.split("## Merged\n", 1)[1].split("\n## ", 1)[0]
+    rows = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 7 and cells[0].startswith("`"):
+            rows[cells[0].strip("`")] = (cells[1].strip("`"), set(cells[3].split(", ")) - {""})
+    return rows
+
+
+def test_the_page_is_what_the_command_prints(table, page):
+    import diffusers
+
+    if page_version(page) != diffusers.__version__:
+        pytest.skip(f"{PAGE} is made with diffusers {page_version(page)}, {diffusers.__version__} is installed: "
+                    f"regenerate it with `{REGENERATE}`")
+    assert page == markdown(table), f"{PAGE} is out of date: regenerate it with `{REGENERATE}`"
+
+
+def test_every_class_merged_on_the_page_is_still_merged_with_its_strategies(table, page):
+    merged = page_merged(page)
+    assert len(merged) == int(re.search(r"(\d+) of \d+ classes are merged", page).group(1)) >= 12
+    now = {row.model_class: row for row in table.rows}
+    for name, (backbone, strategies) in merged.items():
+        assert name in now, f"{name} is no model class of the installed diffusers"
+        assert now[name].backbone == backbone, f"{name}: merged by {backbone!r} on the page, now {now[name].backbone!r}"
+        lost = strategies - set(now[name].strategies)
+        assert not lost, f"{name} ({backbone}): {sorted(lost)} no longer run"
+
+
+def test_the_rows_are_the_diffusers_model_classes_and_the_unet(table):
+    import diffusers
+    import diffusers.models.transformers as transformers
+    from diffusers.models.modeling_utils import ModelMixin
+
+    exported = {name for name, value in inspect.getmembers(transformers, inspect.isclass) if issubclass(value, ModelMixin)}
+    assert [row.model_class for row in table.rows] == sorted(exported | {"UNet2DConditionModel"})
+    assert "DualTransformer2DModel" not in exported  # an nn.Module only, part of Versatile Diffusion's UNet
+    assert table.diffusers_version == diffusers.__version__
+    for row in table.rows:
+        assert (row.backbone is None) == (row.reason is not None), row
+        if row.backbone is None:
+            assert row.reason == NOT_MERGED.get(row.model_class, NOT_DECLARED) and row.strategies == ()
+    # every reason is for a class of this diffusers that no adapter merges (a stale reason would hide nothing)
+    assert set(NOT_MERGED) <= exported and not {row.model_class for row in table.merged} & set(NOT_MERGED)
+    assert ("native_dit", "not a diffusers model class") in table.other_backbones
+
+
+@pytest.mark.parametrize("backbone", [name for name in builtin("tomerge.backbones") if backbone_class(name).model_class])
+def test_strategies_listed_are_exactly_those_apply_attaches(table, backbone):
+    """On a meta-device model of the backbone's class (its default config: the released size, no memory): every
+    strategy listed attaches and detaches, every other one raises NotImplementedError (no received-attention probe
+    in some block kind); the blocks found are the table's kinds with their sublayers."""
+    row = next(row for row in table.merged if row.backbone == backbone)
+    try:
+        with torch.device("meta"):
+            model = model_classes()[row.model_class]()
+    except (TypeError, ValueError) as err:
+        pytest.skip(f"{row.model_class} does not build from its default config ({err}); its family tests build it")
+    for name in table.strategies:
+        if name in row.strategies:
+            handle = tomerge.apply(model, name, ratio=0.5)
+            kinds: dict[str, tuple[str, ...]] = {}
+            for block in handle._blocks:
+                kinds.setdefault(block.kind, tuple(dict.fromkeys(p.sublayer for p in block.points)))
+            assert kinds == {k.kind: k.sublayers for k in row.kinds}, name
+            handle.remove()
+        else:
+            with pytest.raises(NotImplementedError, match="cannot record received attention"):
+                tomerge.apply(model, name, ratio=0.5)
+        assert "_tomerge_handle" not in model.__dict__, name
+
+
+def test_the_command_prints_a_line_json_or_the_page(capsys, table):
+    assert cli.main(["backbones"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith(f"{len(table.merged)} of {len(table.rows)} model classes of diffusers "
+                               f"{table.diffusers_version} are merged by tomerge")
+    wan = next(line for line in lines if line.startswith("WanTransformer3DModel "))
+    assert wan.split()[1:3] == ["wan", "3-D"] and "RoPE wan; cross-attention" in wan
+    assert cli.main(["backbones", "--json"]) == 0
+    objects = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [o["class"] for o in objects] == [row.model_class for row in table.rows]
+    for o in objects:
+        assert {"class", "backbone", "strategies", "reason", "diffusers"} <= set(o)
+        assert o["diffusers"] == table.diffusers_version and (o["backbone"] is None) == (o["reason"] is not None)
+    flux = next(o for o in objects if o["class"] == "FluxTransformer2DModel")
+    assert flux["backbone"] == "flux" and flux["grid_dims"] == 2 and "tomesd" in flux["strategies"]
+    assert [k["kind"] for k in flux["kinds"]] == ["double", "single"] and all(k["probe"] for k in flux["kinds"])
+    assert cli.main(["backbones", "--markdown"]) == 0
+    assert capsys.readouterr().out.startswith("# Backbone coverage\n")
