@@ -27,8 +27,10 @@ a plain table shared by the batch):
 * ``"rows"``: ``(cos, sin)``, each ``[R + N, d]`` with ``R`` text rows first (``R = 0``: image rows only),
   applied by diffusers' ``apply_rotary_emb(..., sequence_dim=1)``; per-sample tables are passed as
   :class:`~tomerge.backbones.flux.BatchedRotaryTable` (FLUX.1/2, HunyuanVideo).
-* ``"batched"``: ``(cos, sin)``, each ``[B or 1, N, d]``, broadcast against ``[B, N, d]`` q/k (LTX-Video).
-* ``"wan"``: ``(cos, sin)``, each ``[1, N, 1, d]`` (Wan): gathered to ``[B, M, 1, d]``.
+* ``"batched"``: a table ``[B or 1, R + N, ...]`` (tokens on axis 1), or a tuple of them (``(cos, sin)``), applied
+  elementwise to q/k of the same sequence: LTX-Video's ``[B, N, d]``, HiDream's ``[B, N + R, 1, d/2, 2, 2]``. The
+  ``R`` text rows are on the side ``Rope.text`` and kept.
+* ``"wan"``: ``(cos, sin)``, each ``[1, N, 1, d]`` (Wan): gathered to ``[B, M, 1, d]`` (as ``"batched"``).
 * ``"qwen"``: ``(image, text)`` complex tables ``[N, d/2]``, ``[T, d/2]`` (Qwen-Image): the image table
   is gathered; per-sample ones go as :class:`BatchedComplexTable`, which Qwen's ``apply_rotary_emb_qwen``
   broadcasts per sample.
@@ -53,7 +55,9 @@ over any number of queries or that the processor pads itself); ``"keys"``: a key
 ``[B, L]`` over the joint sequence (text on the kind's ``joint`` side), whose image columns are gathered
 per slot (HunyuanVideo); ``"pairs"``: a query-by-key mask ``[B, 1, L, L]`` over the joint sequence, whose image
 rows and columns are gathered (Chroma builds it as the outer product of a ``[B, L]`` mask). A mask that is not
-a tensor (e.g. a flex-attention ``BlockMask``) cannot be merged and raises.
+a tensor (e.g. a flex-attention ``BlockMask``) cannot be merged and raises. Per-sample text lengths (ragged joint
+sequences, :meth:`DeclaredAdapter.call_text`) gather ``"keys"`` and ``"pairs"`` masks per sample (OmniGen's
+causal-text, bidirectional-image mask is a ``"pairs"`` one).
 """
 
 from __future__ import annotations
@@ -72,7 +76,8 @@ from tomerge.plan import MergePlan
 from tomerge.state import MergeState
 
 from ._context import NO_CONTEXT, ContextTokens
-from ._diffusers import call_arg, check_ff_chunking, probe_joint_attention, probe_self_attention, submodel
+from ._diffusers import (call_arg, check_ff_chunking, probe_joint_attention, probe_sdpa_attention, probe_self_attention,
+                         submodel)
 from .flux import BatchedRotaryTable, gather_rotary, grid_from_ids
 
 Side = Literal["first", "last"]
@@ -87,11 +92,18 @@ class Rope:
         arg: its keyword; ``index``: its position when given positionally.
         layout: ``"rows"``, ``"batched"``, ``"wan"``, ``"qwen"``, ``"complex"``, ``"broadcast"`` or ``"allegro"``
             (see the module docstring).
+        text: the side of the table's text rows, when it has more rows than image tokens (``"rows"``: always
+            ``"first"``; ``"complex"``: the kind's other rows).
     """
 
     arg: str = "image_rotary_emb"
     index: int = 3
     layout: Literal["rows", "batched", "wan", "qwen", "complex", "broadcast", "allegro"] = "rows"
+    text: Side = "first"
+
+    def __post_init__(self) -> None:
+        if self.layout == "rows" and self.text != "first":
+            raise ValueError("a 'rows' rotary table has its text rows first (diffusers' joint [text, image] tables)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,8 +128,8 @@ class Site:
             ``joint_input``: ``T`` text tokens on the kind's ``joint`` side of the sequence it attends over);
             prompt reweighting biases its text keys for the image queries (:mod:`tomerge.text_bias`).
         shared: the block calls the submodule again on its text stream, after the image call (EasyAnimate's
-            ``ff`` in the blocks without text projections): only its first call in a block call reads image
-            tokens, the others run as they are.
+            ``ff`` in the blocks without text projections, CogView4's one ``ff`` for both streams): only its first
+            call in a block call reads image tokens, the others run as they are (:meth:`MergePoint.reads_tokens`).
         probe: ``idm`` records the attention each image token receives in this submodule, a softmax attention
             with diffusers-style projections. In a kind without text (no ``text_arg``, no ``joint_input``) it is a
             self-attention over the image tokens alone with ``to_q``/``to_k`` (and ``norm_q``/``norm_k``):
@@ -126,11 +138,18 @@ class Site:
             joint text-image attention of the block (text on the kind's ``joint`` side): the text queries'
             softmax over all keys, the image keys' share renormalised, with the model's rotary rotation
             (``rope``, layout ``"rows"``, ``"qwen"`` or ``"broadcast"``) and mask (``mask_arg``/``mask_index``)
-            (:func:`~tomerge.backbones._diffusers.probe_joint_attention`).
+            (:func:`~tomerge.backbones._diffusers.probe_joint_attention`). ``"sdpa"``: the same rule (text
+            queries with text in the block, strided image queries without) from the q, k, mask and scale of the
+            submodule's ``scaled_dot_product_attention`` call, for processors whose projections that probe cannot
+            read (:func:`~tomerge.backbones._diffusers.probe_sdpa_attention`).
         probe_heads_first: the joint attention's processor normalises q/k after moving the heads before the
             tokens (``[B, heads, L, d]``: CogVideoX, EasyAnimate), so the joint probe reads its norms so.
         probe_copies: the joint attention's processor rotates the image rows of the q/k the probe captures in
             place (``key[:, :, T:] = apply_rotary_emb(...)``: CogVideoX, EasyAnimate), so the probe keeps copies.
+        self_kv: the call passes its tokens again as ``encoder_hidden_states``, the keys' and values' input
+            (Lumina 2 and OmniGen call their self-attention as ``attn(x, x)``): it gets the merged tokens too.
+        batch_dim: the batch axis of the tokens and the output: 1 for sequence-first ``[L, B, C]`` tensors
+            (ERNIE-Image's feed-forward).
     """
 
     sublayer: str
@@ -147,9 +166,11 @@ class Site:
     stays_merged_with: str | None = None
     text_keys: bool = False
     shared: bool = False
-    probe: bool = False
+    probe: bool | Literal["sdpa"] = False
     probe_heads_first: bool = False
     probe_copies: bool = False
+    self_kv: bool = False
+    batch_dim: Literal[0, 1] = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,6 +189,8 @@ class Kind:
             :meth:`DeclaredAdapter.joint_text` (the model call's text length unless the family says otherwise);
             ``None``: the block input is image tokens.
         joint: the side of text in the block's joint sequences (``"joint"`` sites, ``"keys"`` masks).
+        batch_dim: the batch axis of the block's token input: 1 for sequence-first ``[L, B, C]`` blocks
+            (ERNIE-Image).
     """
 
     name: str
@@ -180,6 +203,7 @@ class Kind:
     text_index: int = 1
     joint_input: Side | None = None
     joint: Side = "first"
+    batch_dim: Literal[0, 1] = 0
 
 
 # ---------------------------------------------------------------------- runtime
@@ -189,7 +213,8 @@ class DeclaredCall:
     context tokens in the image stream, the last merge."""
 
     batch: int | None = None
-    text: int | None = None
+    text: int | None = None  # T of the block call's joint sequences (with per-sample lengths: the longest)
+    lengths: Tensor | None = None  # [B] per-sample text lengths when they differ (a ragged joint sequence)
     image: int | None = None
     context: ContextTokens = NO_CONTEXT
     merged: tuple[Tensor, MergePlan, Tensor] | None = None  # (input view, plan, merged): reused for the same input
@@ -199,12 +224,56 @@ class DeclaredCall:
     called: set[int] = dataclasses.field(default_factory=set)  # shared points: id() of those called already
 
     def reset(self) -> None:
-        self.batch = self.text = self.image = self.merged = None
+        self.batch = self.text = self.lengths = self.image = self.merged = None
         self.context = NO_CONTEXT
         self.shapes.clear()
         self.merging.clear()
         self.kept.clear()
         self.called.clear()
+
+    def set_text(self, text: int | Tensor) -> None:
+        """The block call's text length: one ``T``, or per-sample lengths ``[B]`` (equal ones count as one ``T``)."""
+        if isinstance(text, Tensor) and bool((text == text[0]).all()):
+            text = int(text[0])
+        if isinstance(text, Tensor):
+            self.text, self.lengths = int(text.max()), text
+        else:
+            self.text, self.lengths = int(text), None
+
+    # A joint sequence is [text, image stream] or [image stream, text] (``side``: where the text is). With
+    # per-sample lengths (``lengths``, text first only) sample b is [text_b, image stream, padding]: its image
+    # stream starts at lengths[b] and the padding fills it up to the longest text (``text``), as Lumina 2 joins
+    # caption and image.
+    def _check(self, joint: Tensor, side: Side, who: str) -> int:
+        T = self.text
+        if T is None or joint.shape[1] < T + self.context.count:
+            raise RuntimeError(f"tomerge: {who} got {tuple(joint.shape)}, expected a joint sequence with T={T} text "
+                               f"and N={self.image} image tokens of this block call"
+                               + (f" and {self.context.count} context tokens" if self.context else ""))
+        if self.lengths is not None and side != "first":
+            raise ValueError(f"tomerge: {who}: per-sample text lengths need the text first in the joint sequence")
+        return T
+
+    def stream(self, joint: Tensor, side: Side, who: str) -> Tensor:
+        """The image stream ``[B, K, C]`` of a joint sequence ``[B, T + K, C]`` (``K``: the target's ``N`` or ``M``
+        and the context tokens)."""
+        T = self._check(joint, side, who)
+        if self.lengths is not None:
+            index = self.lengths[:, None] + torch.arange(joint.shape[1] - T, device=joint.device)  # [B, K]
+            return _rows(joint, index, 1)
+        return joint[:, T:] if side == "first" else joint[:, : joint.shape[1] - T]
+
+    def with_stream(self, joint: Tensor, stream: Tensor, side: Side, who: str) -> Tensor:
+        """The joint sequence ``[B, T + K, C]`` with its image stream replaced by ``stream [B, K', C]``:
+        ``[B, T + K', C]``."""
+        T = self._check(joint, side, who)
+        if self.lengths is not None:
+            L, K = joint.shape[1], joint.shape[1] - T
+            appended = L + torch.arange(stream.shape[1], device=joint.device)[None]  # [1, K']: rows after joint's
+            return _rows(torch.cat([joint, stream], dim=1), ragged_index(self.lengths, T, K, appended), 1)
+        if side == "first":
+            return torch.cat([joint[:, :T], stream], dim=1)
+        return torch.cat([stream, joint[:, joint.shape[1] - T:]], dim=1)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -220,13 +289,15 @@ class DeclaredBlock(BlockSpec):
     def block_input(self, args: tuple, kwargs: dict) -> Tensor:
         self.info.reset()
         x = call_arg(args, kwargs, self.decl.arg, self.decl.index)  # [B, N, C] (or [B, T + N, C])
+        if self.decl.batch_dim == 1:
+            x = x.transpose(0, 1)  # [L, B, C] -> [B, L, C]
         if self.decl.joint_input is not None:
             T = self.joint_text(int(x.shape[1]))
-            if T is None or x.shape[1] < T:
+            if T is None:
                 raise RuntimeError(f"tomerge: the {self.decl.name!r} block input {tuple(x.shape)} is a joint sequence, "
-                                   f"but its text length is {T}")
-            self.info.text = T
-            x = x[:, T:] if self.decl.joint_input == "first" else x[:, : x.shape[1] - T]
+                                   "but the model call has no text length")
+            self.info.set_text(T)
+            x = self.info.stream(x, self.decl.joint_input, f"the {self.decl.name!r} block input")
         elif self.decl.text_arg is not None:
             text = call_arg(args, kwargs, self.decl.text_arg, self.decl.text_index)
             self.info.text = int(text.shape[1]) if isinstance(text, Tensor) else 0
@@ -250,24 +321,17 @@ class DeclaredPoint(MergePoint):
     def _raw(self, args: tuple, kwargs: dict) -> Tensor:
         return call_arg(args, kwargs, self.arg, self.site.index)
 
-    def _text(self, joint: Tensor) -> int:
-        T = self.info.text
-        if T is None or joint.shape[1] < T + self.info.context.count:
-            raise RuntimeError(f"tomerge: {type(self.module).__name__} got {tuple(joint.shape)}, expected a joint "
-                               f"sequence with T={T} text and N={self.info.image} image tokens of this block call"
-                               + (f" and {self.info.context.count} context tokens" if self.info.context else ""))
-        return T
-
     def _stream(self, joint: Tensor) -> Tensor:
         """The image stream of a joint sequence (``[B, before + N + after, C]``, or ``M`` when merged)."""
-        T = self._text(joint)
-        return joint[:, T:] if self.joint == "first" else joint[:, : joint.shape[1] - T]
+        return self.info.stream(joint, self.joint, type(self.module).__name__)
 
     def _with_stream(self, joint: Tensor, stream: Tensor) -> Tensor:
-        T = self._text(joint)
-        if self.joint == "first":
-            return torch.cat([joint[:, :T], stream], dim=1)
-        return torch.cat([stream, joint[:, joint.shape[1] - T:]], dim=1)
+        return self.info.with_stream(joint, stream, self.joint, type(self.module).__name__)
+
+    def _batch_first(self, t: Tensor) -> Tensor:
+        """``[B, L, C]`` tokens of the submodule's input or output (a sequence-first ``[L, B, C]`` one transposed, and
+        back)."""
+        return t.transpose(0, 1) if self.site.batch_dim == 1 else t
 
     def _target(self, tokens: Tensor) -> Tensor:
         """The target image tokens of a site's input or output (a joint sequence or an image stream)."""
@@ -282,7 +346,7 @@ class DeclaredPoint(MergePoint):
         return context.with_target(tokens, x)
 
     def get_input(self, args: tuple, kwargs: dict) -> Tensor:
-        raw = self._raw(args, kwargs)
+        raw = self._batch_first(self._raw(args, kwargs))
         if self.site.tokens == "conv":
             if self.info.context:
                 raise RuntimeError(f"tomerge: {type(self.module).__name__} takes a channels-first grid, which holds "
@@ -293,10 +357,16 @@ class DeclaredPoint(MergePoint):
         return self._target(raw)  # [B, N, C] (or [B, M, C] when an earlier site kept it merged)
 
     def set_input(self, args: tuple, kwargs: dict, x: Tensor) -> tuple[tuple, dict]:
+        raw = self._raw(args, kwargs)
         if self.site.tokens == "conv":
             x = x.transpose(1, 2).unsqueeze(-1)  # [B, M, C] -> [B, C, M, 1]: a 1x1 convolution takes any layout
         else:
-            x = self._with_target(self._raw(args, kwargs), x)
+            x = self._batch_first(self._with_target(self._batch_first(raw), x))  # in the call's layout
+        if self.site.self_kv:
+            if call_arg(args, kwargs, "encoder_hidden_states", 1) is not raw:
+                raise RuntimeError(f"tomerge: {type(self.module).__name__} is declared a self-attention called as "
+                                   "attn(x, x), but its encoder_hidden_states is another tensor than its tokens")
+            args, kwargs = with_arg(args, kwargs, "encoder_hidden_states", 1, x)
         return with_arg(args, kwargs, self.arg, self.site.index, x)
 
     def reads_tokens(self, args: tuple, kwargs: dict) -> bool:
@@ -343,7 +413,7 @@ class DeclaredPoint(MergePoint):
         return self.site.stays_merged_with is not None and self.site.stays_merged_with in sublayers
 
     def get_output(self, out: Any) -> Tensor:
-        y = out if self.output is None else out[self.output]
+        y = self._batch_first(out if self.output is None else out[self.output])
         if self.site.tokens == "conv":
             return y.flatten(2).transpose(1, 2)  # [B, C', M, 1] -> [B, M, C']
         return self._target(y)
@@ -352,7 +422,7 @@ class DeclaredPoint(MergePoint):
         if self.site.tokens == "conv":  # [B, F*H*W, C'] -> [B, F, H, W, C'] -> [B*F, C', H, W]
             y = y.unflatten(1, self.info.shapes[id(self)]).permute(0, 1, 4, 2, 3).flatten(0, 1)
         else:
-            y = self._with_target(out if self.output is None else out[self.output], y)
+            y = self._batch_first(self._with_target(self._batch_first(out if self.output is None else out[self.output]), y))
         return super().set_output(out, y)
 
     # -------------------------------------------------------------- what follows the tokens
@@ -369,7 +439,7 @@ class DeclaredPoint(MergePoint):
                                  f"{type(mask).__name__}) over the unmerged sequence, which merged image tokens cannot "
                                  "use; run without the mask or without merging")
             gather = gather_key_mask if self.site.mask == "keys" else gather_pair_mask
-            merged = gather(mask, *self._stream_positions(plan), text_side=self.joint)
+            merged = gather(mask, *self._stream_positions(plan), text_side=self.joint, lengths=self.info.lengths)
             if index is None:
                 kwargs = {**kwargs, name: merged}
             else:
@@ -383,7 +453,7 @@ class DeclaredPoint(MergePoint):
             return args, kwargs
         dst, stream = self._stream_positions(plan)
         return with_arg(args, kwargs, rope.arg, rope.index,
-                        gather_rope(freqs, dst, stream, rope.layout, text_side=self.joint))
+                        gather_rope(freqs, dst, stream, rope.layout, text_side=rope.text, lengths=self.info.lengths))
 
     def _stream_positions(self, plan: MergePlan) -> tuple[Tensor, int]:
         """``(positions [B, before + M + after], before + N + after)``: the plan's representatives in the image
@@ -413,7 +483,8 @@ def _rows(t: Tensor, dst: Tensor, dim: int) -> Tensor:
     return t[batch, index.expand(t.shape[0], -1)]  # [B, M, ...]
 
 
-def gather_rope(freqs: Any, dst: Tensor, num_tokens: int, layout: str, text_side: Side = "first") -> Any:
+def gather_rope(freqs: Any, dst: Tensor, num_tokens: int, layout: str, text_side: Side = "first",
+                lengths: Tensor | None = None) -> Any:
     """The rotary argument of a merged call (see the module docstring's layouts).
 
     Args:
@@ -422,6 +493,9 @@ def gather_rope(freqs: Any, dst: Tensor, num_tokens: int, layout: str, text_side
         num_tokens: ``N``, the image tokens of the unmerged call.
         layout: ``"rows"``, ``"batched"``, ``"wan"``, ``"qwen"``, ``"complex"``, ``"broadcast"`` or ``"allegro"``.
         text_side: where a ``"complex"`` table's other rows are (the kind's ``joint`` side).
+        text_side: where a ``"batched"``, ``"wan"`` or ``"complex"`` table's text (other) rows are (``"rows"``: first).
+        lengths: ``[B]`` per-sample text lengths of a ragged joint sequence (:func:`ragged_index`; ``"batched"``
+            tables only, text first); ``None``: one text length.
 
     Example:
         >>> cos = torch.arange(4.0).view(1, 4, 1, 1)                      # wan layout, N = 4
@@ -434,14 +508,12 @@ def gather_rope(freqs: Any, dst: Tensor, num_tokens: int, layout: str, text_side
         if rows < num_tokens:
             raise ValueError(f"tomerge: the rotary table has {rows} rows for {num_tokens} image tokens")
         return gather_rotary(freqs, dst, rows - num_tokens)  # text rows first, kept
+    if lengths is not None and layout != "batched":
+        raise ValueError(f"tomerge: per-sample text lengths need a 'batched' rotary table, not {layout!r}")
     if layout in ("batched", "wan"):
-        out = []
-        for t in freqs:
-            if t.dim() < 3 or t.shape[1] != num_tokens:
-                raise ValueError(f"tomerge: a {layout!r} rotary table must be [B or 1, N={num_tokens}, ...], got "
-                                 f"{tuple(t.shape)}")
-            out.append(_rows(t, dst, 1))  # [B', M, d] or [B', M, 1, d]
-        return tuple(out)
+        if isinstance(freqs, Tensor):
+            return _gather_table_rows(freqs, dst, num_tokens, layout, text_side, lengths)
+        return tuple(_gather_table_rows(t, dst, num_tokens, layout, text_side, lengths) for t in freqs)
     if layout == "qwen":
         image, text = freqs
         if image.shape[0] != num_tokens:
@@ -491,6 +563,24 @@ def _gather_complex_rows(table: Tensor, dst: Tensor, num_tokens: int, text_side:
     return BatchedComplexTable(joint) if table.dim() == 2 and joint.dim() == 3 else joint
 
 
+def _gather_table_rows(t: Tensor, dst: Tensor, num_tokens: int, layout: str, text_side: Side,
+                       lengths: Tensor | None = None) -> Tensor:
+    """A ``[B or 1, R + N, ...]`` table with its ``N`` image rows gathered per slot and its ``R`` text rows (on
+    ``text_side``) kept: ``[B', R + M, ...]``; with per-sample text ``lengths``, a ragged table (text first)."""
+    if t.dim() < 3 or t.shape[1] < num_tokens:
+        raise ValueError(f"tomerge: a {layout!r} rotary table must be [B or 1, R + N, ...] with N={num_tokens} image "
+                         f"rows, got {tuple(t.shape)}")
+    R = t.shape[1] - num_tokens
+    if lengths is not None:
+        return _rows(t, ragged_index(lengths, R, num_tokens, lengths[:, None] + dst.to(t.device)), 1)
+    text, image = (t[:, :R], t[:, R:]) if text_side == "first" else (t[:, num_tokens:], t[:, :num_tokens])
+    gathered = _rows(image, dst, 1)  # [B', M, ...]
+    if R == 0:
+        return gathered
+    text = text.expand(gathered.shape[0], *text.shape[1:])  # [B', R, ...]
+    return torch.cat([text, gathered] if text_side == "first" else [gathered, text], dim=1)
+
+
 class BatchedComplexTable:
     """A per-sample Qwen-Image rotary table ``[B, M, d/2]`` (complex): Qwen's ``apply_rotary_emb_qwen`` calls
     ``freqs.unsqueeze(1)`` on an ``[S, d/2]`` table to broadcast over ``[B, S, heads, d/2]``; here that gives
@@ -517,13 +607,16 @@ class BatchedComplexTable:
                              "that uses the rotary table other than through apply_rotary_emb_qwen cannot run merged")
 
 
-def gather_key_mask(mask: Tensor, dst: Tensor, num_tokens: int, text_side: Side) -> Tensor:
+def gather_key_mask(mask: Tensor, dst: Tensor, num_tokens: int, text_side: Side,
+                    lengths: Tensor | None = None) -> Tensor:
     """A key mask over a joint sequence, its ``N`` image columns gathered per slot (text columns kept).
 
     Args:
         mask: ``[B, ..., L]`` with ``L = T + N`` (text on ``text_side``), e.g. ``[B, 1, 1, L]``.
         dst: ``[B, M]`` or ``[1, M]`` representatives.
         num_tokens: ``N``.
+        lengths: ``[B]`` per-sample text lengths of a ragged joint sequence (:func:`ragged_index`; a ``[B, L]``
+            mask, text first); ``None``: one text length.
 
     Returns:
         ``[B, ..., T + M]``.
@@ -537,6 +630,11 @@ def gather_key_mask(mask: Tensor, dst: Tensor, num_tokens: int, text_side: Side)
     T = L - num_tokens
     if T < 0:
         raise ValueError(f"tomerge: an attention mask over {L} keys cannot cover {num_tokens} image tokens")
+    if lengths is not None:
+        if mask.dim() != 2 or text_side != "first":
+            raise ValueError(f"tomerge: a mask over ragged joint sequences must be [B, L] with text first, got "
+                             f"{tuple(mask.shape)}, text {text_side}")
+        return _rows(mask, ragged_index(lengths, T, num_tokens, lengths[:, None] + dst.to(mask.device)), 1)
     image, text = (mask[..., T:], mask[..., :T]) if text_side == "first" else (mask[..., :num_tokens], mask[..., num_tokens:])
     index = dst.to(mask.device)
     if index.shape[0] == 1:
@@ -547,9 +645,11 @@ def gather_key_mask(mask: Tensor, dst: Tensor, num_tokens: int, text_side: Side)
     return torch.cat([text, gathered] if text_side == "first" else [gathered, text], dim=-1)
 
 
-def gather_pair_mask(mask: Tensor, dst: Tensor, num_tokens: int, text_side: Side) -> Tensor:
+def gather_pair_mask(mask: Tensor, dst: Tensor, num_tokens: int, text_side: Side,
+                     lengths: Tensor | None = None) -> Tensor:
     """A query-by-key mask ``[B, 1, L, L]`` over a joint sequence (``L = T + N``, text on ``text_side``), its
-    image rows and columns gathered per slot (text rows and columns kept): ``[B, 1, T + M, T + M]``.
+    image rows and columns gathered per slot (text rows and columns kept): ``[B, 1, T + M, T + M]``; ``lengths``:
+    per-sample text lengths (:func:`gather_key_mask`).
 
     Example:
         >>> m = torch.tensor([1.0, 0, 1, 1])                            # 1 text token, then 3 image tokens
@@ -559,8 +659,35 @@ def gather_pair_mask(mask: Tensor, dst: Tensor, num_tokens: int, text_side: Side
     """
     if mask.dim() < 2 or mask.shape[-1] != mask.shape[-2]:
         raise ValueError(f"tomerge: a query-by-key mask must be [B, 1, L, L], got {tuple(mask.shape)}")
-    columns = gather_key_mask(mask, dst, num_tokens, text_side)  # [B, 1, L, T + M]
-    return gather_key_mask(columns.transpose(-1, -2), dst, num_tokens, text_side).transpose(-1, -2)
+    columns = gather_key_mask(mask, dst, num_tokens, text_side, lengths)  # [B, 1, L, T + M]
+    return gather_key_mask(columns.transpose(-1, -2), dst, num_tokens, text_side, lengths).transpose(-1, -2)
+
+
+def ragged_index(lengths: Tensor, text: int, image: int, image_rows: Tensor) -> Tensor:
+    """Row indices of a ragged joint sequence with new image rows: sample ``b`` is ``[text_b, image, padding]``
+    (``lengths[b]`` text rows, padding up to ``text``, the longest), before and after.
+
+    Args:
+        lengths: ``[B]`` per-sample text lengths.
+        text: ``T``, the longest (the sequences hold ``T + image`` rows).
+        image: ``N``, the image rows of the indexed sequence.
+        image_rows: ``[B or 1, M]``: the row of the indexed sequence each new image row takes (a token's row
+            ``lengths[b] + dst``, or rows appended after the sequence).
+
+    Returns:
+        ``[B, T + M]``: text rows stay, image rows are ``image_rows``, padding rows follow the image.
+
+    Example:
+        >>> ragged_index(torch.tensor([1, 2]), 2, 3, torch.tensor([[2, 1], [4, 3]]))   # 3 image rows -> 2
+        tensor([[0, 2, 1, 4],
+                [0, 1, 4, 3]])
+    """
+    B, M = lengths.shape[0], image_rows.shape[1]
+    p = torch.arange(text + M, device=lengths.device)[None]  # [1, T + M]
+    T = lengths[:, None]  # [B, 1]
+    slot = (p - T).clamp(0, M - 1)  # [B, T + M]: the image slot of image positions
+    new_image = image_rows.to(lengths.device).expand(B, -1).gather(1, slot)  # [B, T + M]
+    return torch.where(p < T, p, torch.where(p < T + M, new_image, p - M + image))
 
 
 def latent_grid(sample: Tensor, patch: tuple[int, ...]) -> tuple[int, ...]:
@@ -618,7 +745,7 @@ class DeclaredAdapter(BackboneAdapter):
         super().__init__(model, options)
         self.grid_size: tuple[int, ...] | None = None
         self.context = NO_CONTEXT  # context tokens in the image stream of the model call in progress
-        self.model_text: int | None = None
+        self.model_text: int | Tensor | None = None
         self._warned_grid = False
 
     @classmethod
@@ -665,14 +792,22 @@ class DeclaredAdapter(BackboneAdapter):
 
     # -------------------------------------------------------------- calls
     def on_model_call(self, args: tuple, kwargs: dict) -> Tensor | float | None:
-        text = call_arg(args, kwargs, self.text_arg, self.text_index)
-        self.model_text = int(text.shape[1]) if isinstance(text, Tensor) else None
+        self.model_text = self.call_text(args, kwargs)
         self.grid_size, self.context = self.call_layout(args, kwargs)
         if self.grid_size is None and not self._warned_grid:
             self._warned_grid = True
             warnings.warn(f"tomerge {self.name}: the token grid of this {type(self.model).__name__} call is unknown "
                           f"({self.unknown_grid_reason()}); its blocks are not merged", stacklevel=3)
         return self.call_timestep(args, kwargs)
+
+    def call_text(self, args: tuple, kwargs: dict) -> int | Tensor | None:
+        """The text length ``T`` that ``joint_input`` kinds split off their input (default: the length of the
+        model's text argument; ``None``: none), or per-sample lengths ``[B]`` of ragged joint sequences (text
+        first, see :meth:`DeclaredCall.image_part`). Families that add tokens to the text side (AuraFlow's
+        register tokens), join several text inputs (HiDream) or join only the real text tokens (Lumina 2)
+        override it."""
+        text = call_arg(args, kwargs, self.text_arg, self.text_index)
+        return int(text.shape[1]) if isinstance(text, Tensor) else None
 
     def call_timestep(self, args: tuple, kwargs: dict) -> Tensor | float | None:
         """The call's timestep; per-token timesteps (``[B, N]``: conditioning frames at 0) give their largest."""
@@ -760,6 +895,9 @@ class DeclaredAdapter(BackboneAdapter):
                 "declared for their attention: docs/backbones/adding-a-family.md); use a strategy that needs none, "
                 "e.g. idm(variant='streak') or ssm")
         kind = block.decl
+        if site.probe == "sdpa":
+            return probe_sdpa_attention(point.module, state, text_side=kind.joint, text_len=lambda: point.info.text,
+                                        lengths=lambda: point.info.lengths)
         if kind.text_arg is None and kind.joint_input is None:
             return probe_self_attention(block, point, state)
         rope = site.rope

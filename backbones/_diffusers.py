@@ -1,9 +1,10 @@
 """Helpers shared by the adapters of diffusers models: finding the model in a pipeline, call
 arguments (:func:`call_arg`, also used by the ``native_dit`` adapter), patch grids, the merge point of
 feed-forwards that chunk (:class:`FeedForwardPoint`), the base adapter of patchified transformers, and
-the received-attention probes of their attention modules: :func:`probe_self_attention` (image tokens alone)
-and :func:`probe_joint_attention` (joint text-image attention: SD3, FLUX.1/2, Qwen-Image, HunyuanVideo;
-fused q/k/v projections: :func:`fused_part`)."""
+the received-attention probes of their attention modules: :func:`probe_self_attention` (image tokens alone),
+:func:`probe_joint_attention` (joint text-image attention, from the q/k projections: SD3, FLUX.1/2, Qwen-Image,
+HunyuanVideo, AuraFlow; fused q/k/v projections: :func:`fused_part`) and :func:`probe_sdpa_attention` (either, from
+the processor's SDPA call: CogView4, GLM-Image, CogView3-Plus, HiDream, Lumina 2, ERNIE-Image)."""
 
 from __future__ import annotations
 
@@ -14,10 +15,11 @@ from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
 
 from tomerge.adapter import BackboneAdapter, BlockSpec, MergePoint, class_names
 from tomerge.context import Grid
-from tomerge.probe import attention_probe, received_attention, received_self_attention
+from tomerge.probe import _EPS, attention_probe, received_attention, received_self_attention, strided_queries
 from tomerge.state import MergeState
 
 from ._context import NO_CONTEXT, ContextTokens
@@ -274,6 +276,123 @@ def _query_key_mask(mask: Tensor, T: int, N: int, text_side: str) -> tuple[Tenso
     bias = torch.zeros(attended.shape, dtype=torch.float32, device=attended.device)
     bias.masked_fill_(~attended & counted[..., None], -math.inf)  # an uncounted row stays finite (no NaN)
     return bias, counted
+
+
+def probe_sdpa_attention(attn: nn.Module, state: MergeState, *, text_side: str, text_len: Callable[[], int | None],
+                         lengths: Callable[[], Tensor | None] = lambda: None, max_queries: int = 64) -> list[Any]:
+    """Records the attention each image token receives in ``attn`` from the ``scaled_dot_product_attention`` call
+    inside it: the query, key, mask and scale the model attends with, after everything its processor does (its
+    projections and q/k norms in any layout, grouped-query heads repeated, its own rotary rotation, per-sample
+    text offsets). For processors whose q/k :func:`probe_joint_attention` cannot read at the projections
+    (CogView4's norms over ``[B, heads, L, d]``, HiDream's own projections, Lumina 2's grouped-query heads and
+    complex rotary tables, ERNIE-Image's rotary function).
+
+    The rule is :func:`probe_joint_attention`'s: with text in the call (``text_len() > 0``), the text queries'
+    softmax over all keys with the model's mask and scale, averaged over heads and over the text queries the
+    mask keeps, restricted to the image keys and renormalised per sample; without text, at most
+    ``max_queries`` strided image queries against all keys (:func:`~tomerge.probe.received_attention`).
+
+    Args:
+        attn: the attention module; its processor must call torch's SDPA once (diffusers' native attention
+            backend), else the call raises.
+        state: receives ``a [B, N]`` for the block call in progress.
+        text_side: ``"first"`` or ``"last"``: where text is in the attended sequence.
+        text_len: ``() -> T`` of the call in progress (the longest, with per-sample ``lengths``; 0 or ``None``:
+            no text).
+        lengths: ``() -> [B]`` per-sample text lengths of a ragged joint sequence (text first, then the image,
+            then padding; :func:`~tomerge.backbones._declared.ragged_index`), or ``None``.
+
+    Returns:
+        The hook handles (a forward pre-hook and an ``always_call`` forward hook). Calls whose attention ran on
+        merged slots are not recorded.
+    """
+    active: list[_SDPACalls] = []
+
+    def wanted() -> bool:  # the hooks are on this block's attention: the call in progress is this block's
+        call = state.call
+        return call is not None and call.decision.merges
+
+    def enter(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if wanted():
+            mode = _SDPACalls()
+            mode.__enter__()
+            active.append(mode)
+
+    def leave(module: nn.Module, args: tuple, output: Any) -> None:
+        if not active:
+            return
+        mode = active.pop()
+        mode.__exit__(None, None, None)
+        if output is None:  # the forward raised; that error propagates
+            return
+        if len(mode.calls) != 1:
+            raise RuntimeError(
+                f"tomerge: the received-attention probe of {type(module).__name__} expected one call of "
+                f"torch.nn.functional.scaled_dot_product_attention, got {len(mode.calls)} (an attention backend or "
+                "processor that calls another kernel); use diffusers' native attention backend or a strategy that "
+                "needs no received attention")
+        a = received_from_sdpa(*mode.calls[0], num_tokens=math.prod(state.call.grid), text_len=text_len() or 0,
+                               text_side=text_side, lengths=lengths(), max_queries=max_queries)
+        if a is not None:
+            state.call.attention = a  # stored for the block's layer when the call ends
+
+    return [attn.register_forward_pre_hook(enter, with_kwargs=True),
+            attn.register_forward_hook(leave, always_call=True)]
+
+
+class _SDPACalls(TorchFunctionMode):
+    """Records ``(query, key, attn_mask, scale)`` of every ``scaled_dot_product_attention`` call while entered."""
+
+    _NAMES = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[Tensor, Tensor, Tensor | None, float | None]] = []
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.scaled_dot_product_attention:
+            call = {**dict(zip(self._NAMES, args)), **kwargs}
+            self.calls.append((call["query"], call["key"], call.get("attn_mask"), call.get("scale")))
+        return func(*args, **kwargs)
+
+
+def received_from_sdpa(query: Tensor, key: Tensor, mask: Tensor | None, scale: float | None, *, num_tokens: int,
+                       text_len: int, text_side: str, lengths: Tensor | None = None,
+                       max_queries: int = 64) -> Tensor | None:
+    """:func:`probe_sdpa_attention`'s rule on one SDPA call's inputs.
+
+    Args:
+        query, key: ``[B, h, L, d]`` and ``[B, h_kv, L, d]`` (``h_kv`` dividing ``h``: grouped-query heads).
+        mask: ``None`` or a key mask ``[B, L]`` / ``[B, 1, 1, L]`` (boolean, or an additive float bias).
+        scale: the SDPA scale (``None``: ``d ** -0.5``).
+        num_tokens: ``N``; text_len: ``T`` (the longest with ``lengths``); ``L = T + N``, else the call ran on
+            merged slots and nothing is recorded (``None``).
+        text_side, lengths: as :func:`probe_sdpa_attention`.
+
+    Returns:
+        ``[B, N]`` fp32, each row summing to 1, or ``None``.
+    """
+    B, h, L, d = query.shape
+    N, T = num_tokens, text_len
+    if key.shape[-2] != L or L != T + N:
+        return None  # the attention ran on merged slots
+    if key.shape[1] != h:
+        key = key.repeat_interleave(h // key.shape[1], dim=1)  # grouped-query heads, as SDPA's enable_gqa
+    s = d ** -0.5 if scale is None else scale
+    key_bias, text_valid = joint_key_mask(mask, B, T, N, text_side)  # [B, L], [B, T] or None
+    if T == 0:
+        return received_attention(strided_queries(query, max_queries), key, s, key_bias=key_bias)
+    text = slice(0, T) if text_side == "first" else slice(N, L)
+    if lengths is None:
+        image = slice(T, L) if text_side == "first" else slice(0, N)
+        return received_attention(query[:, :, text], key, s, keys=image, key_bias=key_bias, query_mask=text_valid)
+    real = torch.arange(T, device=query.device)[None] < lengths.to(query.device)[:, None]  # [B, T]: sample b's text
+    valid = real if text_valid is None else real & text_valid
+    mean = received_attention(query[:, :, text], key, s, key_bias=key_bias, query_mask=valid)  # [B, L]
+    image = lengths.to(query.device)[:, None] + torch.arange(N, device=query.device)  # [B, N]: sample b's image rows
+    part = mean.gather(1, image)
+    return part / part.sum(-1, keepdim=True).clamp_min(_EPS)
 
 
 def fused_part(part: int):

@@ -32,7 +32,7 @@ from ._diffusers import call_arg
 
 _SITES = (
     # Attention.forward(hidden_states, encoder_hidden_states, attention_mask, **kwargs): freqs_cis by keyword
-    Site("attn", "attention", tokens="joint", rope=Rope("freqs_cis", 3, "complex"), mask="keys"),
+    Site("attn", "attention", tokens="joint", rope=Rope("freqs_cis", 3, "complex", text="last"), mask="keys"),
     Site("mlp", "feed_forward", arg="x", tokens="joint"),
 )
 

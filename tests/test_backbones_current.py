@@ -240,7 +240,8 @@ def check_permutation_is_exact(model: nn.Module, inputs: dict, shuffle: Callable
 def check_batch_equals_samples(model: nn.Module, inputs: dict, select_sample: Callable[[dict, int], dict] = select,
                                **options) -> None:
     """float64: a batch and its samples alone give the same merged outputs (tomesd without randomness plans
-    per sample from the same values). ``select_sample(inputs, i)``: sample ``i`` of the inputs."""
+    per sample from the same values). ``select_sample(inputs, i)``: sample ``i`` of the inputs (default
+    :func:`select`: the batch is the first axis)."""
     model64, inputs64 = copy.deepcopy(model).double(), to_float64(inputs)
     outs = []
     for part in (inputs64, select_sample(inputs64, 0), select_sample(inputs64, 1)):

@@ -29,6 +29,7 @@ from tomerge.backbones.wan import WanAdapter
 from test_backbone_flux import flux_inputs, tiny_flux
 from test_backbones_diffusers import SIZE, make_inputs, tiny_sd3
 from test_backbones_current import FAMILIES as IMAGE_FAMILIES
+from test_backbones_image_other import FAMILIES as OTHER_IMAGE_FAMILIES
 from test_backbones_video import FAMILIES as VIDEO_FAMILIES
 
 
@@ -149,10 +150,10 @@ def test_joint_key_mask_text_and_joint_masks():
     assert bias[0, 0].tolist() == [0.0, 0.0, -math.inf, 0.0, 0.0] and bias[0, 2].tolist() == [0.0] * 5
 
 
-def _attentions(*containers: str) -> Callable[[nn.Module], dict[int, nn.Module]]:
+def _attentions(*containers: str, path: str = "attn") -> Callable[[nn.Module], dict[int, nn.Module]]:
     def find(model: nn.Module) -> dict[int, nn.Module]:
         blocks = [block for c in containers for block in getattr(model, c)]
-        return {layer: block.attn for layer, block in enumerate(blocks)}
+        return {layer: block.get_submodule(path) for layer, block in enumerate(blocks)}
     return find
 
 
@@ -183,6 +184,13 @@ JOINT = {  # family: (its blocks' attentions in layer order, text first, the inp
     "qwenimage": (_attentions("transformer_blocks"), True, True),
     "hunyuan_video": (_attentions("transformer_blocks", "single_transformer_blocks"), False, True),
     "hunyuan_video15": (_attentions("transformer_blocks"), False, True),
+    "auraflow": (_attentions("joint_transformer_blocks", "single_transformer_blocks"), True, False),
+    # probe="sdpa": the record from the attention's SDPA call
+    "cogview4": (_attentions("transformer_blocks", path="attn1"), True, False),
+    "glm_image": (_attentions("transformer_blocks", path="attn1"), True, False),
+    "cogview3plus": (_attentions("transformer_blocks", path="attn1"), True, False),
+    "hidream": (_attentions("double_stream_blocks", "single_stream_blocks", path="block.attn1"), False, False),
+    "ernie_image": (_attentions("layers", path="self_attention"), False, True),
 }
 
 
@@ -191,8 +199,11 @@ def test_declared_joint_probe_equals_the_models_attention(name):
     """FLUX.2 (double and single blocks, text-first RoPE rows), Qwen-Image (complex tables per stream, a text
     mask), HunyuanVideo (text last, RoPE on the image rows only, a [B, 1, 1, N + T] key mask; single blocks
     project the joint sequence at once) and HunyuanVideo 1.5 (a [B, T] text mask the processor pads to a
-    query-and-key mask)."""
-    family = {**IMAGE_FAMILIES, **VIDEO_FAMILIES}[name]
+    query-and-key mask); AuraFlow (register tokens with the text, separate text projections in the joint blocks);
+    from the SDPA call, CogView4 and GLM-Image (q/k norms over [B, heads, L, d] and [B, L, heads, d], RoPE on the
+    image rows), CogView3-Plus, HiDream (text last, its own projections and rotary function) and ERNIE-Image (text
+    last, a [B, 1, 1, N + T] key mask over padded text)."""
+    family = {**IMAGE_FAMILIES, **VIDEO_FAMILIES, **OTHER_IMAGE_FAMILIES}[name]
     attentions, text_first, masked = JOINT[name]
     model = family.build()
     check_probe_matches_the_model(model, family.inputs(model), attentions, math.prod(family.grid),

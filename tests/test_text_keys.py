@@ -1,6 +1,6 @@
 """Prompt reweighting (the text-key bias, :mod:`tomerge.text_bias`) on the declared joint text-image families
-(``Site(text_keys=True)``: FLUX.2 double and single blocks, Qwen-Image, HunyuanVideo, HunyuanVideo 1.5; SD3 and
-FLUX.1 are in ``test_prompts.py``).
+(``Site(text_keys=True)``: FLUX.2 double and single blocks, Qwen-Image, HunyuanVideo, HunyuanVideo 1.5, AuraFlow,
+CogView4, GLM-Image, CogView3-Plus, HiDream, ERNIE-Image; SD3 and FLUX.1 are in ``test_prompts.py``).
 
 A zero bias (``a_p = 1``, or no token of the phase's category) is bit-identical to no bias; a positive one
 changes the output, and every attention call's result (float64 model, the bias in fp32) equals the model's own
@@ -19,11 +19,13 @@ from torch import Tensor
 import tomerge
 from tomerge.strategies.sdtm_prompts import token_bias
 from test_backbones_current import FAMILIES as IMAGE_FAMILIES
+from test_backbones_image_other import FAMILIES as OTHER_IMAGE_FAMILIES
 from test_backbones_video import FAMILIES as VIDEO_FAMILIES
 from test_probes import JOINT, record_sdpa
 
 S, D, N = "structure", "detail", "none"
-TEXT = {"flux2": 8, "qwenimage": 8, "hunyuan_video": 8, "hunyuan_video15": 16}  # text tokens the blocks attend to
+TEXT = {"flux2": 8, "qwenimage": 8, "hunyuan_video": 8, "hunyuan_video15": 16,  # text tokens the blocks attend to
+        "auraflow": 16, "cogview4": 8, "glm_image": 8, "cogview3plus": 8, "hidream": 16, "ernie_image": 8}
 
 
 def biased_attention(call: dict, bias: Tensor, text_first: bool) -> tuple[Tensor, Tensor]:
@@ -50,7 +52,7 @@ def run(model, inputs: dict) -> Tensor:
 
 @pytest.mark.parametrize("name", JOINT)
 def test_prompt_reweighting_biases_the_image_queries_toward_the_labelled_text_keys(name):
-    family = {**IMAGE_FAMILIES, **VIDEO_FAMILIES}[name]
+    family = {**IMAGE_FAMILIES, **VIDEO_FAMILIES, **OTHER_IMAGE_FAMILIES}[name]
     attentions, text_first, _ = JOINT[name]
     model = family.build().double()
     inputs = {k: v.double() if isinstance(v, Tensor) and v.is_floating_point() else v
