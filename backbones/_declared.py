@@ -8,7 +8,8 @@ the attention call. :class:`DeclaredAdapter` turns a declaration of those pieces
 * :class:`Kind`: one block type: the model attribute holding the blocks (``container``), their class
   names, the block's text argument (its length ``T`` splits joint sequences), whether the block input is
   itself a joint sequence (FLUX.2's single-stream blocks get ``[text, image]`` with ``T`` from the model
-  call), which side text is on in joint sequences, and its :class:`Site` s.
+  call), which side text is on in joint sequences, whether its image stream carries context tokens around the
+  target tokens (below), and its :class:`Site` s.
 * :class:`Site`: one merge point: sublayer, submodule path in the block, the tokens' argument, the output
   element, the token layout (``"image"``: image tokens only; ``"joint"``: a joint sequence whose image
   part is merged; ``"conv"``: a channels-first ``[B, C, H, W]`` input of a 1x1 convolution), how the
@@ -19,14 +20,23 @@ A new family that fits is a subclass with a few class attributes (see ``backbone
 fit (the grid of a packed latent, a timestep scale) is a method override. ``docs/backbones/adding-a-family.md``
 walks through it.
 
+Context tokens (:class:`Kind` ``context``): the block's image stream is ``[context, target]`` (``"first"``)
+or ``[target, context]`` (``"last"``), where the target tokens are the model call's grid (``N`` =
+``prod(grid)``) and the ``C`` context tokens (FramePack's clean history latents) are every other token of the
+stream (``C`` = stream length - ``N``, read at every block call). Only the target tokens are merged; the
+context tokens go through every site as they are (attended to as keys and queries, like text), and the rotary
+rows and mask columns of the context are kept.
+
 Rotary tables (:class:`Rope` ``layout``), gathered per slot with the plan's representatives ``plan.dst
 [B, M]`` (a merged slot takes the position of the token that represents it; one row of destinations gives
-a plain table shared by the batch):
+a plain table shared by the batch); the rows of text and context tokens are kept:
 
 * ``"rows"``: ``(cos, sin)``, each ``[R + N, d]`` with ``R`` text rows first (``R = 0``: image rows only),
   applied by diffusers' ``apply_rotary_emb(..., sequence_dim=1)``; per-sample tables are passed as
   :class:`~tomerge.backbones.flux.BatchedRotaryTable` (FLUX.1/2, HunyuanVideo).
-* ``"batched"``: ``(cos, sin)``, each ``[B or 1, N, d]``, broadcast against ``[B, N, d]`` q/k (LTX-Video).
+* ``"batched"``: ``(cos, sin)``, each ``[B or 1, N, d]`` broadcast against ``[B, N, d]`` q/k (LTX-Video,
+  LTX-2's interleaved RoPE), or ``[B or 1, H, N, d]`` per head (LTX-2's split RoPE): the tokens are the
+  second-to-last axis.
 * ``"wan"``: ``(cos, sin)``, each ``[1, N, 1, d]`` (Wan): gathered to ``[B, M, 1, d]``.
 * ``"qwen"``: ``(image, text)`` complex tables ``[N, d/2]``, ``[T, d/2]`` (Qwen-Image): the image table
   is gathered; per-sample ones go as :class:`BatchedComplexTable`, which Qwen's ``apply_rotary_emb_qwen``
@@ -36,7 +46,9 @@ Attention masks (:class:`Site` ``mask``): ``None``: a mask on a merged call rais
 unmerged sequence); ``"pass"``: passed through (text-only masks, or biases over text keys, that broadcast
 over any number of queries or that the processor pads itself); ``"keys"``: a key mask ``[B, 1, 1, L]`` or
 ``[B, L]`` over the joint sequence (text on the kind's ``joint`` side), whose image columns are gathered
-per slot (HunyuanVideo).
+per slot (HunyuanVideo); ``"square"``: a self-attention mask ``[B or 1, ..., L, L]`` over the image stream
+(queries x keys: SkyReels-V2's block-causal mask, LTX-2's video self-attention mask), whose image rows and
+columns are both gathered per slot.
 """
 
 from __future__ import annotations
@@ -55,7 +67,7 @@ from tomerge.plan import MergePlan
 from tomerge.state import MergeState
 
 from ._diffusers import call_arg, check_ff_chunking, probe_self_attention, submodel
-from .flux import BatchedRotaryTable, gather_rotary
+from .flux import BatchedRotaryTable
 
 Side = Literal["first", "last"]
 
@@ -87,7 +99,8 @@ class Site:
         output: index of the image tokens in a tuple output; ``None``: a tensor output.
         tokens: ``"image"``, ``"joint"`` or ``"conv"``.
         rope: the call's rotary table, gathered for the merged tokens; ``None``: none.
-        mask: ``None``, ``"pass"`` or ``"keys"``; ``mask_arg``, ``mask_index``: the mask's keyword/position.
+        mask: ``None``, ``"pass"``, ``"keys"`` or ``"square"``; ``mask_arg``, ``mask_index``: the mask's
+            keyword/position.
         stays_merged_with: the output stays merged when the block call also merges this sublayer (a later
             site of the block reads it, passes it through and unmerges).
         text_keys: the submodule is a joint text-image attention whose text is its ``encoder_hidden_states``
@@ -105,7 +118,7 @@ class Site:
     output: int | None = None
     tokens: Literal["image", "joint", "conv"] = "image"
     rope: Rope | None = None
-    mask: Literal["pass", "keys"] | None = None
+    mask: Literal["pass", "keys", "square"] | None = None
     mask_arg: str = "attention_mask"
     mask_index: int = 2
     stays_merged_with: str | None = None
@@ -127,6 +140,8 @@ class Kind:
         joint_input: the block input is itself a joint sequence with text on this side, ``T`` taken from the
             model call's text (``DeclaredAdapter.model_text``); ``None``: the block input is image tokens.
         joint: the side of text in the block's joint sequences (``"joint"`` sites, ``"keys"`` masks).
+        context: the block's image stream holds context tokens on this side of the target tokens (the model
+            call's grid): they are kept as they are (see the module docstring); ``None``: no context tokens.
     """
 
     name: str
@@ -139,6 +154,11 @@ class Kind:
     text_index: int = 1
     joint_input: Side | None = None
     joint: Side = "first"
+    context: Side | None = None
+
+    def __post_init__(self) -> None:
+        if self.context is not None and any(site.tokens == "conv" for site in self.sites):
+            raise ValueError(f"kind {self.name!r}: context tokens are not supported with 'conv' sites")
 
 
 # ---------------------------------------------------------------------- runtime
@@ -148,6 +168,7 @@ class DeclaredCall:
 
     text: int | None = None
     image: int | None = None
+    context: int = 0  # context tokens in the image stream (Kind.context)
     merged: tuple[Tensor, MergePlan, Tensor] | None = None  # (input view, plan, merged): reused for the same input
     shapes: dict[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)  # conv points: [H, W] of the input
     merging: dict[str, bool] = dataclasses.field(default_factory=dict)  # sublayer -> this call merges it
@@ -155,6 +176,7 @@ class DeclaredCall:
 
     def reset(self) -> None:
         self.text = self.image = self.merged = None
+        self.context = 0
         self.shapes.clear()
         self.merging.clear()
         self.kept.clear()
@@ -162,11 +184,13 @@ class DeclaredCall:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class DeclaredBlock(BlockSpec):
-    """A block of a declared kind; reading its input also records the call's text and image lengths."""
+    """A block of a declared kind; reading its input also records the call's text, image and context lengths
+    (the input returned is the target tokens only: the context tokens of a ``context`` kind are cut off)."""
 
     decl: Kind = dataclasses.field(kw_only=True)
     info: DeclaredCall = dataclasses.field(kw_only=True)
     model_text: Any = dataclasses.field(kw_only=True)  # () -> T of the model call (joint_input kinds)
+    model_grid: Any = dataclasses.field(kw_only=True)  # () -> the model call's grid (context kinds)
 
     def block_input(self, args: tuple, kwargs: dict) -> Tensor:
         self.info.reset()
@@ -181,8 +205,20 @@ class DeclaredBlock(BlockSpec):
         elif self.decl.text_arg is not None:
             text = call_arg(args, kwargs, self.decl.text_arg, self.decl.text_index)
             self.info.text = int(text.shape[1]) if isinstance(text, Tensor) else 0
+        if self.decl.context is not None:
+            x = self._target(x)
         self.info.image = int(x.shape[1])
         return x
+
+    def _target(self, stream: Tensor) -> Tensor:
+        """The target tokens of an image stream ``[B, C + N, C']``; records ``C``. A stream shorter than the
+        model call's grid (or a call without one) is returned whole: its grid does not match, it is not merged."""
+        grid = self.model_grid()
+        N = math.prod(grid) if grid is not None else None
+        if N is None or stream.shape[1] < N:
+            return stream
+        self.info.context = int(stream.shape[1]) - N
+        return stream[:, self.info.context:] if self.decl.context == "first" else stream[:, :N]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -192,6 +228,7 @@ class DeclaredPoint(MergePoint):
     site: Site = dataclasses.field(kw_only=True)
     info: DeclaredCall = dataclasses.field(kw_only=True)
     joint: Side = dataclasses.field(default="first", kw_only=True)
+    context: Side | None = dataclasses.field(default=None, kw_only=True)
 
     # -------------------------------------------------------------- the tokens
     def _raw(self, args: tuple, kwargs: dict) -> Tensor:
@@ -204,27 +241,48 @@ class DeclaredPoint(MergePoint):
                                f"sequence with T={T} text and N={self.info.image} image tokens of this block call")
         return T
 
-    def _image_part(self, joint: Tensor) -> Tensor:
-        T = self._text(joint)
-        return joint[:, T:] if self.joint == "first" else joint[:, : joint.shape[1] - T]
+    def _context(self) -> tuple[int, int]:
+        """The context tokens of this block call before and after the target tokens in the image stream."""
+        C = self.info.context
+        return (C, 0) if self.context == "first" else (0, C)
 
-    def _with_image(self, joint: Tensor, x: Tensor) -> Tensor:
-        T = self._text(joint)
-        if self.joint == "first":
-            return torch.cat([joint[:, :T], x], dim=1)
-        return torch.cat([x, joint[:, joint.shape[1] - T:]], dim=1)
+    def _around(self, seq: Tensor) -> tuple[int, int]:
+        """How many tokens of this site's sequence ``seq`` (the image stream, or a joint sequence with text on the
+        kind's ``joint`` side) come before and after the target tokens: context tokens, and text for joint sites."""
+        before, after = self._context()
+        if self.site.tokens == "joint":
+            T = self._text(seq)
+            before, after = (before + T, after) if self.joint == "first" else (before, after + T)
+        if seq.shape[1] < before + after:
+            raise RuntimeError(f"tomerge: {type(self.module).__name__} got {tuple(seq.shape)}, shorter than the "
+                               f"{before + after} text and context tokens of this block call")
+        return before, after
+
+    def _image_part(self, seq: Tensor) -> Tensor:
+        before, after = self._around(seq)
+        return seq[:, before: seq.shape[1] - after]  # [B, N, C] (or [B, M, C] when an earlier site kept it merged)
+
+    def _with_image(self, seq: Tensor, x: Tensor) -> Tensor:
+        before, after = self._around(seq)
+        if before == after == 0:
+            return x
+        return torch.cat([seq[:, :before], x, seq[:, seq.shape[1] - after:]], dim=1)
+
+    def _has_others(self) -> bool:
+        """This site's sequence holds tokens other than the target ones (text or context)."""
+        return self.site.tokens == "joint" or self.info.context > 0
 
     def get_input(self, args: tuple, kwargs: dict) -> Tensor:
         raw = self._raw(args, kwargs)
-        if self.site.tokens == "joint":
-            return self._image_part(raw)  # [B, N, C] (or [B, M, C] when an earlier site kept it merged)
+        if self.site.tokens != "conv" and self._has_others():
+            return self._image_part(raw)
         if self.site.tokens == "conv":
             self.info.shapes[id(self)] = tuple(raw.shape[2:])
             return raw.flatten(2).transpose(1, 2)  # [B, C, H, W] -> [B, H*W, C]
         return raw
 
     def set_input(self, args: tuple, kwargs: dict, x: Tensor) -> tuple[tuple, dict]:
-        if self.site.tokens == "joint":
+        if self.site.tokens != "conv" and self._has_others():
             x = self._with_image(self._raw(args, kwargs), x)
         elif self.site.tokens == "conv":
             x = x.transpose(1, 2).unsqueeze(-1)  # [B, M, C] -> [B, C, M, 1]: a 1x1 convolution takes any layout
@@ -268,14 +326,14 @@ class DeclaredPoint(MergePoint):
 
     def get_output(self, out: Any) -> Tensor:
         y = out if self.output is None else out[self.output]
-        if self.site.tokens == "joint":
+        if self.site.tokens != "conv" and self._has_others():
             return self._image_part(y)
         if self.site.tokens == "conv":
             return y.flatten(2).transpose(1, 2)  # [B, C', M, 1] -> [B, M, C']
         return y
 
     def set_output(self, out: Any, y: Tensor) -> Any:
-        if self.site.tokens == "joint":
+        if self.site.tokens != "conv" and self._has_others():
             y = self._with_image(out if self.output is None else out[self.output], y)
         elif self.site.tokens == "conv":
             y = y.transpose(1, 2).unflatten(2, self.info.shapes[id(self)])  # [B, N, C'] -> [B, C', H, W]
@@ -286,19 +344,26 @@ class DeclaredPoint(MergePoint):
         mask = call_arg(args, kwargs, self.site.mask_arg, self.site.mask_index)
         if mask is None or self.site.mask == "pass":
             return args, kwargs
-        if self.site.mask != "keys":
+        if self.site.mask is None:
             raise ValueError(f"tomerge: {type(self.module).__name__} got an attention mask ({self.site.mask_arg}) over "
                              "the unmerged sequence, which merged image tokens cannot use; run without the mask or "
                              "without merging")
-        return with_arg(args, kwargs, self.site.mask_arg, self.site.mask_index,
-                        gather_key_mask(mask, plan.dst, plan.num_tokens, text_side=self.joint))
+        before, _ = self._context()
+        N = plan.num_tokens
+        if self.site.mask == "square":
+            merged = gather_square_mask(mask, plan.dst, before, N)
+        else:  # "keys": [text?][context, target][text?], the text T = L - C - N on the kind's joint side
+            text = mask.shape[-1] - self.info.context - N
+            merged = gather_key_mask(mask, plan.dst, before + (text if self.joint == "first" else 0), N)
+        return with_arg(args, kwargs, self.site.mask_arg, self.site.mask_index, merged)
 
     def _merge_rope(self, args: tuple, kwargs: dict, plan: MergePlan) -> tuple[tuple, dict]:
         rope = self.site.rope
         freqs = call_arg(args, kwargs, rope.arg, rope.index)
         if freqs is None:
             return args, kwargs
-        return with_arg(args, kwargs, rope.arg, rope.index, gather_rope(freqs, plan.dst, plan.num_tokens, rope.layout))
+        return with_arg(args, kwargs, rope.arg, rope.index,
+                        gather_rope(freqs, plan.dst, plan.num_tokens, rope.layout, context=self._context()))
 
 
 # ---------------------------------------------------------------------- gathers
@@ -309,27 +374,59 @@ def with_arg(args: tuple, kwargs: dict, name: str, index: int, value: Any) -> tu
     return args, {**kwargs, name: value}
 
 
-def _rows(t: Tensor, dst: Tensor, dim: int) -> Tensor:
-    """``t`` with its ``dim`` axis (the tokens) indexed per sample by ``dst [B', M]``; a leading axis of size 1
-    (or none, ``dim == 0``) is shared by the samples. Returns ``[B', M, ...]`` (``dim == 0``: ``[M, ...]`` when
-    ``B' == 1``)."""
-    index = dst.to(t.device)
+def merged_positions(dst: Tensor, start: int, num_tokens: int, length: int) -> Tensor:
+    """The positions, in a sequence of ``length`` whose ``num_tokens`` image tokens begin at ``start``, that the
+    merged sequence reads: the other positions (text, context) as they are, then for each slot its
+    representative ``start + dst``.
+
+    Args:
+        dst: ``[B', M]`` representatives (``plan.dst``; ``B' = 1``: shared by the batch).
+        start: the position of the first image token; ``num_tokens``: ``N``; ``length``: ``L``.
+
+    Returns:
+        ``[B', L - N + M]`` (long, on ``dst``'s device).
+
+    Example:
+        >>> merged_positions(torch.tensor([[2, 0]]), 1, 3, 5).tolist()      # [text, 3 image tokens, context]
+        [[0, 3, 1, 4]]
+    """
+    if start < 0 or start + num_tokens > length:
+        raise ValueError(f"tomerge: {num_tokens} image tokens from position {start} do not fit a sequence of {length}")
+    index = dst.long() + start  # [B', M]
+    if length == num_tokens:
+        return index
+    B = index.shape[0]
+    ahead = torch.arange(start, device=index.device).expand(B, -1)  # [B', start]
+    behind = torch.arange(start + num_tokens, length, device=index.device).expand(B, -1)  # [B', L - start - N]
+    return torch.cat([ahead, index, behind], dim=1)
+
+
+def _rows(t: Tensor, positions: Tensor, dim: int) -> Tensor:
+    """``t`` with its ``dim`` axis (the tokens) indexed per sample by ``positions [B', L']``; a leading axis of size
+    1 (or none, ``dim == 0``) is shared by the samples. Returns ``[B', L', ...]`` (``dim == 0``: ``[L', ...]`` when
+    ``B' == 1``); ``dim > 1`` keeps the axis in place (``[B', ..., L', ...]``)."""
+    index = positions.to(t.device)
     if dim == 0:
-        return t[index[0]] if index.shape[0] == 1 else t[index]  # [M, ...] or [B', M, ...]
+        return t[index[0]] if index.shape[0] == 1 else t[index]  # [L', ...] or [B', L', ...]
+    if dim > 1:
+        return _rows(t.movedim(dim, 1), positions, 1).movedim(1, dim)
     if t.shape[0] == 1:
-        return t[0][index]  # [B', M, ...]
+        return t[0][index]  # [B', L', ...]
     batch = torch.arange(t.shape[0], device=t.device)[:, None]  # [B, 1]
-    return t[batch, index.expand(t.shape[0], -1)]  # [B, M, ...]
+    return t[batch, index.expand(t.shape[0], -1)]  # [B, L', ...]
 
 
-def gather_rope(freqs: Any, dst: Tensor, num_tokens: int, layout: str) -> Any:
-    """The rotary argument of a merged call (see the module docstring's layouts).
+def gather_rope(freqs: Any, dst: Tensor, num_tokens: int, layout: str, context: tuple[int, int] = (0, 0)) -> Any:
+    """The rotary argument of a merged call (see the module docstring's layouts): the ``N`` image rows gathered per
+    slot, text and context rows kept.
 
     Args:
         freqs: the call's rotary argument.
         dst: ``[B, M]`` (or ``[1, M]``) token position representing each slot (``plan.dst``).
         num_tokens: ``N``, the image tokens of the unmerged call.
         layout: ``"rows"``, ``"batched"``, ``"wan"`` or ``"qwen"``.
+        context: the context tokens before and after the ``N`` target tokens in the image stream (their rows
+            follow the text rows of a ``"rows"`` table; the other layouts' tables cover the image stream only).
 
     Example:
         >>> cos = torch.arange(4.0).view(1, 4, 1, 1)                      # wan layout, N = 4
@@ -337,24 +434,34 @@ def gather_rope(freqs: Any, dst: Tensor, num_tokens: int, layout: str) -> Any:
         >>> c.flatten(1).tolist()
         [[3.0, 0.0], [1.0, 2.0]]
     """
+    before, after = context
+    stream = before + num_tokens + after
     if layout == "rows":
-        rows = freqs[0].shape[0]
-        if rows < num_tokens:
-            raise ValueError(f"tomerge: the rotary table has {rows} rows for {num_tokens} image tokens")
-        return gather_rotary(freqs, dst, rows - num_tokens)  # text rows first, kept
+        out = []
+        for t in freqs:
+            if not isinstance(t, Tensor) or t.dim() != 2 or t.shape[0] < stream:
+                raise ValueError(f"tomerge: a 'rows' rotary table must be (cos, sin) tables [R + {stream}, d] for "
+                                 f"{num_tokens} image and {before + after} context tokens, got "
+                                 f"{tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__}")
+            rows = t.shape[0]
+            gathered = _rows(t, merged_positions(dst, rows - after - num_tokens, num_tokens, rows), 0)
+            out.append(gathered if gathered.dim() == 2 else BatchedRotaryTable(gathered))  # [L', d] or [B, L', d]
+        return tuple(out)
     if layout in ("batched", "wan"):
         out = []
         for t in freqs:
-            if t.dim() < 3 or t.shape[1] != num_tokens:
-                raise ValueError(f"tomerge: a {layout!r} rotary table must be [B or 1, N={num_tokens}, ...], got "
-                                 f"{tuple(t.shape)}")
-            out.append(_rows(t, dst, 1))  # [B', M, d] or [B', M, 1, d]
+            dim = t.dim() - 2 if layout == "batched" else 1  # batched: [B, N, d] or [B, H, N, d]; wan: [1, N, 1, d]
+            if t.dim() < 3 or t.shape[dim] != stream:
+                raise ValueError(f"tomerge: a {layout!r} rotary table must have {stream} rows ({num_tokens} image "
+                                 f"and {before + after} context tokens) on axis {dim}, got {tuple(t.shape)}")
+            out.append(_rows(t, merged_positions(dst, before, num_tokens, stream), dim))
         return tuple(out)
     if layout == "qwen":
         image, text = freqs
-        if image.shape[0] != num_tokens:
-            raise ValueError(f"tomerge: the image rotary table has {image.shape[0]} rows for {num_tokens} image tokens")
-        gathered = _rows(image, dst, 0)  # [M, d/2] or [B, M, d/2]
+        if image.shape[0] != stream:
+            raise ValueError(f"tomerge: the image rotary table has {image.shape[0]} rows for {num_tokens} image and "
+                             f"{before + after} context tokens")
+        gathered = _rows(image, merged_positions(dst, before, num_tokens, stream), 0)  # [L', d/2] or [B, L', d/2]
         return (gathered if gathered.dim() == image.dim() else BatchedComplexTable(gathered), text)
     raise ValueError(f"unknown rotary layout {layout!r}")
 
@@ -385,34 +492,63 @@ class BatchedComplexTable:
                              "that uses the rotary table other than through apply_rotary_emb_qwen cannot run merged")
 
 
-def gather_key_mask(mask: Tensor, dst: Tensor, num_tokens: int, text_side: Side) -> Tensor:
-    """A key mask over a joint sequence, its ``N`` image columns gathered per slot (text columns kept).
+def _gather_last(mask: Tensor, positions: Tensor, dim: int) -> Tensor:
+    """``mask`` indexed along ``dim`` (``-1`` or ``-2``) by ``positions [B', L']`` per sample; a leading axis of
+    size 1 is shared (expanded to ``B'``)."""
+    index = positions.to(mask.device)
+    if index.shape[0] == 1:
+        return mask.index_select(dim, index[0])
+    B, L = index.shape
+    mask = mask.expand(B, *mask.shape[1:])
+    view = [B] + [1] * (mask.dim() - 1)
+    view[dim] = L
+    shape = list(mask.shape)
+    shape[dim] = L
+    return torch.gather(mask, dim, index.view(view).expand(shape))
+
+
+def gather_key_mask(mask: Tensor, dst: Tensor, start: int, num_tokens: int) -> Tensor:
+    """A key mask over a joint sequence, its ``N`` image columns (from ``start``) gathered per slot, the other
+    columns (text, context) kept.
 
     Args:
-        mask: ``[B, ..., L]`` with ``L = T + N`` (text on ``text_side``), e.g. ``[B, 1, 1, L]``.
+        mask: ``[B or 1, ..., L]``, e.g. ``[B, 1, 1, L]``.
         dst: ``[B, M]`` or ``[1, M]`` representatives.
-        num_tokens: ``N``.
+        start: the first image column; ``num_tokens``: ``N``.
 
     Returns:
-        ``[B, ..., T + M]``.
+        ``[B, ..., L - N + M]``.
 
     Example:
         >>> m = torch.tensor([[True, False, True, True, False]])            # 3 image, then 2 text columns
-        >>> gather_key_mask(m, torch.tensor([[2, 1]]), 3, "last").tolist()
+        >>> gather_key_mask(m, torch.tensor([[2, 1]]), 0, 3).tolist()
         [[True, False, True, False]]
     """
+    return _gather_last(mask, merged_positions(dst, start, num_tokens, mask.shape[-1]), -1)
+
+
+def gather_square_mask(mask: Tensor, dst: Tensor, start: int, num_tokens: int) -> Tensor:
+    """A self-attention mask over the image stream (queries x keys), its ``N`` image rows and columns (from
+    ``start``) gathered per slot, the rows and columns of context tokens kept.
+
+    Args:
+        mask: ``[B or 1, ..., L, L]`` (boolean or additive).
+        dst: ``[B, M]`` or ``[1, M]`` representatives.
+        start: the first image token in the stream; ``num_tokens``: ``N``.
+
+    Returns:
+        ``[B, ..., L - N + M, L - N + M]``.
+
+    Example:
+        >>> causal = torch.ones(3, 3).tril().bool()[None]                   # [1, 3, 3]: token i sees 0..i
+        >>> gather_square_mask(causal, torch.tensor([[2, 0]]), 0, 3).int().tolist()
+        [[[1, 1], [0, 1]]]
+    """
     L = mask.shape[-1]
-    T = L - num_tokens
-    if T < 0:
-        raise ValueError(f"tomerge: an attention mask over {L} keys cannot cover {num_tokens} image tokens")
-    image, text = (mask[..., T:], mask[..., :T]) if text_side == "first" else (mask[..., :num_tokens], mask[..., num_tokens:])
-    index = dst.to(mask.device)
-    if index.shape[0] == 1:
-        gathered = image[..., index[0]]
-    else:
-        shape = (mask.shape[0],) + (1,) * (mask.dim() - 2) + (index.shape[1],)
-        gathered = torch.gather(image, -1, index.view(shape).expand(*image.shape[:-1], index.shape[1]))
-    return torch.cat([text, gathered] if text_side == "first" else [gathered, text], dim=-1)
+    if mask.dim() < 3 or mask.shape[-2] != L:
+        raise ValueError(f"tomerge: a square attention mask must be [B or 1, ..., L, L], got {tuple(mask.shape)}")
+    positions = merged_positions(dst, start, num_tokens, L)
+    return _gather_last(_gather_last(mask, positions, -2), positions, -1)
 
 
 def latent_grid(sample: Tensor, patch: tuple[int, ...]) -> tuple[int, ...]:
@@ -488,9 +624,10 @@ class DeclaredAdapter(BackboneAdapter):
                 sub = _submodule(module, site.path)
                 if sub is not None:
                     points.append(DeclaredPoint(site.sublayer, sub, arg=site.arg, output=site.output, site=site,
-                                                info=info, joint=kind.joint))
+                                                info=info, joint=kind.joint, context=kind.context))
             specs.append(DeclaredBlock(module, layer=len(specs), kind=kind.name, points=tuple(points), arg=kind.arg,
-                                       decl=kind, info=info, model_text=lambda: self.model_text))
+                                       decl=kind, info=info, model_text=lambda: self.model_text,
+                                       model_grid=lambda: self.grid_size))
         return specs
 
     def check(self) -> None:
@@ -545,7 +682,10 @@ class DeclaredAdapter(BackboneAdapter):
                 f"backbone {self.name!r} cannot record received attention in its {block.kind!r} blocks (no probe is "
                 "declared for their attention: docs/backbones/adding-a-family.md); use a strategy that needs none, "
                 "e.g. idm(variant='streak') or ssm")
-        return probe_self_attention(block, point, state)
+        handles = probe_self_attention(block, point, state)
+        if point.site.mask is not None:
+            handles.append(point.module.register_forward_pre_hook(_refuse_masked_probe(point, state), with_kwargs=True))
+        return handles
 
     def text_keys(self, block: BlockSpec, point: MergePoint) -> TextKeys | None:
         if not isinstance(point, DeclaredPoint) or not point.site.text_keys:
@@ -555,6 +695,21 @@ class DeclaredAdapter(BackboneAdapter):
             text = call_arg(args, kwargs, "encoder_hidden_states", 1)
             return 0 if text is None else int(text.shape[1])
         return TextKeys(point.module, text_len=text_len, text_first=point.joint == "first")
+
+
+def _refuse_masked_probe(point: DeclaredPoint, state: MergeState):
+    """A forward pre-hook raising when a probed attention call of a merging block has an attention mask: the
+    probe's softmax runs over every key (:func:`~tomerge.probe.received_attention`), so it would record attention
+    the masked model does not pay."""
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        call = state.call
+        if call is not None and call.decision.merges and call_arg(args, kwargs, point.site.mask_arg,
+                                                                   point.site.mask_index) is not None:
+            raise NotImplementedError(
+                f"tomerge: {type(module).__name__} got an attention mask ({point.site.mask_arg}); the received-attention "
+                "probe ignores masks, so idm's attention variant cannot rank its tokens. Use a strategy that needs "
+                "no probe (e.g. idm(variant='streak'), ssm) or run without the mask")
+    return hook
 
 
 def _submodule(module: nn.Module, path: str) -> nn.Module | None:

@@ -161,10 +161,11 @@ def flop_counts(model: nn.Module, inputs: dict, containers: tuple[str, ...]) -> 
     return counter.get_total_flops(), blocks
 
 
-def select(inputs: dict, i: int) -> dict:
-    """Sample ``i`` of a batch of keyword inputs (lists of per-sample entries too; shared ids stay)."""
-    return {k: v[i:i + 1] if isinstance(v, list) or isinstance(v, Tensor) and v.dim() > 0 else v
-            for k, v in inputs.items()}
+def select(inputs: dict, i: int, shared: tuple[str, ...] = ()) -> dict:
+    """Sample ``i`` of a batch of keyword inputs (lists of per-sample entries too; shared ids stay, and so do the
+    inputs named in ``shared``, e.g. frame indices without a batch axis)."""
+    return {k: v[i:i + 1] if k not in shared and (isinstance(v, list) or isinstance(v, Tensor) and v.dim() > 0)
+            else v for k, v in inputs.items()}
 
 
 def to_float64(inputs: dict) -> dict:
@@ -230,12 +231,12 @@ def check_permutation_is_exact(model: nn.Module, inputs: dict, shuffle: Callable
         assert (run(model, shuffle(inputs, perm)) - before).abs().max() > 1e-3
 
 
-def check_batch_equals_samples(model: nn.Module, inputs: dict, **options) -> None:
+def check_batch_equals_samples(model: nn.Module, inputs: dict, shared: tuple[str, ...] = (), **options) -> None:
     """float64: a batch and its samples alone give the same merged outputs (tomesd without randomness plans
-    per sample from the same values)."""
+    per sample from the same values). ``shared``: inputs without a batch axis (see :func:`select`)."""
     model64, inputs64 = copy.deepcopy(model).double(), to_float64(inputs)
     outs = []
-    for part in (inputs64, select(inputs64, 0), select(inputs64, 1)):
+    for part in (inputs64, select(inputs64, 0, shared), select(inputs64, 1, shared)):
         with tomerge.merging(model64, "tomesd", ratio=0.5, use_rand=False, **ALL_SUBLAYERS, **options) as handle:
             outs.append(run(model64, part))
             assert handle.stats["tokens_removed"] > 0
@@ -458,9 +459,9 @@ def test_gather_rope_layouts_match_hand_built_tables():
 
 def test_gather_key_mask_keeps_text_and_follows_the_slots():
     mask = torch.tensor([[1, 1, 0, 1, 0], [0, 1, 1, 1, 1]]).bool()[:, None, None]  # [B, 1, 1, 3 image + 2 text]
-    out = gather_key_mask(mask, torch.tensor([[2, 1], [0, 0]]), 3, "last")
+    out = gather_key_mask(mask, torch.tensor([[2, 1], [0, 0]]), 0, 3)
     assert out[:, 0, 0].tolist() == [[False, True, True, False], [False, False, True, True]]
-    first = gather_key_mask(mask, torch.tensor([[0, 2]]), 3, "first")  # text first: columns 0-1 text
+    first = gather_key_mask(mask, torch.tensor([[0, 2]]), 2, 3)  # text first: columns 0-1 text
     assert first[:, 0, 0].tolist() == [[True, True, False, False], [False, True, True, True]]
 
 
