@@ -706,9 +706,9 @@ def _refuse_masked_probe(point: DeclaredPoint, state: MergeState):
         if call is not None and call.decision.merges and call_arg(args, kwargs, point.site.mask_arg,
                                                                    point.site.mask_index) is not None:
             raise NotImplementedError(
-                f"tomerge: {type(module).__name__} got an attention mask ({point.site.mask_arg}); the received-attention "
-                "probe ignores masks, so idm's attention variant cannot rank its tokens. Use a strategy that needs "
-                "no probe (e.g. idm(variant='streak'), ssm) or run without the mask")
+                f"tomerge: {type(module).__name__} got an attention mask ({point.site.mask_arg}); the "
+                "received-attention probe ignores masks, so idm's attention variant cannot rank its tokens. Use a "
+                "strategy that needs no probe (e.g. idm(variant='streak'), ssm) or run without the mask")
     return hook
 
 

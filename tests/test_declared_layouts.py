@@ -20,7 +20,7 @@ from tomerge import registry
 from tomerge.backbones._declared import (DeclaredAdapter, Kind, Rope, Site, gather_key_mask, gather_rope,
                                          gather_square_mask, merged_positions)
 from tomerge.backbones.flux import BatchedRotaryTable
-from test_backbones_current import ALL_SUBLAYERS, Permute, check_permutation_is_exact, no_hooks_left, run
+from test_backbones_current import ALL_SUBLAYERS, check_permutation_is_exact, no_hooks_left, run
 
 
 # ---------------------------------------------------------------------- the gathers
