@@ -66,7 +66,7 @@ from tomerge.plan import MergePlan
 
 from tomerge.state import MergeState
 
-from ._diffusers import call_arg, check_ff_chunking, probe_self_attention, submodel
+from ._diffusers import call_arg, check_ff_chunking, probe_joint_attention, probe_self_attention, submodel
 from .flux import BatchedRotaryTable
 
 Side = Literal["first", "last"]
@@ -105,10 +105,15 @@ class Site:
             site of the block reads it, passes it through and unmerges).
         text_keys: the submodule is a joint text-image attention whose text is its ``encoder_hidden_states``
             (prompt reweighting can bias its text keys).
-        probe: the submodule is a softmax self-attention over the image tokens alone with diffusers-style
-            ``to_q``/``to_k`` (and ``norm_q``/``norm_k``) projections: ``idm`` records the attention each token
-            receives there (:func:`~tomerge.backbones._diffusers.probe_self_attention`, from q and k before
-            the rotary rotation, which the processor applies after them).
+        probe: ``idm`` records the attention each image token receives in this submodule, a softmax attention
+            with diffusers-style projections. In a kind without text (no ``text_arg``, no ``joint_input``) it is a
+            self-attention over the image tokens alone with ``to_q``/``to_k`` (and ``norm_q``/``norm_k``):
+            strided image queries, from q and k before the rotary rotation, which the processor applies after
+            them (:func:`~tomerge.backbones._diffusers.probe_self_attention`). In a kind with text it is the
+            joint text-image attention of the block (text on the kind's ``joint`` side): the text queries'
+            softmax over all keys, the image keys' share renormalised, with the model's rotary rotation
+            (``rope``, layout ``"rows"`` or ``"qwen"``) and mask (``mask_arg``/``mask_index``)
+            (:func:`~tomerge.backbones._diffusers.probe_joint_attention`).
     """
 
     sublayer: str
@@ -677,15 +682,28 @@ class DeclaredAdapter(BackboneAdapter):
         return self.grid_size
 
     def probe(self, block: BlockSpec, point: MergePoint, state: MergeState) -> list[Any]:
-        if not isinstance(point, DeclaredPoint) or not point.site.probe:
+        site = point.site if isinstance(point, DeclaredPoint) else None
+        if site is None or not site.probe:
+            if isinstance(block, DeclaredBlock) and any(s.probe for s in block.decl.sites):
+                return []  # another site of the block (its attention) records
             raise NotImplementedError(
                 f"backbone {self.name!r} cannot record received attention in its {block.kind!r} blocks (no probe is "
                 "declared for their attention: docs/backbones/adding-a-family.md); use a strategy that needs none, "
                 "e.g. idm(variant='streak') or ssm")
-        handles = probe_self_attention(block, point, state)
-        if point.site.mask is not None:
-            handles.append(point.module.register_forward_pre_hook(_refuse_masked_probe(point, state), with_kwargs=True))
-        return handles
+        kind = block.decl
+        if kind.text_arg is None and kind.joint_input is None:
+            handles = probe_self_attention(block, point, state)
+            if site.mask is not None:
+                handles.append(point.module.register_forward_pre_hook(_refuse_masked_probe(point, state),
+                                                                      with_kwargs=True))
+            return handles
+        rope = site.rope
+        inner = [s.path for s in kind.sites if s.path.startswith(site.path + ".")]  # merge points inside the attention
+        return probe_joint_attention(point.module, state, text_side=kind.joint, text_len=lambda: point.info.text,
+                                     rope=None if rope is None else (rope.arg, rope.index),
+                                     rope_layout="rows" if rope is None else rope.layout,
+                                     mask=(site.mask_arg, site.mask_index),
+                                     record_before=_submodule(block.module, inner[0]) if inner else None)
 
     def text_keys(self, block: BlockSpec, point: MergePoint) -> TextKeys | None:
         if not isinstance(point, DeclaredPoint) or not point.site.text_keys:

@@ -6,6 +6,7 @@ the received-attention probe of their `Attention` module (fused q/k/v projection
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -13,7 +14,8 @@ import torch
 from torch import Tensor, nn
 
 from tomerge.adapter import BackboneAdapter, BlockSpec, MergePoint, class_names
-from tomerge.probe import attention_probe, received_self_attention
+from tomerge.context import Grid
+from tomerge.probe import attention_probe, received_attention, received_self_attention
 from tomerge.state import MergeState
 
 
@@ -46,6 +48,164 @@ def probe_self_attention(block: BlockSpec, point: MergePoint, state: MergeState,
     scale = getattr(attn, "scale", None) or (attn.to_q.out_features // attn.heads) ** -0.5
     return attention_probe(state, attn, sources, lambda captured, grid: received_self_attention(
         captured, grid, attn.heads, scale, max_queries))
+
+
+def probe_joint_attention(attn: nn.Module, state: MergeState, *, text_side: str,
+                          text_len: Callable[[], int | None], rope: tuple[str, int] | None = None,
+                          rope_layout: str = "rows", mask: tuple[str, int] | None = None,
+                          record_before: nn.Module | None = None) -> list[Any]:
+    """Records the attention each image token receives in a joint text-image attention (MMDiT style).
+
+    The rule (every joint attention of tomerge's adapters): all text queries of the call against all keys
+    (text and image) with the model's own logits (its q/k norms, its rotary rotation, its attention mask, the
+    SDPA scale ``d ** -0.5``), averaged over heads and text queries, then restricted to the image keys and
+    renormalised to sum to 1 per sample (:func:`~tomerge.probe.received_attention` with ``keys=``). A text
+    token that the attention mask masks out (padding) is neither a key nor a counted query.
+
+    The q/k are the ones the processor computes, captured by forward hooks (:func:`~tomerge.probe.attention_probe`;
+    the norm runs after its projection and overwrites the capture) in one of two layouts:
+
+    * separate text projections (``add_k_proj`` or ``to_added_qkv``: FLUX.1/2 double blocks, Qwen-Image,
+      HunyuanVideo double blocks): image keys from ``to_k`` (``to_qkv``), then ``norm_k``; text q/k from ``add_q_proj``/``add_k_proj`` (``to_added_qkv``), then ``norm_added_q``/``norm_added_k``.
+    * one projection of the joint sequence (FLUX.1/2 single blocks, HunyuanVideo single blocks): q/k of all
+      ``T + N`` tokens from ``to_q``/``to_k`` (``to_qkv``), then ``norm_q``/``norm_k``; ``T`` is ``text_len()``.
+
+    Captures are ``[B, L, heads, d]`` (norms after the processor's ``unflatten``) or ``[B, L, heads * d]``
+    (projections without a norm after them).
+
+    Args:
+        attn: the attention module.
+        state: receives ``a [B, N]`` for the block call in progress.
+        text_side: ``"first"`` or ``"last"``: where text is in the joint sequence the processor attends over.
+        text_len: ``() -> T`` of the call in progress (used by the joint-projection layout).
+        rope: ``(keyword, position)`` of the call's rotary argument; ``None``: no rotation.
+        rope_layout: ``"rows"``: ``(cos, sin)``, each ``[T + N, d]`` in the joint order or ``[N, d]`` for the
+            image tokens alone, applied with diffusers' ``apply_rotary_emb(..., sequence_dim=1)``; ``"qwen"``:
+            complex ``(image [N, d/2], text [T, d/2])`` tables applied with ``apply_rotary_emb_qwen``.
+        mask: ``(keyword, position)`` of the call's attention mask: boolean (or 0/1 integer) over the joint
+            sequence (``[B, T + N]``, ``[B, 1, 1, T + N]``) or over the text (``[B, T]``), or an additive float
+            bias of those shapes; ``None``: no mask.
+        record_before: see :func:`~tomerge.probe.attention_probe`.
+
+    Returns:
+        The hook handles. Calls without text, or whose attention ran on merged slots, are not recorded.
+    """
+    if rope_layout not in ("rows", "qwen"):
+        raise ValueError(f"tomerge: the joint-attention probe applies 'rows' or 'qwen' rotary tables, not {rope_layout!r}")
+    separate = getattr(attn, "add_k_proj", None) is not None or getattr(attn, "to_added_qkv", None) is not None
+    fused, fused_txt = getattr(attn, "to_qkv", None), getattr(attn, "to_added_qkv", None)
+    keys = [("k", getattr(attn, "to_k", None), None), ("k", fused, fused_part(1)), ("k", getattr(attn, "norm_k", None), None)]
+    if separate:  # image keys; text queries and keys
+        sources = keys + [("q_txt", getattr(attn, "add_q_proj", None), None), ("q_txt", fused_txt, fused_part(0)),
+                          ("q_txt", getattr(attn, "norm_added_q", None), None),
+                          ("k_txt", getattr(attn, "add_k_proj", None), None), ("k_txt", fused_txt, fused_part(1)),
+                          ("k_txt", getattr(attn, "norm_added_k", None), None)]
+    else:  # queries and keys of the joint sequence
+        sources = keys + [("q", getattr(attn, "to_q", None), None), ("q", fused, fused_part(0)),
+                          ("q", getattr(attn, "norm_q", None), None)]
+
+    def before(args: tuple, kwargs: dict) -> dict[str, Any]:
+        return {"rope": None if rope is None else call_arg(args, kwargs, *rope),
+                "mask": None if mask is None else call_arg(args, kwargs, *mask)}
+
+    def heads(t: Tensor) -> Tensor:
+        return t.unflatten(-1, (attn.heads, -1)) if t.dim() == 3 else t  # [B, L, heads, d]
+
+    def compute(got: dict[str, Any], grid: Grid) -> Tensor | None:
+        N = math.prod(grid)
+        if separate:
+            if not all(name in got for name in ("k", "q_txt", "k_txt")):
+                return None  # no text in this call
+            k_img, q_txt, k_txt = heads(got["k"]), heads(got["q_txt"]), heads(got["k_txt"])  # [B, N|T, h, d]
+            T = q_txt.shape[1]
+        else:
+            T = text_len() or 0
+            if "q" not in got or "k" not in got:
+                return None
+            q, k = heads(got["q"]), heads(got["k"])  # [B, T + N, h, d]
+            if k.shape[1] != T + N:
+                return None  # the attention ran on merged slots
+            image = slice(T, None) if text_side == "first" else slice(0, N)
+            text = slice(0, T) if text_side == "first" else slice(N, None)
+            k_img, q_txt, k_txt = k[:, image], q[:, text], k[:, text]
+        if T == 0 or k_img.shape[1] != N:
+            return None  # no text queries, or the attention ran on merged slots
+        if got.get("rope") is not None:
+            q_txt, k_txt, k_img = _rotate_joint(got["rope"], rope_layout, q_txt, k_txt, k_img, text_side)
+        key_bias, text_valid = joint_key_mask(got.get("mask"), k_img.shape[0], T, N, text_side)
+        parts = (k_txt.to(k_img.dtype), k_img) if text_side == "first" else (k_img, k_txt.to(k_img.dtype))
+        k = torch.cat(parts, dim=1).transpose(1, 2)  # [B, h, T + N, d] in the processor's order
+        image = slice(T, None) if text_side == "first" else slice(0, N)
+        return received_attention(q_txt.transpose(1, 2), k, q_txt.shape[-1] ** -0.5, keys=image,
+                                  key_bias=key_bias, query_mask=text_valid)  # [B, N]
+
+    return attention_probe(state, attn, sources, compute, before=before, record_before=record_before)
+
+
+def _rotate_joint(freqs: Any, layout: str, q_txt: Tensor, k_txt: Tensor, k_img: Tensor,
+                  text_side: str) -> tuple[Tensor, Tensor, Tensor]:
+    """The text queries, text keys and image keys ``[B, T|N, h, d]`` rotated as the processor rotates them."""
+    T, N = k_txt.shape[1], k_img.shape[1]
+    if layout == "qwen":
+        from diffusers.models.transformers.transformer_qwenimage import apply_rotary_emb_qwen
+
+        image, text = freqs  # [N, d/2], [T, d/2] complex
+        return (apply_rotary_emb_qwen(q_txt, text, use_real=False), apply_rotary_emb_qwen(k_txt, text, use_real=False),
+                apply_rotary_emb_qwen(k_img, image, use_real=False))
+    from diffusers.models.embeddings import apply_rotary_emb
+
+    cos, sin = freqs
+    rows = cos.shape[0]
+    if rows == N:  # the image tokens alone are rotated (HunyuanVideo)
+        return q_txt, k_txt, apply_rotary_emb(k_img, (cos, sin), sequence_dim=1)
+    if rows != T + N:
+        raise ValueError(f"tomerge: a rotary table of {rows} rows for {T} text and {N} image tokens")
+    text, image = (slice(0, T), slice(T, None)) if text_side == "first" else (slice(N, None), slice(0, N))
+    text_rows = (cos[text], sin[text])  # [T, d] each
+    return (apply_rotary_emb(q_txt, text_rows, sequence_dim=1), apply_rotary_emb(k_txt, text_rows, sequence_dim=1),
+            apply_rotary_emb(k_img, (cos[image], sin[image]), sequence_dim=1))
+
+
+def joint_key_mask(mask: Tensor | None, batch: int, T: int, N: int,
+                   text_side: str) -> tuple[Tensor | None, Tensor | None]:
+    """An attention mask of a joint attention as the probe's ``(key_bias [B, T + N], text_valid [B, T])``.
+
+    Args:
+        mask: ``None``; boolean (or 0/1 integer: true is attended) or additive float, of shape ``[B, L]`` or
+            ``[B, 1, 1, L]`` (one row for every query) with ``L = T + N`` (text on ``text_side``) or ``L = T``
+            (the text alone; the image keys are all attended).
+
+    Returns:
+        ``(None, None)`` without a mask; a boolean mask gives ``-inf`` on masked keys and the text tokens that
+        are attended (the counted queries); a float mask is the bias itself and every text query counts.
+
+    Example:
+        >>> bias, valid = joint_key_mask(torch.tensor([[1, 1, 0]]), 1, 3, 2, "last")   # a text mask
+        >>> bias.tolist(), valid.tolist()
+        ([[0.0, 0.0, 0.0, 0.0, -inf]], [[True, True, False]])
+    """
+    if mask is None:
+        return None, None
+    if any(size != 1 for size in mask.shape[1:-1]) or mask.dim() < 2:
+        raise ValueError(f"tomerge: the received-attention probe takes a key mask [B, L] or [B, 1, 1, L], got "
+                         f"{tuple(mask.shape)}")
+    flat = mask.reshape(mask.shape[0], mask.shape[-1]).expand(batch, -1)  # [B, L]
+    L = flat.shape[1]
+    if L not in (T, T + N):
+        raise ValueError(f"tomerge: an attention mask over {L} keys for {T} text and {N} image tokens")
+    if flat.is_floating_point():
+        bias = flat.float()
+        if L == T:
+            image = bias.new_zeros(batch, N)
+            bias = torch.cat([bias, image] if text_side == "first" else [image, bias], dim=1)
+        return bias, None
+    attended = flat.bool()  # [B, L]
+    if L == T:
+        image = attended.new_ones(batch, N)
+        attended = torch.cat([attended, image] if text_side == "first" else [image, attended], dim=1)
+    bias = torch.zeros(attended.shape, dtype=torch.float32, device=attended.device).masked_fill_(~attended, -math.inf)
+    text = attended[:, :T] if text_side == "first" else attended[:, N:]  # [B, T]
+    return bias, text
 
 
 def fused_part(part: int):

@@ -32,9 +32,10 @@ class QwenImageAdapter(DeclaredAdapter):
     timestep_index: ClassVar[int] = 3  # forward(hidden_states, encoder_hidden_states, mask, timestep, img_shapes)
     kinds: ClassVar[tuple[Kind, ...]] = (
         Kind("joint", "transformer_blocks", ("QwenImageTransformerBlock",), (
-            Site("attn", "attn", output=0, rope=Rope("image_rotary_emb", 3, "qwen"), mask_index=3),
+            Site("attn", "attn", output=0, rope=Rope("image_rotary_emb", 3, "qwen"), mask="pass",
+                 mask_arg="encoder_hidden_states_mask", mask_index=2, probe=True),
             Site("mlp", "img_mlp"),
-        )),
+        ), text_arg="encoder_hidden_states"),
     )
 
     def call_grid(self, args: tuple, kwargs: dict) -> tuple[int, ...] | None:

@@ -21,7 +21,7 @@ from .context import check_ratio
 from .registry import backbone_class, build, list_backbones, strategy_class
 from .schedule import Constant, Schedule
 from .state import MergeState, TrajectoryClock
-from .strategy import MergeStrategy
+from .strategy import RECORDED_NEEDS, MergeStrategy
 from .text_bias import bias_text_keys
 
 _HANDLE_ATTR = "_tomerge_handle"
@@ -128,10 +128,36 @@ class MergeHandle:
             for index, point in enumerate(block.points):
                 add(point.module.register_forward_pre_hook(self._point_pre(point, index), with_kwargs=True))
                 add(point.module.register_forward_hook(self._point_post(point, index)))
-            if "received_attention" in self.state.needs:
+        self._record_needs(blocks)
+
+    def _record_needs(self, blocks: list[BlockSpec]) -> None:
+        """Installs the recorders of what the schedule's strategies need (:attr:`MergeStrategy.needs`): received
+        attention through the adapter's probe on every block's ``"attn"`` points. The one place that decides
+        whether this backbone can run them: a need no adapter records, or a block the adapter records nothing
+        in, raises here, naming the strategies."""
+        strategies = self.schedule.strategies()
+        for need in sorted(self.state.needs):
+            users = sorted({s.name for s in strategies if need in s.needs})
+            if need not in RECORDED_NEEDS:
+                raise ValueError(f"strategy {', '.join(map(repr, users))} needs {need!r}, which no backbone adapter "
+                                 f"records (they record: {', '.join(sorted(RECORDED_NEEDS))})")
+        if "received_attention" not in self.state.needs:
+            return
+        users = ", ".join(sorted({repr(s.name) for s in strategies if "received_attention" in s.needs}))
+        for block in blocks:
+            hooks: list[Any] = []
+            try:
                 for point in block.points:
                     if point.sublayer == "attn":
-                        self._hooks.extend(self.adapter.probe(block, point, self.state))
+                        hooks += self.adapter.probe(block, point, self.state)
+            except NotImplementedError as err:
+                raise NotImplementedError(f"strategy {users} needs received attention: {err}") from err
+            finally:
+                self._hooks.extend(hooks)
+            if not hooks:
+                raise NotImplementedError(
+                    f"strategy {users} needs received attention: backbone {self.adapter.name!r} records none in its "
+                    f"{block.kind!r} blocks (no attention merge point with a probe)")
 
     # The model's and the blocks' hooks do the Python bookkeeping (the step, the decision, the caches) and run
     # eagerly, outside compiled graphs (torch.compiler.disable); the merge points' hooks do the tensor work and
