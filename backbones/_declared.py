@@ -703,7 +703,8 @@ class DeclaredAdapter(BackboneAdapter):
                                      rope=None if rope is None else (rope.arg, rope.index),
                                      rope_layout="rows" if rope is None else rope.layout,
                                      mask=(site.mask_arg, site.mask_index),
-                                     record_before=_submodule(block.module, inner[0]) if inner else None)
+                                     record_before=_submodule(block.module, inner[0]) if inner else None,
+                                     context=point._context)
 
     def text_keys(self, block: BlockSpec, point: MergePoint) -> TextKeys | None:
         if not isinstance(point, DeclaredPoint) or not point.site.text_keys:

@@ -53,7 +53,8 @@ def probe_self_attention(block: BlockSpec, point: MergePoint, state: MergeState,
 def probe_joint_attention(attn: nn.Module, state: MergeState, *, text_side: str,
                           text_len: Callable[[], int | None], rope: tuple[str, int] | None = None,
                           rope_layout: str = "rows", mask: tuple[str, int] | None = None,
-                          record_before: nn.Module | None = None) -> list[Any]:
+                          record_before: nn.Module | None = None,
+                          context: Callable[[], tuple[int, int]] | None = None) -> list[Any]:
     """Records the attention each image token receives in a joint text-image attention (MMDiT style).
 
     The rule (every joint attention of tomerge's adapters): all text queries of the call against all keys
@@ -86,6 +87,10 @@ def probe_joint_attention(attn: nn.Module, state: MergeState, *, text_side: str,
             sequence (``[B, T + N]``, ``[B, 1, 1, T + N]``) or over the text (``[B, T]``), or an additive float
             bias of those shapes; ``None``: no mask.
         record_before: see :func:`~tomerge.probe.attention_probe`.
+        context: ``() -> (before, after)``, the context tokens of the call in progress before and after the ``N``
+            image tokens in the image stream (FramePack's history: ``Kind(context=)`` in ``backbones/_declared.py``;
+            the image stream stands where ``N`` stands above, e.g. its rotary rows): keys like the text, but not
+            among the image keys whose share is recorded; ``None``: no context tokens.
 
     Returns:
         The hook handles. Calls without text, or whose attention ran on merged slots, are not recorded.
@@ -113,30 +118,32 @@ def probe_joint_attention(attn: nn.Module, state: MergeState, *, text_side: str,
 
     def compute(got: dict[str, Any], grid: Grid) -> Tensor | None:
         N = math.prod(grid)
+        ahead, behind = context() if context is not None else (0, 0)
+        S = ahead + N + behind  # the image stream: context and image tokens
         if separate:
             if not all(name in got for name in ("k", "q_txt", "k_txt")):
                 return None  # no text in this call
-            k_img, q_txt, k_txt = heads(got["k"]), heads(got["q_txt"]), heads(got["k_txt"])  # [B, N|T, h, d]
+            k_img, q_txt, k_txt = heads(got["k"]), heads(got["q_txt"]), heads(got["k_txt"])  # [B, S|T, h, d]
             T = q_txt.shape[1]
         else:
             T = text_len() or 0
             if "q" not in got or "k" not in got:
                 return None
-            q, k = heads(got["q"]), heads(got["k"])  # [B, T + N, h, d]
-            if k.shape[1] != T + N:
+            q, k = heads(got["q"]), heads(got["k"])  # [B, T + S, h, d]
+            if k.shape[1] != T + S:
                 return None  # the attention ran on merged slots
-            image = slice(T, None) if text_side == "first" else slice(0, N)
-            text = slice(0, T) if text_side == "first" else slice(N, None)
+            image = slice(T, None) if text_side == "first" else slice(0, S)
+            text = slice(0, T) if text_side == "first" else slice(S, None)
             k_img, q_txt, k_txt = k[:, image], q[:, text], k[:, text]
-        if T == 0 or k_img.shape[1] != N:
+        if T == 0 or k_img.shape[1] != S:
             return None  # no text queries, or the attention ran on merged slots
         if got.get("rope") is not None:
             q_txt, k_txt, k_img = _rotate_joint(got["rope"], rope_layout, q_txt, k_txt, k_img, text_side)
-        key_bias, text_valid = joint_key_mask(got.get("mask"), k_img.shape[0], T, N, text_side)
+        key_bias, text_valid = joint_key_mask(got.get("mask"), k_img.shape[0], T, S, text_side)
         parts = (k_txt.to(k_img.dtype), k_img) if text_side == "first" else (k_img, k_txt.to(k_img.dtype))
-        k = torch.cat(parts, dim=1).transpose(1, 2)  # [B, h, T + N, d] in the processor's order
-        image = slice(T, None) if text_side == "first" else slice(0, N)
-        return received_attention(q_txt.transpose(1, 2), k, q_txt.shape[-1] ** -0.5, keys=image,
+        k = torch.cat(parts, dim=1).transpose(1, 2)  # [B, h, T + S, d] in the processor's order
+        start = (T if text_side == "first" else 0) + ahead
+        return received_attention(q_txt.transpose(1, 2), k, q_txt.shape[-1] ** -0.5, keys=slice(start, start + N),
                                   key_bias=key_bias, query_mask=text_valid)  # [B, N]
 
     return attention_probe(state, attn, sources, compute, before=before, record_before=record_before)

@@ -13,7 +13,9 @@ Facts from the installed diffusers (0.42.1, ``models/transformers/transformer_hu
   merged, the ``P`` history tokens are context: attended to at full length and passed through every sublayer
   as they are, their rotary rows and mask columns kept.
 * The attention mask (batches of more than one prompt) is a key mask ``[B, 1, 1, P + N + T]`` over
-  ``[history, target, text]`` (the text is CLIP image tokens then the prompt): its target columns are gathered.
+  ``[history, target, text]`` (the text is SigLIP image tokens, then the prompt): its target columns are gathered.
+* Received attention (``idm``): HunyuanVideo's joint-attention probe, with the history tokens among the keys the
+  text queries attend to and the target keys' share recorded.
 * Grid: the target latent ``[B, C, F, H, W]`` divided by ``(patch_size_t, patch_size, patch_size)``. The
   pipeline passes the scheduler's timestep (``t_max = 1000``).
 """

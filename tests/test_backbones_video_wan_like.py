@@ -10,6 +10,7 @@ declaration language's context tokens and square masks on hand-made cases.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import types
@@ -25,7 +26,8 @@ from tomerge.registry import backbone_class
 from tomerge.schedule import Schedule
 from test_backbones_current import (ALL_SUBLAYERS, Family, Permute, check_batch_equals_samples, check_flops,
                                     check_odd_grid_merges, check_permutation_is_exact, flop_counts, no_hooks_left,
-                                    run)
+                                    run, to_float64)
+from test_probes import record_sdpa
 
 
 def _seed(seed: int) -> torch.Generator:
@@ -345,25 +347,11 @@ STRATEGIES = tomerge.registry.list_strategies()
 #: 4 facility-location tiles, toma_release's first blocks merged too (its release skips the first 5 of each kind).
 STRATEGY_OPTIONS = {"ssm": {"round_windows": 1}, "facility_location": {"num_tiles": 4}, "toma": {"num_tiles": 4},
                     "toma_release": {"num_tiles": 4, "skip_first": 0}}
-#: Families whose attention is joint text-image attention: no declared probe for idm's received attention yet.
-JOINT_ATTENTION = {"framepack"}
-
-
 def _needs_probe(strategy: str) -> bool:
     """The strategy (or one of the schedule's strategies) ranks tokens by received attention."""
     built = tomerge.get_strategy(strategy)
     parts = built.strategies() if isinstance(built, Schedule) else (built,)
     return any("received_attention" in part.needs for part in parts)
-
-
-def _strategy_cases():
-    for name in FAMILIES:
-        for strategy in STRATEGIES:
-            marks = ()
-            if name in JOINT_ATTENTION and _needs_probe(strategy):
-                marks = pytest.mark.xfail(strict=True, raises=NotImplementedError,
-                                          reason="joint-attention probe: branch h-probes")
-            yield pytest.param(name, strategy, marks=marks, id=f"{name}-{strategy}")
 
 
 def _zero_ratio_options(strategy: str) -> dict:
@@ -373,7 +361,8 @@ def _zero_ratio_options(strategy: str) -> dict:
     return {"deviation": 0.0} if "deviation" in fields else {}
 
 
-@pytest.mark.parametrize("name, strategy", _strategy_cases())
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("name", FAMILIES)
 def test_every_strategy_is_exact_at_ratio_zero_and_after_remove_and_finite_at_half(models, name, strategy):
     """Two denoising steps (t = 999, then 500) so that schedules reach their merging phases (sdtm_release protects
     step 0 and fills its feature cache there); ratio 0 and ``remove()`` give the unpatched outputs bit for bit.
@@ -397,9 +386,9 @@ def test_every_strategy_is_exact_at_ratio_zero_and_after_remove_and_finite_at_ha
     assert no_hooks_left(model)
 
 
-def test_the_probed_strategies_are_those_needing_received_attention():
-    """The xfail marks above follow what the strategies declare: idm's attention variant and the schedules built on
-    it; sdtm_release (idm's streak variant) and the others need no probe."""
+def test_the_strategies_include_those_that_need_received_attention():
+    """Every family above records received attention: idm's attention variant and the schedules built on it need
+    it (sdtm_release runs idm's streak variant)."""
     assert {s for s in STRATEGIES if _needs_probe(s)} == {"idm", "sdtm", "sdtm_paper"}
 
 
@@ -500,6 +489,38 @@ def test_framepack_history_tokens_are_context_and_the_key_mask_follows_the_targe
     assert torch.equal(merged[:, :P], plain[:, :P])
     assert plain_mask.shape == (2, 1, 1, P + N + T) and mask.shape == (2, 1, 1, P + M + T)
     assert mask[0].all() and mask[1, 0, 0, : P + M + T - 3].all() and not mask[1, 0, 0, -3:].any()
+
+
+def test_framepack_received_attention_is_the_target_keys_share_of_the_text_queries(models):
+    """float64: the joint-attention probe's rule (the text queries' softmax over every key, averaged over heads and
+    the unmasked text queries) with the history keys attended but not recorded: the target keys' share,
+    renormalised, computed here from each attention's own SDPA call over [history, target, text]."""
+    model = copy.deepcopy(models["framepack"]).double()
+    inputs = to_float64(framepack_inputs(model))
+    attentions = {0: model.transformer_blocks[0].attn, 1: model.single_transformer_blocks[0].attn}
+    P, N, T = framepack_history_tokens((2, 4, 4)), 32, 4 + 8
+    seen, hooks = record_sdpa(attentions)
+    try:
+        with tomerge.merging(model, "idm", ratio=0.5) as handle, torch.no_grad():
+            model(**inputs)
+            recorded = dict(handle.state.attention)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert sorted(recorded) == [0, 1]
+    for layer, ((q, k, mask, scale),) in seen.items():
+        assert k.shape[2] == P + N + T and mask.shape == (2, 1, 1, P + N + T)
+        logits = (q @ k.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale)  # [B, h, L, L]
+        p = logits.masked_fill(~mask, -math.inf).softmax(-1)
+        reference = []
+        for b in range(2):
+            text = torch.arange(P + N, P + N + T)[mask[b, 0, 0, P + N:]]  # the text queries the mask keeps
+            share = p[b][:, text].mean(dim=(0, 1))[P:P + N]  # [N]: the target keys
+            reference.append(share / share.sum())
+        reference = torch.stack(reference)
+        torch.testing.assert_close(recorded[layer].double(), reference, rtol=1e-5, atol=1e-8)
+        history = p[:, :, P + N:, :P].sum(-1)  # the history keys do take part of the text's attention
+        assert (history > 1e-3).all()
 
 
 # ---------------------------------------------------------------------- LTX-2
