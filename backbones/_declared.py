@@ -36,7 +36,7 @@ a plain table shared by the batch); the rows of text and context tokens are kept
   :class:`~tomerge.backbones.flux.BatchedRotaryTable` (FLUX.1/2, HunyuanVideo).
 * ``"batched"``: ``(cos, sin)``, each ``[B or 1, N, d]`` broadcast against ``[B, N, d]`` q/k (LTX-Video,
   LTX-2's interleaved RoPE), or ``[B or 1, H, N, d]`` per head (LTX-2's split RoPE): the tokens are the
-  second-to-last axis.
+  second-to-last axis; or one such table (Helios: ``[B or 1, N, 2d]``, cos and sin concatenated).
 * ``"wan"``: ``(cos, sin)``, each ``[1, N, 1, d]`` (Wan): gathered to ``[B, M, 1, d]``.
 * ``"qwen"``: ``(image, text)`` complex tables ``[N, d/2]``, ``[T, d/2]`` (Qwen-Image): the image table
   is gathered; per-sample ones go as :class:`BatchedComplexTable`, which Qwen's ``apply_rotary_emb_qwen``
@@ -103,6 +103,10 @@ class Site:
             keyword/position.
         stays_merged_with: the output stays merged when the block call also merges this sublayer (a later
             site of the block reads it, passes it through and unmerges).
+        context: the submodule's tokens include the kind's context tokens; ``False``: the block passes it the
+            target tokens alone (Helios's cross-attention).
+        count_arg, count_index: a call argument holding the number of target tokens (Helios's
+            ``original_context_length``), set to the number of slots in merged calls; ``None``: none.
         text_keys: the submodule is a joint text-image attention whose text is its ``encoder_hidden_states``
             (prompt reweighting can bias its text keys).
         probe: ``idm`` records the attention each image token receives in this submodule, a softmax attention
@@ -127,6 +131,9 @@ class Site:
     mask_arg: str = "attention_mask"
     mask_index: int = 2
     stays_merged_with: str | None = None
+    context: bool = True
+    count_arg: str | None = None
+    count_index: int = 4
     text_keys: bool = False
     probe: bool = False
 
@@ -247,8 +254,8 @@ class DeclaredPoint(MergePoint):
         return T
 
     def _context(self) -> tuple[int, int]:
-        """The context tokens of this block call before and after the target tokens in the image stream."""
-        C = self.info.context
+        """The context tokens of this block call before and after the target tokens in this site's image stream."""
+        C = self.info.context if self.site.context else 0
         return (C, 0) if self.context == "first" else (0, C)
 
     def _around(self, seq: Tensor) -> tuple[int, int]:
@@ -275,7 +282,7 @@ class DeclaredPoint(MergePoint):
 
     def _has_others(self) -> bool:
         """This site's sequence holds tokens other than the target ones (text or context)."""
-        return self.site.tokens == "joint" or self.info.context > 0
+        return self.site.tokens == "joint" or self._context() != (0, 0)
 
     def get_input(self, args: tuple, kwargs: dict) -> Tensor:
         raw = self._raw(args, kwargs)
@@ -312,6 +319,9 @@ class DeclaredPoint(MergePoint):
         args, kwargs = self._merge_mask(args, kwargs, plan)
         if self.site.rope is not None:
             args, kwargs = self._merge_rope(args, kwargs, plan)
+        count = self.site.count_arg, self.site.count_index
+        if count[0] is not None and call_arg(args, kwargs, *count) is not None:
+            args, kwargs = with_arg(args, kwargs, *count, plan.num_slots)  # the target tokens are now M slots
         return args, kwargs
 
     def _merged(self, x: Tensor, plan: MergePlan) -> Tensor:
@@ -453,6 +463,8 @@ def gather_rope(freqs: Any, dst: Tensor, num_tokens: int, layout: str, context: 
             out.append(gathered if gathered.dim() == 2 else BatchedRotaryTable(gathered))  # [L', d] or [B, L', d]
         return tuple(out)
     if layout in ("batched", "wan"):
+        if isinstance(freqs, Tensor):  # one table (Helios)
+            return gather_rope((freqs,), dst, num_tokens, layout, context)[0]
         out = []
         for t in freqs:
             dim = t.dim() - 2 if layout == "batched" else 1  # batched: [B, N, d] or [B, H, N, d]; wan: [1, N, 1, d]
@@ -692,7 +704,7 @@ class DeclaredAdapter(BackboneAdapter):
                 "e.g. idm(variant='streak') or ssm")
         kind = block.decl
         if kind.text_arg is None and kind.joint_input is None:
-            handles = probe_self_attention(block, point, state)
+            handles = probe_self_attention(block, point, state, context=point._context)
             if site.mask is not None:
                 handles.append(point.module.register_forward_pre_hook(_refuse_masked_probe(point, state),
                                                                       with_kwargs=True))

@@ -29,15 +29,17 @@ def submodel(obj: Any, attr: str, class_name: str) -> nn.Module | None:
     return None
 
 
-def probe_self_attention(block: BlockSpec, point: MergePoint, state: MergeState,
-                         max_queries: int = 64) -> list[Any]:
+def probe_self_attention(block: BlockSpec, point: MergePoint, state: MergeState, max_queries: int = 64,
+                         context: Callable[[], tuple[int, int]] | None = None) -> list[Any]:
     """Records the attention each image token receives in a diffusers self-attention ``Attention``.
 
     Hooks the query/key projections (``to_q``/``to_k``, or ``to_qkv`` after
     ``fuse_qkv_projections()``) and the q/k norms, which run after them and so overwrite the capture,
     to keep what the processor computes anyway; after the attention runs at full length, stores
     ``received_attention`` for the block's layer (:func:`~tomerge.probe.attention_probe`). Calls where
-    the attention itself was merged are not recorded (the keys are slots, not tokens).
+    the attention itself was merged are not recorded (the keys are slots, not tokens). ``context``:
+    ``() -> (before, after)``, the context tokens around the image tokens of the call in progress
+    (:func:`~tomerge.probe.received_self_attention`).
     """
     attn = point.module
     fused = getattr(attn, "to_qkv", None)
@@ -47,7 +49,7 @@ def probe_self_attention(block: BlockSpec, point: MergePoint, state: MergeState,
     # diffusers' Attention keeps its logit scale; WanAttention, LTXAttention do not: 1 / sqrt(head size).
     scale = getattr(attn, "scale", None) or (attn.to_q.out_features // attn.heads) ** -0.5
     return attention_probe(state, attn, sources, lambda captured, grid: received_self_attention(
-        captured, grid, attn.heads, scale, max_queries))
+        captured, grid, attn.heads, scale, max_queries, context() if context is not None else (0, 0)))
 
 
 def probe_joint_attention(attn: nn.Module, state: MergeState, *, text_side: str,

@@ -222,6 +222,42 @@ def chronoedit_inputs(model: nn.Module, batch: int = 2, grid=(2, 4, 4), seed: in
                 encoder_hidden_states_image=torch.randn(batch, 9, 1280, generator=g).to(dtype))
 
 
+def build_helios(**overrides) -> nn.Module:
+    """Helios' config (Wan2.1-T2V-14B's: patch (1, 2, 2), 16 latent channels, head dim 128, UMT5 width 4096; RoPE
+    axes (44, 42, 42), the multi-term history patches, the history at timestep 0, guidance cross-attention on the
+    target tokens) with 2 heads (width 256) instead of 40 (5120), FFN 13824 * 256 / 5120 = 691, 2 blocks instead
+    of 40."""
+    from diffusers import HeliosTransformer3DModel
+
+    torch.manual_seed(0)
+    return HeliosTransformer3DModel(**{
+        **dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=128, in_channels=16, out_channels=16,
+               text_dim=4096, freq_dim=256, ffn_dim=691, num_layers=2, cross_attn_norm=True,
+               qk_norm="rms_norm_across_heads", eps=1e-6, rope_dim=(44, 42, 42), guidance_cross_attn=True,
+               zero_history_timestep=True, has_multi_term_memory_patch=True, is_amplify_history=False),
+        **overrides}).eval()
+
+
+#: Helios's frame indices are shared by the batch (``[1, F]``).
+HELIOS_INDICES = ("indices_hidden_states", "indices_latents_history_short", "indices_latents_history_mid",
+                  "indices_latents_history_long")
+
+
+def helios_inputs(model: nn.Module, batch: int = 2, grid=(2, 4, 4), seed: int = 1, dtype=torch.float32,
+                  text: int = 8, t: float = 500.0) -> dict:
+    """A chunk with the first frame kept (the pipeline's ``history_sizes = [16, 2, 1]``): frame indices
+    ``[prefix, 16 long, 2 mid, 1 short, T target]``, the short history the prefix and the last frame."""
+    g = _seed(seed)
+    T, H, W = grid
+    prefix, long, mid, short, target = torch.arange(20 + T).split([1, 16, 2, 1, T])
+    latent = lambda frames: torch.randn(batch, 16, frames, 2 * H, 2 * W, generator=g).to(dtype)  # noqa: E731
+    return dict(hidden_states=latent(T), timestep=torch.full((batch,), t, dtype=dtype),
+                encoder_hidden_states=torch.randn(batch, text, 4096, generator=g).to(dtype),
+                indices_hidden_states=target[None], indices_latents_history_short=torch.cat([prefix, short])[None],
+                indices_latents_history_mid=mid[None], indices_latents_history_long=long[None],
+                latents_history_short=latent(2), latents_history_mid=latent(2), latents_history_long=latent(16))
+
+
 FAMILIES = {
     "skyreels_v2": Family("skyreels_v2", build_skyreels_v2, skyreels_v2_inputs, ("blocks",),
                           ("skyreels_v2", "skyreels_v2"), (2, 4, 4), (1, 4, 4), (3, 5, 7)),
@@ -236,8 +272,10 @@ FAMILIES = {
                    (3, 5, 7)),
     "chronoedit": Family("chronoedit", build_chronoedit, chronoedit_inputs, ("blocks",), ("wan", "wan"), (2, 4, 4),
                          (1, 4, 4), (3, 5, 7)),
+    "helios": Family("helios", build_helios, helios_inputs, ("blocks",), ("helios", "helios"), (2, 4, 4), (1, 4, 4),
+                     (3, 5, 7)),
 }
-SHARED_INPUTS = {"framepack": FRAMEPACK_INDICES}  # inputs without a batch axis
+SHARED_INPUTS = {"framepack": FRAMEPACK_INDICES, "helios": HELIOS_INDICES}  # inputs shared by the batch
 #: Sublayers that stay at full length in a merged block and so are not in the half-tokens FLOP reference.
 FULL_LENGTH = {"ltx2": ("video_to_audio_attn",)}
 
@@ -584,3 +622,86 @@ def test_wan_animate_face_adapter_gets_the_full_length_video_tokens(models):
             hook.remove()
         assert handle.stats["tokens_removed"] == 2 * 16
     assert seen == [(2, 32, 256)] and torch.isfinite(out).all()
+
+
+# ---------------------------------------------------------------------- Helios
+def test_helios_history_is_context_and_the_target_count_follows_the_slots():
+    """attn1 gets the history tokens unchanged in front of the merged target tokens and, as
+    ``original_context_length``, the slot count, so that the amplified history keys are the history's
+    (``is_amplify_history``); attn2 gets the merged target tokens alone; the permutation stays exact."""
+    model = build_helios(is_amplify_history=True)
+    inputs = helios_inputs(model, seed=4)
+    P, N, M = framepack_history_tokens((2, 4, 4)), 32, 16
+    check_permutation_is_exact(model, inputs, None, N)
+    block = model.blocks[0]
+
+    def first_calls() -> dict[str, tuple]:
+        """``(tokens, original_context_length)`` the first block's attentions get (after tomerge's hooks)."""
+        seen: dict[str, tuple] = {}
+
+        def record(name: str):
+            def hook(module: nn.Module, args: tuple) -> None:
+                seen[name] = (args[0], args[4])
+            return hook
+
+        hooks = [block.attn1.register_forward_pre_hook(record("attn1")),
+                 block.attn2.register_forward_pre_hook(record("attn2"))]
+        try:
+            run(model, inputs)
+        finally:
+            for h in hooks:
+                h.remove()
+        return seen
+
+    plain = first_calls()
+    with tomerge.merging(model, "tomesd", ratio=0.5, use_rand=False, **ALL_SUBLAYERS) as handle:
+        merged = first_calls()
+        assert all(r.num_tokens == N and r.num_removed == N - M for r in handle.state.records)
+    (x, count), (y, cross_count) = merged["attn1"], merged["attn2"]
+    assert plain["attn1"][0].shape[1] == P + N and plain["attn1"][1] == N
+    assert x.shape[1] == P + M and count == M and x.shape[1] - count == P  # the processor's history length
+    assert torch.equal(x[:, :P], plain["attn1"][0][:, :P])
+    assert y.shape[1] == M and plain["attn2"][0].shape[1] == N and cross_count == N  # attn2 ignores the count
+
+
+def test_helios_received_attention_is_the_target_queries_share_on_the_target_keys(models):
+    """float64: the self-attention probe's rule with history keys: every target query's softmax over the history
+    and target keys (q and k after the q/k norms, before the RoPE rotation), averaged over heads and target queries,
+    restricted to the target keys and renormalised."""
+    model = copy.deepcopy(models["helios"]).double()
+    inputs = to_float64(helios_inputs(model))
+    P, N = framepack_history_tokens((2, 4, 4)), 32
+    seen: dict[int, Tensor] = {}
+
+    def record(layer: int):
+        def hook(module: nn.Module, args: tuple) -> None:
+            seen[layer] = args[0]
+        return hook
+
+    hooks = [block.attn1.register_forward_pre_hook(record(layer)) for layer, block in enumerate(model.blocks)]
+    try:
+        with tomerge.merging(model, "idm", ratio=0.5) as handle, torch.no_grad():
+            model(**inputs)
+            recorded = dict(handle.state.attention)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert sorted(recorded) == sorted(seen) == [0, 1]
+    for layer, x in seen.items():
+        attn = model.blocks[layer].attn1
+        assert x.shape[1] == P + N
+        with torch.no_grad():
+            q = attn.norm_q(attn.to_q(x)).unflatten(2, (attn.heads, -1)).transpose(1, 2)  # [B, h, P + N, d]
+            k = attn.norm_k(attn.to_k(x)).unflatten(2, (attn.heads, -1)).transpose(1, 2)
+        p = ((q[:, :, P:] @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5).softmax(-1)  # target queries, all keys
+        share = p.mean(dim=(1, 2))[:, P:]  # [B, N]
+        torch.testing.assert_close(recorded[layer].double(), share / share.sum(-1, keepdim=True), rtol=1e-5,
+                                   atol=1e-8)
+        assert (p[..., :P].sum(-1) > 1e-3).all()  # the history keys take part of the target's attention
+
+
+def test_helios_without_guidance_cross_attention_is_refused():
+    model = build_helios(guidance_cross_attn=False)
+    with pytest.raises(ValueError, match="guidance_cross_attn=False"):
+        tomerge.apply(model, "tomesd", ratio=0.5)
+    assert no_hooks_left(model)

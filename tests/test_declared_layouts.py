@@ -50,6 +50,8 @@ def test_gather_rope_keeps_the_rows_of_context_tokens():
     assert c[..., 0].tolist() == [[[2, 0, 3], [6, 4, 7]], [[9, 9, 11], [13, 13, 15]]]
     flat, _ = gather_rope((per_head[:, 0], per_head[:, 0]), dst, 3, "batched", context=(0, 1))  # [B, N + 1, d]
     assert flat[..., 0].tolist() == [[2, 0, 3], [9, 9, 11]]
+    one = gather_rope(per_head[:, 0], dst, 3, "batched", context=(0, 1))  # one table, not (cos, sin): Helios
+    assert isinstance(one, Tensor) and torch.equal(one, flat)
     with pytest.raises(ValueError, match="must have 5 rows"):
         gather_rope((per_head, per_head), dst, 3, "batched", context=(1, 1))
 
