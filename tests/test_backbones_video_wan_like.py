@@ -1,11 +1,12 @@
-"""The declared adapters of the Wan-derived and history-conditioned video transformers on ``(T, H, W)`` token
-grids: `skyreels_v2` (SkyReels-V2, diffusion forcing), `wan_vace` (Wan VACE), `wan_animate` (Wan 2.2 Animate),
-`framepack` (HunyuanVideo-FramePack), `ltx2` (LTX-2, video + audio) and `chronoedit` (ChronoEdit), on
-random-weight diffusers models built from their released configurations with fewer heads and 1-2 blocks of each
-kind (see each builder). The checks are those of ``test_backbones_video.py`` (the helpers of
-``test_backbones_current.py``), every registered strategy and schedule on every family, the families' own layouts
-(FramePack's history tokens, LTX-2's audio stream, VACE's hints, SkyReels-V2's block-causal mask), and the
-declaration language's context tokens and square masks on hand-made cases.
+"""The declared adapters of the Wan-derived, history-conditioned and other current video transformers on
+``(T, H, W)`` token grids: `skyreels_v2` (SkyReels-V2, diffusion forcing), `wan_vace` (Wan VACE), `wan_animate`
+(Wan 2.2 Animate), `framepack` (HunyuanVideo-FramePack), `ltx2` (LTX-2, video + audio), `chronoedit` (ChronoEdit),
+`helios` (Helios) and `kandinsky5` (Kandinsky 5.0 video), on random-weight diffusers models built from their
+released configurations with fewer heads and 1-2 blocks of each kind (see each builder). The checks are those of
+``test_backbones_video.py`` (the helpers of ``test_backbones_current.py``), every registered strategy and schedule
+on every family, and each family's own layout (FramePack's and Helios's history tokens, LTX-2's audio stream,
+VACE's hints, SkyReels-V2's block-causal mask, Kandinsky's probe and batch behaviour). The declaration language's
+context tokens and square masks on hand-made cases are in ``test_declared_layouts.py``.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from tomerge.registry import backbone_class
 from tomerge.schedule import Schedule
 from test_backbones_current import (ALL_SUBLAYERS, Family, Permute, check_batch_equals_samples, check_flops,
                                     check_odd_grid_merges, check_permutation_is_exact, flop_counts, no_hooks_left,
-                                    run, to_float64)
+                                    run, select, to_float64)
 from test_probes import record_sdpa
 
 
@@ -258,6 +259,43 @@ def helios_inputs(model: nn.Module, batch: int = 2, grid=(2, 4, 4), seed: int = 
                 latents_history_short=latent(2), latents_history_mid=latent(2), latents_history_long=latent(16))
 
 
+def build_kandinsky5() -> nn.Module:
+    """Kandinsky-5.0-T2V-Lite's config (16 latent channels with the condition and mask channels, patch (1, 2, 2),
+    RoPE axes (16, 24, 24): head dim 64, time width 512, Qwen2.5-VL text width 3584, CLIP pooled 768, regular
+    attention) with 2 heads (width 128) instead of 28 (1792), the FFN scaled with the width (7168 * 128 / 1792 =
+    512), 1 text block and 2 video blocks instead of 2 and 32. The modulations, zero-initialised (every gate 0: each
+    block the identity), get random weights too."""
+    from diffusers import Kandinsky5Transformer3DModel
+
+    torch.manual_seed(0)
+    model = Kandinsky5Transformer3DModel(
+        in_visual_dim=16, in_text_dim=3584, in_text_dim2=768, time_dim=512, out_visual_dim=16, patch_size=(1, 2, 2),
+        model_dim=128, ff_dim=512, num_text_blocks=1, num_visual_blocks=2, axes_dims=(16, 24, 24), visual_cond=True,
+        attention_type="regular").eval()
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if name.endswith("modulation"):
+                nn.init.normal_(module.out_layer.weight, std=0.02)
+                nn.init.normal_(module.out_layer.bias, std=0.2)
+    return model
+
+
+#: Kandinsky's rope positions have no batch axis.
+KANDINSKY5_POSITIONS = ("visual_rope_pos", "text_rope_pos")
+
+
+def kandinsky5_inputs(model: nn.Module, batch: int = 2, grid=(2, 4, 4), seed: int = 1, dtype=torch.float32,
+                      text: int = 8, t: float = 500.0) -> dict:
+    """The channels-last latent ``[B, F, H, W, 2 * 16 + 1]`` and the pipeline's RoPE positions."""
+    g = _seed(seed)
+    T, H, W = grid
+    return dict(hidden_states=torch.randn(batch, T, 2 * H, 2 * W, 33, generator=g).to(dtype),
+                encoder_hidden_states=torch.randn(batch, text, 3584, generator=g).to(dtype),
+                timestep=torch.full((batch,), t, dtype=dtype),
+                pooled_projections=torch.randn(batch, 768, generator=g).to(dtype),
+                visual_rope_pos=(torch.arange(T), torch.arange(H), torch.arange(W)), text_rope_pos=torch.arange(text))
+
+
 FAMILIES = {
     "skyreels_v2": Family("skyreels_v2", build_skyreels_v2, skyreels_v2_inputs, ("blocks",),
                           ("skyreels_v2", "skyreels_v2"), (2, 4, 4), (1, 4, 4), (3, 5, 7)),
@@ -274,8 +312,11 @@ FAMILIES = {
                          (1, 4, 4), (3, 5, 7)),
     "helios": Family("helios", build_helios, helios_inputs, ("blocks",), ("helios", "helios"), (2, 4, 4), (1, 4, 4),
                      (3, 5, 7)),
+    "kandinsky5": Family("kandinsky5", build_kandinsky5, kandinsky5_inputs, ("visual_transformer_blocks",),
+                         ("kandinsky5", "kandinsky5"), (2, 4, 4), (1, 4, 4), (3, 5, 7)),
 }
-SHARED_INPUTS = {"framepack": FRAMEPACK_INDICES, "helios": HELIOS_INDICES}  # inputs shared by the batch
+SHARED_INPUTS = {"framepack": FRAMEPACK_INDICES, "helios": HELIOS_INDICES,  # inputs shared by the batch
+                 "kandinsky5": KANDINSKY5_POSITIONS}
 #: Sublayers that stay at full length in a merged block and so are not in the half-tokens FLOP reference.
 FULL_LENGTH = {"ltx2": ("video_to_audio_attn",)}
 
@@ -356,8 +397,12 @@ def test_permuted_slots_give_the_unpatched_output(models, name, monkeypatch):
         assert (run(model, inputs) - before).abs().max() > 1e-3
 
 
+#: Kandinsky 5 is not batch-invariant itself (test_kandinsky5_batch_plans_are_its_samples_plans).
+BATCH_INVARIANT = [name for name in FAMILIES if name != "kandinsky5"]
+
+
 @pytest.mark.tie_sensitive
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("name", BATCH_INVARIANT)
 def test_a_batch_equals_its_samples_alone(models, name):
     family, model = FAMILIES[name], models[name]
     check_batch_equals_samples(model, family.inputs(model, seed=5), shared=SHARED_INPUTS.get(name, ()))
@@ -705,3 +750,88 @@ def test_helios_without_guidance_cross_attention_is_refused():
     with pytest.raises(ValueError, match="guidance_cross_attn=False"):
         tomerge.apply(model, "tomesd", ratio=0.5)
     assert no_hooks_left(model)
+
+
+# ---------------------------------------------------------------------- Kandinsky 5
+@pytest.mark.tie_sensitive
+@pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight")  # its norms get float32 q, k
+def test_kandinsky5_batch_plans_are_its_samples_plans(models, monkeypatch):
+    """Kandinsky 5 is not batch-invariant by itself: its time embedding computes in float32 whatever the model's
+    dtype (kept so here, as diffusers keeps it) and its attention rounds the rotated q and k to bfloat16, so a batch
+    and its samples alone differ (~1e-4) even unmerged. In float64 otherwise, every block of the batch still gets
+    each sample's own plan (destinations and assignment), and the merged outputs differ as little."""
+    from tomerge.state import MergeState
+
+    model = copy.deepcopy(models["kandinsky5"]).double()
+    model.time_embeddings.float()
+    inputs = to_float64(kandinsky5_inputs(model, seed=5))
+    parts = [inputs] + [select(inputs, i, KANDINSKY5_POSITIONS) for i in (0, 1)]
+    plans: list = []
+    plan_for = MergeState.plan_for
+
+    def recording(self, call, tokens):
+        plan = plan_for(self, call, tokens)
+        if not any(plan is seen for seen in plans):
+            plans.append(plan)
+        return plan
+
+    monkeypatch.setattr(MergeState, "plan_for", recording)
+    plain = [run(model, part) for part in parts]
+    merged, per_part = [], []
+    for part in parts:
+        plans.clear()
+        with tomerge.merging(model, "tomesd", ratio=0.5, use_rand=False, **ALL_SUBLAYERS):
+            merged.append(run(model, part))
+        per_part.append(list(plans))
+    batch, alone = per_part[0], per_part[1:]
+    assert len(batch) == 2 and all(len(p) == 2 for p in alone)  # one plan per block
+    for layer in range(2):
+        for b in range(2):
+            assert torch.equal(batch[layer].dst[b], alone[b][layer].dst[0])
+            assert torch.equal(batch[layer].assign[b], alone[b][layer].assign[0])
+    unmerged_gap = (plain[0] - torch.cat(plain[1:])).abs().max()
+    merged_gap = (merged[0] - torch.cat(merged[1:])).abs().max()
+    assert 0 < unmerged_gap < 1e-3 and merged_gap < 1e-3
+
+
+def test_kandinsky5_received_attention_is_computed_from_its_query_and_key_norms(models):
+    """The probe declared on ``to_query``/``to_key`` + ``query_norm``/``key_norm``: every video query's softmax
+    over the video keys (after the per-head norms, before the rotation), averaged over heads and queries."""
+    model = models["kandinsky5"]
+    inputs = kandinsky5_inputs(model)
+    seen: dict[int, Tensor] = {}
+
+    def record(layer: int):
+        def hook(module: nn.Module, args: tuple) -> None:
+            seen[layer] = args[0]
+        return hook
+
+    hooks = [block.self_attention.register_forward_pre_hook(record(layer))
+             for layer, block in enumerate(model.visual_transformer_blocks)]
+    try:
+        with tomerge.merging(model, "idm", ratio=0.5) as handle:
+            run(model, inputs)
+            recorded = dict(handle.state.attention)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert sorted(recorded) == sorted(seen) == [0, 1]
+    for layer, x in seen.items():
+        attn = model.visual_transformer_blocks[layer].self_attention
+        with torch.no_grad():
+            q = attn.query_norm(attn.to_query(x).unflatten(2, (attn.num_heads, -1)).float()).double()
+            k = attn.key_norm(attn.to_key(x).unflatten(2, (attn.num_heads, -1)).float()).double()
+        p = torch.einsum("bqhd,bkhd->bhqk", q, k).mul(q.shape[-1] ** -0.5).softmax(-1)  # [B, h, N, N]
+        torch.testing.assert_close(recorded[layer].double(), p.mean(dim=(1, 2)), rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.filterwarnings("ignore:tomerge. no block")
+def test_kandinsky5_sparse_attention_calls_are_not_merged(models):
+    """With ``sparse_params`` (nabla attention) the tokens are in a fractal order and attend through a block mask
+    of the full sequence: the call's grid is unknown (no block merges), with the adapter's warning saying why."""
+    model = models["kandinsky5"]
+    inputs = dict(kandinsky5_inputs(model), sparse_params={"to_fractal": False, "sta_mask": None, "P": 0.9})
+    with tomerge.merging(model, "tomesd", ratio=0.5) as handle:
+        with pytest.warns(UserWarning, match="sparse"):
+            assert handle.adapter.on_model_call((), inputs) is not None
+        assert handle.adapter.grid_size is None
