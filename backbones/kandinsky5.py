@@ -10,8 +10,8 @@ Facts from the installed diffusers (0.42.1, ``models/transformers/transformer_ka
   encoder_hidden_states=text)`` and ``feed_forward(norm(x))``, each modulated before and gated after.
 * Merge points: ``self_attention`` (``"attn"``), ``cross_attention`` (``"crossattn"``), ``feed_forward``
   (``"mlp"``). The attention's projections are ``to_query``/``to_key`` with per-head ``query_norm``/``key_norm``
-  (applied to ``[B, N, heads, d]``), so the received-attention probe is declared here, on those norms' outputs
-  (q and k before the rotation, scale ``d ** -0.5``).
+  (applied to ``[B, N, heads, d]``), so the received-attention probe of ``self_attention`` is this adapter's
+  :meth:`~Kandinsky5Adapter.probe`, on those norms' outputs (q and k before the rotation, scale ``d ** -0.5``).
 * The processor rounds the rotated q and k to bfloat16 (``apply_rotary``) in every precision.
 * Grid: the latent is channels-last, ``[B, F, H, W, C]`` (noise, condition and mask channels for
   ``visual_cond``), patchified by ``patch_size = (1, 2, 2)`` and flattened frame by frame: ``(F, H / 2, W / 2)``.
@@ -42,7 +42,7 @@ class Kandinsky5Adapter(DeclaredAdapter):
     timestep_index: ClassVar[int] = 2
     kinds: ClassVar[tuple[Kind, ...]] = (
         Kind("kandinsky5", "visual_transformer_blocks", ("Kandinsky5TransformerDecoderBlock",), (
-            Site("attn", "self_attention", rope=Rope("rotary_emb", 3, "wan")),
+            Site("attn", "self_attention", rope=Rope("rotary_emb", 3, "wan"), probe=True),  # probe(): its norms
             Site("crossattn", "cross_attention"),
             Site("mlp", "feed_forward"),
         ), arg="visual_embed"),
@@ -58,6 +58,7 @@ class Kandinsky5Adapter(DeclaredAdapter):
         return "it uses sparse (nabla) attention: fractal token order and a block mask over the full sequence"
 
     def probe(self, block: BlockSpec, point: MergePoint, state: MergeState) -> list[Any]:
+        """The received-attention probe of ``self_attention`` (the declared one reads ``to_q``/``to_k``)."""
         if not isinstance(point, DeclaredPoint) or point.site.path != "self_attention":
             return super().probe(block, point, state)
         attn = point.module
