@@ -29,7 +29,8 @@ a plain table shared by the batch):
   :class:`~tomerge.backbones.flux.BatchedRotaryTable` (FLUX.1/2, HunyuanVideo).
 * ``"batched"``: a table ``[B or 1, R + N, ...]`` (tokens on axis 1), or a tuple of them (``(cos, sin)``), applied
   elementwise to q/k of the same sequence: LTX-Video's ``[B, N, d]``, HiDream's ``[B, N + R, 1, d/2, 2, 2]``. The
-  ``R`` text rows are on the side ``Rope.text`` and kept.
+  ``R`` text rows are on the side ``Rope.text`` and kept. With ``Rope(heads=True)`` a 4-D table is per head,
+  ``[B or 1, H, N, d]``, its tokens on axis 2 (LTX-2's split RoPE); Helios passes one ``[B or 1, N, 2d]`` table.
 * ``"wan"``: ``(cos, sin)``, each ``[1, N, 1, d]`` (Wan): gathered to ``[B, M, 1, d]`` (as ``"batched"``).
 * ``"qwen"``: ``(image, text)`` complex tables ``[N, d/2]``, ``[T, d/2]`` (Qwen-Image): the image table
   is gathered; per-sample ones go as :class:`BatchedComplexTable`, which Qwen's ``apply_rotary_emb_qwen``
@@ -43,18 +44,21 @@ a plain table shared by the batch):
   ids ``[1 or B, N]`` of every token (Allegro's ``apply_rotary_emb_allegro``): the position ids are gathered to
   ``[B, M]`` (or ``[1, M]``), the tables kept.
 
-Context tokens (reference images of editing calls, :mod:`tomerge.backbones._context`): a model call's image
-stream may hold context tokens before or after the generated image's (the *target*), as
-:meth:`DeclaredAdapter.call_layout` reads them from the call. The grid and the plan are the target's; every
-site merges the target part of its stream (inside a joint sequence: of the stream after or before the text) and
-passes the context tokens through; rotary tables and key masks keep the context rows, as they keep the text's.
+Context tokens (:class:`~tomerge.backbones._context.ContextTokens`): a block call's image stream may hold
+context tokens before or after the generated image's (the *target*): the reference images of editing calls, as
+:meth:`DeclaredAdapter.call_layout` reads them from the model call, or, for a :class:`Kind` with ``context``,
+every token of the stream beyond the model call's grid on that side (FramePack's and Helios's history latents).
+The grid and the plan are the target's; every site merges the target part of its stream (inside a joint
+sequence: of the stream after or before the text) and passes the context tokens through (a ``Site(context=False)``
+gets the target alone); rotary tables and masks keep the context rows, as they keep the text's.
 
 Attention masks (:class:`Site` ``mask``): ``None``: a mask on a merged call raises (it would cover the
 unmerged sequence); ``"pass"``: passed through (text-only masks, or biases over text keys, that broadcast
 over any number of queries or that the processor pads itself); ``"keys"``: a key mask ``[B, 1, 1, L]`` or
 ``[B, L]`` over the joint sequence (text on the kind's ``joint`` side), whose image columns are gathered
 per slot (HunyuanVideo); ``"pairs"``: a query-by-key mask ``[B, 1, L, L]`` over the joint sequence, whose image
-rows and columns are gathered (Chroma builds it as the outer product of a ``[B, L]`` mask). A mask that is not
+rows and columns are gathered (Chroma builds it as the outer product of a ``[B, L]`` mask; without text, a
+self-attention mask ``[B or 1, ..., L, L]`` over the image stream: SkyReels-V2's block-causal mask, LTX-2's). A mask that is not
 a tensor (e.g. a flex-attention ``BlockMask``) cannot be merged and raises. Per-sample text lengths (ragged joint
 sequences, :meth:`DeclaredAdapter.call_text`) gather ``"keys"`` and ``"pairs"`` masks per sample (OmniGen's
 causal-text, bidirectional-image mask is a ``"pairs"`` one).
@@ -94,12 +98,15 @@ class Rope:
             (see the module docstring).
         text: the side of the table's text rows, when it has more rows than image tokens (``"rows"``: always
             ``"first"``; ``"complex"``: the kind's other rows).
+        heads: a 4-D ``"batched"`` table is per head, ``[B or 1, H, N, d]``, its tokens on axis 2 (LTX-2's split
+            RoPE; its interleaved ``[B, N, d]`` tables keep the tokens on axis 1).
     """
 
     arg: str = "image_rotary_emb"
     index: int = 3
     layout: Literal["rows", "batched", "wan", "qwen", "complex", "broadcast", "allegro"] = "rows"
     text: Side = "first"
+    heads: bool = False
 
     def __post_init__(self) -> None:
         if self.layout == "rows" and self.text != "first":
@@ -150,6 +157,10 @@ class Site:
             (Lumina 2 and OmniGen call their self-attention as ``attn(x, x)``): it gets the merged tokens too.
         batch_dim: the batch axis of the tokens and the output: 1 for sequence-first ``[L, B, C]`` tensors
             (ERNIE-Image's feed-forward).
+        context: the submodule's tokens include the block call's context tokens; ``False``: the block passes it
+            the target tokens alone (Helios's cross-attention).
+        count_arg, count_index: a call argument holding the number of target tokens (Helios's
+            ``original_context_length``), set to the number of slots in merged calls; ``None``: none.
     """
 
     sublayer: str
@@ -171,6 +182,9 @@ class Site:
     probe_copies: bool = False
     self_kv: bool = False
     batch_dim: Literal[0, 1] = 0
+    context: bool = True
+    count_arg: str | None = None
+    count_index: int = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,6 +205,10 @@ class Kind:
         joint: the side of text in the block's joint sequences (``"joint"`` sites, ``"keys"`` masks).
         batch_dim: the batch axis of the block's token input: 1 for sequence-first ``[L, B, C]`` blocks
             (ERNIE-Image).
+        context: the block's image stream holds context tokens on this side of the target tokens (the model
+            call's grid), every token of the stream beyond the grid (FramePack's and Helios's history latents):
+            the block call's :class:`~tomerge.backbones._context.ContextTokens`; ``None``: those of the model call
+            (:meth:`DeclaredAdapter.call_layout`).
     """
 
     name: str
@@ -204,6 +222,11 @@ class Kind:
     joint_input: Side | None = None
     joint: Side = "first"
     batch_dim: Literal[0, 1] = 0
+    context: Side | None = None
+
+    def __post_init__(self) -> None:
+        if self.context is not None and any(site.tokens == "conv" for site in self.sites):
+            raise ValueError(f"kind {self.name!r}: context tokens are not supported with 'conv' sites")
 
 
 # ---------------------------------------------------------------------- runtime
@@ -285,6 +308,7 @@ class DeclaredBlock(BlockSpec):
     info: DeclaredCall = dataclasses.field(kw_only=True)
     joint_text: Any = dataclasses.field(kw_only=True)  # (block input length) -> T (joint_input kinds)
     model_context: Any = dataclasses.field(default=lambda: NO_CONTEXT, kw_only=True)  # () -> ContextTokens
+    model_grid: Any = dataclasses.field(default=lambda: None, kw_only=True)  # () -> the model call's grid
 
     def block_input(self, args: tuple, kwargs: dict) -> Tensor:
         self.info.reset()
@@ -301,12 +325,22 @@ class DeclaredBlock(BlockSpec):
         elif self.decl.text_arg is not None:
             text = call_arg(args, kwargs, self.decl.text_arg, self.decl.text_index)
             self.info.text = int(text.shape[1]) if isinstance(text, Tensor) else 0
-        context = self.model_context()
+        context = self.model_context() if self.decl.context is None else self._kind_context(x)
         context.check(x, f"the {self.decl.name!r} block")
         self.info.context = context
         x = context.target(x)  # [B, N, C]: the target part of the image stream
         self.info.batch, self.info.image = int(x.shape[0]), int(x.shape[1])
         return x
+
+    def _kind_context(self, stream: Tensor) -> ContextTokens:
+        """The context tokens of a ``Kind(context=)`` block's image stream ``[B, C + N, C']``: the ``C`` tokens beyond
+        the model call's grid, on the kind's side. A stream shorter than the grid (or a call without one) has
+        none: its grid does not match, it is not merged."""
+        grid = self.model_grid()
+        if grid is None or stream.shape[1] < math.prod(grid):
+            return NO_CONTEXT
+        C = int(stream.shape[1]) - math.prod(grid)
+        return ContextTokens(before=C) if self.decl.context == "first" else ContextTokens(after=C)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -333,14 +367,19 @@ class DeclaredPoint(MergePoint):
         back)."""
         return t.transpose(0, 1) if self.site.batch_dim == 1 else t
 
+    def _around(self) -> ContextTokens:
+        """The context tokens of this site's image stream: the block call's, or none where the block passes the
+        submodule the target alone (``Site(context=False)``)."""
+        return self.info.context if self.site.context else NO_CONTEXT
+
     def _target(self, tokens: Tensor) -> Tensor:
         """The target image tokens of a site's input or output (a joint sequence or an image stream)."""
         stream = self._stream(tokens) if self.site.tokens == "joint" else tokens
-        return self.info.context.target(stream)
+        return self._around().target(stream)
 
     def _with_target(self, tokens: Tensor, x: Tensor) -> Tensor:
         """``tokens`` (a joint sequence or an image stream) with its target image tokens replaced by ``x``."""
-        context = self.info.context
+        context = self._around()
         if self.site.tokens == "joint":
             return self._with_stream(tokens, context.with_target(self._stream(tokens), x))
         return context.with_target(tokens, x)
@@ -348,7 +387,7 @@ class DeclaredPoint(MergePoint):
     def get_input(self, args: tuple, kwargs: dict) -> Tensor:
         raw = self._batch_first(self._raw(args, kwargs))
         if self.site.tokens == "conv":
-            if self.info.context:
+            if self._around():
                 raise RuntimeError(f"tomerge: {type(self.module).__name__} takes a channels-first grid, which holds "
                                    "no context (reference-image) tokens")
             frames = raw.shape[0] // self.info.batch  # 1, or a video's frames folded into the batch (SANA-Video)
@@ -395,6 +434,9 @@ class DeclaredPoint(MergePoint):
         args, kwargs = self._merge_mask(args, kwargs, plan)
         if self.site.rope is not None:
             args, kwargs = self._merge_rope(args, kwargs, plan)
+        count = self.site.count_arg, self.site.count_index
+        if count[0] is not None and call_arg(args, kwargs, *count) is not None:
+            args, kwargs = with_arg(args, kwargs, *count, plan.num_slots)  # the target tokens are now M slots
         return args, kwargs
 
     def _merged(self, x: Tensor, plan: MergePlan) -> Tensor:
@@ -453,12 +495,13 @@ class DeclaredPoint(MergePoint):
             return args, kwargs
         dst, stream = self._stream_positions(plan)
         return with_arg(args, kwargs, rope.arg, rope.index,
-                        gather_rope(freqs, dst, stream, rope.layout, text_side=rope.text, lengths=self.info.lengths))
+                        gather_rope(freqs, dst, stream, rope.layout, text_side=rope.text, lengths=self.info.lengths,
+                                   heads=rope.heads))
 
     def _stream_positions(self, plan: MergePlan) -> tuple[Tensor, int]:
         """``(positions [B, before + M + after], before + N + after)``: the plan's representatives in the image
         stream (each context token its own), and the stream's length, for the gathers below."""
-        context = self.info.context
+        context = self._around()
         return context.stream_positions(plan.dst, plan.num_tokens), plan.num_tokens + context.count
 
 
@@ -484,7 +527,7 @@ def _rows(t: Tensor, dst: Tensor, dim: int) -> Tensor:
 
 
 def gather_rope(freqs: Any, dst: Tensor, num_tokens: int, layout: str, text_side: Side = "first",
-                lengths: Tensor | None = None) -> Any:
+                lengths: Tensor | None = None, heads: bool = False) -> Any:
     """The rotary argument of a merged call (see the module docstring's layouts).
 
     Args:
@@ -492,10 +535,10 @@ def gather_rope(freqs: Any, dst: Tensor, num_tokens: int, layout: str, text_side
         dst: ``[B, M]`` (or ``[1, M]``) token position representing each slot (``plan.dst``).
         num_tokens: ``N``, the image tokens of the unmerged call.
         layout: ``"rows"``, ``"batched"``, ``"wan"``, ``"qwen"``, ``"complex"``, ``"broadcast"`` or ``"allegro"``.
-        text_side: where a ``"complex"`` table's other rows are (the kind's ``joint`` side).
         text_side: where a ``"batched"``, ``"wan"`` or ``"complex"`` table's text (other) rows are (``"rows"``: first).
         lengths: ``[B]`` per-sample text lengths of a ragged joint sequence (:func:`ragged_index`; ``"batched"``
             tables only, text first); ``None``: one text length.
+        heads: a 4-D ``"batched"`` table is per head, ``[B or 1, H, N, d]`` (:attr:`Rope.heads`).
 
     Example:
         >>> cos = torch.arange(4.0).view(1, 4, 1, 1)                      # wan layout, N = 4
@@ -511,9 +554,11 @@ def gather_rope(freqs: Any, dst: Tensor, num_tokens: int, layout: str, text_side
     if lengths is not None and layout != "batched":
         raise ValueError(f"tomerge: per-sample text lengths need a 'batched' rotary table, not {layout!r}")
     if layout in ("batched", "wan"):
-        if isinstance(freqs, Tensor):
-            return _gather_table_rows(freqs, dst, num_tokens, layout, text_side, lengths)
-        return tuple(_gather_table_rows(t, dst, num_tokens, layout, text_side, lengths) for t in freqs)
+        def gather(t: Tensor) -> Tensor:
+            if heads and layout == "batched" and t.dim() == 4:  # [B, H, N, d]: the tokens on axis 2
+                return _gather_table_rows(t.movedim(2, 1), dst, num_tokens, layout, text_side, lengths).movedim(1, 2)
+            return _gather_table_rows(t, dst, num_tokens, layout, text_side, lengths)
+        return gather(freqs) if isinstance(freqs, Tensor) else tuple(gather(t) for t in freqs)
     if layout == "qwen":
         image, text = freqs
         if image.shape[0] != num_tokens:
@@ -635,8 +680,10 @@ def gather_key_mask(mask: Tensor, dst: Tensor, num_tokens: int, text_side: Side,
             raise ValueError(f"tomerge: a mask over ragged joint sequences must be [B, L] with text first, got "
                              f"{tuple(mask.shape)}, text {text_side}")
         return _rows(mask, ragged_index(lengths, T, num_tokens, lengths[:, None] + dst.to(mask.device)), 1)
-    image, text = (mask[..., T:], mask[..., :T]) if text_side == "first" else (mask[..., :num_tokens], mask[..., num_tokens:])
     index = dst.to(mask.device)
+    if index.shape[0] > 1 and mask.dim() > 1 and mask.shape[0] == 1:
+        mask = mask.expand(index.shape[0], *mask.shape[1:])  # a mask shared by the batch, per-sample slots
+    image, text = (mask[..., T:], mask[..., :T]) if text_side == "first" else (mask[..., :num_tokens], mask[..., num_tokens:])
     if index.shape[0] == 1:
         gathered = image[..., index[0]]
     else:
@@ -774,7 +821,7 @@ class DeclaredAdapter(BackboneAdapter):
                                                 info=info, joint=kind.joint))
             specs.append(DeclaredBlock(module, layer=len(specs), kind=kind.name, points=tuple(points), arg=kind.arg,
                                        decl=kind, info=info, joint_text=self.joint_text,
-                                       model_context=lambda: self.context))
+                                       model_context=lambda: self.context, model_grid=lambda: self.grid_size))
         return specs
 
     def joint_text(self, length: int) -> int | None:
@@ -899,7 +946,11 @@ class DeclaredAdapter(BackboneAdapter):
             return probe_sdpa_attention(point.module, state, text_side=kind.joint, text_len=lambda: point.info.text,
                                         lengths=lambda: point.info.lengths)
         if kind.text_arg is None and kind.joint_input is None:
-            return probe_self_attention(block, point, state)
+            handles = probe_self_attention(block, point, state, context=point._around)
+            if site.mask is not None:
+                handles.append(point.module.register_forward_pre_hook(_refuse_masked_probe(point, state),
+                                                                      with_kwargs=True))
+            return handles
         rope = site.rope
         inner = [s.path for s in kind.sites if s.path.startswith(site.path + ".")]  # merge points inside the attention
         return probe_joint_attention(point.module, state, text_side=kind.joint, text_len=lambda: point.info.text,
@@ -914,6 +965,21 @@ class DeclaredAdapter(BackboneAdapter):
             return None
         return TextKeys(point.module, text_len=lambda args, kwargs: point.info.text or 0,  # the block call's T
                         text_first=point.joint == "first")
+
+
+def _refuse_masked_probe(point: DeclaredPoint, state: MergeState):
+    """A forward pre-hook raising when a probed self-attention call of a merging block has an attention mask: the
+    probe's softmax runs over every key (:func:`~tomerge.probe.received_attention`), so it would record attention
+    the masked model does not pay."""
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        call = state.call
+        if call is not None and call.decision.merges and call_arg(args, kwargs, point.site.mask_arg,
+                                                                   point.site.mask_index) is not None:
+            raise NotImplementedError(
+                f"tomerge: {type(module).__name__} got an attention mask ({point.site.mask_arg}); the "
+                "received-attention probe ignores masks, so idm's attention variant cannot rank its tokens. Use a "
+                "strategy that needs no probe (e.g. idm(variant='streak'), ssm) or run without the mask")
+    return hook
 
 
 def _submodule(module: nn.Module, path: str) -> nn.Module | None:

@@ -35,8 +35,8 @@ def submodel(obj: Any, attr: str, class_name: str) -> nn.Module | None:
     return None
 
 
-def probe_self_attention(block: BlockSpec, point: MergePoint, state: MergeState,
-                         max_queries: int = 64, heads_first: bool = True) -> list[Any]:
+def probe_self_attention(block: BlockSpec, point: MergePoint, state: MergeState, max_queries: int = 64,
+                         heads_first: bool = True, context: Callable[[], ContextTokens] | None = None) -> list[Any]:
     """Records the attention each image token receives in a diffusers self-attention ``Attention``.
 
     Hooks the query/key projections (``to_q``/``to_k``, or ``to_qkv`` after
@@ -47,6 +47,8 @@ def probe_self_attention(block: BlockSpec, point: MergePoint, state: MergeState,
 
     ``heads_first``: a per-head q/k norm's output is ``[B, heads, N, d]`` (diffusers' ``AttnProcessor2_0``);
     ``False``: ``[B, N, heads, d]`` (processors that unflatten the heads before the norm, e.g. FLUX.3's).
+    ``context``: ``() -> ContextTokens`` of the call in progress, the context tokens around the target's in the
+    image stream (:func:`~tomerge.probe.received_self_attention`).
     """
     attn = point.module
     fused = getattr(attn, "to_qkv", None)
@@ -57,7 +59,13 @@ def probe_self_attention(block: BlockSpec, point: MergePoint, state: MergeState,
     # diffusers' Attention keeps its logit scale; WanAttention, LTXAttention do not: 1 / sqrt(head size).
     scale = getattr(attn, "scale", None) or (attn.to_q.out_features // attn.heads) ** -0.5
     return attention_probe(state, attn, sources, lambda captured, grid: received_self_attention(
-        captured, grid, attn.heads, scale, max_queries))
+        captured, grid, attn.heads, scale, max_queries, _around(context)))
+
+
+def _around(context: Callable[[], ContextTokens] | None) -> tuple[int, int]:
+    """``(before, after)`` of the call's context tokens (``None``: none)."""
+    tokens = NO_CONTEXT if context is None else context()
+    return tokens.before, tokens.after
 
 
 def _heads_first(t: Tensor) -> Tensor:

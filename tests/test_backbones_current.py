@@ -163,10 +163,11 @@ def flop_counts(model: nn.Module, inputs: dict, containers: tuple[str, ...]) -> 
     return counter.get_total_flops(), blocks
 
 
-def select(inputs: dict, i: int) -> dict:
-    """Sample ``i`` of a batch of keyword inputs (lists of per-sample entries too; shared ids stay)."""
-    return {k: v[i:i + 1] if isinstance(v, list) or isinstance(v, Tensor) and v.dim() > 0 else v
-            for k, v in inputs.items()}
+def select(inputs: dict, i: int, shared: tuple[str, ...] = ()) -> dict:
+    """Sample ``i`` of a batch of keyword inputs (lists of per-sample entries too; shared ids stay, and so do the
+    inputs named in ``shared``, e.g. frame indices without a batch axis)."""
+    return {k: v[i:i + 1] if k not in shared and (isinstance(v, list) or isinstance(v, Tensor) and v.dim() > 0)
+            else v for k, v in inputs.items()}
 
 
 def to_float64(inputs: dict) -> dict:

@@ -222,14 +222,17 @@ def attention_probe(state: MergeState, attn: nn.Module, sources: Iterable[Source
 
 
 def received_self_attention(captured: dict[str, Any], grid: Grid, heads: int, scale: float,
-                            max_queries: int = 64) -> Tensor | None:
+                            max_queries: int = 64, context: tuple[int, int] = (0, 0)) -> Tensor | None:
     """The ``compute`` of :func:`attention_probe` for a self-attention: ``received_attention`` of at most
-    ``max_queries`` strided queries ``captured["q"]`` against all keys ``captured["k"]``.
+    ``max_queries`` strided queries ``captured["q"]`` of the image tokens against all keys ``captured["k"]``.
 
     Args:
-        captured: ``"q"`` and ``"k"``, each ``[B, N, H*d]`` or ``[B, H, N, d]``.
-        grid: ``(H, W)`` of the block call; keys of another length (merged slots) give ``None``.
+        captured: ``"q"`` and ``"k"``, each ``[B, L, H*d]`` or ``[B, H, L, d]``.
+        grid: ``(H, W)`` or ``(T, H, W)`` of the block call's ``N`` image tokens; keys of another length than
+            ``L`` (merged slots) give ``None``.
         heads: attention heads; ``scale``: the logit scale.
+        context: context tokens before and after the image tokens in the sequence (``L = before + N + after``):
+            keys the image queries attend to, not among the recorded keys (their share renormalised).
 
     Returns:
         ``[B, N]`` fp32, or ``None`` when a capture is missing or the attention ran merged.
@@ -237,8 +240,10 @@ def received_self_attention(captured: dict[str, Any], grid: Grid, heads: int, sc
     q, k = captured.get("q"), captured.get("k")
     if q is None or k is None:
         return None
-    k = split_heads(k, heads)  # [B, H, N, d]
-    if k.shape[2] != math.prod(grid):  # the attention ran on merged slots
+    before, after = context
+    N = math.prod(grid)
+    k = split_heads(k, heads)  # [B, H, L, d]
+    if k.shape[2] != before + N + after:  # the attention ran on merged slots
         return None
-    q = strided_queries(split_heads(q, heads), max_queries)  # [B, H, Q, d]
-    return received_attention(q, k, scale)
+    q = strided_queries(split_heads(q, heads)[:, :, before:before + N], max_queries)  # [B, H, Q, d]: image queries
+    return received_attention(q, k, scale, keys=None if k.shape[2] == N else slice(before, before + N))
