@@ -35,8 +35,9 @@ Facts from the installed diffusers (0.42.1, ``models/transformers/transformer_fl
   kept, so the attention sees them at full length like the text.
 
 Received attention (``idm``): the text-to-image part of the joint attention, from the q/k the processor
-computes (hooks on ``norm_q``/``norm_k``/``norm_added_q``/``norm_added_k``, RoPE applied as the model
-does), all text queries against all keys, restricted to the target's image keys and renormalised per sample.
+computes, RoPE applied as the model does, all text queries against all keys (the reference-image tokens among
+them), restricted to the target's image keys and renormalised per sample
+(:func:`~tomerge.backbones._diffusers.probe_joint_attention`, shared with the declared joint families).
 
 Prompt reweighting (``sdtm`` with text labels, :mod:`tomerge.strategies.sdtm_prompts` and
 :mod:`tomerge.text_bias`): the text tokens are the first ``T`` keys of every joint attention (double: ``T``
@@ -62,11 +63,10 @@ from torch import Tensor, nn
 
 from tomerge.adapter import BackboneAdapter, BlockSpec, KindSummary, MergePoint, TextKeys, class_names
 from tomerge.plan import MergePlan
-from tomerge.probe import attention_probe, received_attention
 from tomerge.state import MergeState
 
 from ._context import NO_CONTEXT, ContextTokens
-from ._diffusers import call_arg, submodel
+from ._diffusers import call_arg, probe_joint_attention, submodel
 
 
 # ---------------------------------------------------------------------- call arguments
@@ -472,7 +472,10 @@ class FluxAdapter(BackboneAdapter):
     def probe(self, block: BlockSpec, point: MergePoint, state: MergeState) -> list[Any]:
         if not isinstance(point, (DoubleAttentionPoint, SingleAttentionPoint)):
             return []  # proj_mlp: the attention's own point records
-        return probe_flux_attention(block, point.module, state)
+        lengths = getattr(block, "lengths", CallLengths())
+        return probe_joint_attention(point.module, state, text_side="first", text_len=lambda: lengths.text,
+                                     rope=("image_rotary_emb", 3), mask=("attention_mask", 2),
+                                     context=lambda: lengths.context)
 
 
 def text_tokens(pipe: Any, prompt: str, max_sequence_length: int = 512) -> list[str]:
@@ -481,57 +484,3 @@ def text_tokens(pipe: Any, prompt: str, max_sequence_length: int = 512) -> list[
     t5 = pipe.tokenizer_2
     ids = t5(prompt, padding="max_length", max_length=max_sequence_length, truncation=True).input_ids
     return list(t5.convert_ids_to_tokens(ids))
-
-
-# ---------------------------------------------------------------------- received attention
-def probe_flux_attention(block: BlockSpec, attn: nn.Module, state: MergeState) -> list[Any]:
-    """Records the text-to-image attention of a ``FluxAttention`` (double- or single-stream).
-
-    Args:
-        block: the block (its layer keys the record; a single-stream block's text length comes from it).
-        attn: the block's ``FluxAttention``.
-        state: receives ``a [B, N]`` for the block call in progress (:func:`~tomerge.probe.attention_probe`).
-
-    Returns:
-        Hook handles: ``attn`` pre-hook (RoPE table, text length), q/k norm output hooks (the processor's
-        q/k, ``[B, L, heads, d]``), ``attn`` hook. Calls whose attention ran merged are not recorded.
-    """
-    double = getattr(attn, "added_kv_proj_dim", None) is not None
-    names = ({"k": "norm_k", "q_txt": "norm_added_q", "k_txt": "norm_added_k"} if double  # captured <- module
-             else {"q": "norm_q", "k": "norm_k"})
-    sources = [(name, getattr(attn, module), None) for name, module in names.items()]  # [B, L, heads, d]
-
-    def before(args: tuple, kwargs: dict) -> dict[str, Any]:
-        if double:
-            text = call_arg(args, kwargs, "encoder_hidden_states", 1)
-            T = 0 if text is None else int(text.shape[1])
-        else:
-            T = getattr(block, "lengths", CallLengths()).text or 0
-        return {"freqs": call_arg(args, kwargs, "image_rotary_emb", 3), "T": T}
-
-    def compute(got: dict[str, Any], grid: tuple[int, int]) -> Tensor | None:
-        T, (H, W) = got.get("T", 0), grid
-        context = getattr(block, "lengths", CallLengths()).context  # reference-image keys around the target's
-        stream = H * W + context.count  # image-stream keys: [before, target N, after]
-        if T == 0 or not all(n in got for n in names):
-            return None  # no text queries: nothing recorded (idm then says it lacks received attention)
-        if double:
-            if got["k"].shape[1] != stream:
-                return None  # the attention ran merged
-            q_txt = got["q_txt"]  # [B, T, h, d]
-            k = torch.cat([got["k_txt"], got["k"]], dim=1)  # [B, T + stream, h, d]
-        else:
-            if got["k"].shape[1] != T + stream:
-                return None
-            q_txt, k = got["q"][:, :T], got["k"]  # [B, T, h, d], [B, T + stream, h, d]
-        freqs = got.get("freqs")
-        if freqs is not None:
-            from diffusers.models.embeddings import apply_rotary_emb
-
-            q_txt = apply_rotary_emb(q_txt, (freqs[0][:T], freqs[1][:T]), sequence_dim=1)
-            k = apply_rotary_emb(k, freqs, sequence_dim=1)
-        q_txt, k = q_txt.transpose(1, 2), k.transpose(1, 2)  # [B, h, T, d], [B, h, T + stream, d]
-        target = slice(T + context.before, T + context.before + H * W)  # the target's keys
-        return received_attention(q_txt, k, k.shape[-1] ** -0.5, keys=target)  # [B, N]
-
-    return attention_probe(state, attn, sources, compute, before=before)

@@ -46,11 +46,12 @@ class Flux2Adapter(DeclaredAdapter):
     timestep_index: ClassVar[int] = 2  # forward(hidden_states, encoder_hidden_states, timestep, img_ids, ...)
     kinds: ClassVar[tuple[Kind, ...]] = (
         Kind("double", "transformer_blocks", ("Flux2TransformerBlock",), (
-            Site("attn", "attn", output=0, rope=_DOUBLE_ROPE),
+            Site("attn", "attn", output=0, rope=_DOUBLE_ROPE, probe=True, text_keys=True),
             Site("mlp", "ff", arg="x"),
         ), text_arg="encoder_hidden_states", outputs=("encoder_hidden_states", "hidden_states")),
         Kind("single", "single_transformer_blocks", ("Flux2SingleTransformerBlock",), (
-            Site("attn", "attn", tokens="joint", rope=_SINGLE_ROPE, mask_index=1, stays_merged_with="mlp"),
+            Site("attn", "attn", tokens="joint", rope=_SINGLE_ROPE, mask_index=1, stays_merged_with="mlp", probe=True,
+                 text_keys=True),
             Site("mlp", "attn.to_out", arg="input", tokens="joint"),
         ), joint_input="first"),
     )

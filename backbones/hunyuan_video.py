@@ -43,13 +43,14 @@ class HunyuanVideoAdapter(DeclaredAdapter):
     patch_attrs: ClassVar[tuple[str, ...]] = ("patch_size_t", "patch_size", "patch_size")
     kinds: ClassVar[tuple[Kind, ...]] = (
         Kind("double", "transformer_blocks", ("HunyuanVideoTransformerBlock", "HunyuanVideoTokenReplaceTransformerBlock"), (
-            Site("attn", "attn", output=0, rope=_ROPE, mask="keys"),
+            Site("attn", "attn", output=0, rope=_ROPE, mask="keys", probe=True, text_keys=True),
             Site("mlp", "ff"),
         ), text_arg="encoder_hidden_states", joint="last", outputs=("hidden_states", "encoder_hidden_states")),
         Kind("single", "single_transformer_blocks",
              ("HunyuanVideoSingleTransformerBlock", "HunyuanVideoTokenReplaceSingleTransformerBlock"), (
             Site("attn", "proj_mlp", arg="input", tokens="joint", stays_merged_with="mlp"),
-            Site("attn", "attn", output=0, rope=_ROPE, mask="keys", stays_merged_with="mlp"),
+            Site("attn", "attn", output=0, rope=_ROPE, mask="keys", stays_merged_with="mlp", probe=True,
+                 text_keys=True),
             Site("mlp", "proj_out", arg="input", tokens="joint"),
         ), text_arg="encoder_hidden_states", joint="last", outputs=("hidden_states", "encoder_hidden_states")),
     )
@@ -64,7 +65,7 @@ class HunyuanVideo15Adapter(HunyuanVideoAdapter):
     block_names: ClassVar[tuple[str, ...]] = ("HunyuanVideo15TransformerBlock",)
     kinds: ClassVar[tuple[Kind, ...]] = (
         Kind("double", "transformer_blocks", ("HunyuanVideo15TransformerBlock",), (
-            Site("attn", "attn", output=0, rope=_ROPE, mask="pass"),
+            Site("attn", "attn", output=0, rope=_ROPE, mask="pass", probe=True, text_keys=True),
             Site("mlp", "ff"),
         ), text_arg="encoder_hidden_states", joint="last", outputs=("hidden_states", "encoder_hidden_states")),
     )

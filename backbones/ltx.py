@@ -34,6 +34,8 @@ class LTXAdapter(DeclaredAdapter):
     model_class: ClassVar[str] = "LTXVideoTransformer3DModel"
     grid_dims: ClassVar[int] = 3
     timestep_index: ClassVar[int] = 2  # forward(hidden_states, encoder_hidden_states, timestep, mask, F, H, W, ...)
+    #: keyword and position of the model call's latent ``num_frames``, ``height``, ``width``
+    grid_args: ClassVar[tuple[tuple[str, int], ...]] = (("num_frames", 4), ("height", 5), ("width", 6))
     kinds: ClassVar[tuple[Kind, ...]] = (
         Kind("ltx", "transformer_blocks", ("LTXVideoTransformerBlock",), (
             Site("attn", "attn1", rope=Rope("image_rotary_emb", 3, "batched"), probe=True),
@@ -43,7 +45,7 @@ class LTXAdapter(DeclaredAdapter):
     )
 
     def call_grid(self, args: tuple, kwargs: dict) -> tuple[int, ...] | None:
-        sizes = [call_arg(args, kwargs, name, i) for name, i in (("num_frames", 4), ("height", 5), ("width", 6))]
+        sizes = [call_arg(args, kwargs, name, i) for name, i in self.grid_args]
         if any(s is None for s in sizes):
             return None
         grid = tuple(int(s) for s in sizes)

@@ -41,9 +41,10 @@ class QwenImageAdapter(DeclaredAdapter):
     timestep_index: ClassVar[int] = 3  # forward(hidden_states, encoder_hidden_states, mask, timestep, img_shapes)
     kinds: ClassVar[tuple[Kind, ...]] = (
         Kind("joint", "transformer_blocks", ("QwenImageTransformerBlock",), (
-            Site("attn", "attn", output=0, rope=Rope("image_rotary_emb", 3, "qwen"), mask_index=3),
+            Site("attn", "attn", output=0, rope=Rope("image_rotary_emb", 3, "qwen"), mask="pass",
+                 mask_arg="encoder_hidden_states_mask", mask_index=2, probe=True, text_keys=True),
             Site("mlp", "img_mlp"),
-        ), outputs=("encoder_hidden_states", "hidden_states")),
+        ), text_arg="encoder_hidden_states", outputs=("encoder_hidden_states", "hidden_states")),
     )
 
     def call_layout(self, args: tuple, kwargs: dict) -> tuple[tuple[int, ...] | None, ContextTokens]:

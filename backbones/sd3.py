@@ -23,7 +23,8 @@ projection submodules (``to_k`` then ``norm_k``, ``add_q_proj`` then ``norm_adde
 then ``norm_added_k``; ``to_qkv`` / ``to_added_qkv`` when the projections are fused) capture the keys
 and text queries the processor computes anyway, so the attention keeps its fused kernel. The text
 queries' softmax over all keys (image and text, as in the model) is averaged over heads and text
-queries, restricted to the image keys and renormalised to sum to 1 per sample.
+queries, restricted to the image keys and renormalised to sum to 1 per sample
+(:func:`~tomerge.backbones._diffusers.probe_joint_attention`, text last).
 
 Prompt reweighting (``sdtm`` with text labels, :mod:`tomerge.strategies.sdtm_prompts` and
 :mod:`tomerge.text_bias`): the text tokens are the last ``T`` keys of the joint attention ``attn`` (``T`` from
@@ -41,14 +42,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
-import torch
-from torch import Tensor, nn
+from torch import nn
 
 from tomerge.adapter import BlockSpec, KindSummary, MergePoint, TextKeys
-from tomerge.probe import attention_probe, received_attention, split_heads
 from tomerge.state import MergeState
 
-from ._diffusers import FeedForwardPoint, PatchifiedAdapter, call_arg, fused_part
+from ._diffusers import FeedForwardPoint, PatchifiedAdapter, call_arg, probe_joint_attention
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,7 +106,8 @@ class SD3Adapter(PatchifiedAdapter):
     def probe(self, block: BlockSpec, point: MergePoint, state: MergeState) -> list[Any]:
         if point.module is not block.module.attn:
             return []  # attn2 (dual attention): the joint attention's text-to-image probe is the record
-        return probe_joint_attention(block, point.module, state)
+        return probe_joint_attention(point.module, state, text_side="last",
+                                     heads_first=True)  # the processor's norms see [B, heads, L, d]
 
 
 def _text_len(args: tuple, kwargs: dict) -> int:
@@ -142,41 +142,3 @@ def text_tokens(pipe: Any, prompt: str, max_sequence_length: int = 256) -> list[
     ids = t5(prompt, padding="max_length", max_length=max_sequence_length, truncation=True,
              add_special_tokens=True).input_ids
     return tokens + list(t5.convert_ids_to_tokens(ids))
-
-
-def probe_joint_attention(block: BlockSpec, attn: nn.Module, state: MergeState) -> list[Any]:
-    """Records the text-to-image attention of a diffusers joint (MMDiT) ``Attention``.
-
-    Args:
-        block: the block whose layer the record is stored under.
-        attn: the joint attention module (with ``add_q_proj``/``add_k_proj`` text projections).
-        state: receives ``a [B, N]`` for the block call in progress (:func:`~tomerge.probe.attention_probe`).
-
-    Returns:
-        The hook handles (projection/norm output hooks and one forward hook on ``attn``).
-
-    Calls where the attention itself was merged are not recorded (its keys are slots, not tokens).
-    """
-    # Each captured name is written by the projection and then overwritten by its norm, which runs
-    # after it (last writer wins); the fused projections give slices of their output.
-    fused, fused_txt = getattr(attn, "to_qkv", None), getattr(attn, "to_added_qkv", None)
-    sources = [
-        ("k_img", attn.to_k, None), ("k_img", getattr(attn, "norm_k", None), None),
-        ("q_txt", getattr(attn, "add_q_proj", None), None), ("q_txt", getattr(attn, "norm_added_q", None), None),
-        ("k_txt", getattr(attn, "add_k_proj", None), None), ("k_txt", getattr(attn, "norm_added_k", None), None),
-        ("k_img", fused, fused_part(1)), ("q_txt", fused_txt, fused_part(0)), ("k_txt", fused_txt, fused_part(1)),
-    ]
-
-    def compute(captured: dict[str, Tensor], grid: tuple[int, int]) -> Tensor | None:
-        k_img, q_txt, k_txt = (captured.get(n) for n in ("k_img", "q_txt", "k_txt"))
-        if k_img is None or q_txt is None or k_txt is None:
-            return None
-        H, W = grid
-        k_img = split_heads(k_img, attn.heads)  # [B, h, N, d]
-        if k_img.shape[2] != H * W:  # the attention ran on merged slots
-            return None
-        q = split_heads(q_txt, attn.heads)  # [B, h, T, d]
-        k = torch.cat([k_img, split_heads(k_txt, attn.heads).to(k_img.dtype)], dim=2)  # [B, h, N + T, d]
-        return received_attention(q, k, attn.scale, keys=slice(0, H * W))  # [B, N]: text -> image share
-
-    return attention_probe(state, attn, sources, compute)

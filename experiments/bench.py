@@ -344,8 +344,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         quick = args.quick
         with user_input():
-            check_sizes(args.widths or ["sd3", "pixart", "flux", "unet"], args.tokens or [256], args.strategies,
-                        args.frames)
+            check_sizes(args.widths or ["sd3", "pixart", "flux", "unet"], args.tokens or [256], args.frames)
         rows = e2e_benchmark(
             widths=args.widths or ["sd3", "pixart", "flux", "unet"], tokens=args.tokens or ([256] if quick else
                                                                                              [1024, 4096]),

@@ -532,25 +532,17 @@ def sdpa_backend(name: str):
     return sdpa_kernel(backends[name])
 
 
-# Methods that merge with idm, whose received attention the video adapters (wan, hunyuan_video) record no probe for.
-NEEDS_ATTENTION_PROBE = ("idm", "sdtm", "sdtm_paper", "sdtm_release")
-
-
 def default_methods(width: str) -> list[str]:
-    """Every registered strategy and schedule; on the UNet the ``tomesd`` package and tomerge's ``tomesd``; on the
-    video widths those without idm (:data:`NEEDS_ATTENTION_PROBE`)."""
+    """Every registered strategy and schedule; on the UNet the ``tomesd`` package and tomerge's ``tomesd``."""
     if width == "unet":
         return [TOMESD_PACKAGE, "tomesd"]
-    if width in VIDEO_WIDTHS:
-        return [m for m in tomerge.list_strategies() if m not in NEEDS_ATTENTION_PROBE]
     return list(tomerge.list_strategies())
 
 
-def check_sizes(widths: Sequence[str], tokens: Sequence[int], methods: Sequence[str] | None = None,
-                frames: int | None = None) -> None:
+def check_sizes(widths: Sequence[str], tokens: Sequence[int], frames: int | None = None) -> None:
     """Raises ``ValueError`` before any model is built: unknown widths, token counts the widths cannot take
-    (image widths: perfect squares; video widths: ``frames`` must divide them), idm-based methods on video
-    widths, ``frames`` without a video width."""
+    (image widths: perfect squares; video widths: ``frames`` must divide them), ``frames`` without a video
+    width."""
     unknown = sorted(set(widths) - set(WIDTHS))
     if unknown:
         raise ValueError(f"unknown width(s) {unknown}; choose from {WIDTHS}")
@@ -562,10 +554,6 @@ def check_sizes(widths: Sequence[str], tokens: Sequence[int], methods: Sequence[
             video_grid(n, frames)
         if set(widths) - set(VIDEO_WIDTHS) and math.isqrt(n) ** 2 != n:
             raise ValueError(f"--tokens must be perfect squares for image widths, got {n}")
-    refused = sorted(set(methods or []) & set(NEEDS_ATTENTION_PROBE))
-    if refused and video:
-        raise ValueError(f"{refused} merge with idm, which needs received attention: the video adapters "
-                         f"({', '.join(video)}) have no probe for it")
 
 
 def e2e_benchmark(widths: Sequence[str] = ("sd3", "pixart", "flux", "unet"), tokens: Sequence[int] = (1024, 4096),
@@ -610,7 +598,7 @@ def e2e_benchmark(widths: Sequence[str] = ("sd3", "pixart", "flux", "unet"), tok
         raise ValueError(f"compile_mode must be one of {COMPILE_MODES}, got {compile_mode!r}")
     if compile_mode is not None and TOMESD_PACKAGE in (methods or []):
         raise ValueError("the tomesd package is timed eagerly only (its patched forward breaks the graph)")
-    check_sizes(widths, tokens, methods, frames)
+    check_sizes(widths, tokens, frames)
     threads = threads or torch.get_num_threads()
     rows: list[E2ERow] = []
     configs = [(w, n) for w in widths for n in tokens]

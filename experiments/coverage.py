@@ -14,8 +14,9 @@ the table). What the table says about it comes from the adapter's class:
 * per block kind (``kind_summaries()``): the sublayers of its merge points, the rotary layout gathered for
   merged tokens, how the text (or other context) tokens meet the image tokens;
 * the strategies: every registered strategy and schedule whose ``needs`` the adapter records, i.e. with
-  default options (a strategy at ratio 0.5, a schedule at its own defaults) ``needs`` is empty, or is received attention and every block kind has a probe
-  (``probed_kinds()``; :func:`tomerge.apply` installs the probe in every block).
+  default options (a strategy at ratio 0.5, a schedule at its own defaults) ``needs`` is empty, or is received
+  attention and every block kind has a probe (``probed_kinds()``): :func:`tomerge.attach.recorded_needs`, the rule
+  :func:`tomerge.apply` refuses by.
 
 A class no adapter names gets its one-line reason from :data:`NOT_MERGED` (the one table of reasons, by class
 name), else :data:`NOT_DECLARED`. Adapters of models that are no class of this diffusers (``native_dit``,
@@ -60,7 +61,6 @@ NOT_DECLARED = "not declared yet"
 
 PAGE = "docs/backbones/coverage.md"
 REGENERATE = f"tomerge backbones --markdown > {PAGE}"
-RECORDED = "received_attention"  # the one statistic an adapter records (in the blocks its probe covers)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,10 +136,9 @@ def runnable_strategies(adapter: type, strategies: Sequence[str]) -> tuple[str, 
     """The ones of ``strategies`` (registered names) that run on ``adapter`` with their default options (at
     :func:`default_ratio`): those whose schedule ``needs`` nothing, or received attention where every block kind
     has a probe."""
-    from tomerge.attach import check_options
+    from tomerge.attach import check_options, recorded_needs
 
-    kinds = {k.kind for k in adapter.kind_summaries()}
-    recorded = frozenset({RECORDED}) if kinds and kinds <= adapter.probed_kinds() else frozenset()
+    recorded = recorded_needs(adapter, (k.kind for k in adapter.kind_summaries()))
     return tuple(name for name in strategies
                  if check_options(name, ratio=default_ratio(name), backbones=[adapter.name]).needs <= recorded)
 

@@ -141,8 +141,10 @@ ALL_SUBLAYERS = dict(merge_attn=True, merge_crossattn=True, merge_mlp=True)
 
 # ---------------------------------------------------------------------- helpers (also used by the video tests)
 def run(model: nn.Module, inputs: dict) -> Tensor:
+    """The model's output; a list of per-sample outputs (Z-Image) is stacked."""
     with torch.no_grad():
-        return model(**inputs).sample
+        out = model(**inputs).sample
+    return torch.stack(out) if isinstance(out, list) else out
 
 
 def no_hooks_left(model: nn.Module) -> bool:
@@ -157,18 +159,24 @@ def flop_counts(model: nn.Module, inputs: dict, containers: tuple[str, ...]) -> 
     counts = counter.get_flop_counts()
     prefix = type(model).__name__
     blocks = sum(sum(counts.get(f"{prefix}.{c}.{i}", {}).values())
-                 for c in containers for i in range(len(getattr(model, c))))
+                 for c in containers for i in range(len(model.get_submodule(c))))
     return counter.get_total_flops(), blocks
 
 
-def select(inputs: dict, i: int) -> dict:
-    """Sample ``i`` of a batch of keyword inputs (lists of per-sample entries too; shared ids stay)."""
-    return {k: v[i:i + 1] if isinstance(v, list) or isinstance(v, Tensor) and v.dim() > 0 else v
-            for k, v in inputs.items()}
+def select(inputs: dict, i: int, shared: tuple[str, ...] = ()) -> dict:
+    """Sample ``i`` of a batch of keyword inputs (lists of per-sample entries too; shared ids stay, and so do the
+    inputs named in ``shared``, e.g. frame indices without a batch axis)."""
+    return {k: v[i:i + 1] if k not in shared and (isinstance(v, list) or isinstance(v, Tensor) and v.dim() > 0)
+            else v for k, v in inputs.items()}
 
 
 def to_float64(inputs: dict) -> dict:
-    return {k: v.double() if isinstance(v, Tensor) and v.is_floating_point() else v for k, v in inputs.items()}
+    """The inputs with their floating-point tensors (also inside lists: per-sample latents) in float64."""
+    def convert(v):
+        if isinstance(v, list):
+            return [convert(item) for item in v]
+        return v.double() if isinstance(v, Tensor) and v.is_floating_point() else v
+    return {k: convert(v) for k, v in inputs.items()}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -230,12 +238,14 @@ def check_permutation_is_exact(model: nn.Module, inputs: dict, shuffle: Callable
         assert (run(model, shuffle(inputs, perm)) - before).abs().max() > 1e-3
 
 
-def check_batch_equals_samples(model: nn.Module, inputs: dict, **options) -> None:
+def check_batch_equals_samples(model: nn.Module, inputs: dict, select_sample: Callable[[dict, int], dict] = select,
+                               **options) -> None:
     """float64: a batch and its samples alone give the same merged outputs (tomesd without randomness plans
-    per sample from the same values)."""
+    per sample from the same values). ``select_sample(inputs, i)``: sample ``i`` of the inputs (default
+    :func:`select`: the batch is the first axis)."""
     model64, inputs64 = copy.deepcopy(model).double(), to_float64(inputs)
     outs = []
-    for part in (inputs64, select(inputs64, 0), select(inputs64, 1)):
+    for part in (inputs64, select_sample(inputs64, 0), select_sample(inputs64, 1)):
         with tomerge.merging(model64, "tomesd", ratio=0.5, use_rand=False, **ALL_SUBLAYERS, **options) as handle:
             outs.append(run(model64, part))
             assert handle.stats["tokens_removed"] > 0

@@ -20,7 +20,7 @@ import tomerge
 from tomerge.registry import backbone_class
 from test_backbones_current import (ALL_SUBLAYERS, Family, Permute, check_batch_equals_samples, check_bit_identical,
                                     check_flops, check_odd_grid_merges, check_permutation_is_exact, generate,
-                                    load_tiny_pipeline, no_hooks_left, run)
+                                    load_tiny_pipeline, run)
 
 
 def _seed(seed: int) -> torch.Generator:
@@ -294,15 +294,6 @@ def test_wan_pipeline_loaded_from_a_local_folder_merges_and_is_restored(monkeypa
     assert torch.equal(generate(pipe, "wan"), before)
 
 
-@pytest.mark.parametrize("name", ["hunyuan_video", "hunyuan_video15"])
-def test_idm_is_refused_without_a_probe_and_leaves_no_hooks(models, name):
-    """Families whose attention declares no probe (joint text-image attention) refuse idm, saying what to use."""
-    model = models[name]
-    with pytest.raises(NotImplementedError, match="cannot record received attention.*streak"):
-        tomerge.apply(model, "idm", ratio=0.5)
-    assert no_hooks_left(model) and "_tomerge_handle" not in model.__dict__
-
-
 @pytest.mark.parametrize("name", FAMILIES)
 def test_merging_runs_under_inference_mode(models, name):
     """Inference tensors (``torch.inference_mode``, what benchmarks and pipelines use) have no version
@@ -316,10 +307,11 @@ def test_merging_runs_under_inference_mode(models, name):
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("name", ["wan", "ltx"])
-def test_idm_and_sdtm_record_received_attention_on_image_self_attention(models, name):
-    """Wan and LTX-Video declare a probe on their image self-attention: idm (the attention variant) gets the
-    received attention of the same block call and merges, and so does sdtm's detail phase."""
+@pytest.mark.parametrize("name", ["wan", "ltx", "hunyuan_video", "hunyuan_video15"])
+def test_idm_and_sdtm_record_received_attention(models, name):
+    """Every video family declares a probe (Wan and LTX-Video on their image self-attention, HunyuanVideo on
+    its joint attention: tests/test_probes.py): idm (the attention variant) gets the received attention of the
+    same block call and merges, and so does sdtm's detail phase."""
     family, model = FAMILIES[name], models[name]
     inputs = family.inputs(model)
     before = run(model, inputs)

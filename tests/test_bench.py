@@ -8,6 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import tomerge
+
 from tomerge.experiments import bench
 from tomerge.experiments.bench_e2e import TOMESD_PACKAGE, build
 
@@ -184,11 +186,14 @@ def test_e2e_quick_video_rows_and_refusals(tmp_path, capsys):
     assert all(float(r["ideal"]) > 1.0 and float(r["merged_ms"]) > 0 for r in rows)
     from tomerge.experiments.bench_e2e import default_methods
 
-    assert "sdtm" not in default_methods("wan") and "toma" in default_methods("wan")  # no received-attention probe
+    assert default_methods("wan") == default_methods("hunyuan_video") == list(tomerge.list_strategies())
+    idm = tmp_path / "idm.csv"  # received attention: Wan's self-attention probe, HunyuanVideo's joint one
+    assert bench.main(["--e2e", "--quick", "--widths", "wan", "hunyuan_video", "--tokens", "96", "--frames", "2",
+                       "--strategies", "idm", "sdtm", "--repeats", "1", "--out", str(idm)]) == 0
+    assert sorted((r["model"], r["method"]) for r in _rows(idm)) == [
+        ("hunyuan_video", "idm"), ("hunyuan_video", "sdtm"), ("wan", "idm"), ("wan", "sdtm")]
     from tomerge.experiments.cli import UsageError
 
-    with pytest.raises(UsageError, match="idm"):
-        bench.main(["--e2e", "--quick", "--widths", "wan", "--tokens", "96", "--strategies", "sdtm"])
     with pytest.raises(UsageError, match="does not divide"):
         bench.main(["--e2e", "--quick", "--widths", "wan", "--tokens", "100", "--frames", "3"])
     with pytest.raises(UsageError, match="perfect squares"):

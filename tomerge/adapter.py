@@ -55,6 +55,12 @@ class MergePoint:
         """The image tokens of the submodule's output (merged ``[B, M, C']`` or full length ``[B, N, C']``)."""
         return out if self.output is None else out[self.output]
 
+    def reads_tokens(self, args: tuple, kwargs: dict) -> bool:
+        """Whether this call of the submodule reads the block's image tokens (default: every call does). A
+        submodule that the block also calls on other tokens (EasyAnimate's shared ``ff`` runs on the text stream
+        too) answers ``False`` for those calls: they run as they are, neither merged nor cached."""
+        return True
+
     def merge_input(self, args: tuple, kwargs: dict, x: Tensor, plan: MergePlan) -> tuple[tuple, dict]:
         """The call's arguments with the image tokens ``x`` replaced by ``plan.merge(x)``; override to
         adjust other arguments that follow the tokens (e.g. gather rotary tables with ``plan.dst``)."""
@@ -236,6 +242,14 @@ class BackboneAdapter(abc.ABC):
     def grid(self, block: BlockSpec, num_tokens: int) -> Grid | None:
         """The ``(H, W)`` (image) or ``(T, H, W)`` (video) token grid of ``block`` for ``num_tokens`` tokens;
         ``None``: do not merge it."""
+
+    def scheduler_timesteps(self, timesteps: Tensor) -> Tensor | None:
+        """A pipeline scheduler's ``timesteps`` (diffusers' ``[0, 1000]`` scale) in the units of the timesteps
+        :meth:`on_model_call` returns, so that the trajectory clock finds the step of a call in the schedule.
+        Default: scaled by ``t_max / 1000`` (pipelines of models called with ``t`` in ``[0, t_max]`` pass
+        ``timestep * t_max / 1000``; Flux: ``t_max = 1``). ``None``: the calls' timesteps are not the
+        scheduler's, the clock counts the steps in call order."""
+        return timesteps if self.t_max == 1000.0 else timesteps.float() * (self.t_max / 1000.0)
 
     def probe(self, block: BlockSpec, point: MergePoint, state: MergeState) -> list[Any]:
         """Installs hooks recording the attention each image token receives in ``point`` (an

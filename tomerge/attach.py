@@ -11,7 +11,7 @@ import contextlib
 import dataclasses
 import functools
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -22,12 +22,21 @@ from .context import check_ratio
 from .registry import backbone_class, build, list_backbones, strategy_class
 from .schedule import Constant, Schedule
 from .state import MergeState, TrajectoryClock
-from .strategy import MergeStrategy
+from .strategy import RECORDED_NEEDS, MergeStrategy
 from .text_bias import bias_text_keys
 
 _HANDLE_ATTR = "_tomerge_handle"
 _CONSTANT_OPTIONS = ("merge_attn", "merge_crossattn", "merge_mlp", "merge_from", "merge_until")  # Constant's options
 _STATE_OPTIONS = ("seed", "num_steps", "text_labels")
+
+
+def recorded_needs(adapter: type[BackboneAdapter], kinds: Iterable[str]) -> frozenset[str]:
+    """What ``adapter`` records (a subset of :data:`~tomerge.strategy.RECORDED_NEEDS`) in a model whose blocks
+    are of ``kinds``: received attention when its probe covers every one of them (:meth:`BackboneAdapter.probed_kinds`),
+    else nothing. The one rule of :func:`apply` (which refuses a strategy needing more) and of the coverage
+    table (``tomerge backbones``)."""
+    kinds = frozenset(kinds)
+    return RECORDED_NEEDS if kinds and kinds <= adapter.probed_kinds() else frozenset()
 
 
 class MergeHandle:
@@ -104,7 +113,8 @@ class MergeHandle:
                         hooks += bias_text_keys(keys, self._text_bias)
             if not hooks:
                 raise ValueError(f"the {self.adapter.name!r} backbone has no text tokens in its attention: a text-key "
-                                 "bias (e.g. SDTM's prompt reweighting) needs a joint text-image attention (sd3, flux)")
+                                 "bias (e.g. SDTM's prompt reweighting) needs a joint text-image attention whose text keys the adapter "
+                                 "declares (sd3, flux, flux2, qwenimage, hunyuan_video, hunyuan_video15)")
             self._hooks.extend(hooks)
             self._text_hooks = True
         self.state.text_labels = prepared
@@ -133,10 +143,43 @@ class MergeHandle:
             for index, point in enumerate(block.points):
                 add(point.module.register_forward_pre_hook(self._point_pre(point, index), with_kwargs=True))
                 add(point.module.register_forward_hook(self._point_post(point, index)))
-            if "received_attention" in self.state.needs:
+        self._record_needs(blocks)
+
+    def _record_needs(self, blocks: list[BlockSpec]) -> None:
+        """Installs the recorders of what the schedule's strategies need (:attr:`MergeStrategy.needs`): received
+        attention through the adapter's probe on every block's ``"attn"`` points. A need no adapter records, or one
+        :func:`recorded_needs` says this adapter does not record in these blocks, raises here, naming the
+        strategies."""
+        strategies = self.schedule.strategies()
+        for need in sorted(self.state.needs):
+            users = sorted({s.name for s in strategies if need in s.needs})
+            if need not in RECORDED_NEEDS:
+                raise ValueError(f"strategy {', '.join(map(repr, users))} needs {need!r}, which no backbone adapter "
+                                 f"records (they record: {', '.join(sorted(RECORDED_NEEDS))})")
+        if "received_attention" not in self.state.needs:
+            return
+        users = ", ".join(sorted({repr(s.name) for s in strategies if "received_attention" in s.needs}))
+        kinds = dict.fromkeys(block.kind for block in blocks)
+        if not recorded_needs(type(self.adapter), kinds):
+            unprobed = [kind for kind in kinds if kind not in type(self.adapter).probed_kinds()]
+            raise NotImplementedError(
+                f"strategy {users} needs received attention: backbone {self.adapter.name!r} cannot record received "
+                f"attention in its {', '.join(map(repr, unprobed))} blocks (no probe is declared for their attention: "
+                "docs/backbones/adding-a-family.md); use a strategy that needs none, e.g. idm(variant='streak') or ssm")
+        for block in blocks:
+            hooks: list[Any] = []
+            try:
                 for point in block.points:
                     if point.sublayer == "attn":
-                        self._hooks.extend(self.adapter.probe(block, point, self.state))
+                        hooks += self.adapter.probe(block, point, self.state)
+            except NotImplementedError as err:
+                raise NotImplementedError(f"strategy {users} needs received attention: {err}") from err
+            finally:
+                self._hooks.extend(hooks)
+            if not hooks:
+                raise RuntimeError(
+                    f"tomerge: backbone {self.adapter.name!r} declares a probe for its {block.kind!r} blocks "
+                    "(probed_kinds()) but installed none in this block")
 
     # The model's and the blocks' hooks do the Python bookkeeping (the step, the decision, the caches) and run
     # eagerly, outside compiled graphs (torch.compiler.disable); the merge points' hooks do the tensor work and
@@ -199,7 +242,12 @@ class MergeHandle:
     def _point_pre(self, point: MergePoint, index: int):
         def hook(module: nn.Module, args: tuple, kwargs: dict):
             call = self.state.call
-            if call is None or point.sublayer not in call.decision.sublayers or call.decision.strategy is None:
+            if call is None:
+                return None
+            if not point.reads_tokens(args, kwargs):  # a shared submodule's call on other tokens: runs as it is
+                call.skipped.add(index)
+                return None
+            if point.sublayer not in call.decision.sublayers or call.decision.strategy is None:
                 return None
             x = point.get_input(args, kwargs)
             plan_input = call.block_input if call.decision.strategy.plan_input == "block_input" else x
@@ -214,6 +262,9 @@ class MergeHandle:
         def hook(module: nn.Module, args: tuple, output: Any):
             call = self.state.call
             if call is None:
+                return None
+            if index in call.skipped:
+                call.skipped.discard(index)
                 return None
             decision = call.decision
             plan = call.active.pop(index, None)
@@ -277,7 +328,7 @@ def apply(target: Any, strategy: str | MergeStrategy | Schedule = "tomesd", *, r
     scheduler = getattr(target, "scheduler", None) if target is not model else None
     clock = TrajectoryClock(
         num_steps=state_opts.get("num_steps"),
-        timesteps=_scheduler_timesteps(scheduler, adapter.t_max) if scheduler is not None else None,
+        timesteps=_scheduler_timesteps(scheduler, adapter) if scheduler is not None else None,
         t_max=adapter.t_max,
     )
     state = MergeState(schedule, num_layers=len(blocks), seed=state_opts.get("seed", 0), clock=clock)
@@ -385,18 +436,13 @@ class _ForwardPatch:
             self.module.forward = self.previous
 
 
-def _scheduler_timesteps(scheduler: Any, t_max: float):
-    """The pipeline scheduler's timesteps in the units the model is called with.
-
-    diffusers schedulers count timesteps on a ``[0, 1000]`` scale; pipelines of models called with
-    ``t`` in ``[0, t_max]`` (Flux: ``t_max = 1``, ``FluxPipeline`` passes ``timestep / 1000``) divide by
-    1000, so the schedule is scaled by ``t_max / 1000`` to be compared with the calls' timesteps.
-    """
-    scale = t_max / 1000.0
+def _scheduler_timesteps(scheduler: Any, adapter: BackboneAdapter):
+    """The pipeline scheduler's current timesteps in the units of the adapter's call timesteps
+    (:meth:`BackboneAdapter.scheduler_timesteps`), read at every call (pipelines set them per run)."""
 
     def timesteps():
         t = getattr(scheduler, "timesteps", None)
-        return t if t is None or scale == 1.0 else t.float() * scale
+        return t if t is None else adapter.scheduler_timesteps(t)
     return timesteps
 
 

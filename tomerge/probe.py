@@ -3,7 +3,9 @@
 IDM ranks tokens by the attention they receive. The adapter captures the queries and keys that the
 block's attention already computed (hooks on the projection submodules, so the attention itself keeps
 its fused kernel) and this module turns them into ``a [B, N]``: the softmax attention to every key,
-averaged over heads and over a probe set of at most ``max_queries`` strided queries.
+averaged over heads and over a probe set of queries (at most ``max_queries`` strided image queries of a
+self-attention; the text queries of a joint text-image attention, the image keys' share renormalised).
+:func:`received_linear_attention` is tomerge's counterpart for linear (kernel) attention, which has no softmax.
 
 :func:`attention_probe` installs those hooks for any adapter: it captures the named projection outputs
 during the block's merged calls and, after the attention ran, stores what the adapter's ``compute``
@@ -69,8 +71,9 @@ def chunk_shape(q: Tensor, num_keys: int) -> tuple[int, int]:
     return heads, max(1, budget // (B * heads * num_keys))
 
 
-def received_attention(q: Tensor, k: Tensor, scale: float, keys: slice | None = None) -> Tensor:
-    """Mean over heads and queries of ``softmax(q k^T * scale)``, in chunks of queries.
+def received_attention(q: Tensor, k: Tensor, scale: float, keys: slice | None = None,
+                       key_bias: Tensor | None = None, query_mask: Tensor | None = None) -> Tensor:
+    """Mean over heads and queries of ``softmax(q k^T * scale + key_bias)``, in chunks of queries.
 
     Args:
         q: ``[B, H, Q, d]`` probe queries.
@@ -78,6 +81,9 @@ def received_attention(q: Tensor, k: Tensor, scale: float, keys: slice | None = 
         scale: the attention's logit scale (usually ``d ** -0.5``).
         keys: only these keys (e.g. the image part of a joint text-image attention), their share of the
             attention renormalised to sum to 1 per sample; ``None``: all keys.
+        key_bias: ``[B, N]`` added to every query's logits (``-inf``: a masked key), as the attention's mask;
+            ``[B, Q, N]``: a row per query (a query-by-key mask).
+        query_mask: ``[B, Q]``, false for queries not counted (padding); ``None``: all.
 
     Returns:
         ``[B, N]`` (``keys``: ``[B, n]``) fp32 attention received by every key; each row sums to 1.
@@ -95,22 +101,66 @@ def received_attention(q: Tensor, k: Tensor, scale: float, keys: slice | None = 
     N = k.shape[2]
     q = q.float() * scale  # [B, H, Q, d]: the scale goes on the small side
     k = k.float().transpose(-1, -2)  # [B, H, d, N]
+    if key_bias is None:
+        bias = None
+    elif key_bias.dim() == 2:
+        bias = key_bias.float()[:, None, None, :]  # [B, 1, 1, N]: one row for every query
+    else:
+        bias = key_bias.float()[:, None]  # [B, 1, Q, N]: a row per query
+    weight = None if query_mask is None else query_mask.float()[:, None, :, None]  # [B, 1, Q, 1]
     heads, rows = chunk_shape(q, N)
     sums = []
     for h in range(0, H, heads):
         for start in range(0, Q, rows):
             logits = q[:, h:h + heads, start:start + rows] @ k[:, h:h + heads]  # [B, heads, rows, N]
-            sums.append(logits.softmax(dim=-1).sum(dim=(1, 2)))  # [B, N]
+            if bias is not None:
+                logits = logits + (bias if bias.shape[2] == 1 else bias[:, :, start:start + rows])
+            p = logits.softmax(dim=-1)
+            if weight is not None:
+                p = p * weight[:, :, start:start + rows]
+            sums.append(p.sum(dim=(1, 2)))  # [B, N]
     total = torch.stack(sums).sum(0) if len(sums) > 1 else sums[0]  # [B, N]
     if keys is None:
-        return total.div_(H * Q)
+        counted = H * (Q if query_mask is None else query_mask.sum(-1, keepdim=True).float())  # [] or [B, 1]
+        return total.div_(counted)
     part = total[:, keys]  # [B, n]
     return part / part.sum(-1, keepdim=True).clamp_min(_EPS)
 
 
+def received_linear_attention(phi_q: Tensor, phi_k: Tensor, eps: float = 1e-15) -> Tensor:
+    """Mean over heads and queries of the normalised weights of a linear (kernel) attention, in ``O(N d)``.
+
+    A linear attention ``out_i = sum_j (phi(q_i) . phi(k_j)) v_j / (sum_j phi(q_i) . phi(k_j) + eps)`` (SANA:
+    ``phi = ReLU``) weighs key ``j`` for query ``i`` by ``w_ij = phi(q_i) . phi(k_j) / (D_i + eps)``, ``D_i =
+    phi(q_i) . sum_j phi(k_j)``. The attention key ``j`` receives is ``sum_i w_ij = (sum_i phi(q_i) / (D_i +
+    eps)) . phi(k_j)``: one ``[d]`` vector per head, dotted with every key, never the ``N x N`` weights. The
+    result is averaged over heads and renormalised to sum to 1 per sample (a query whose features are all zero
+    weighs nothing and counts for nothing). This is tomerge's definition for IDM on linear attention; the SDTM
+    paper defines received attention for softmax attention only.
+
+    Args:
+        phi_q, phi_k: ``[B, H, N, d]`` non-negative query and key features (after the kernel).
+        eps: the attention's own guard in its denominator (SANA's processor adds ``1e-15``).
+
+    Returns:
+        ``[B, N]`` fp32; each row sums to 1.
+
+    Example:
+        >>> phi = torch.tensor([[[[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]]]])    # [1, 1, 3, 2]
+        >>> received_linear_attention(phi, phi)   # rows of w: (1/2, 0, 1/2), (0, 1/2, 1/2), (1/4, 1/4, 1/2)
+        tensor([[0.2500, 0.2500, 0.5000]])
+    """
+    q, k = phi_q.float(), phi_k.float()  # [B, H, N, d]
+    denominators = q @ k.sum(dim=2).unsqueeze(-1)  # [B, H, N, 1]: D_i
+    spread = (q / (denominators + eps)).sum(dim=2)  # [B, H, d]: sum_i phi(q_i) / (D_i + eps)
+    received = (k @ spread.unsqueeze(-1)).squeeze(-1).sum(dim=1)  # [B, N]: summed over heads
+    return received / received.sum(-1, keepdim=True).clamp_min(_EPS)
+
+
 def attention_probe(state: MergeState, attn: nn.Module, sources: Iterable[Source],
                     compute: Callable[[dict[str, Any], Grid], Tensor | None],
-                    before: Callable[[tuple, dict], dict[str, Any]] | None = None) -> list[Any]:
+                    before: Callable[[tuple, dict], dict[str, Any]] | None = None,
+                    record_before: nn.Module | None = None) -> list[Any]:
     """Hooks recording the attention the image tokens of a block receive in its attention ``attn``.
 
     Only the block's calls that merge are recorded (``state.call`` with a merging decision: the hooks are on
@@ -129,9 +179,12 @@ def attention_probe(state: MergeState, attn: nn.Module, sources: Iterable[Source
         compute: ``(captured, grid) -> [B, N] or None``.
         before: optional ``(args, kwargs) -> {name: value}``, a forward pre-hook of ``attn`` capturing
             from its call's arguments (e.g. a rotary table or the text length).
+        record_before: a submodule of ``attn`` that a merge point reads after the attention (FLUX.2's fused
+            ``to_out`` inside its parallel attention): the record is computed just before it runs (its first
+            forward pre-hook), so the block call's plan, made there, sees it; ``None``: after ``attn`` ran.
 
     Returns:
-        The hook handles: ``before``'s pre-hook (if any), the source hooks, the hook on ``attn``.
+        The hook handles: ``before``'s pre-hook (if any), the source hooks, the hook that records.
     """
     captured: dict[str, Any] = {}
 
@@ -149,7 +202,7 @@ def attention_probe(state: MergeState, attn: nn.Module, sources: Iterable[Source
         if wanted():
             captured.update(before(args, kwargs))
 
-    def record(module: nn.Module, args: tuple, output: Any) -> None:
+    def record(*hook_args: Any) -> None:  # (module, args, output) or, before record_before, (module, args)
         got = dict(captured)
         captured.clear()
         if not wanted():
@@ -160,19 +213,26 @@ def attention_probe(state: MergeState, attn: nn.Module, sources: Iterable[Source
 
     handles = [attn.register_forward_pre_hook(read_call, with_kwargs=True)] if before is not None else []
     handles += [module.register_forward_hook(keep(name, pick)) for name, module, pick in sources if module is not None]
-    handles.append(attn.register_forward_hook(record))
+    if record_before is None:
+        handles.append(attn.register_forward_hook(record))
+    else:
+        handles.append(record_before.register_forward_pre_hook(record, prepend=True))
+        handles.append(attn.register_forward_hook(lambda *hook_args: captured.clear()))  # a call that never reached it
     return handles
 
 
 def received_self_attention(captured: dict[str, Any], grid: Grid, heads: int, scale: float,
-                            max_queries: int = 64) -> Tensor | None:
+                            max_queries: int = 64, context: tuple[int, int] = (0, 0)) -> Tensor | None:
     """The ``compute`` of :func:`attention_probe` for a self-attention: ``received_attention`` of at most
-    ``max_queries`` strided queries ``captured["q"]`` against all keys ``captured["k"]``.
+    ``max_queries`` strided queries ``captured["q"]`` of the image tokens against all keys ``captured["k"]``.
 
     Args:
-        captured: ``"q"`` and ``"k"``, each ``[B, N, H*d]`` or ``[B, H, N, d]``.
-        grid: ``(H, W)`` of the block call; keys of another length (merged slots) give ``None``.
+        captured: ``"q"`` and ``"k"``, each ``[B, L, H*d]`` or ``[B, H, L, d]``.
+        grid: ``(H, W)`` or ``(T, H, W)`` of the block call's ``N`` image tokens; keys of another length than
+            ``L`` (merged slots) give ``None``.
         heads: attention heads; ``scale``: the logit scale.
+        context: context tokens before and after the image tokens in the sequence (``L = before + N + after``):
+            keys the image queries attend to, not among the recorded keys (their share renormalised).
 
     Returns:
         ``[B, N]`` fp32, or ``None`` when a capture is missing or the attention ran merged.
@@ -180,8 +240,10 @@ def received_self_attention(captured: dict[str, Any], grid: Grid, heads: int, sc
     q, k = captured.get("q"), captured.get("k")
     if q is None or k is None:
         return None
-    k = split_heads(k, heads)  # [B, H, N, d]
-    if k.shape[2] != math.prod(grid):  # the attention ran on merged slots
+    before, after = context
+    N = math.prod(grid)
+    k = split_heads(k, heads)  # [B, H, L, d]
+    if k.shape[2] != before + N + after:  # the attention ran on merged slots
         return None
-    q = strided_queries(split_heads(q, heads), max_queries)  # [B, H, Q, d]
-    return received_attention(q, k, scale)
+    q = strided_queries(split_heads(q, heads)[:, :, before:before + N], max_queries)  # [B, H, Q, d]: image queries
+    return received_attention(q, k, scale, keys=None if k.shape[2] == N else slice(before, before + N))

@@ -196,6 +196,8 @@ class BlockCall:
     reused: Streams | None = None  # the residual a reusing call adds to its input (kept, or forecast)
     new_residual: Streams | None = None  # the residual a storing call computed
 
+    skipped: set[int] = dataclasses.field(default_factory=set)  # point indices whose call in progress reads no image tokens
+
     # ------------------------------------------------------------------ the block cache
     def store_residual(self, outputs: Streams) -> None:
         """Keeps ``outputs - streams`` (per stream; ``None`` where the block returned no tensor) as the residual

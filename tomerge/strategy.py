@@ -40,6 +40,9 @@ SUBLAYERS = ("attn", "crossattn", "mlp")
 INTERFACE = ("select_destinations", "merge_matrix", "unmerge", "merged_tokens", "plan", "shared_work", "draw")  # what the core calls
 CAPABILITIES = ("default_sublayers", "plan_input", "needs", "uses_generator", "generator_policy", "uses_streak",
                 "batch_independent")  # what the core reads (properties)
+#: What :attr:`MergeStrategy.needs` may list: the per-token statistics backbone adapters record (received
+#: attention: :meth:`BackboneAdapter.probe`).
+RECORDED_NEEDS = frozenset({"received_attention"})
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -90,7 +93,8 @@ class MergeStrategy(abc.ABC):
 
     @property
     def needs(self) -> frozenset[str]:
-        """Per-token statistics the adapter must record: a subset of ``{"received_attention"}``."""
+        """Per-token statistics the adapter must record: a subset of :data:`RECORDED_NEEDS`. Attaching to a
+        backbone that cannot record them for every block raises (``tomerge.apply``)."""
         return frozenset()
 
     @property

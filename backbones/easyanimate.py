@@ -1,0 +1,48 @@
+"""`easyanimate`: EasyAnimate V5 / V5.1 (diffusers `EasyAnimateTransformer3DModel`), text-to-video and the
+inpainting (image-to-video) and control variants.
+
+Facts from the installed diffusers (0.42.1, ``models/transformers/transformer_easyanimate.py``):
+
+* Every ``EasyAnimateTransformerBlock`` (kind ``"easyanimate"``, in ``transformer_blocks``) runs
+  ``attn1(hidden_states=norm1(x), encoder_hidden_states=norm1(c), image_rotary_emb=freqs)``: a joint
+  attention over ``[text, video]`` (text FIRST, ``EasyAnimateAttnProcessor2_0``; the first ``mmdit_layers``
+  blocks project the text with their own ``add_q/k/v_proj``, the others concatenate before the shared
+  projections), RoPE ``(cos, sin)`` ``[N, d]`` on the video rows only, returning ``(video, text)``; then ``ff``
+  on the modulated video stream (``txt_ff``, or ``ff`` again in the blocks without text projections, on the
+  text stream).
+* Merge points: ``attn1`` (``"attn"``; the RoPE rows gathered per slot) and ``ff`` (``"mlp"``: its first call,
+  on the video stream; the second call of the shared ``ff``, on the text stream, runs as it is: ``shared``).
+  No attention mask.
+* Grid: the latent ``[B, C, F, H, W]``, each frame patched ``p x p``: ``(F, H / p, W / p)``. The inpainting and
+  control variants concatenate their latents along channels: the same grid. The pipelines pass the
+  scheduler's timestep (``t_max = 1000``).
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from ._declared import DeclaredAdapter, Kind, Rope, Site, latent_grid
+from ._diffusers import call_arg
+
+
+class EasyAnimateAdapter(DeclaredAdapter):
+    """Adapter for diffusers `EasyAnimateTransformer3DModel` (EasyAnimate V5.1 T2V, InP, Control); see the module
+    docstring."""
+
+    name: ClassVar[str] = "easyanimate"
+    model_class: ClassVar[str] = "EasyAnimateTransformer3DModel"
+    grid_dims: ClassVar[int] = 3
+    timestep_index: ClassVar[int] = 1  # forward(hidden_states, timestep, timestep_cond, encoder_hidden_states, ...)
+    text_index: ClassVar[int] = 3
+    kinds: ClassVar[tuple[Kind, ...]] = (
+        Kind("easyanimate", "transformer_blocks", ("EasyAnimateTransformerBlock",), (
+            Site("attn", "attn1", output=0, rope=Rope("image_rotary_emb", 3, "rows"), probe=True, probe_heads_first=True,
+                 probe_copies=True),
+            Site("mlp", "ff", shared=True),
+        ), text_arg="encoder_hidden_states"),
+    )
+
+    def call_grid(self, args: tuple, kwargs: dict) -> tuple[int, ...] | None:
+        p = int(self.model.config.patch_size)
+        return latent_grid(call_arg(args, kwargs, self.latent_arg, self.latent_index), (1, p, p))

@@ -1,0 +1,63 @@
+"""`qwenimage21`: Qwen-Image 2.1 (diffusers `QwenImage21Transformer2DModel`), single-stream block-causal blocks.
+
+Facts from the installed diffusers (0.42.1, ``models/transformers/transformer_qwenimage21.py``):
+
+* The model builds one joint sequence ``[prompt (with condition-image tokens in it), target image]``: the
+  vision-language encoder's text with each image slot expanded to its ``2 x 2`` latent tokens, the target
+  image's ``N`` tokens LAST (``img_mask`` ends with the target's slots). Every ``QwenImage21TransformerBlock``
+  (kind ``"joint"``) runs ``attn(hidden_states=norm(x) * scale, rotary_emb=..., attention_mask=...,
+  key_valid=..., segments=..., layer_cache=...)`` and ``img_mlp(norm(x) * scale)`` on the whole sequence.
+* Attention is block-causal: the prefix never attends to the target, and the target's queries attend to every
+  key. So the prefix does not depend on the target, and merging the target (the last ``N`` tokens of the
+  block input, the rest kept: ``joint_context = "rest"``) changes only the target's keys and queries. Merge
+  points: ``attn`` (``"attn"``: the complex RoPE table ``[P + N, d/2]`` over the joint sequence has its image
+  rows gathered per slot; the key masks ``key_valid [B, P + N]`` (prefill) and ``attention_mask [B, 1, 1, P +
+  N]`` (cached steps) have their image columns gathered) and ``img_mlp`` (``"mlp"``). The prefix ``segments``
+  and the prefix KV cache (``kv_cache_mode="extract"`` stores the prefix keys of the first step) are untouched;
+  on cached steps (``kv_cache_mode="cached"``) the blocks get the target alone, with the cached prefix keys.
+* ``QwenImage21FlexAttnProcessor`` passes a flex ``BlockMask`` built for the unmerged sequence: a merged call
+  raises (use the default ``QwenImage21AttnProcessor``).
+* Grid: ``img_shapes[0][-1] = (1, h, w)``, the target (samples share one layout); condition images are part
+  of the prefix and are not merged. The pipeline calls the model with ``timestep / 1000`` (``t_max = 1``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import ClassVar, Literal
+
+from ._declared import DeclaredAdapter, Kind, Rope, Site
+from ._diffusers import call_arg
+
+
+class QwenImage21Adapter(DeclaredAdapter):
+    """Adapter for diffusers `QwenImage21Transformer2DModel` (Qwen-Image 2.1, text-to-image and editing); see the
+    module docstring."""
+
+    name: ClassVar[str] = "qwenimage21"
+    model_class: ClassVar[str] = "QwenImage21Transformer2DModel"
+    t_max: ClassVar[float] = 1.0
+    timestep_index: ClassVar[int] = 2  # forward(hidden_states, encoder_hidden_states, timestep, img_shapes, img_mask)
+    joint_context: ClassVar[Literal["text", "rest"]] = "rest"
+    kinds: ClassVar[tuple[Kind, ...]] = (
+        Kind("joint", "transformer_blocks", ("QwenImage21TransformerBlock",), (
+            # QwenImage21Attention.forward(hidden_states, **kwargs): every other argument by keyword
+            Site("attn", "attn", tokens="joint", rope=Rope("rotary_emb", 1, "complex"), mask="keys",
+                 mask_index=1, more_masks=("key_valid",)),
+            Site("mlp", "img_mlp", tokens="joint"),
+        ), joint_input="first"),
+    )
+
+    def call_grid(self, args: tuple, kwargs: dict) -> tuple[int, ...] | None:
+        shapes = call_arg(args, kwargs, "img_shapes", 3)
+        img_mask = call_arg(args, kwargs, "img_mask", 4)  # [B, S] bool: True at image slots (2 x 2 tokens each)
+        if not shapes or img_mask is None or any(list(s) != list(shapes[0]) for s in shapes):
+            return None
+        frames, h, w = shapes[0][-1]  # the target image, last
+        slots = math.prod((frames, h, w)) // 4
+        if int(frames) != 1 or slots == 0 or not bool(img_mask[0, -slots:].all()):
+            return None
+        return int(h), int(w)
+
+    def unknown_grid_reason(self) -> str:
+        return "its img_shapes / img_mask do not end with one single-frame target image shared by the samples"

@@ -1,0 +1,352 @@
+"""Received-attention probes of joint text-image attention against the model's own attention.
+
+The reference is independent of the probe: it intercepts the ``scaled_dot_product_attention`` call inside the
+attention module (the q, k, mask and scale the model attends with, after its norms and rotary rotation) and
+computes, in float64, the probe's documented rule: the text queries' softmax over all keys, averaged over heads
+and the text queries that the mask keeps, restricted to the image keys and renormalised per sample
+(``backbones._diffusers.probe_joint_attention``).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+
+import tomerge
+from tomerge import registry
+from tomerge.backbones._declared import Kind, Rope, Site
+from tomerge.backbones._diffusers import joint_key_mask
+from tomerge.backbones.wan import WanAdapter
+from test_backbone_flux import flux_inputs, tiny_flux
+from test_backbones_diffusers import SIZE, make_inputs, tiny_sd3
+from test_backbones_current import FAMILIES as IMAGE_FAMILIES
+from test_backbones_image_other import FAMILIES as OTHER_IMAGE_FAMILIES
+from test_backbones_video import FAMILIES as VIDEO_FAMILIES
+
+
+# ---------------------------------------------------------------------- the reference
+class _SDPACalls(TorchFunctionMode):
+    """Records every SDPA call while entered: its ``query``, ``key``, ``value``, ``attn_mask``, ``scale`` and
+    ``out``, the result of the call (as a mode entered before this one, e.g. the text-key bias, computes it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[dict[str, Any]] = []
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func is F.scaled_dot_product_attention:
+            names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
+            self.calls.append({"attn_mask": None, "scale": None, **dict(zip(names, args)), **kwargs, "out": out})
+        return out
+
+
+def record_sdpa(modules: dict[int, nn.Module]) -> tuple[dict[int, list], list]:
+    """Hooks recording the SDPA calls made inside each module's forward, keyed like ``modules``. Installed after
+    tomerge's hooks, they see the call the processor makes (inside the text-key bias)."""
+    seen: dict[int, list] = {key: [] for key in modules}
+    hooks = []
+    for key, module in modules.items():
+        mode = _SDPACalls()
+
+        def enter(m, args, kwargs, mode=mode):
+            mode.__enter__()
+
+        def leave(m, args, output, mode=mode, key=key):
+            mode.__exit__(None, None, None)
+            seen[key].extend(mode.calls)
+            mode.calls = []
+
+        hooks += [module.register_forward_pre_hook(enter, with_kwargs=True),  # entered last: innermost mode
+                  module.register_forward_hook(leave, prepend=True, always_call=True)]  # so left first
+    return seen, hooks
+
+
+def reference_received_attention(query: Tensor, key: Tensor, mask: Tensor | None, scale: float | None, N: int,
+                                 text_first: bool, context: tuple[int, int] = (0, 0)) -> Tensor:
+    """The probe's rule, from the SDPA inputs ``[B, h, T + S, d]`` (``S``: the image stream, ``context[0]``
+    reference tokens, the ``N`` target tokens, ``context[1]`` reference tokens): ``[B, N]`` float64."""
+    q, k = query.double(), key.double()
+    B, h, L, d = q.shape
+    T = L - N - sum(context)
+    logits = torch.einsum("bhqd,bhkd->bhqk", q, k) * (d ** -0.5 if scale is None else scale)  # [B, h, L, L]
+    attended = torch.ones(B, L, dtype=torch.bool)  # [B, L]: keys some query may attend
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            logits = logits.masked_fill(~mask, -math.inf)
+            attended = mask.expand(B, h, L, L).any(dim=2).any(dim=1)
+        else:
+            logits = logits + mask
+    p = logits.softmax(-1)  # rows of masked queries may be NaN: they are not counted
+    text = torch.arange(T) if text_first else torch.arange(L - T, L)
+    image = (T if text_first else 0) + context[0] + torch.arange(N)  # the target's keys
+    out = []
+    for b in range(B):
+        rows = text[attended[b, text]]  # the text queries the mask keeps
+        a = p[b][:, rows].mean(dim=(0, 1))[image]  # [N]
+        out.append(a / a.sum())
+    return torch.stack(out)
+
+
+def check_probe_matches_the_model(model: nn.Module, inputs: dict,
+                                  attentions: Callable[[nn.Module], dict[int, nn.Module]], num_tokens: int,
+                                  text_first: bool, masked: bool, context: tuple[int, int] = (0, 0)) -> None:
+    """float64: the received attention recorded for every block of ``attentions(model)`` (``{layer: attention
+    module}``) equals the reference from that module's SDPA call; ``masked``: the call has a text mask, and the
+    reference without it differs (so the probe used it); ``context``: reference-image tokens before and after the
+    ``num_tokens`` target tokens of the image stream."""
+    model = copy.deepcopy(model).double()
+    inputs = {k: v.double() if isinstance(v, Tensor) and v.is_floating_point() else v for k, v in inputs.items()}
+    modules = attentions(model)
+    seen, hooks = record_sdpa(modules)
+    try:
+        with tomerge.merging(model, "idm", ratio=0.5) as handle, torch.no_grad():
+            model(**inputs)
+            recorded = dict(handle.state.attention)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert sorted(recorded) == sorted(modules)
+    for layer, calls in seen.items():
+        assert len(calls) == 1, f"layer {layer}: {len(calls)} SDPA calls"
+        q, k, mask, scale = (calls[0][name] for name in ("query", "key", "attn_mask", "scale"))
+        reference = reference_received_attention(q, k, mask, scale, num_tokens, text_first, context)
+        a = recorded[layer]
+        assert a.shape == reference.shape and a.dtype == torch.float32
+        torch.testing.assert_close(a.double(), reference, rtol=1e-5, atol=1e-8)
+        assert (reference.max(-1).values - reference.min(-1).values > 1e-3).all()  # not uniform: real q/k
+        if masked:
+            assert mask is not None
+            unmasked = reference_received_attention(q, k, None, scale, num_tokens, text_first, context)
+            assert (unmasked - reference).abs().max() > 1e-4
+
+
+# ---------------------------------------------------------------------- FLUX.1 (hand-written adapter)
+def test_joint_key_mask_text_and_joint_masks():
+    bias, valid = joint_key_mask(torch.tensor([[True, False, True, True, True]]), 1, 2, 3, "first")
+    assert bias.tolist() == [[0.0, -math.inf, 0.0, 0.0, 0.0]] and valid.tolist() == [[True, False]]
+    bias, valid = joint_key_mask(torch.tensor([[1, 0]])[:, None, None, :], 2, 2, 3, "last")  # [1, 1, 1, T]
+    assert bias.tolist() == [[0.0, 0.0, 0.0, 0.0, -math.inf]] * 2 and valid.tolist() == [[True, False]] * 2
+    additive = torch.tensor([[0.5, -1.0]])
+    bias, valid = joint_key_mask(additive, 1, 2, 1, "first")
+    assert bias.tolist() == [[0.5, -1.0, 0.0]] and valid is None
+    with pytest.raises(ValueError, match="over 4 keys"):
+        joint_key_mask(torch.ones(1, 4, dtype=torch.bool), 1, 2, 3, "first")
+    with pytest.raises(ValueError, match=r"\[B, L\] or \[B, 1, 1, L\]"):
+        joint_key_mask(torch.ones(1, 2, 1, 5, dtype=torch.bool), 1, 2, 3, "first")
+    pairs = torch.tensor([[1, 1, 0, 1, 1]]).bool()  # a query-by-key mask [B, 1, L, L] (Chroma): text first
+    bias, valid = joint_key_mask((pairs[:, :, None] & pairs[:, None, :])[:, None], 1, 3, 2, "first")
+    assert bias.shape == (1, 3, 5) and valid.tolist() == [[True, True, False]]  # the padded query attends nothing
+    assert bias[0, 0].tolist() == [0.0, 0.0, -math.inf, 0.0, 0.0] and bias[0, 2].tolist() == [0.0] * 5
+
+
+def _attentions(*containers: str, path: str = "attn") -> Callable[[nn.Module], dict[int, nn.Module]]:
+    def find(model: nn.Module) -> dict[int, nn.Module]:
+        blocks = [block for c in containers for block in getattr(model, c)]
+        return {layer: block.get_submodule(path) for layer, block in enumerate(blocks)}
+    return find
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_flux_probe_equals_the_models_attention(masked):
+    """FLUX.1: text first, text rows of the RoPE table first, double (separate text projections) and single
+    (one projection of the joint sequence) blocks; a key mask over the joint sequence via joint_attention_kwargs."""
+    text, grid = 5, (4, 6)
+    inputs = flux_inputs(text=text, grid=grid)
+    if masked:
+        mask = torch.ones(2, 1, 1, text + 24, dtype=torch.bool)
+        mask[1, ..., text - 2:text] = False  # the second prompt is 2 tokens shorter
+        inputs["joint_attention_kwargs"] = {"attention_mask": mask}
+    blocks = _attentions("transformer_blocks", "single_transformer_blocks")
+    check_probe_matches_the_model(tiny_flux(), inputs, blocks, 24, text_first=True, masked=masked)
+
+
+def test_sd3_probe_equals_the_models_attention():
+    """SD3 (hand-written adapter): text last, no rotary table, the processor's q/k norms on [B, heads, L, d];
+    block 0 also has SD3.5's second (image-only) attention, which records nothing."""
+    check_probe_matches_the_model(tiny_sd3(), make_inputs("sd3"), _attentions("transformer_blocks"),
+                                  SIZE[0] * SIZE[1], text_first=False, masked=False)
+
+
+# ---------------------------------------------------------------------- declared joint families
+JOINT = {  # family: (its blocks' attentions in layer order, text first, the inputs mask padded text)
+    "flux2": (_attentions("transformer_blocks", "single_transformer_blocks"), True, False),
+    "qwenimage": (_attentions("transformer_blocks"), True, True),
+    "hunyuan_video": (_attentions("transformer_blocks", "single_transformer_blocks"), False, True),
+    "hunyuan_video15": (_attentions("transformer_blocks"), False, True),
+    "auraflow": (_attentions("joint_transformer_blocks", "single_transformer_blocks"), True, False),
+    # probe="sdpa": the record from the attention's SDPA call
+    "cogview4": (_attentions("transformer_blocks", path="attn1"), True, False),
+    "glm_image": (_attentions("transformer_blocks", path="attn1"), True, False),
+    "cogview3plus": (_attentions("transformer_blocks", path="attn1"), True, False),
+    "hidream": (_attentions("double_stream_blocks", "single_stream_blocks", path="block.attn1"), False, False),
+    "ernie_image": (_attentions("layers", path="self_attention"), False, True),
+}
+
+
+@pytest.mark.parametrize("name", JOINT)
+def test_declared_joint_probe_equals_the_models_attention(name):
+    """FLUX.2 (double and single blocks, text-first RoPE rows), Qwen-Image (complex tables per stream, a text
+    mask), HunyuanVideo (text last, RoPE on the image rows only, a [B, 1, 1, N + T] key mask; single blocks
+    project the joint sequence at once) and HunyuanVideo 1.5 (a [B, T] text mask the processor pads to a
+    query-and-key mask); AuraFlow (register tokens with the text, separate text projections in the joint blocks);
+    from the SDPA call, CogView4 and GLM-Image (q/k norms over [B, heads, L, d] and [B, L, heads, d], RoPE on the
+    image rows), CogView3-Plus, HiDream (text last, its own projections and rotary function) and ERNIE-Image (text
+    last, a [B, 1, 1, N + T] key mask over padded text)."""
+    family = {**IMAGE_FAMILIES, **VIDEO_FAMILIES, **OTHER_IMAGE_FAMILIES}[name]
+    attentions, text_first, masked = JOINT[name]
+    model = family.build()
+    check_probe_matches_the_model(model, family.inputs(model), attentions, math.prod(family.grid),
+                                  text_first=text_first, masked=masked)
+
+
+@pytest.mark.parametrize("name", ["flux_kontext", "flux2_reference", "flux2_reference_first", "flux2_kv_extract",
+                                  "qwenimage_edit"])
+def test_joint_probe_with_reference_images_records_the_targets_share(name):
+    """Editing calls: the reference-image tokens around the target are keys like the text (the model's softmax
+    over text, target and reference keys); the record is the target's keys' share. FLUX.2 klein's KV-cache
+    extract call masks the reference queries' view of the target, not the text queries'."""
+    from test_reference_images import CASES as EDITS, GRID, REFERENCE
+
+    case = EDITS[name]
+    model = case.build()
+    before = case.before
+    context = (before, math.prod(REFERENCE) - before)
+    containers = ("transformer_blocks",) if name == "qwenimage_edit" else ("transformer_blocks",
+                                                                           "single_transformer_blocks")
+    check_probe_matches_the_model(model, case.inputs(model), _attentions(*containers), math.prod(GRID),
+                                  text_first=True, masked=name == "qwenimage_edit", context=context)
+
+
+# ---------------------------------------------------------------------- SANA: linear attention
+def test_sana_probe_equals_the_normalised_linear_attention_weights():
+    """float64: SANA's recorded received attention is the mean over heads and every query of the linear
+    attention's normalised weights ``relu(q_i) . relu(k_j) / sum_j' relu(q_i) . relu(k_j')``, here formed as the
+    full N x N matrix from attn1's own projections, renormalised per sample."""
+    family = IMAGE_FAMILIES["sana"]
+    model = family.build().double()
+    inputs = {k: v.double() if isinstance(v, Tensor) and v.is_floating_point() else v
+              for k, v in family.inputs(model).items()}
+    seen: dict[int, Tensor] = {}
+    hooks = [block.attn1.register_forward_pre_hook(lambda m, args, layer=layer: seen.setdefault(layer, args[0]))
+             for layer, block in enumerate(model.transformer_blocks)]
+    try:
+        with tomerge.merging(model, "idm", ratio=0.5) as handle, torch.no_grad():
+            model(**inputs)
+            recorded = dict(handle.state.attention)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert sorted(recorded) == sorted(seen) == [0, 1]
+    N = math.prod(family.grid)
+    for layer, x in seen.items():
+        attn = model.transformer_blocks[layer].attn1
+        with torch.no_grad():
+            q, k = attn.to_q(x), attn.to_k(x)  # [B, N, H*d]
+            if attn.norm_q is not None:
+                q, k = attn.norm_q(q), attn.norm_k(k)
+        B = x.shape[0]
+        phi_q = q.view(B, N, attn.heads, -1).transpose(1, 2).relu()  # [B, H, N, d]
+        phi_k = k.view(B, N, attn.heads, -1).transpose(1, 2).relu()
+        weights = phi_q @ phi_k.transpose(-1, -2)  # [B, H, N, N]
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-15)
+        reference = weights.mean(dim=(1, 2))  # [B, N]
+        reference = reference / reference.sum(-1, keepdim=True)
+        torch.testing.assert_close(recorded[layer].double(), reference, rtol=1e-5, atol=1e-9)
+        assert (reference.max(-1).values - reference.min(-1).values > 0.2 / N).all()  # not uniform: the model's weights
+
+
+# ---------------------------------------------------------------------- who can run a strategy that needs something
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MostAttendedKept(tomerge.MergeStrategy):
+    """A strategy outside tomerge that needs received attention: the most attended tokens are the destinations
+    (slots), every other token merges into the first slot."""
+
+    name = "test_most_attended_kept"
+
+    @property
+    def needs(self) -> frozenset[str]:
+        return frozenset({"received_attention"})
+
+    def select_destinations(self, x: Tensor, ctx: tomerge.MergeContext) -> Tensor:
+        M = x.shape[1] - ctx.tokens_to_remove(x.shape[1])
+        return ctx.received_attention.topk(M, dim=1).indices.sort(dim=1).values  # [B, M]
+
+    def merge_matrix(self, x: Tensor, dst: Tensor, ctx: tomerge.MergeContext) -> tomerge.MergePlan:
+        B, N = x.shape[:2]
+        assign = torch.zeros(B, N, dtype=torch.long)  # [B, N]: sources into slot 0
+        assign.scatter_(1, dst, torch.arange(dst.shape[1]).expand(B, -1))  # destinations into their own slots
+        return tomerge.MergePlan.hard(assign, dst, backend="index")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class NeedsGradients(MostAttendedKept):
+    name = "test_needs_gradients"
+
+    @property
+    def needs(self) -> frozenset[str]:
+        return frozenset({"gradients"})
+
+
+class WanWithoutProbe(WanAdapter):
+    """Wan declared without its attention probe."""
+
+    kinds = (Kind("wan", "blocks", ("WanTransformerBlock",), (
+        Site("attn", "attn1", rope=Rope("rotary_emb", 3, "wan")), Site("mlp", "ffn"))),)
+
+
+class WanMlpOnly(WanAdapter):
+    """Wan declared with its feed-forward alone: no attention point to record received attention at."""
+
+    kinds = (Kind("wan", "blocks", ("WanTransformerBlock",), (Site("mlp", "ffn"),)),)
+
+
+@pytest.fixture
+def test_backbones():
+    """The two adapters above, registered for one test and removed again (other tests list the backbones, and
+    these would also claim every Wan model)."""
+    names = {"test_wan_without_probe": WanWithoutProbe, "test_wan_mlp_only": WanMlpOnly}
+    for name, cls in names.items():
+        tomerge.register_backbone(name)(cls)
+    yield list(names)
+    for name in names:
+        del registry._backbones._classes[name]
+
+
+def _no_hooks_left(model: nn.Module) -> bool:
+    return all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+
+
+def test_a_strategy_that_needs_received_attention_runs_where_a_probe_is_declared_and_is_refused_elsewhere(
+        test_backbones):
+    family = VIDEO_FAMILIES["wan"]
+    model = family.build()
+    inputs = family.inputs(model)
+    with torch.no_grad():
+        before = model(**inputs).sample
+    with tomerge.merging(model, MostAttendedKept(), ratio=0.5, merge_attn=False, backbone="wan") as handle, \
+            torch.no_grad():
+        out = model(**inputs).sample
+        attention = handle.state.attention
+        records = handle.state.records
+    assert sorted(attention) == [0, 1] and all(r.num_removed == 16 for r in records)
+    assert out.shape == before.shape and torch.isfinite(out).all() and not torch.equal(out, before)
+    for name in ("test_wan_without_probe", "test_wan_mlp_only"):  # no probe on its attention, no attention point
+        with pytest.raises(NotImplementedError,
+                           match=f"strategy 'test_most_attended_kept' needs received attention: backbone {name!r} "
+                                 "cannot record received attention in its 'wan' blocks"):
+            tomerge.apply(model, MostAttendedKept(), ratio=0.5, backbone=name)
+        assert _no_hooks_left(model) and "_tomerge_handle" not in model.__dict__
+    with pytest.raises(ValueError, match="'test_needs_gradients' needs 'gradients', which no backbone adapter records"):
+        tomerge.apply(model, NeedsGradients(), ratio=0.5, backbone="wan")
+    assert _no_hooks_left(model)
