@@ -104,6 +104,7 @@ class Coverage:
     rows: tuple[Row, ...]
     strategies: tuple[str, ...]
     other_backbones: tuple[tuple[str, str], ...]
+    caching: tuple[str, ...] = ()  # the caching schedules, not claimed per class (CACHING_NOTE)
 
     @property
     def merged(self) -> tuple[Row, ...]:
@@ -132,6 +133,21 @@ def default_ratio(name: str) -> float | None:
     return None if issubclass(strategy_class(name), Schedule) else 0.5
 
 
+def caches_blocks(name: str) -> bool:
+    """Whether the registered strategy or schedule ``name`` is a caching schedule (it skips whole block calls,
+    ``Schedule.caches_blocks``): those run where a family's blocks return one tensor or declare what their tuple
+    holds (``BlockSpec.outputs``), which the table does not claim per family (:data:`CACHING_NOTE`)."""
+    from tomerge.attach import check_options
+
+    return bool(check_options(name, ratio=default_ratio(name)).caches_blocks)
+
+
+CACHING_NOTE = ("The caching schedules ({names}, docs/schedules.md) are not in the table's strategies column: they "
+                "run on a family whose blocks return one tensor or declare what their tuple output holds "
+                "(`BlockSpec.outputs`; a block that does not stops the first call with a TypeError naming it), which "
+                "is tested for `native_dit`, `dit`, `sana`, `wan` and `qwenimage` (`tests/test_caching.py`).")
+
+
 def runnable_strategies(adapter: type, strategies: Sequence[str]) -> tuple[str, ...]:
     """The ones of ``strategies`` (registered names) that run on ``adapter`` with their default options (at
     :func:`default_ratio`): those whose schedule ``needs`` nothing, or received attention where every block kind
@@ -152,7 +168,9 @@ def coverage(backbones: Sequence[str] | None = None, strategies: Sequence[str] |
     from tomerge.registry import backbone_class
 
     backbones = sorted(tomerge.list_backbones() if backbones is None else backbones)
-    strategies = tuple(sorted(tomerge.list_strategies() if strategies is None else strategies))
+    everything = sorted(tomerge.list_strategies() if strategies is None else strategies)
+    caching = tuple(name for name in everything if caches_blocks(name))
+    strategies = tuple(name for name in everything if name not in caching)
     classes = model_classes()
     claimed: dict[str, type] = {}
     others: list[tuple[str, str]] = []
@@ -176,7 +194,7 @@ def coverage(backbones: Sequence[str] | None = None, strategies: Sequence[str] |
             rows.append(Row(class_name, cls.__module__, backbone=adapter.name,
                             strategies=runnable_strategies(adapter, strategies), grid_dims=adapter.grid_dims,
                             kinds=adapter.kind_summaries(), probed=adapter.probed_kinds()))
-    return Coverage(diffusers.__version__, tuple(rows), strategies, tuple(others))
+    return Coverage(diffusers.__version__, tuple(rows), strategies, tuple(others), caching)
 
 
 # ---------------------------------------------------------------------- output
@@ -244,6 +262,7 @@ def markdown(table: Coverage) -> str:
         f"{len(table.merged)} of {len(table.rows)} classes are merged. Strategies and schedules: "
         f"{', '.join(f'`{s}`' for s in table.strategies)}.",
         "",
+        *([CACHING_NOTE.format(names=", ".join(f"`{s}`" for s in table.caching)), ""] if table.caching else []),
         "## Merged",
         "",
         "| model class | backbone | grid | strategies | block kinds: sublayers | RoPE | text / context |",
