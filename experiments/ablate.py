@@ -308,12 +308,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out-dir", type=Path, default=None, help="parent folder of run folders (default runs/)")
 
 
-def run(args: argparse.Namespace) -> int:
+def command_overrides(args: argparse.Namespace) -> list[str]:
+    """The ``--set`` overrides of a command line, with ``--wandb`` and ``--out-dir`` as the keys they set
+    (``tomerge ablate`` and ``tomerge search``)."""
     overrides = list(args.overrides)
     if args.wandb is not None:
         overrides.append(f"wandb={args.wandb}")
     if args.out_dir is not None:
         overrides.append(f"out_dir={args.out_dir}")
+    return overrides
+
+
+def run(args: argparse.Namespace) -> int:
+    overrides = command_overrides(args)
     with user_input():
         config = load_config(args.config, overrides, plugins=list(getattr(args, "plugins", None) or []),
                              check_inputs=True)

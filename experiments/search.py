@@ -464,13 +464,11 @@ def load_search(path: Path, overrides: list[str], plugins: list[str] | None = No
 
 
 def run(args: argparse.Namespace) -> int:
-    overrides = list(args.overrides)
-    if args.wandb is not None:
-        overrides.append(f"wandb={args.wandb}")
-    if args.out_dir is not None:
-        overrides.append(f"out_dir={args.out_dir}")
+    from .ablate import command_overrides
+
     with user_input():
-        config, space = load_search(args.config, overrides, plugins=list(getattr(args, "plugins", None) or []))
+        config, space = load_search(args.config, command_overrides(args),
+                                    plugins=list(getattr(args, "plugins", None) or []))
     result = run_search(config, space, held_out=not args.no_held_out)
     print()
     print(f"{len(result.trials)} trials; the Pareto front of {', '.join(space.objectives)}:")

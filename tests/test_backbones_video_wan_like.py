@@ -426,7 +426,10 @@ def test_merging_runs_under_inference_mode(models, name):
 
 
 # ---------------------------------------------------------------------- every strategy on every family
-STRATEGIES = tomerge.registry.list_strategies()
+from tomerge.experiments.coverage import caches_blocks  # noqa: E402
+
+# the merging strategies and schedules; the caching schedules have their own contract (tests/test_caching.py)
+STRATEGIES = [name for name in tomerge.registry.list_strategies() if not caches_blocks(name)]
 #: Options that make every strategy remove tokens on the tests' 32-token grid in 2 steps: ssm's windows unrounded,
 #: 4 facility-location tiles, toma_release's first blocks merged too (its release skips the first 5 of each kind).
 STRATEGY_OPTIONS = {"ssm": {"round_windows": 1}, "facility_location": {"num_tiles": 4}, "toma": {"num_tiles": 4},
