@@ -277,7 +277,8 @@ def _plain(value: Any) -> Any:
     return yaml.safe_load(yaml.safe_dump(value))
 
 
-def _fmt(value: Any) -> str:
+def format_value(value: Any) -> str:
+    """A number of a results table as tables print it (``-`` for none; 3 significant digits below 100)."""
     if value is None:
         return "-"
     if isinstance(value, float):
@@ -288,7 +289,7 @@ def _fmt(value: Any) -> str:
 def _cell(row: dict[str, Any], key: str) -> str:
     if key == "timing_spread" and row.get(key) is not None:
         return f"{100 * row[key]:.0f}%" + (" (noisy)" if row.get("timing_noisy") else "")
-    return _fmt(row.get(key))
+    return format_value(row.get(key))
 
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:

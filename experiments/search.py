@@ -43,7 +43,7 @@ import yaml
 
 from .cli import UsageError, did_you_mean, user_input
 from .config import AblationConfig, ConfigError, RunSpec, entry_problems, load_config_sections
-from .records import BETTER
+from .records import BETTER, format_value
 
 # optuna, torch and the model are imported where they are used: `--help` needs none.
 
@@ -116,10 +116,6 @@ class SpaceEntry:
     strategy: str
     ratio: Dimension
     options: tuple[tuple[str, Dimension], ...]
-
-    @property
-    def label(self) -> str:
-        return self.strategy
 
     def grid_entries(self) -> list[dict[str, Any]]:
         """Grid entries covering every choice and range end (each option varied alone, the others at their
@@ -196,7 +192,7 @@ class SearchSpace:
 
     def suggest(self, trial: Any) -> RunSpec:
         """The run of one trial: which entry, then its ratio and options (parameters named per entry)."""
-        labels = [f"{i}:{e.label}" for i, e in enumerate(self.entries)]
+        labels = [f"{i}:{e.strategy}" for i, e in enumerate(self.entries)]
         label = trial.suggest_categorical("entry", labels)
         return self.entries[labels.index(label)].suggest(trial, label)
 
@@ -396,17 +392,11 @@ def front_table(front: Sequence[RunSpec], rows: Sequence[dict[str, Any]],
     header = ["run", *titles, *([f"{t}, held out" for t in titles] if held_out_rows is not None else [])]
     lines = ["| " + " | ".join(header) + " |", "|---" + "|---:" * (len(header) - 1) + "|"]
     for run, row in sorted(zip(front, rows), key=lambda pair: pair[1][space.objectives[0]]):
-        cells = [run.run_id, *(_number(row.get(c)) for c in space.objectives)]
+        cells = [run.run_id, *(format_value(row.get(c)) for c in space.objectives)]
         if held_out_rows is not None:
-            cells += [_number(held.get(run.run_id, {}).get(c)) for c in space.objectives]
+            cells += [format_value(held.get(run.run_id, {}).get(c)) for c in space.objectives]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
-
-
-def _number(value: Any) -> str:
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        return "-"
-    return f"{value:.4g}" if abs(value) < 1e6 else f"{value:.4e}"
 
 
 def write_front(study: Any, space: SearchSpace, config: AblationConfig, front: Sequence[RunSpec], out: Path) -> None:
