@@ -238,6 +238,16 @@ def check_permutation_is_exact(model: nn.Module, inputs: dict, shuffle: Callable
         assert (run(model, shuffle(inputs, perm)) - before).abs().max() > 1e-3
 
 
+def check_inference_mode(model: nn.Module, inputs: dict) -> None:
+    """Inference tensors (``torch.inference_mode``, what benchmarks and pipelines use) have no version counter:
+    the adapters must not read one. The merged output equals the ``no_grad`` one."""
+    with tomerge.merging(model, "ssm", ratio=0.5, round_windows=1, **ALL_SUBLAYERS):
+        expected = run(model, inputs)
+        with torch.inference_mode():
+            out = run(model, inputs)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
 def check_batch_equals_samples(model: nn.Module, inputs: dict, select_sample: Callable[[dict, int], dict] = select,
                                **options) -> None:
     """float64: a batch and its samples alone give the same merged outputs (tomesd without randomness plans

@@ -27,7 +27,8 @@ from torch import Tensor, nn
 import tomerge
 from tomerge.backbones._declared import BatchedComplexTable, gather_pair_mask, gather_rope
 from tomerge.registry import backbone_class
-from test_backbones_current import (ALL_SUBLAYERS, Family, Permute, check_batch_equals_samples, check_bit_identical,
+from test_backbones_current import (ALL_SUBLAYERS, Family, Permute, check_batch_equals_samples,
+                                    check_inference_mode, check_bit_identical,
                                     check_flops, check_odd_grid_merges, check_permutation_is_exact, run, select,
                                     to_float64)
 from test_probes import check_probe_matches_the_model
@@ -383,13 +384,7 @@ def test_grids_with_leftover_rows_merge(models, name):
 @pytest.mark.parametrize("name", FAMILIES)
 def test_merging_runs_under_inference_mode(models, name):
     """Inference tensors have no version counter: the adapters must not read one; the result equals no_grad's."""
-    family, model = FAMILIES[name], models[name]
-    inputs = family.inputs(model)
-    with tomerge.merging(model, "ssm", ratio=0.5, round_windows=1, **ALL_SUBLAYERS):
-        expected = run(model, inputs)
-        with torch.inference_mode():
-            out = model(**inputs).sample
-    torch.testing.assert_close(torch.stack(out) if isinstance(out, list) else out, expected, rtol=0, atol=0)
+    check_inference_mode(models[name], FAMILIES[name].inputs(models[name]))
 
 
 # ---------------------------------------------------------------------- received attention

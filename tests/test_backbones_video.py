@@ -18,7 +18,8 @@ from torch import nn
 
 import tomerge
 from tomerge.registry import backbone_class
-from test_backbones_current import (ALL_SUBLAYERS, Family, Permute, check_batch_equals_samples, check_bit_identical,
+from test_backbones_current import (ALL_SUBLAYERS, Family, Permute, check_batch_equals_samples,
+                                    check_inference_mode, check_bit_identical,
                                     check_flops, check_odd_grid_merges, check_permutation_is_exact, generate,
                                     load_tiny_pipeline, run)
 
@@ -298,13 +299,7 @@ def test_wan_pipeline_loaded_from_a_local_folder_merges_and_is_restored(monkeypa
 def test_merging_runs_under_inference_mode(models, name):
     """Inference tensors (``torch.inference_mode``, what benchmarks and pipelines use) have no version
     counter: the adapters must not read one. The result equals the ``no_grad`` one."""
-    family, model = FAMILIES[name], models[name]
-    inputs = family.inputs(model)
-    with tomerge.merging(model, "ssm", ratio=0.5, round_windows=1, **ALL_SUBLAYERS):
-        expected = run(model, inputs)
-        with torch.inference_mode():
-            out = model(**inputs).sample
-    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    check_inference_mode(models[name], FAMILIES[name].inputs(models[name]))
 
 
 @pytest.mark.parametrize("name", ["wan", "ltx", "hunyuan_video", "hunyuan_video15"])

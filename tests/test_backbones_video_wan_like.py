@@ -25,7 +25,8 @@ from tomerge.backbones._declared import DeclaredAdapter
 from tomerge.experiments.flops import FlopCounter
 from tomerge.registry import backbone_class
 from tomerge.schedule import Schedule
-from test_backbones_current import (ALL_SUBLAYERS, Family, Permute, check_batch_equals_samples, check_flops,
+from test_backbones_current import (ALL_SUBLAYERS, Family, Permute, check_batch_equals_samples,
+                                    check_inference_mode, check_flops,
                                     check_odd_grid_merges, check_permutation_is_exact, flop_counts, no_hooks_left,
                                     run, select, to_float64)
 from test_probes import record_sdpa
@@ -416,13 +417,7 @@ def test_grids_with_leftover_rows_and_frames_merge(models, name):
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_merging_runs_under_inference_mode(models, name):
-    family, model = FAMILIES[name], models[name]
-    inputs = family.inputs(model)
-    with tomerge.merging(model, "ssm", ratio=0.5, round_windows=1, **ALL_SUBLAYERS):
-        expected = run(model, inputs)
-        with torch.inference_mode():
-            out = model(**inputs).sample
-    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    check_inference_mode(models[name], FAMILIES[name].inputs(models[name]))
 
 
 # ---------------------------------------------------------------------- every strategy on every family
