@@ -393,13 +393,12 @@ def run(args: argparse.Namespace) -> int:
     module = build_module(config, lr=args.lr, weight_decay=args.weight_decay, warmup_steps=args.warmup_steps,
                           ema_decay=args.ema_decay, t_sampling=args.t_sampling, data=data, seed=args.seed)
 
-    if args.ckpt_every_steps > 0:
-        periodic = ModelCheckpoint(dirpath=out_dir, filename="step{step:07d}", auto_insert_metric_name=False,
-                                   every_n_train_steps=args.ckpt_every_steps, save_last=True, save_top_k=1)
-    else:
-        periodic = ModelCheckpoint(dirpath=out_dir, filename="step{step:07d}", auto_insert_metric_name=False,
-                                   train_time_interval=_dt.timedelta(minutes=args.ckpt_minutes),
-                                   save_last=True, save_top_k=1)
+    trigger = ({"every_n_train_steps": args.ckpt_every_steps} if args.ckpt_every_steps > 0
+               else {"train_time_interval": _dt.timedelta(minutes=args.ckpt_minutes)})
+    # enable_version_counter=False: a run resumed in a copied or moved folder overwrites last.ckpt,
+    # which --resume reads, instead of writing last-v1.ckpt beside it
+    periodic = ModelCheckpoint(dirpath=out_dir, filename="step{step:07d}", auto_insert_metric_name=False,
+                               save_last=True, save_top_k=1, enable_version_counter=False, **trigger)
     cls = _module_class()
     callbacks = [periodic, cls.LogLine(args.log_every),
                  cls.ExportEMA(out_dir / EMA_EXPORT_NAME, args.export_every, data)]

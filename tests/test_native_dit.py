@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import shutil
 import struct
 
 import pytest
@@ -175,6 +176,12 @@ def test_training_smoke_checkpoint_resume_export(tmp_path):
     assert main(common + ["--max-steps", "2"]) == 0
     assert (out / "last.ckpt").is_file()
     assert torch.load(out / "last.ckpt", map_location="cpu", weights_only=True)["global_step"] == 2
+    # resumed in a copied folder, the run overwrites last.ckpt (no last-v1.ckpt that --resume would not read)
+    copy = tmp_path / "copy"
+    shutil.copytree(out, copy)
+    assert main([a if a != str(out) else str(copy) for a in common] + ["--max-steps", "3", "--resume"]) == 0
+    assert torch.load(copy / "last.ckpt", map_location="cpu", weights_only=True)["global_step"] == 3
+    assert sorted(p.name for p in copy.glob("last*.ckpt")) == ["last.ckpt"]
     assert main(common + ["--max-steps", "3", "--resume"]) == 0
     assert torch.load(out / "last.ckpt", map_location="cpu", weights_only=True)["global_step"] == 3
     assert (out / "dit_reference_ema.safetensors").is_file()  # written at the end of training
