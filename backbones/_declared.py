@@ -149,6 +149,10 @@ class Site:
             queries with text in the block, strided image queries without) from the q, k, mask and scale of the
             submodule's ``scaled_dot_product_attention`` call, for processors whose projections that probe cannot
             read (:func:`~tomerge.backbones._diffusers.probe_sdpa_attention`).
+        probe_queries: the queries of a ``probe="sdpa"``: ``"text"`` (the rule above) or ``"image"``, strided image
+            queries against all keys with or without text in the block, for an attention where no text query
+            sees the image (OmniGen's causal condition tokens, Qwen-Image 2.1's block-causal prompt, Z-Image's
+            noise refiner, whose "text" is the image's padding).
         probe_heads_first: the joint attention's processor normalises q/k after moving the heads before the
             tokens (``[B, heads, L, d]``: CogVideoX, EasyAnimate), so the joint probe reads its norms so.
         probe_copies: the joint attention's processor rotates the image rows of the q/k the probe captures in
@@ -178,6 +182,7 @@ class Site:
     text_keys: bool = False
     shared: bool = False
     probe: bool | Literal["sdpa"] = False
+    probe_queries: Literal["text", "image"] = "text"
     probe_heads_first: bool = False
     probe_copies: bool = False
     self_kv: bool = False
@@ -185,6 +190,11 @@ class Site:
     context: bool = True
     count_arg: str | None = None
     count_index: int = 4
+
+    def __post_init__(self) -> None:
+        if self.probe_queries != "text" and self.probe != "sdpa":
+            raise ValueError(f"Site {self.path!r}: probe_queries={self.probe_queries!r} is a rule of probe='sdpa', "
+                             f"not of probe={self.probe!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -947,7 +957,7 @@ class DeclaredAdapter(BackboneAdapter):
         kind = block.decl
         if site.probe == "sdpa":
             return probe_sdpa_attention(point.module, state, text_side=kind.joint, text_len=lambda: point.info.text,
-                                        lengths=lambda: point.info.lengths)
+                                        lengths=lambda: point.info.lengths, queries=site.probe_queries)
         if kind.text_arg is None and kind.joint_input is None:
             handles = probe_self_attention(block, point, state, context=point._around)
             if site.mask is not None:

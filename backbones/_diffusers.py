@@ -4,14 +4,15 @@ feed-forwards that chunk (:class:`FeedForwardPoint`), the base adapter of patchi
 the received-attention probes of their attention modules: :func:`probe_self_attention` (image tokens alone),
 :func:`probe_joint_attention` (joint text-image attention, from the q/k projections: SD3, FLUX.1/2, Qwen-Image,
 HunyuanVideo, AuraFlow; fused q/k/v projections: :func:`fused_part`) and :func:`probe_sdpa_attention` (either, from
-the processor's SDPA call: CogView4, GLM-Image, CogView3-Plus, HiDream, Lumina 2, ERNIE-Image)."""
+the processor's SDPA call: CogView4, GLM-Image, CogView3-Plus, HiDream, Lumina 2, ERNIE-Image; from the image
+queries where no text query sees the image: OmniGen, Qwen-Image 2.1, Z-Image's noise refiner)."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import torch
 from torch import Tensor, nn
@@ -19,7 +20,7 @@ from torch.overrides import TorchFunctionMode
 
 from tomerge.adapter import BackboneAdapter, BlockSpec, MergePoint, class_names
 from tomerge.context import Grid
-from tomerge.probe import _EPS, attention_probe, received_attention, received_self_attention, strided_queries
+from tomerge.probe import _EPS, attention_probe, received_attention, received_self_attention, strided_rows
 from tomerge.state import MergeState
 
 from ._context import NO_CONTEXT, ContextTokens
@@ -228,20 +229,22 @@ def _rotate_joint(freqs: Any, layout: str, q_txt: Tensor, k_txt: Tensor, k_img: 
             apply_rotary_emb(k_img, (cos[image], sin[image]), sequence_dim=1))
 
 
-def joint_key_mask(mask: Tensor | None, batch: int, T: int, N: int,
-                   text_side: str) -> tuple[Tensor | None, Tensor | None]:
-    """An attention mask of a joint attention as the probe's ``(key_bias [B, T + N], text_valid [B, T])``.
+def joint_key_mask(mask: Tensor | None, batch: int, T: int, N: int, text_side: str,
+                   queries: Literal["text", "image"] = "text") -> tuple[Tensor | None, Tensor | None]:
+    """An attention mask of a joint attention as the probe's ``(key_bias [B, T + N], valid)``, for the probe's
+    queries: the ``T`` text queries (``valid [B, T]``) or the ``N`` image queries (``queries="image"``,
+    ``valid [B, N]``).
 
     Args:
         mask: ``None``; boolean (or 0/1 integer: true is attended) or additive float, of shape ``[B, L]`` or
             ``[B, 1, 1, L]`` (one row for every query) with ``L = T + N`` (text on ``text_side``) or ``L = T``
             (the text alone; the image keys are all attended); or a query-by-key mask ``[B, 1, L, L]`` over the
-            joint sequence (Chroma), whose text queries' rows are the bias, ``[B, T, T + N]``.
+            joint sequence (Chroma, OmniGen), whose rows of the probe's queries are the bias, ``[B, T or N, T + N]``.
 
     Returns:
-        ``(None, None)`` without a mask; a boolean mask gives ``-inf`` on masked keys and the text tokens that
-        are attended (the counted queries; with a query-by-key mask, those whose row attends a key); a float
-        mask is the bias itself and every text query counts.
+        ``(None, None)`` without a mask; a boolean mask gives ``-inf`` on masked keys and the probe's queries
+        that are attended (the counted queries: a token masked out as a key counts as no query; with a query-by-key
+        mask, those whose row attends a key); a float mask is the bias itself and every query counts.
 
     Example:
         >>> bias, valid = joint_key_mask(torch.tensor([[1, 1, 0]]), 1, 3, 2, "last")   # a text mask
@@ -250,8 +253,9 @@ def joint_key_mask(mask: Tensor | None, batch: int, T: int, N: int,
     """
     if mask is None:
         return None, None
+    probed = _joint_parts(T, N, text_side)[0 if queries == "text" else 1]  # the probe's queries in the sequence
     if mask.dim() == 4 and mask.shape[1] == 1 and mask.shape[2] == mask.shape[3] == T + N:
-        return _query_key_mask(mask[:, 0].expand(batch, -1, -1), T, N, text_side)
+        return _query_key_mask(mask[:, 0, probed].expand(batch, -1, -1))
     if any(size != 1 for size in mask.shape[1:-1]) or mask.dim() < 2:
         raise ValueError(f"tomerge: the received-attention probe takes a key mask [B, L] or [B, 1, 1, L], got "
                          f"{tuple(mask.shape)}")
@@ -270,50 +274,61 @@ def joint_key_mask(mask: Tensor | None, batch: int, T: int, N: int,
         image = attended.new_ones(batch, N)
         attended = torch.cat([attended, image] if text_side == "first" else [image, attended], dim=1)
     bias = torch.zeros(attended.shape, dtype=torch.float32, device=attended.device).masked_fill_(~attended, -math.inf)
-    text = attended[:, :T] if text_side == "first" else attended[:, N:]  # [B, T]
-    return bias, text
+    return bias, attended[:, probed]  # [B, T + N], [B, T or N]
 
 
-def _query_key_mask(mask: Tensor, T: int, N: int, text_side: str) -> tuple[Tensor, Tensor | None]:
-    """:func:`joint_key_mask` of a query-by-key mask ``[B, L, L]``: the text queries' rows ``[B, T, L]``."""
-    rows = mask[:, :T] if text_side == "first" else mask[:, N:]  # [B, T, L]
+def _query_key_mask(rows: Tensor) -> tuple[Tensor, Tensor | None]:
+    """:func:`joint_key_mask` of the probe queries' rows ``[B, Q, L]`` of a query-by-key mask."""
     if rows.is_floating_point():
         return rows.float(), None
     attended = rows.bool()
-    counted = attended.any(dim=-1)  # [B, T]: a query whose row attends nothing is not counted
+    counted = attended.any(dim=-1)  # [B, Q]: a query whose row attends nothing is not counted
     bias = torch.zeros(attended.shape, dtype=torch.float32, device=attended.device)
     bias.masked_fill_(~attended & counted[..., None], -math.inf)  # an uncounted row stays finite (no NaN)
     return bias, counted
 
 
 def probe_sdpa_attention(attn: nn.Module, state: MergeState, *, text_side: str, text_len: Callable[[], int | None],
-                         lengths: Callable[[], Tensor | None] = lambda: None, max_queries: int = 64) -> list[Any]:
+                         lengths: Callable[[], Tensor | None] = lambda: None, max_queries: int = 64,
+                         queries: Literal["text", "image"] = "text") -> list[Any]:
     """Records the attention each image token receives in ``attn`` from the ``scaled_dot_product_attention`` call
     inside it: the query, key, mask and scale the model attends with, after everything its processor does (its
     projections and q/k norms in any layout, grouped-query heads repeated, its own rotary rotation, per-sample
     text offsets). For processors whose q/k :func:`probe_joint_attention` cannot read at the projections
     (CogView4's norms over ``[B, heads, L, d]``, HiDream's own projections, Lumina 2's grouped-query heads and
-    complex rotary tables, ERNIE-Image's rotary function).
+    complex rotary tables, ERNIE-Image's rotary function, Z-Image's and Qwen-Image 2.1's complex rotary tables
+    over the joint sequence, OmniGen's query-by-key mask).
 
-    The rule is :func:`probe_joint_attention`'s: with text in the call (``text_len() > 0``), the text queries'
-    softmax over all keys with the model's mask and scale, averaged over heads and over the text queries the
-    mask keeps, restricted to the image keys and renormalised per sample; without text, at most
-    ``max_queries`` strided image queries against all keys (:func:`~tomerge.probe.received_attention`).
+    Two rules (:func:`received_from_sdpa`), both averaged over heads and the counted queries, restricted to the
+    image keys and renormalised per sample:
+
+    * ``queries="text"``: :func:`probe_joint_attention`'s rule. With text in the call (``text_len() > 0``), the
+      text queries' softmax over all keys with the model's mask and scale, over the text queries the mask keeps;
+      without text, the image-query rule.
+    * ``queries="image"``: at most ``max_queries`` strided image queries' softmax over all keys (text and
+      image, with the model's mask rows for those queries), for attentions where no text query sees the image
+      (OmniGen's causal condition tokens, Qwen-Image 2.1's block-causal prompt, Z-Image's noise refiner, which
+      has no text). The image queries' call is the one over the most keys: Qwen-Image 2.1's prefill attends
+      segment by segment, every prefix segment over the keys up to its end and the target image over all keys.
 
     Args:
-        attn: the attention module; its processor must call torch's SDPA once (diffusers' native attention
-            backend), else the call raises.
+        attn: the attention module; its processor must call torch's SDPA once (``queries="image"``: once over
+            the most keys; diffusers' native attention backend), else the call raises.
         state: receives ``a [B, N]`` for the block call in progress.
         text_side: ``"first"`` or ``"last"``: where text is in the attended sequence.
         text_len: ``() -> T`` of the call in progress (the longest, with per-sample ``lengths``; 0 or ``None``:
             no text).
         lengths: ``() -> [B]`` per-sample text lengths of a ragged joint sequence (text first, then the image,
-            then padding; :func:`~tomerge.backbones._declared.ragged_index`), or ``None``.
+            then padding; :func:`~tomerge.backbones._declared.ragged_index`), or ``None``; text queries only.
+        max_queries: the image-query rule's queries: at most this many, strided.
+        queries: ``"text"`` or ``"image"``, the rule.
 
     Returns:
         The hook handles (a forward pre-hook and an ``always_call`` forward hook). Calls whose attention ran on
         merged slots are not recorded.
     """
+    if queries not in ("text", "image"):
+        raise ValueError(f"tomerge: the SDPA probe's queries are 'text' or 'image', not {queries!r}")
     active: list[_SDPACalls] = []
 
     def wanted() -> bool:  # the hooks are on this block's attention: the call in progress is this block's
@@ -333,14 +348,18 @@ def probe_sdpa_attention(attn: nn.Module, state: MergeState, *, text_side: str, 
         mode.__exit__(None, None, None)
         if output is None:  # the forward raised; that error propagates
             return
-        if len(mode.calls) != 1:
+        calls = mode.calls
+        if queries == "image" and calls:  # the image queries' call: over the most keys
+            most = max(key.shape[-2] for _, key, _, _ in calls)
+            calls = [call for call in calls if call[1].shape[-2] == most]
+        if len(calls) != 1:
             raise RuntimeError(
                 f"tomerge: the received-attention probe of {type(module).__name__} expected one call of "
-                f"torch.nn.functional.scaled_dot_product_attention, got {len(mode.calls)} (an attention backend or "
-                "processor that calls another kernel); use diffusers' native attention backend or a strategy that "
-                "needs no received attention")
-        a = received_from_sdpa(*mode.calls[0], num_tokens=math.prod(state.call.grid), text_len=text_len() or 0,
-                               text_side=text_side, lengths=lengths(), max_queries=max_queries)
+                f"torch.nn.functional.scaled_dot_product_attention{' over the most keys' if queries == 'image' else ''}"
+                f", got {len(calls)} (an attention backend or processor that calls another kernel); use diffusers' "
+                "native attention backend or a strategy that needs no received attention")
+        a = received_from_sdpa(*calls[0], num_tokens=math.prod(state.call.grid), text_len=text_len() or 0,
+                               text_side=text_side, lengths=lengths(), max_queries=max_queries, queries=queries)
         if a is not None:
             state.call.attention = a  # stored for the block's layer when the call ends
 
@@ -366,34 +385,49 @@ class _SDPACalls(TorchFunctionMode):
 
 
 def received_from_sdpa(query: Tensor, key: Tensor, mask: Tensor | None, scale: float | None, *, num_tokens: int,
-                       text_len: int, text_side: str, lengths: Tensor | None = None,
-                       max_queries: int = 64) -> Tensor | None:
+                       text_len: int, text_side: str, lengths: Tensor | None = None, max_queries: int = 64,
+                       queries: Literal["text", "image"] = "text") -> Tensor | None:
     """:func:`probe_sdpa_attention`'s rule on one SDPA call's inputs.
 
     Args:
-        query, key: ``[B, h, L, d]`` and ``[B, h_kv, L, d]`` (``h_kv`` dividing ``h``: grouped-query heads).
-        mask: ``None`` or a key mask ``[B, L]`` / ``[B, 1, 1, L]`` (boolean, or an additive float bias).
+        query, key: ``[B, h, Lq, d]`` and ``[B, h_kv, Lk, d]`` (``h_kv`` dividing ``h``: grouped-query heads).
+        mask: ``None``, a key mask ``[B, Lk]`` / ``[B, 1, 1, Lk]`` (boolean, or an additive float bias), or a
+            query-by-key mask ``[B, 1, L, L]`` (:func:`joint_key_mask`).
         scale: the SDPA scale (``None``: ``d ** -0.5``).
-        num_tokens: ``N``; text_len: ``T`` (the longest with ``lengths``); ``L = T + N``, else the call ran on
-            merged slots and nothing is recorded (``None``).
-        text_side, lengths: as :func:`probe_sdpa_attention`.
+        num_tokens: ``N``; text_len: ``T`` (the longest with ``lengths``). The call attends over the joint
+            sequence, ``Lq = Lk = T + N``; with the image-query rule also ``Lq = N < Lk``: the image queries alone
+            over more keys, the other ``Lk - N`` on the text side (Qwen-Image 2.1's target over its prefix, which
+            its cached steps pass as keys alone). Other lengths: the call ran on merged slots and nothing is
+            recorded (``None``).
+        text_side, lengths, max_queries, queries: as :func:`probe_sdpa_attention`.
 
     Returns:
         ``[B, N]`` fp32, each row summing to 1, or ``None``.
     """
-    B, h, L, d = query.shape
-    N, T = num_tokens, text_len
-    if key.shape[-2] != L or L != T + N:
-        return None  # the attention ran on merged slots
+    B, h, Lq, d = query.shape
+    N, T, Lk = num_tokens, text_len, key.shape[-2]
     if key.shape[1] != h:
         key = key.repeat_interleave(h // key.shape[1], dim=1)  # grouped-query heads, as SDPA's enable_gqa
     s = d ** -0.5 if scale is None else scale
+    if queries == "image" or T == 0:
+        if lengths is not None:
+            raise ValueError("tomerge: the image-query rule takes no per-sample text lengths (a ragged joint sequence)")
+        if not (Lq == Lk == T + N or (queries == "image" and Lq == N < Lk)):
+            return None  # the attention ran on merged slots
+        other = Lk - N  # the keys besides the image's: the text (Qwen-Image 2.1's prefix)
+        key_bias, valid = joint_key_mask(mask, B, other, N, text_side, queries="image")  # [B, Lk] or [B, N, Lk]
+        image = _joint_parts(other, N, text_side)[1]  # the image keys, and queries when the call has every query
+        probed = strided_rows(N, max_queries)
+        q = query[:, :, image if Lq == Lk else slice(None)][:, :, probed]  # [B, h, Q, d]
+        if key_bias is not None and key_bias.dim() == 3:
+            key_bias = key_bias[:, probed]  # [B, Q, Lk]: the probed queries' rows
+        return received_attention(q, key, s, keys=image, key_bias=key_bias,
+                                  query_mask=None if valid is None else valid[:, probed])
+    if Lq != Lk or Lq != T + N:
+        return None  # the attention ran on merged slots
     key_bias, text_valid = joint_key_mask(mask, B, T, N, text_side)  # [B, L], [B, T] or None
-    if T == 0:
-        return received_attention(strided_queries(query, max_queries), key, s, key_bias=key_bias)
-    text = slice(0, T) if text_side == "first" else slice(N, L)
+    text, image = _joint_parts(T, N, text_side)
     if lengths is None:
-        image = slice(T, L) if text_side == "first" else slice(0, N)
         return received_attention(query[:, :, text], key, s, keys=image, key_bias=key_bias, query_mask=text_valid)
     real = torch.arange(T, device=query.device)[None] < lengths.to(query.device)[:, None]  # [B, T]: sample b's text
     valid = real if text_valid is None else real & text_valid

@@ -15,9 +15,12 @@ Facts from the installed diffusers (0.42.1, ``models/transformers/transformer_om
   and image tokens see every unpadded token) gets its image rows and columns gathered per slot.
 * Grid: the latent ``(H0 // p, W0 // p)``. Timesteps: the scheduler's, ``[0, 1000]``.
 
-No received-attention probe is declared: the condition and time tokens attend causally and never see the image
-tokens, so the joint probe's rule (what the text queries give the image keys) has nothing to record; ``idm`` and
-the ``sdtm`` schedules that need it raise.
+Received attention (``idm``, the ``sdtm`` schedules): the condition and time tokens attend causally and never
+see the image tokens, so the text-query rule of joint attentions has nothing to record. The probe reads the
+image queries instead (``Site(probe="sdpa", probe_queries="image")``): at most 64 strided image queries' softmax
+over every key (condition, time and image, with the mask's rows of those queries, so padded condition tokens
+are no keys), from the processor's SDPA call, averaged over heads and queries, restricted to the image keys and
+renormalised per sample.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ class OmniGenAdapter(DeclaredAdapter):
     kinds: ClassVar[tuple[Kind, ...]] = (
         Kind("omnigen", "layers", ("OmniGenBlock",), (
             Site("attn", "self_attn", tokens="joint", self_kv=True, rope=Rope("image_rotary_emb", 3, "rows"),
-                 mask="pairs"),
+                 mask="pairs", probe="sdpa", probe_queries="image"),
             Site("mlp", "mlp", tokens="joint"),
         ), joint_input="first"),
     )

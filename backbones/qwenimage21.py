@@ -19,6 +19,12 @@ Facts from the installed diffusers (0.42.1, ``models/transformers/transformer_qw
   raises (use the default ``QwenImage21AttnProcessor``).
 * Grid: ``img_shapes[0][-1] = (1, h, w)``, the target (samples share one layout); condition images are part
   of the prefix and are not merged. The pipeline calls the model with ``timestep / 1000`` (``t_max = 1``).
+* Received attention (``idm``, the ``sdtm`` schedules): the prompt's queries never see the target, so the probe
+  reads the target's queries (``Site(probe="sdpa", probe_queries="image")``): at most 64 strided target queries'
+  softmax over every key (prefix and target, with ``key_valid``), from the processor's SDPA call of the target
+  (its call over the most keys: the prefill attends segment by segment; cached steps attend to the cached
+  prefix keys), averaged over heads and queries, restricted to the target's keys and renormalised per sample.
+  ``QwenImage21FlexAttnProcessor``'s prefill calls flex attention, not SDPA: the probe raises there.
 """
 
 from __future__ import annotations
@@ -43,7 +49,7 @@ class QwenImage21Adapter(DeclaredAdapter):
         Kind("joint", "transformer_blocks", ("QwenImage21TransformerBlock",), (
             # QwenImage21Attention.forward(hidden_states, **kwargs): every other argument by keyword
             Site("attn", "attn", tokens="joint", rope=Rope("rotary_emb", 1, "complex"), mask="keys",
-                 mask_index=1, more_masks=("key_valid",)),
+                 mask_index=1, more_masks=("key_valid",), probe="sdpa", probe_queries="image"),
             Site("mlp", "img_mlp", tokens="joint"),
         ), joint_input="first"),
     )

@@ -19,6 +19,12 @@ Facts from the installed diffusers (0.42.1, ``models/transformers/transformer_z_
   and SigLIP tokens before and after the target) are not merged, with a warning.
 * Timestep: the pipeline calls the model with ``t = (1000 - timestep) / 1000``, 1 at the clean image; the
   adapter reports ``1 - t`` (``t_max = 1``), the scheduler's timestep over 1000.
+* Received attention (``idm``, the ``sdtm`` schedules), from the attention's SDPA call (``probe="sdpa"``: the
+  processor rotates q/k with the complex table itself): in ``layers`` the text-query rule of joint attentions,
+  the queries of every token after the image (its padding, the caption and the caption's padding; the batch's
+  padding is masked); the noise refiner has no text query, so there at most 64 strided image queries
+  (``probe_queries="image"``). Both: the softmax over every key with the key mask, averaged over heads and
+  queries, restricted to the image keys and renormalised per sample.
 """
 
 from __future__ import annotations
@@ -30,11 +36,13 @@ from torch import Tensor
 from ._declared import DeclaredAdapter, Kind, Rope, Site
 from ._diffusers import call_arg
 
-_SITES = (
+
+def _sites(probe_queries: str) -> tuple[Site, ...]:
+    """The merge points of a ``ZImageTransformerBlock``, its attention probed with ``probe_queries``."""
     # Attention.forward(hidden_states, encoder_hidden_states, attention_mask, **kwargs): freqs_cis by keyword
-    Site("attn", "attention", tokens="joint", rope=Rope("freqs_cis", 3, "complex", text="last"), mask="keys"),
-    Site("mlp", "feed_forward", arg="x", tokens="joint"),
-)
+    return (Site("attn", "attention", tokens="joint", rope=Rope("freqs_cis", 3, "complex", text="last"), mask="keys",
+                 probe="sdpa", probe_queries=probe_queries),
+            Site("mlp", "feed_forward", arg="x", tokens="joint"))
 
 
 class ZImageAdapter(DeclaredAdapter):
@@ -49,9 +57,10 @@ class ZImageAdapter(DeclaredAdapter):
     text_index: ClassVar[int] = 2
     joint_context: ClassVar[Literal["text", "rest"]] = "rest"
     kinds: ClassVar[tuple[Kind, ...]] = (
-        Kind("refiner", "noise_refiner", ("ZImageTransformerBlock",), _SITES, arg="x", joint_input="last",
+        Kind("refiner", "noise_refiner", ("ZImageTransformerBlock",), _sites("image"), arg="x", joint_input="last",
              joint="last"),
-        Kind("joint", "layers", ("ZImageTransformerBlock",), _SITES, arg="x", joint_input="last", joint="last"),
+        Kind("joint", "layers", ("ZImageTransformerBlock",), _sites("text"), arg="x", joint_input="last",
+             joint="last"),
     )
 
     def call_timestep(self, args: tuple, kwargs: dict) -> Tensor | float | None:

@@ -8,7 +8,7 @@ The checks are those of ``test_backbones_current.py`` (whose helpers this file u
 bit-identical, ratio 0.5 finite and of the right shape, block FLOPs at ratio 0.5 those of half the tokens, a
 per-sample permutation giving the plain output (and, as a control, a wrong one without the RoPE gather), a
 batch equal to its samples alone (float64), grids with leftover rows; each received-attention probe against the
-model's own attention (``NO_PROBE``: the two families without one, and why); then the family specifics: masks,
+model's own attention (Qwen-Image 2.1's and Z-Image's: ``test_probes.py``); then the family specifics: masks,
 reference images, Qwen-Image 2.1's condition images and prefix KV cache, Z-Image's padding, reversed timestep and
 Omni calls. Every registered strategy and schedule runs on these families in ``test_every_strategy.py``.
 """
@@ -387,17 +387,6 @@ def test_merging_runs_under_inference_mode(models, name):
     check_inference_mode(models[name], FAMILIES[name].inputs(models[name]))
 
 
-# ---------------------------------------------------------------------- received attention
-#: Families without a received-attention probe, and why (idm and the sdtm schedules refuse them:
-#: ``test_every_strategy.py``).
-NO_PROBE = {
-    "qwenimage21": "block-causal attention: the prompt's queries never attend to the target image, so the joint "
-                   "probe's rule (text queries) does not apply",
-    "z_image": "the noise refiner attends over the image tokens and their padding only (no text queries) and the "
-               "joint probe applies no 'complex' [B, L, d/2] rotary tables",
-}
-
-
 # ---------------------------------------------------------------------- family specifics
 def test_flux3_mode_block_probe_records_the_attention_each_image_token_receives(models):
     """FLUX.3's mode-block attention unflattens its heads before the q/k norms ([B, N, heads, d]); idm's record
@@ -553,7 +542,8 @@ def test_qwenimage21_prefix_kv_cache_steps_merge_exactly(models):
 
 
 def test_qwenimage21_flex_block_mask_is_refused_on_merged_calls(models):
-    """QwenImage21FlexAttnProcessor's BlockMask is built for the unmerged sequence: a merged call raises."""
+    """QwenImage21FlexAttnProcessor's BlockMask is built for the unmerged sequence: a merged call raises. Its
+    prefill calls flex attention, not SDPA, so idm's probe (the target queries' SDPA call) raises too."""
     from diffusers.models.transformers.transformer_qwenimage21 import (QwenImage21AttnProcessor,
                                                                        QwenImage21FlexAttnProcessor)
 
@@ -562,6 +552,10 @@ def test_qwenimage21_flex_block_mask_is_refused_on_merged_calls(models):
     try:
         with tomerge.merging(model, "tomesd", ratio=0.5):
             with pytest.raises(ValueError, match="BlockMask"):
+                run(model, qwenimage21_inputs(model, grid=(4, 4)))
+        with tomerge.merging(model, "idm", ratio=0.5):  # the attention runs unmerged, with the BlockMask
+            with pytest.raises(RuntimeError, match="expected one call of .*scaled_dot_product_attention over the "
+                                                   "most keys, got 0"):
                 run(model, qwenimage21_inputs(model, grid=(4, 4)))
     finally:
         model.set_attn_processor(QwenImage21AttnProcessor())

@@ -6,9 +6,7 @@ timesteps (``num_steps=STEPS``), so that those that change over the trajectory (
 detail; ``toma*``: plans reused between steps) go through their phases; a strategy, which decides every call
 alike, one. At ratio 0 every call is bit-identical to the unpatched model; at ratio 0.5 every call is finite and
 of the right shape, tokens are removed, and after ``remove()`` the model is bit-identical again. ``idm`` and the
-``sdtm`` schedules need received attention: every family here declares a probe but the two of
-``test_backbones_image_flux_like.NO_PROBE`` and OmniGen, which refuse them (expected failures with the reason,
-:attr:`Case.no_probe`).
+``sdtm`` schedules need received attention: every family here declares a probe.
 """
 
 from __future__ import annotations
@@ -25,7 +23,7 @@ from models import tiny_unet, unet_inputs
 from test_backbone_flux import flux_inputs, tiny_flux
 from test_backbones_current import FAMILIES as IMAGE_FAMILIES
 from test_backbones_diffusers import make_inputs, tiny_dit, tiny_pixart, tiny_sd3
-from test_backbones_image_flux_like import FAMILIES as FLUX_LIKE_FAMILIES, NO_PROBE
+from test_backbones_image_flux_like import FAMILIES as FLUX_LIKE_FAMILIES
 from test_backbones_image_other import FAMILIES as OTHER_IMAGE_FAMILIES
 from test_backbones_video import FAMILIES as VIDEO_FAMILIES
 from test_backbones_video_more import ADAPTER_FAMILIES as MORE_VIDEO_ADAPTERS, FAMILIES as MORE_VIDEO_FAMILIES
@@ -38,15 +36,14 @@ STRATEGY_OPTIONS = {"facility_location": {"num_tiles": 4}, "toma": {"num_tiles":
 #: ``ratio`` is the middle of the ``sdtm`` presets' ratio curve, ``deviation`` (0.2) above it early and below it
 #: late: a run that removes nothing has ratio 0 and deviation 0.
 RATIO_ZERO_OPTIONS = {"sdtm_paper": {"deviation": 0.0}, "sdtm_release": {"deviation": 0.0}}
-#: Strategies and schedules that need received attention (a probe).
 
 
 @dataclasses.dataclass(frozen=True)
 class Case:
     """A family: its tiny model, one call's keyword inputs, the timestep's keyword (``rising``: the model is
     called with its time rising over a run, from the noise to the image: Z-Image's time, Lumina 2's
-    ``1 - t / 1000``, Mochi's inverted sigmas), the output tensor of a call, the adapter options the family needs
-    here, and why it has no received-attention probe (``no_probe``: the strategies that need one are refused)."""
+    ``1 - t / 1000``, Mochi's inverted sigmas), the output tensor of a call and the adapter options the family
+    needs here."""
 
     build: Callable[[], nn.Module]
     inputs: Callable[[nn.Module], dict]
@@ -54,7 +51,6 @@ class Case:
     output: Callable[[object], Tensor] = lambda out: out.sample
     options: dict = dataclasses.field(default_factory=dict)
     rising: bool = False
-    no_probe: str | None = None
 
 
 def _native_dit() -> nn.Module:
@@ -88,7 +84,7 @@ CASES = {
     **{name: Case(family.build, lambda model, family=family: family.inputs(model, batch=1))
        for name, family in VIDEO_FAMILIES.items() if name != "wan_i2v"},  # wan_i2v: the adapter and blocks of wan
     **{name: Case(family.build, lambda model, family=family: family.inputs(model, batch=1),
-                  no_probe=NO_PROBE.get(name), **(Z_IMAGE if name == "z_image" else {}))
+                  **(Z_IMAGE if name == "z_image" else {}))
        for name, family in FLUX_LIKE_FAMILIES.items()},
     **{name: Case(MORE_VIDEO_FAMILIES[name].build,
                   lambda model, family=MORE_VIDEO_FAMILIES[name]: family.inputs(model, batch=1), rising=name == "mochi")
@@ -97,15 +93,11 @@ CASES = {
     **{name: Case(build, lambda model, name=name: make_inputs(name, batch=1))
        for name, build in (("sd3", tiny_sd3), ("pixart", tiny_pixart), ("dit", tiny_dit))},
     **{name: Case(family.build, lambda model, family=family: family.inputs(model, batch=1))
-       for name, family in OTHER_IMAGE_FAMILIES.items() if name not in ("hidream", "lumina2", "omnigen")},
+       for name, family in OTHER_IMAGE_FAMILIES.items() if name not in ("hidream", "lumina2")},
     "hidream": Case(OTHER_IMAGE_FAMILIES["hidream"].build,
                     lambda model: OTHER_IMAGE_FAMILIES["hidream"].inputs(model, batch=1), time_key="timesteps"),
     "lumina2": Case(OTHER_IMAGE_FAMILIES["lumina2"].build,
                     lambda model: OTHER_IMAGE_FAMILIES["lumina2"].inputs(model, batch=1), rising=True),
-    "omnigen": Case(OTHER_IMAGE_FAMILIES["omnigen"].build,
-                    lambda model: OTHER_IMAGE_FAMILIES["omnigen"].inputs(model, batch=1),
-                    no_probe="OmniGen's condition tokens attend causally and never see the image: no received-attention "
-                             "probe is declared"),
     "unet": Case(tiny_unet, _unet_inputs, options={"max_downsample": 2}),
     "native_dit": Case(_native_dit, _native_dit_inputs, time_key="t", output=lambda out: out),
 }
@@ -144,18 +136,8 @@ def run(case: Case, model: nn.Module, calls: list[dict]) -> list[Tensor]:
 from tomerge.experiments.coverage import caches_blocks  # noqa: E402  (caching schedules: tests/test_caching.py)
 
 
-def _needs_received_attention(strategy: str) -> bool:
-    built = tomerge.get_strategy(strategy)
-    return any("received_attention" in s.needs for s in (built.strategies() if isinstance(built, tomerge.Schedule) else (built,)))
-
-
-PARAMS = [pytest.param(name, strategy, marks=pytest.mark.xfail(raises=NotImplementedError, strict=True,
-                                                               reason=CASES[name].no_probe))
-          if CASES[name].no_probe is not None and _needs_received_attention(strategy) else pytest.param(name, strategy)
-          for name in CASES for strategy in tomerge.list_strategies() if not caches_blocks(strategy)]
-
-
-@pytest.mark.parametrize("name, strategy", PARAMS)
+@pytest.mark.parametrize("name, strategy", [(name, strategy) for name in CASES for strategy in tomerge.list_strategies()
+                                            if not caches_blocks(strategy)])
 def test_every_strategy_runs_on_every_family(unpatched, name, strategy):
     case = CASES[name]
     model, trajectory_calls, trajectory_before = _family(unpatched, name)

@@ -4,7 +4,10 @@ The reference is independent of the probe: it intercepts the ``scaled_dot_produc
 attention module (the q, k, mask and scale the model attends with, after its norms and rotary rotation) and
 computes, in float64, the probe's documented rule: the text queries' softmax over all keys, averaged over heads
 and the text queries that the mask keeps, restricted to the image keys and renormalised per sample
-(``backbones._diffusers.probe_joint_attention``).
+(``backbones._diffusers.probe_joint_attention``). The probes that read the image queries where no text query sees
+the image (``probe_queries="image"``: OmniGen, Qwen-Image 2.1, Z-Image's noise refiner) read that SDPA call
+themselves, so their reference forms the attention by hand from the attention's projections, RoPE and mask, and
+checks it against the attention's output.
 """
 
 from __future__ import annotations
@@ -24,11 +27,11 @@ from torch.overrides import TorchFunctionMode
 import tomerge
 from tomerge import registry
 from tomerge.backbones._declared import Kind, Rope, Site
-from tomerge.backbones._diffusers import joint_key_mask
+from tomerge.backbones._diffusers import call_arg, joint_key_mask, probe_sdpa_attention
 from tomerge.backbones.wan import WanAdapter
 from test_backbone_flux import flux_inputs, tiny_flux
 from test_backbones_diffusers import SIZE, make_inputs, tiny_sd3
-from test_backbones_current import FAMILIES as IMAGE_FAMILIES
+from test_backbones_current import FAMILIES as IMAGE_FAMILIES, to_float64
 from test_backbones_image_other import FAMILIES as OTHER_IMAGE_FAMILIES
 from test_backbones_video import FAMILIES as VIDEO_FAMILIES
 
@@ -98,6 +101,18 @@ def reference_received_attention(query: Tensor, key: Tensor, mask: Tensor | None
     return torch.stack(out)
 
 
+def idm_records(model: nn.Module, inputs: dict, hooks: list) -> dict[int, Tensor]:
+    """The received attention ``{layer: [B, N]}`` idm records in one call of ``model`` on ``inputs``; ``hooks``
+    (the test's recorders) are removed after it."""
+    try:
+        with tomerge.merging(model, "idm", ratio=0.5) as handle, torch.no_grad():
+            model(**inputs)
+            return dict(handle.state.attention)
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
 def check_probe_matches_the_model(model: nn.Module, inputs: dict,
                                   attentions: Callable[[nn.Module], dict[int, nn.Module]], num_tokens: int,
                                   text_first: bool, masked: bool, context: tuple[int, int] = (0, 0)) -> None:
@@ -109,13 +124,7 @@ def check_probe_matches_the_model(model: nn.Module, inputs: dict,
     inputs = {k: v.double() if isinstance(v, Tensor) and v.is_floating_point() else v for k, v in inputs.items()}
     modules = attentions(model)
     seen, hooks = record_sdpa(modules)
-    try:
-        with tomerge.merging(model, "idm", ratio=0.5) as handle, torch.no_grad():
-            model(**inputs)
-            recorded = dict(handle.state.attention)
-    finally:
-        for hook in hooks:
-            hook.remove()
+    recorded = idm_records(model, inputs, hooks)
     assert sorted(recorded) == sorted(modules)
     for layer, calls in seen.items():
         assert len(calls) == 1, f"layer {layer}: {len(calls)} SDPA calls"
@@ -148,6 +157,19 @@ def test_joint_key_mask_text_and_joint_masks():
     bias, valid = joint_key_mask((pairs[:, :, None] & pairs[:, None, :])[:, None], 1, 3, 2, "first")
     assert bias.shape == (1, 3, 5) and valid.tolist() == [[True, True, False]]  # the padded query attends nothing
     assert bias[0, 0].tolist() == [0.0, 0.0, -math.inf, 0.0, 0.0] and bias[0, 2].tolist() == [0.0] * 5
+    # the image queries' rows and validity (probe_queries="image"): of a query-by-key mask, and of a key mask
+    causal = torch.tril(torch.ones(5, 5, dtype=torch.bool)) | torch.tensor([False] * 3 + [True] * 2)[:, None]
+    bias, valid = joint_key_mask((causal & pairs)[None, None], 1, 3, 2, "first", queries="image")
+    assert bias.tolist() == [[[0.0, 0.0, -math.inf, 0.0, 0.0]] * 2] and valid.tolist() == [[True, True]]
+    bias, valid = joint_key_mask(torch.tensor([[True, True, True, False, True]]), 1, 2, 3, "last", queries="image")
+    assert valid.tolist() == [[True, True, True]]  # the image first: its 3 tokens attended
+
+
+def test_image_queries_are_a_rule_of_the_sdpa_probe():
+    with pytest.raises(ValueError, match=r"probe_queries='image' is a rule of probe='sdpa', not of probe=True"):
+        Site("attn", "attn", probe=True, probe_queries="image")
+    with pytest.raises(ValueError, match="queries are 'text' or 'image', not 'keys'"):
+        probe_sdpa_attention(nn.Identity(), None, text_side="first", text_len=lambda: 0, queries="keys")
 
 
 def _attentions(*containers: str, path: str = "attn") -> Callable[[nn.Module], dict[int, nn.Module]]:
@@ -228,6 +250,142 @@ def test_joint_probe_with_reference_images_records_the_targets_share(name):
                                   text_first=True, masked=name == "qwenimage_edit", context=context)
 
 
+# ---------------------------------------------------------------------- image queries: no text query sees the image
+def _omnigen_attention(attn: nn.Module, x: Tensor, kwargs: dict) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """OmniGenAttnProcessor2_0 by hand: q, k, v ``[B, h, L, d]`` (RoPE on q and k) and its additive mask ``[B, 1, L,
+    L]`` (causal condition rows, image rows over every unpadded key)."""
+    from diffusers.models.embeddings import apply_rotary_emb
+
+    q, k, v = (proj(x).unflatten(-1, (attn.heads, -1)).transpose(1, 2) for proj in (attn.to_q, attn.to_k, attn.to_v))
+    rope = kwargs["image_rotary_emb"]
+    return (apply_rotary_emb(q, rope, use_real_unbind_dim=-2), apply_rotary_emb(k, rope, use_real_unbind_dim=-2), v,
+            kwargs["attention_mask"])
+
+
+def _qwenimage21_attention(attn: nn.Module, x: Tensor, kwargs: dict) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """QwenImage21AttnProcessor by hand for the target's queries: q, k, v ``[B, h, L, d]`` (q/k norms, complex
+    RoPE; on a cached step the cached prefix's keys and values first) and the target rows' mask, the key mask ``[B,
+    1, 1, L]`` (the prefix rows are block-causal, not compared)."""
+    from diffusers.models.transformers.transformer_qwenimage21 import apply_rotary_emb_qwen
+
+    q, k, v = (proj(x).unflatten(-1, (attn.heads, -1)) for proj in (attn.to_q, attn.to_k, attn.to_v))  # [B, L, h, d]
+    q, k = (apply_rotary_emb_qwen(norm(t), kwargs["rotary_emb"], use_real=False)
+            for norm, t in ((attn.norm_q, q), (attn.norm_k, k)))
+    if kwargs.get("kv_cache_mode") == "cached":
+        cached_k, cached_v = kwargs["layer_cache"].get()  # [B, P, h, d]: the prefix keys the first step stored
+        k, v = torch.cat([cached_k, k], dim=1), torch.cat([cached_v, v], dim=1)
+    valid = kwargs["attention_mask"] if kwargs.get("kv_cache_mode") == "cached" else kwargs["key_valid"][:, None, None]
+    return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), valid
+
+
+def _z_image_attention(attn: nn.Module, x: Tensor, kwargs: dict) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """ZSingleStreamAttnProcessor by hand: q, k, v ``[B, h, L, d]`` (q/k norms, the complex RoPE in float32 as the
+    processor rotates) and its key mask ``[B, 1, 1, L]`` (``None``: samples of one length, as in the refiner)."""
+    freqs = kwargs["freqs_cis"][:, :, None]  # [B, L, 1, d/2]
+
+    def rotate(t: Tensor) -> Tensor:  # [B, L, h, d]
+        pairs = torch.view_as_complex(t.float().reshape(*t.shape[:-1], -1, 2))  # [B, L, h, d/2]
+        return torch.view_as_real(pairs * freqs).flatten(3).type_as(t)
+
+    q, k, v = (proj(x).unflatten(-1, (attn.heads, -1)) for proj in (attn.to_q, attn.to_k, attn.to_v))  # [B, L, h, d]
+    q, k = rotate(attn.norm_q(q)), rotate(attn.norm_k(k))
+    mask = kwargs["attention_mask"]
+    return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None if mask is None else mask[:, None, None]
+
+
+@dataclasses.dataclass(frozen=True)
+class ImageQueryCase:
+    """A family whose probe reads image queries in some blocks: where its attentions are (``{layer: module}``), its
+    processor by hand (``(attn, x, kwargs) -> q, k, v [B, h, L, d], mask``), the side of the text (the other keys)
+    and the layers whose probe reads the text queries instead (Z-Image's joint blocks)."""
+
+    attentions: Callable[[nn.Module], dict[int, nn.Module]]
+    by_hand: Callable[[nn.Module, Tensor, dict], tuple[Tensor, Tensor, Tensor, Tensor]]
+    text_first: bool
+    grid: tuple[int, int] = (8, 8)
+    text_query_layers: tuple[int, ...] = ()
+    cached: bool = False  # Qwen-Image 2.1: the second, cached step of its prefix KV cache (the first stores it)
+
+
+IMAGE_QUERIES = {
+    "omnigen": ImageQueryCase(_attentions("layers", path="self_attn"), _omnigen_attention, text_first=True),
+    "qwenimage21": ImageQueryCase(_attentions("transformer_blocks"), _qwenimage21_attention, text_first=True),
+    "qwenimage21_cached": ImageQueryCase(_attentions("transformer_blocks"), _qwenimage21_attention, text_first=True,
+                                         cached=True),
+    # 35 image tokens padded to 64: the refiner's other keys are the image's padding
+    "z_image": ImageQueryCase(_attentions("noise_refiner", "layers", path="attention"), _z_image_attention,
+                              text_first=False, grid=(5, 7), text_query_layers=(1, 2)),
+}
+
+
+@pytest.mark.parametrize("name", IMAGE_QUERIES)
+def test_image_query_probe_equals_the_models_attention(name):
+    """float64, where no text query sees the image (OmniGen's causal condition, Qwen-Image 2.1's block-causal
+    prompt, also on its cached steps, Z-Image's noise refiner): the record is the softmax of the image queries over
+    every key, averaged over heads and queries, restricted to the image keys and renormalised per sample. The
+    probabilities are formed here from each attention's own projections, RoPE and mask, and reproduce the model's
+    attention output for those queries; without the mask they differ (the probe used it). Z-Image's joint blocks
+    read the text queries (every token after the image), the batch's padding not counted."""
+    from test_backbones_image_flux_like import FAMILIES as FLUX_LIKE_FAMILIES
+
+    case = IMAGE_QUERIES[name]
+    family = {**FLUX_LIKE_FAMILIES, **OTHER_IMAGE_FAMILIES}[name.removesuffix("_cached")]
+    model = family.build().double()
+    inputs = to_float64(family.inputs(model, grid=case.grid))
+    if case.cached:  # the first step stores the prefix keys (unmerged), the second attends to them
+        from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21KVCache
+
+        cache = QwenImage21KVCache(len(model.transformer_blocks))
+        with torch.no_grad():
+            model(**inputs, kv_cache=cache, kv_cache_mode="extract")
+        inputs = dict(inputs, timestep=inputs["timestep"] * 0.6, kv_cache=cache, kv_cache_mode="cached")
+    attentions = case.attentions(model)
+    seen: dict[int, tuple[Tensor, dict, list]] = {}  # layer: (x, the call's keywords, [the attention's output])
+
+    def keep(layer: int):
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            seen[layer] = (call_arg(args, kwargs, "hidden_states", 0), kwargs, [])
+        return hook
+
+    hooks = [m.register_forward_pre_hook(keep(layer), with_kwargs=True) for layer, m in attentions.items()]
+    hooks += [m.to_out[0].register_forward_pre_hook(lambda _, args, layer=layer: seen[layer][2].append(args[0]))
+              for layer, m in attentions.items()]  # [B, Lq, h * d]
+    recorded = idm_records(model, inputs, hooks)
+    assert sorted(recorded) == sorted(attentions)
+    N = math.prod(case.grid)
+    for layer, (x, kwargs, (out,)) in seen.items():
+        with torch.no_grad():
+            q, k, v, mask = case.by_hand(attentions[layer], x, kwargs)
+        B, h, Lq, d = q.shape
+        Lk = k.shape[2]
+        image = torch.arange(Lk - N, Lk) if case.text_first else torch.arange(N)  # the image keys
+        # the probe's queries (positions among the Lq): the image's, or Z-Image's joint text queries after it
+        rows = torch.arange(N, Lq) if layer in case.text_query_layers else image - (Lk - Lq)
+        unpadded = torch.ones(B, Lq, dtype=torch.bool) if mask is None or mask.is_floating_point() else \
+            mask[:, 0, 0, Lk - Lq:]  # [B, Lq]: a query whose token is masked as a key is not counted
+        queries = [rows[unpadded[b, rows]] for b in range(B)]
+
+        def probabilities(mask: Tensor | None) -> Tensor:
+            logits = q @ k.transpose(-1, -2) * d ** -0.5  # [B, h, Lq, Lk]
+            if mask is not None:
+                logits = logits.masked_fill(~mask, -math.inf) if mask.dtype == torch.bool else logits + mask
+            return logits.softmax(-1)
+
+        def reference(p: Tensor) -> Tensor:
+            a = torch.stack([p[b][:, queries[b]].mean(dim=(0, 1))[image] for b in range(B)])  # [B, N]
+            return a / a.sum(-1, keepdim=True)
+
+        p = probabilities(mask)
+        attended = (p @ v).transpose(1, 2).flatten(2)  # [B, Lq, h * d]
+        for b in range(B):  # the model's own attention, for the probe's queries
+            torch.testing.assert_close(attended[b, queries[b]], out[b, queries[b]], rtol=1e-10, atol=1e-12)
+        expected = reference(p)
+        torch.testing.assert_close(recorded[layer].double(), expected, rtol=1e-5, atol=1e-8)
+        assert (expected.max(-1).values - expected.min(-1).values > 1e-3).all()  # not uniform: real q/k
+        if mask is not None:  # the probe used the mask (a difference far above the tolerance)
+            assert (reference(probabilities(None)) - expected).abs().max() > 1e-5
+
+
 # ---------------------------------------------------------------------- SANA: linear attention
 def test_sana_probe_equals_the_normalised_linear_attention_weights():
     """float64: SANA's recorded received attention is the mean over heads and every query of the linear
@@ -240,13 +398,7 @@ def test_sana_probe_equals_the_normalised_linear_attention_weights():
     seen: dict[int, Tensor] = {}
     hooks = [block.attn1.register_forward_pre_hook(lambda m, args, layer=layer: seen.setdefault(layer, args[0]))
              for layer, block in enumerate(model.transformer_blocks)]
-    try:
-        with tomerge.merging(model, "idm", ratio=0.5) as handle, torch.no_grad():
-            model(**inputs)
-            recorded = dict(handle.state.attention)
-    finally:
-        for hook in hooks:
-            hook.remove()
+    recorded = idm_records(model, inputs, hooks)
     assert sorted(recorded) == sorted(seen) == [0, 1]
     N = math.prod(family.grid)
     for layer, x in seen.items():

@@ -4,7 +4,8 @@ IDM ranks tokens by the attention they receive. The adapter captures the queries
 block's attention already computed (hooks on the projection submodules, so the attention itself keeps
 its fused kernel) and this module turns them into ``a [B, N]``: the softmax attention to every key,
 averaged over heads and over a probe set of queries (at most ``max_queries`` strided image queries of a
-self-attention; the text queries of a joint text-image attention, the image keys' share renormalised).
+self-attention; the text queries of a joint text-image attention, the image keys' share renormalised; strided
+image queries of a joint attention whose text never attends to the image, the image keys' share renormalised).
 :func:`received_linear_attention` is tomerge's counterpart for linear (kernel) attention, which has no softmax.
 
 :func:`attention_probe` installs those hooks for any adapter: it captures the named projection outputs
@@ -39,10 +40,19 @@ def split_heads(t: Tensor, heads: int) -> Tensor:
     return t.view(B, N, heads, HD // heads).transpose(1, 2)  # [B, H, N, d]
 
 
+def strided_rows(count: int, max_queries: int = 64) -> slice:
+    """At most ``max_queries`` evenly strided positions among ``count``: the probe's queries.
+
+    Example:
+        >>> strided_rows(200)
+        slice(None, None, 4)
+    """
+    return slice(None, None, max(1, -(-count // max_queries)))
+
+
 def strided_queries(q: Tensor, max_queries: int = 64) -> Tensor:
-    """At most ``max_queries`` evenly strided queries of ``q [B, H, Nq, d]``."""
-    stride = max(1, -(-q.shape[2] // max_queries))
-    return q[:, :, ::stride]  # [B, H, <=max_queries, d]
+    """At most ``max_queries`` evenly strided queries of ``q [B, H, Nq, d]`` (:func:`strided_rows`)."""
+    return q[:, :, strided_rows(q.shape[2], max_queries)]  # [B, H, <=max_queries, d]
 
 
 #: Logits held at once by :func:`received_attention`, eager on CPU: 2**19 fp32 (2 MiB) of one head, so the
