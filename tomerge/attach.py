@@ -275,7 +275,7 @@ class MergeHandle:
             if point.keeps_merged(decision.sublayers):
                 return None  # a later point of the block consumes the merged output and unmerges
             y = decision.strategy.unmerge(point.get_output(output), plan)  # [B, M, C'] -> [B, N, C']
-            y = call.blend_cached(index, y)
+            y = call.blend_cached(index, y, plan)
             if point.sublayer in decision.cache_outputs:
                 call.store_output(index, y)
             return point.set_output(output, y)

@@ -42,6 +42,7 @@ class Where:
 
 BLOCK_CACHE = (None, "store", "reuse")  # Decision.block_cache
 MEASURES = (None, "accumulated", "since_full")  # Decision.measure_change
+DETAIL = (None, "slot_offset", "merged_change")  # Decision.cache_detail
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +67,14 @@ class Decision:
         cache_weight: ``w`` of the feature cache: where this call unmerges a sublayer's output, the tokens the
             strategy counts as merged (``strategy.merged_tokens``) get ``w * output + (1 - w) * cached``, the
             output this merge point stored last; other tokens keep their output. ``None``: no blending.
+        cache_detail: restore each token's detail from the feature cache, where this call unmerges a sublayer's
+            output (``cached``: the full-length output this merge point stored last; off without one of the
+            output's shape). ``"slot_offset"``: every token gets ``output + cached - unmerge(merge(cached))``, its
+            slot's current value plus its own offset from its slot's mean in ``cached`` (a token alone in its slot
+            keeps its output). ``"merged_change"``: the first such call after ``cached`` was stored returns
+            ``cached`` and keeps its own unmerged ``output`` as the reference; the later ones return
+            ``cached + output - reference``, the cached output moved by the change of the merged output (the
+            plan must stay the same meanwhile: a ``cache_key``). ``None``: off.
         block_cache: the block cache (docs/schedules.md, "Caching"): ``"store"`` runs the block and keeps its
             residual (block output minus block input, per token stream) for this block and call index;
             ``"reuse"`` skips the block (none of its sublayers runs) and returns its input plus the kept residual
@@ -91,6 +100,7 @@ class Decision:
     reset_streaks: bool = False
     cache_outputs: frozenset[str] = frozenset()
     cache_weight: float | None = None
+    cache_detail: str | None = None
     block_cache: str | None = None
     forecast_order: int = 0
     measure_change: str | None = None
@@ -102,6 +112,11 @@ class Decision:
             raise ValueError(f"Decision.forecast_order must be an int >= 0, got {self.forecast_order!r}")
         if self.block_cache == "reuse" and self.strategy is not None:
             raise ValueError("a Decision that reuses the block's residual runs no sublayer: its strategy must be None")
+        if self.cache_detail not in DETAIL:
+            raise ValueError(f"Decision.cache_detail must be one of {DETAIL}, got {self.cache_detail!r}")
+        if self.cache_detail is not None and self.cache_weight is not None:
+            raise ValueError("a Decision either blends merged outputs with the feature cache (cache_weight) or "
+                             "restores their detail from it (cache_detail), not both")
         if self.measure_change not in MEASURES:
             raise ValueError(f"Decision.measure_change must be one of {MEASURES}, got {self.measure_change!r}")
         if self.measure_change is not None and self.block_cache != "store":

@@ -187,8 +187,9 @@ class BlockCall:
     streak: Tensor | None = None  # [B, N] merge streaks before this call (kept when a strategy uses them)
     computed: bool = False  # the plan was computed in this call (end_block caches it and tells the observers)
     new_streak: Tensor | None = None  # [B, N] streaks after this call's merge decision
-    cached_outputs: dict[int, Tensor] = dataclasses.field(default_factory=dict)  # point index -> feature cache to blend
-    new_outputs: dict[int, Tensor | None] = dataclasses.field(default_factory=dict)  # point index -> to store
+    # point index (or reference_key(point)) -> the feature cache this call reads / what it stores (None: drop)
+    cached_outputs: dict[Hashable, Tensor] = dataclasses.field(default_factory=dict)
+    new_outputs: dict[Hashable, Tensor | None] = dataclasses.field(default_factory=dict)
     attention: Tensor | None = None  # [B, N] received attention a probe recorded in this call
     active: dict[int, MergePlan] = dataclasses.field(default_factory=dict)  # point index -> plan
     streams: Streams | None = None  # the block's input streams, when the decision uses the block cache
@@ -223,21 +224,45 @@ class BlockCall:
         """Keeps ``output [B, N, C']`` as the cached output of the block's merge point number ``point`` (stored
         for this layer and call index when the block call ends, :meth:`MergeState.end_block`)."""
         self.new_outputs[point] = output.detach()
+        self.new_outputs[reference_key(point)] = None  # a new cached output: "merged_change" starts again
 
-    def blend_cached(self, point: int, output: Tensor) -> Tensor:
-        """``output [B, N, C']`` (the unmerged output of the block's merge point number ``point``) with the
-        tokens the plan counts as merged replaced by ``w * output + (1 - w) * cached``
-        (``w = decision.cache_weight``); unchanged without a weight, without a cached output of this point, or
-        when the cached one has another shape (it is then dropped: it came from a call of another size)."""
-        w = self.decision.cache_weight
+    def blend_cached(self, point: int, output: Tensor, plan: MergePlan) -> Tensor:
+        """``output [B, N, C']`` (the unmerged output of the block's merge point number ``point``, merged with
+        ``plan``) combined with the output this point stored last (``cached``), as the decision says:
+
+        * ``cache_weight=w``: the tokens the plan counts as merged get ``w * output + (1 - w) * cached``;
+        * ``cache_detail="slot_offset"``: every token gets ``output + cached - unmerge(merge(cached))``;
+        * ``cache_detail="merged_change"``: ``cached`` (keeping ``output`` as the reference) on the first call
+          after the store, ``cached + output - reference`` on the later ones.
+
+        Unchanged without either, without a cached output of this point, or when the cached one has another
+        shape (it is then dropped: it came from a call of another size)."""
+        decision = self.decision
         cached = self.cached_outputs.get(point)
-        if w is None or self.merged is None or cached is None:
+        if cached is None or (decision.cache_weight is None and decision.cache_detail is None):
             return output
         if cached.shape != output.shape:
             self.new_outputs.setdefault(point, None)
             return output
-        blended = torch.lerp(cached.to(output.dtype), output, w)  # [B, N, C'] = w * output + (1 - w) * cached
+        cached = cached.to(output.dtype)
+        if decision.cache_detail == "merged_change":
+            reference = self.cached_outputs.get(reference_key(point))
+            if reference is None:
+                self.new_outputs[reference_key(point)] = output.detach()
+                return cached
+            return cached + (output - reference.to(output.dtype))  # [B, N, C']
+        if decision.cache_detail == "slot_offset":
+            detail = cached - decision.strategy.unmerge(plan.merge(cached), plan)  # [B, N, C'] offset from the slot mean
+            return output + detail
+        if self.merged is None:
+            return output
+        blended = torch.lerp(cached, output, decision.cache_weight)  # [B, N, C'] = w * output + (1 - w) * cached
         return torch.where(self.merged.unsqueeze(-1), blended, output)  # [B, N, C']
+
+
+def reference_key(point: int) -> tuple[str, int]:
+    """The feature-cache key of merge point ``point``'s reference output (``cache_detail="merged_change"``)."""
+    return ("reference", point)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -284,7 +309,8 @@ class MergeState:
         self.plans: dict[Hashable, tuple[MergePlan, Tensor | None]] = {}  # (call index, cache_key) -> (plan, merged)
         self.destinations: dict[Hashable, tuple[int, Tensor]] = {}  # (call index, destinations_key) -> (N, [B, M] dst)
         self.streaks: dict[tuple[int, int], Tensor] = {}  # (call index, N) -> [B, N] consecutive merges of each token
-        self.outputs: dict[tuple[int, int, int], Tensor] = {}  # (call index, layer, point) -> [B, N, C'] feature cache
+        # (call index, layer, point or reference_key(point)) -> [B, N, C'] feature cache
+        self.outputs: dict[tuple[int, int, Hashable], Tensor] = {}
         self.attention: dict[int, Tensor] = {}  # layer -> [B, N] received attention, latest full-length call
         self.residuals: dict[tuple[int, int], KeptResidual] = {}  # (call index, layer) -> the block cache
         self.signals: dict[int, ChangeSignal] = {}  # call index -> the change signal of adaptive caching
@@ -341,11 +367,12 @@ class MergeState:
         if block_input is None:
             return call
         B, N = block_input.shape[:2]
-        if decision.cache_weight is not None:  # the call blends its merged outputs with the feature cache
+        if decision.cache_weight is not None or decision.cache_detail is not None:  # it reads the feature cache
             for index in range(num_points):
-                cached = self.outputs.get((self.call_index, layer, index))
-                if cached is not None:
-                    call.cached_outputs[index] = cached
+                for key in (index, reference_key(index)):
+                    cached = self.outputs.get((self.call_index, layer, key))
+                    if cached is not None:
+                        call.cached_outputs[key] = cached
         strategy = decision.strategy
         if strategy is None or grid is None:
             return call

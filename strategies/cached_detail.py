@@ -1,0 +1,136 @@
+"""``cached_detail``: token merging whose merged steps keep each token's detail from the last full step.
+
+Merging saves work by running a sublayer on slot means and copying each slot's output back to all of its
+tokens: every token of a slot leaves the sublayer with the same value, and what made the tokens differ (their
+detail) is lost. Feature caching saves work by reusing a sublayer's output from an earlier step: every token
+keeps its detail, but nothing of how the output changed since. This schedule combines the two:
+
+* on a **full step** (the first ``warmup`` steps, then every ``refresh_every`` steps) every block runs unmerged
+  and each merge point of the sublayers ``merge`` merges stores its full-length output ``c [B, N, C']``;
+* on the steps in between the blocks run merged with ``merge`` (any merging strategy or schedule), and the
+  unmerged output ``y`` of each merge point is combined with ``c`` (``Decision.cache_detail``), by ``detail``:
+
+  - ``"merged_change"`` (default): the plan is kept from the first merged step after a full step to the next
+    full step; that first step returns ``c`` and keeps its own ``y`` as the reference ``y_ref``; the later ones
+    return ``c + y - y_ref``, the cached output moved by the change of the merged output. The merging error
+    ``y - (full output)`` enters only through how it changes from step to step.
+  - ``"slot_offset"``: token ``i`` of slot ``s`` gets ``y_s + c_i - mean_{j in s} c_j``
+    (``y + c - unmerge(merge(c))``), the slot's current output plus the token's cached offset from its slot's
+    mean. A slot whose tokens' outputs all move alike since the full step is restored exactly.
+
+It is tomerge's own method (not from a paper; docs/schedules.md, docs/claims.md "tomerge's own" measure it).
+What it costs beyond ``merge``'s merged steps: the full steps, and for ``"slot_offset"`` one merge and one
+unmerge of the cached output per merged sublayer. It is a merging schedule, not a caching one, so it composes
+with step-level caching: ``block_cache(merge="cached_detail", merge_options={...})``.
+
+Example:
+    >>> from tomerge.schedule import Where
+    >>> s = CachedDetail(merge="tomesd", ratio=0.5, refresh_every=3)
+    >>> [s.decide(Where(step=t, num_steps=8, progress=t / 7, layer=0, num_layers=2)).label for t in range(5)]
+    ['full', 'tomesd', 'tomesd', 'full', 'tomesd']
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+
+from tomerge.options import check_choice, check_int
+from tomerge.schedule import Decision, Schedule, Where
+from tomerge.strategy import MergeStrategy
+
+FULL = "full"  # the label of a full step's block calls
+DETAIL_MODES = ("merged_change", "slot_offset")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CachedDetail(Schedule):
+    """Merging with each token's detail restored from the last full step (see the module docstring).
+
+    Args:
+        merge: the merging strategy or schedule of the steps in between: a registered name, a
+            :class:`~tomerge.MergeStrategy` or a :class:`~tomerge.Schedule` (not a caching one).
+        merge_options: options of ``merge`` when it is a name, as ``tomerge.apply`` takes them.
+        ratio: the ratio of ``merge``; ``None``: its own default.
+        refresh_every: the steps from one full step to the next (1: every step is full, the unmerged model).
+        warmup: the first ``warmup`` steps are full (at least 1: the cache is empty before step 0 ran).
+        detail: how a merged step combines its output with the cached one: ``"merged_change"`` or
+            ``"slot_offset"`` (see the module docstring).
+    """
+
+    name: ClassVar[str] = "cached_detail"
+
+    merge: str | MergeStrategy | Schedule = "tomesd"
+    merge_options: Mapping[str, Any] = dataclasses.field(default_factory=dict, hash=False)
+    ratio: float | None = None
+    refresh_every: int = 3
+    warmup: int = 1
+    detail: str = "merged_change"
+
+    _inner: Schedule = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        from tomerge.attach import make_schedule  # attach imports the registry that loads this module
+
+        what = self.name
+        check_int(self.refresh_every, "refresh_every", what, low=1)
+        check_int(self.warmup, "warmup", what, low=1, note="the feature cache is empty before step 0 ran")
+        check_choice(self.detail, "detail", what, DETAIL_MODES)
+        if not isinstance(self.merge_options, Mapping):
+            raise ValueError(f"{what}: merge_options must be a mapping of option names to values, "
+                             f"got {self.merge_options!r}")
+        if not isinstance(self.merge, (str, MergeStrategy, Schedule)):
+            raise ValueError(f"{what}: merge must be a strategy or schedule name, a MergeStrategy or a Schedule, "
+                             f"got {self.merge!r}")
+        if isinstance(self.merge, Schedule) and self.ratio is not None:
+            raise ValueError(f"{what}: ratio goes into the Schedule given as merge when you build it")
+        try:
+            inner = make_schedule(self.merge, None if isinstance(self.merge, Schedule) else self.ratio,
+                                  dict(self.merge_options))
+        except (KeyError, TypeError, ValueError) as err:  # KeyError: an unknown name
+            name = self.merge if isinstance(self.merge, str) else type(self.merge).__name__
+            raise ValueError(f"{what}: merge={name!r}: {err}") from err
+        if inner.caches_blocks:
+            raise ValueError(f"{what}: merge={inner.name!r} is a caching schedule; merge names a merging strategy "
+                             "or schedule (compose the other way round: block_cache(merge='cached_detail'))")
+        object.__setattr__(self, "_inner", inner)
+
+    def is_full(self, step: int) -> bool:
+        """Whether ``step`` runs every block unmerged and refreshes the feature cache."""
+        return step < self.warmup or (step - (self.warmup - 1)) % self.refresh_every == 0
+
+    def decide(self, where: Where) -> Decision:
+        """A full step: unmerged, storing the outputs of the sublayers ``merge`` would merge; otherwise
+        ``merge``'s decision with the detail restored from those outputs."""
+        inner = self._inner.decide(where)
+        if self.is_full(where.step):
+            return Decision(strategy=None, label=FULL, cache_outputs=inner.sublayers if inner.merges else frozenset())
+        if not inner.merges:
+            return inner
+        if self.detail == "slot_offset":
+            return dataclasses.replace(inner, cache_detail="slot_offset", cache_weight=None)
+        last_full = where.step - (where.step - (self.warmup - 1)) % self.refresh_every
+        # one plan per layer from the first merged step to the next full step: the reference stays comparable
+        return dataclasses.replace(inner, cache_detail="merged_change", cache_weight=None,
+                                   cache_key=(self.name, where.layer, last_full))
+
+    def strategies(self) -> tuple[MergeStrategy, ...]:
+        return self._inner.strategies()
+
+    # ------------------------------------------------------------------ the inner schedule's text-key bias
+    def prepare_text_labels(self, labels: Any) -> Any:
+        return self._inner.prepare_text_labels(labels)
+
+    def text_key_bias(self, where: Where, labels: Any, batch: int, text_len: int,
+                      device: torch.device) -> Tensor | None:
+        return self._inner.text_key_bias(where, labels, batch, text_len, device)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The schedule's name and options (the built inner schedule is derived, not logged)."""
+        out = {k: v for k, v in super().to_dict().items() if not k.startswith("_")}
+        out["merge_options"] = dict(self.merge_options)
+        return out
