@@ -421,8 +421,18 @@ def merged(bench: Bench, method: str | None, ratio: float, num_steps: int | None
             tomesd.remove_patch(bench.model)
     else:
         kw = {"num_steps": num_steps} if num_steps else {}
-        with tomerge.merging(bench.model, method, ratio=ratio, **kw):
+        with tomerge.merging(bench.model, method, ratio=method_ratio(method, ratio), **kw):
             yield
+
+
+def method_ratio(method: str | None, ratio: float) -> float | None:
+    """The ratio ``method`` runs at: ``ratio``, except for a caching schedule, which runs at its own defaults
+    without a merging strategy (``None``: it merges nothing; its rows say ratio 0)."""
+    from tomerge.experiments.coverage import caches_blocks
+
+    if method is None or method == TOMESD_PACKAGE or not caches_blocks(method):
+        return ratio
+    return None
 
 
 def time_once(fn: Callable[[], object], threads: int, clock: str = "wall") -> float:
@@ -627,7 +637,8 @@ def e2e_benchmark(widths: Sequence[str] = ("sd3", "pixart", "flux", "unet"), tok
                                              clock, compile_mode)
                     for m in names:
                         rows.append(E2ERow(width, bench.spec.hidden, bench.spec.heads, depth, N, bench.spec.text_tokens,
-                                           batch, mode, ratio, m, secs[None][0] * 1e3, secs[m][0] * 1e3,
+                                           batch, mode, method_ratio(m, ratio) or 0.0, m, secs[None][0] * 1e3,
+                                           secs[m][0] * 1e3,
                                            flops[None] / 1e9, flops[m] / 1e9, secs[None][1], secs[m][1]))
             del bench
     return rows

@@ -14,6 +14,9 @@
 #    Video: Wan 2.1 T2V 1.3B (1536/12, FFN 8960) and 14B (5120/40, FFN 13824) widths, depth 2, batch 1, at
 #    N = 32760 tokens (81 frames of 480 x 832: token grid 21 x 30 x 52), 512 UMT5 tokens, ratio 0.5, every
 #    method without idm (the wan adapter has no received-attention probe).
+#    Caching: 20-step sampling loops at SD3 and Flux widths, N = 4096, of cached_detail (tomesd at 0.5 and
+#    0.75 inside), fora, taylorseer, block_cache, sdtm_release, toma and tomesd (random weights: what the
+#    work costs, not which steps an adaptive criterion would skip on trained weights).
 # 2. Kernels: plan + merge + unmerge of every strategy against tomesd's bipartite_soft_matching_random2d,
 #    N = 1024, ratio 0.25 (and 0.5), C = 1536, batch 2, bf16, CUDA events.
 #
@@ -64,6 +67,7 @@ if [ -n "${QUICK:-}" ]; then
     compiled=(--quick --widths sd3 pixart dit --repeats 2 --strategies tomesd ssm facility_location)
     compiled_loop=(--quick --widths sd3 --steps 4 --repeats 2 --strategies sdtm toma)
     kernels=(--tokens 256 --ratios 0.25 --channels 64)
+    caching_loop=(--quick --widths sd3 --steps 4 --repeats 2 --strategies cached_detail fora tomesd)
 else
     e2e=(--widths sd3 pixart flux unet --tokens 1024 4096 --ratios 0.5 --depth 2 --batch 2 --repeats "$REPEATS")
     video=(--widths wan wan14b --tokens 32760 --ratios 0.5 --depth 2 --batch 1 --repeats "$REPEATS")
@@ -72,6 +76,8 @@ else
     compiled_loop=(--widths sd3 --tokens 1024 4096 --ratios 0.5 --depth 2 --batch 2 --steps 10 --repeats "$REPEATS"
                    --strategies sdtm toma)
     kernels=(--tokens 1024 --ratios 0.25 0.5 --channels 1536 --batch 2)
+    caching_loop=(--widths sd3 flux --tokens 4096 --ratios 0.5 0.75 --depth 2 --batch 2 --steps 20 --repeats "$REPEATS"
+                  --strategies cached_detail fora taylorseer block_cache sdtm_release toma tomesd)
 fi
 "$PY" -m tomerge.experiments.bench --e2e --device cuda --dtype bf16 --sdpa flash "${e2e[@]}" \
     --out "$OUT/e2e_bf16.csv"
@@ -82,6 +88,10 @@ fi
     "${compiled[@]}" --out "$OUT/e2e_compiled_bf16.csv"
 "$PY" -m tomerge.experiments.bench --e2e --device cuda --dtype bf16 --sdpa flash --compile reduce-overhead \
     "${compiled_loop[@]}" --out "$OUT/e2e_compiled_loop_bf16.csv"
+# merging composed with caching (docs/claims.md, "tomerge's own"): 20-step sampling loops, eager; the caching
+# schedules run unmerged at their defaults (rows at ratio 0), cached_detail merges with tomesd at the ratio
+"$PY" -m tomerge.experiments.bench --e2e --device cuda --dtype bf16 --sdpa flash "${caching_loop[@]}" \
+    --out "$OUT/e2e_caching_loop_bf16.csv"
 "$PY" -m tomerge.experiments.bench --kernels --device cuda --dtype bf16 "${kernels[@]}" \
     --out "$OUT/kernels_bf16.csv"
 
@@ -121,6 +131,7 @@ for name, title in (("e2e_bf16", "End-to-end: measured vs FLOP-ideal speed-up"),
                     ("e2e_video_bf16", "End-to-end, video (Wan) widths at 32760 tokens (21 x 30 x 52)"),
                     ("e2e_compiled_bf16", "End-to-end, compiled (inductor, mode reduce-overhead): forwards"),
                     ("e2e_compiled_loop_bf16", "End-to-end, compiled: 10-step sampling loops with sdtm and toma"),
+                    ("e2e_caching_loop_bf16", "End-to-end: 20-step sampling loops, merging and caching"),
                     ("kernels_bf16", "Kernels: plan + merge + unmerge vs the tomesd package")):
     md_file = out / f"{name}.md"
     lines += [f"## {title}", "", md_file.read_text() if md_file.exists() else "(missing)", ""]

@@ -55,7 +55,7 @@ class CachedDetail(Schedule):
         merge: the merging strategy or schedule of the steps in between: a registered name, a
             :class:`~tomerge.MergeStrategy` or a :class:`~tomerge.Schedule` (not a caching one).
         merge_options: options of ``merge`` when it is a name, as ``tomerge.apply`` takes them.
-        ratio: the ratio of ``merge``; ``None``: its own default.
+        ratio: the ratio of ``merge`` (``None``: its own default, for a schedule that has one).
         refresh_every: the steps from one full step to the next (1: every step is full, the unmerged model).
         warmup: the first ``warmup`` steps are full (at least 1: the cache is empty before step 0 ran).
         detail: how a merged step combines its output with the cached one: ``"merged_change"`` or
@@ -66,7 +66,7 @@ class CachedDetail(Schedule):
 
     merge: str | MergeStrategy | Schedule = "tomesd"
     merge_options: Mapping[str, Any] = dataclasses.field(default_factory=dict, hash=False)
-    ratio: float | None = None
+    ratio: float | None = 0.5
     refresh_every: int = 3
     warmup: int = 1
     detail: str = "merged_change"

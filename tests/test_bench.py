@@ -48,10 +48,15 @@ def test_e2e_quick_unet_against_the_tomesd_package(tmp_path):
 def test_e2e_sampling_loop_and_schedules():
     from tomerge.experiments.bench_e2e import e2e_benchmark
 
-    rows = e2e_benchmark(widths=["dit"], tokens=[256], ratios=[0.5], depth=1, methods=["toma"], steps=2,
+    rows = e2e_benchmark(widths=["dit"], tokens=[256], ratios=[0.5], depth=1, methods=["toma", "fora"], steps=3,
                          repeats=1, quick=True, progress=False)
-    assert [(r.mode, r.method) for r in rows] == [("forward", "toma"), ("loop2", "toma")]
-    assert all(r.ideal > 1.0 and r.merged_ms > 0 for r in rows)
+    assert [(r.mode, r.method, r.ratio) for r in rows] == [("forward", "toma", 0.5), ("forward", "fora", 0.0),
+                                                           ("loop3", "toma", 0.5), ("loop3", "fora", 0.0)]
+    assert all(r.merged_ms > 0 for r in rows) and all(r.ideal > 1.0 for r in rows if r.method == "toma")
+    # a caching schedule runs unmerged at its defaults: one forward computes every block; the 3-step loop of
+    # fora (interval 3) computes the first step and reuses every block on the other two
+    forward, loop = (r for r in rows if r.method == "fora")
+    assert forward.ideal == 1.0 and loop.ideal > 2.5
 
 
 def test_kernels_tiny(tmp_path):
