@@ -16,7 +16,9 @@
 #    method without idm (the wan adapter has no received-attention probe).
 #    Caching: 20-step sampling loops at SD3 and Flux widths, N = 4096, of cached_detail (tomesd at 0.5 and
 #    0.75 inside), fora, taylorseer, block_cache, sdtm_release, toma and tomesd (random weights: what the
-#    work costs, not which steps an adaptive criterion would skip on trained weights).
+#    work costs, not which steps an adaptive criterion would skip on trained weights); token-wise caching
+#    (toca) beside cached_detail, fora and tomesd at DiT and PixArt widths (their attention returns the image
+#    tokens alone, which toca's reused attention needs).
 # 2. Kernels: plan + merge + unmerge of every strategy against tomesd's bipartite_soft_matching_random2d,
 #    N = 1024, ratio 0.25 (and 0.5), C = 1536, batch 2, bf16, CUDA events.
 #
@@ -68,6 +70,7 @@ if [ -n "${QUICK:-}" ]; then
     compiled_loop=(--quick --widths sd3 --steps 4 --repeats 2 --strategies sdtm toma)
     kernels=(--tokens 256 --ratios 0.25 --channels 64)
     caching_loop=(--quick --widths sd3 --steps 4 --repeats 2 --strategies cached_detail fora tomesd)
+    toca_loop=(--quick --widths dit --steps 4 --repeats 2 --strategies toca cached_detail fora)
 else
     e2e=(--widths sd3 pixart flux unet --tokens 1024 4096 --ratios 0.5 --depth 2 --batch 2 --repeats "$REPEATS")
     video=(--widths wan wan14b --tokens 32760 --ratios 0.5 --depth 2 --batch 1 --repeats "$REPEATS")
@@ -78,6 +81,9 @@ else
     kernels=(--tokens 1024 --ratios 0.25 0.5 --channels 1536 --batch 2)
     caching_loop=(--widths sd3 flux --tokens 4096 --ratios 0.5 0.75 --depth 2 --batch 2 --steps 20 --repeats "$REPEATS"
                   --strategies cached_detail fora taylorseer block_cache sdtm_release toma tomesd)
+    # token-wise caching needs an attention that returns the image tokens alone: DiT and PixArt widths
+    toca_loop=(--widths dit pixart --tokens 4096 --ratios 0.5 --depth 2 --batch 2 --steps 20 --repeats "$REPEATS"
+               --strategies toca cached_detail fora tomesd)
 fi
 "$PY" -m tomerge.experiments.bench --e2e --device cuda --dtype bf16 --sdpa flash "${e2e[@]}" \
     --out "$OUT/e2e_bf16.csv"
@@ -92,6 +98,8 @@ fi
 # schedules run unmerged at their defaults (rows at ratio 0), cached_detail merges with tomesd at the ratio
 "$PY" -m tomerge.experiments.bench --e2e --device cuda --dtype bf16 --sdpa flash "${caching_loop[@]}" \
     --out "$OUT/e2e_caching_loop_bf16.csv"
+"$PY" -m tomerge.experiments.bench --e2e --device cuda --dtype bf16 --sdpa flash "${toca_loop[@]}" \
+    --out "$OUT/e2e_toca_loop_bf16.csv"
 "$PY" -m tomerge.experiments.bench --kernels --device cuda --dtype bf16 "${kernels[@]}" \
     --out "$OUT/kernels_bf16.csv"
 
@@ -132,6 +140,7 @@ for name, title in (("e2e_bf16", "End-to-end: measured vs FLOP-ideal speed-up"),
                     ("e2e_compiled_bf16", "End-to-end, compiled (inductor, mode reduce-overhead): forwards"),
                     ("e2e_compiled_loop_bf16", "End-to-end, compiled: 10-step sampling loops with sdtm and toma"),
                     ("e2e_caching_loop_bf16", "End-to-end: 20-step sampling loops, merging and caching"),
+                    ("e2e_toca_loop_bf16", "End-to-end: 20-step sampling loops, token-wise caching (DiT, PixArt)"),
                     ("kernels_bf16", "Kernels: plan + merge + unmerge vs the tomesd package")):
     md_file = out / f"{name}.md"
     lines += [f"## {title}", "", md_file.read_text() if md_file.exists() else "(missing)", ""]

@@ -134,18 +134,24 @@ def default_ratio(name: str) -> float | None:
 
 
 def caches_blocks(name: str) -> bool:
-    """Whether the registered strategy or schedule ``name`` is a caching schedule (it skips whole block calls,
-    ``Schedule.caches_blocks``): those run where a family's blocks return one tensor or declare what their tuple
-    holds (``BlockSpec.outputs``), which the table does not claim per family (:data:`CACHING_NOTE`)."""
+    """Whether the registered strategy or schedule ``name`` is a caching schedule: it skips whole block calls
+    (``Schedule.caches_blocks``), which runs where a family's blocks return one tensor or declare what their tuple
+    holds (``BlockSpec.outputs``), or reuses sublayer outputs (``Schedule.reused_sublayers``, ``toca``), which runs
+    where those sublayers return the image tokens alone. The table does not claim either per family
+    (:data:`CACHING_NOTE`)."""
     from tomerge.attach import check_options
 
-    return bool(check_options(name, ratio=default_ratio(name)).caches_blocks)
+    schedule = check_options(name, ratio=default_ratio(name))
+    return bool(schedule.caches_blocks or schedule.reused_sublayers)
 
 
-CACHING_NOTE = ("The caching schedules ({names}, docs/schedules.md) are not in the table's strategies column: they "
-                "run on a family whose blocks return one tensor or declare what their tuple output holds "
-                "(`BlockSpec.outputs`; a block that does not stops the first call with a TypeError naming it), which "
-                "is tested for `native_dit`, `dit`, `sana`, `wan` and `qwenimage` (`tests/test_caching.py`).")
+CACHING_NOTE = ("The caching schedules ({names}, docs/schedules.md) are not in the table's strategies column: the "
+                "step-level ones run on a family whose blocks return one tensor or declare what their tuple output "
+                "holds (`BlockSpec.outputs`; a block that does not stops the first call with a TypeError naming it), "
+                "which is tested for `native_dit`, `dit`, `sana`, `wan` and `qwenimage` (`tests/test_caching.py`); "
+                "`toca` runs where the attention returns the image tokens alone and is probed (not in joint "
+                "text-image attention, which `apply` refuses with a message), tested for `native_dit`, `dit` and "
+                "`pixart` (`tests/test_toca.py`).")
 
 
 def runnable_strategies(adapter: type, strategies: Sequence[str]) -> tuple[str, ...]:

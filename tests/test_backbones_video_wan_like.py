@@ -470,8 +470,8 @@ def test_every_strategy_is_exact_at_ratio_zero_and_after_remove_and_finite_at_ha
 
 def test_the_strategies_include_those_that_need_received_attention():
     """Every family above records received attention: idm's attention variant and the schedules built on it need
-    it (sdtm_release runs idm's streak variant)."""
-    assert {s for s in STRATEGIES if _needs_probe(s)} == {"idm", "sdtm", "sdtm_paper"}
+    it (sdtm_release runs idm's streak variant), and so does fresh_tokens (ToCa's score)."""
+    assert {s for s in STRATEGIES if _needs_probe(s)} == {"idm", "sdtm", "sdtm_paper", "fresh_tokens"}
 
 
 # ---------------------------------------------------------------------- SkyReels-V2

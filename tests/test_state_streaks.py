@@ -56,7 +56,7 @@ def block_call(state: MergeState, layer: int, x: torch.Tensor) -> None:
 
 def streak(state: MergeState) -> list[int]:
     """The counter of sample 0 (an absent counter is all zeros: the next call starts from 0)."""
-    s = state.streaks.get((state.call_index, N))
+    s = state.streaks.get((state.call_index, None, N))
     return [0] * N if s is None else [int(v) for v in s[0].tolist()]
 
 
@@ -117,7 +117,7 @@ def test_every_idm_destination_counts_and_the_streak_picks_the_next_destinations
     # Next call: each window's destination is its longest streak, ties to the first: w0 = {0, 1, 4, 5}
     # has 0 and 5 at 1 -> 0; w3 = {10, 11, 14, 15} has 10 and 15 at 1 -> 10 (had the destination not
     # counted, 15 would be the destination of w3 and 5 of w0).
-    ctx_streak = state.streaks[(0, N)]
+    ctx_streak = state.streaks[(0, None, N)]
     dst = strategy.select_destinations(x.float(), MergeContext(grid=GRID, ratio=0.25, streak=ctx_streak))
     assert dst.tolist() == [[0, 2, 8, 10]]
     block_call(state, 0, x)

@@ -141,6 +141,8 @@ class MergeHandle:
             add(block.module.register_forward_pre_hook(self._block_pre(block, kind_index), with_kwargs=True))
             add(block.module.register_forward_hook(self._block_post(block), always_call=True))
             for index, point in enumerate(block.points):
+                if point.sublayer in self.schedule.reused_sublayers:
+                    add(_ForwardPatch(point.module, self._reused_forward(block, point, index, point.module.forward)))
                 add(point.module.register_forward_pre_hook(self._point_pre(point, index), with_kwargs=True))
                 add(point.module.register_forward_hook(self._point_post(point, index)))
         self._record_needs(blocks)
@@ -238,6 +240,34 @@ class MergeHandle:
             call.store_residual(block.output_streams(output))
             return output
         return cached_forward
+
+    def _reused_forward(self, block: BlockSpec, point: MergePoint, index: int, forward: Any):
+        """The merge point's ``forward`` for reused sublayers (``Decision.reuse_outputs``, token-wise caching): a
+        reusing call returns the full-length output this point stored last without running the sublayer (no FLOP
+        is spent); other calls, and a reuse without a stored output of the input's batch and length, run it. Runs
+        inside compiled graphs: it reads only the block call and tensors.
+
+        Raises:
+            NotImplementedError: the point returns more than the image tokens (a joint attention's text stream),
+                which a stored image output cannot stand for.
+        """
+        if point.output is not None:
+            raise NotImplementedError(
+                f"schedule {self.schedule.name!r} reuses the {point.sublayer!r} output of the {block.kind!r} blocks of "
+                f"backbone {self.adapter.name!r}, whose {type(point.module).__name__} also returns other tokens (e.g. "
+                "the text stream of a joint attention): token-wise caching of that sublayer is not supported there")
+
+        @functools.wraps(forward)
+        def reused_forward(*args: Any, **kwargs: Any) -> Any:
+            call = self.state.call
+            if call is None or point.sublayer not in call.decision.reuse_outputs or index in call.skipped:
+                return forward(*args, **kwargs)
+            cached = call.cached_outputs.get(index)
+            x = point.get_input(args, kwargs)
+            if cached is None or cached.shape[:2] != x.shape[:2]:
+                return forward(*args, **kwargs)
+            return cached.to(x.dtype)  # [B, N, C'] the output of the last call that stored one
+        return reused_forward
 
     def _point_pre(self, point: MergePoint, index: int):
         def hook(module: nn.Module, args: tuple, kwargs: dict):

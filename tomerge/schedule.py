@@ -84,6 +84,13 @@ class Decision:
         forecast_order: the order of the Taylor forecast of kept residuals (TaylorSeer): a storing call keeps the
             residual's finite differences up to this order over the steps of the last storing calls, a reusing
             call returns ``sum_i d_i k^i / i!`` (``k``: steps since the last store). 0: the residual as it was.
+        reuse_outputs: the sublayers whose merge points do not run in this call: each returns the full-length output
+            it stored last (``cache_outputs``; token-wise caching, ToCa: the attention of a partial step). A point
+            with no stored output of its input's length runs. Disjoint from ``sublayers``; only schedules whose
+            :attr:`Schedule.reused_sublayers` name them may use it.
+        streak_key: the merge streaks (``ctx.streak``) of this call are kept under this key (``None``: one
+            streak per token count, shared by every block, as SDTM counts; ToCa counts per block:
+            ``("toca", layer)``).
         measure_change: this call (a ``"store"``) measures how much its residual changed, the ``Where.change``
             of the later block calls of the model call: ``"accumulated"`` (TeaCache's rule) sums the relative L1
             changes from step to step since the last model call that ran every block; ``"since_full"``
@@ -104,6 +111,8 @@ class Decision:
     block_cache: str | None = None
     forecast_order: int = 0
     measure_change: str | None = None
+    reuse_outputs: frozenset[str] = frozenset()
+    streak_key: Hashable | None = None
 
     def __post_init__(self) -> None:
         if self.block_cache not in BLOCK_CACHE:
@@ -117,6 +126,11 @@ class Decision:
         if self.cache_detail is not None and self.cache_weight is not None:
             raise ValueError("a Decision either blends merged outputs with the feature cache (cache_weight) or "
                              "restores their detail from it (cache_detail), not both")
+        if self.reuse_outputs & self.sublayers:
+            raise ValueError(f"Decision.reuse_outputs {sorted(self.reuse_outputs)} and sublayers "
+                             f"{sorted(self.sublayers)} overlap: a reused sublayer does not run, so it merges nothing")
+        if self.reuse_outputs and self.block_cache == "reuse":
+            raise ValueError("a Decision that reuses the block's residual runs no sublayer: reuse_outputs must be empty")
         if self.measure_change not in MEASURES:
             raise ValueError(f"Decision.measure_change must be one of {MEASURES}, got {self.measure_change!r}")
         if self.measure_change is not None and self.block_cache != "store":
@@ -145,6 +159,12 @@ class Schedule(abc.ABC):
         """Whether its decisions use the block cache (``Decision.block_cache``): the hooks then wrap every block's
         ``forward`` so that a reusing call can skip the block (default: no)."""
         return False
+
+    @property
+    def reused_sublayers(self) -> frozenset[str]:
+        """The sublayers its decisions may reuse (``Decision.reuse_outputs``): the hooks then wrap those merge
+        points' ``forward`` so that a reusing call can skip them (default: none)."""
+        return frozenset()
 
     @abc.abstractmethod
     def decide(self, where: Where) -> Decision:

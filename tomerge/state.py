@@ -308,7 +308,8 @@ class MergeState:
         self.call_index = 0
         self.plans: dict[Hashable, tuple[MergePlan, Tensor | None]] = {}  # (call index, cache_key) -> (plan, merged)
         self.destinations: dict[Hashable, tuple[int, Tensor]] = {}  # (call index, destinations_key) -> (N, [B, M] dst)
-        self.streaks: dict[tuple[int, int], Tensor] = {}  # (call index, N) -> [B, N] consecutive merges of each token
+        # (call index, Decision.streak_key, N) -> [B, N] consecutive merges of each token
+        self.streaks: dict[tuple[int, Hashable, int], Tensor] = {}
         # (call index, layer, point or reference_key(point)) -> [B, N, C'] feature cache
         self.outputs: dict[tuple[int, int, Hashable], Tensor] = {}
         self.attention: dict[int, Tensor] = {}  # layer -> [B, N] received attention, latest full-length call
@@ -367,7 +368,8 @@ class MergeState:
         if block_input is None:
             return call
         B, N = block_input.shape[:2]
-        if decision.cache_weight is not None or decision.cache_detail is not None:  # it reads the feature cache
+        if decision.cache_weight is not None or decision.cache_detail is not None or decision.reuse_outputs:
+            # it reads the feature cache
             for index in range(num_points):
                 for key in (index, reference_key(index)):
                     cached = self.outputs.get((self.call_index, layer, key))
@@ -386,7 +388,7 @@ class MergeState:
             if kept is not None and _fits(*kept, block_input):
                 call.kept_destinations = kept[1]
         if self.keep_streaks:
-            call.streak = self._streak(B, N, block_input.device)
+            call.streak = self._streak(B, N, block_input.device, decision.streak_key)
         call.ctx = MergeContext(
             grid=grid, ratio=decision.ratio, progress=where.progress, step=where.step,
             num_steps=where.num_steps, layer=layer, num_layers=self.num_layers, block_kind=block_kind,
@@ -439,7 +441,7 @@ class MergeState:
             if dst_key is not None and call.kept_destinations is None and not plan.is_identity:
                 self.destinations[(self.call_index, dst_key)] = (plan.num_tokens, plan.dst)
             if call.new_streak is not None:
-                self.streaks[(self.call_index, plan.num_tokens)] = call.new_streak
+                self.streaks[(self.call_index, call.decision.streak_key, plan.num_tokens)] = call.new_streak
             for observe in self.observers:
                 observe(call, plan)
         for index, output in call.new_outputs.items():
@@ -490,11 +492,11 @@ class MergeState:
             return None
         return a
 
-    def _streak(self, batch: int, num_tokens: int, device: torch.device) -> Tensor:
-        s = self.streaks.get((self.call_index, num_tokens))
+    def _streak(self, batch: int, num_tokens: int, device: torch.device, key: Hashable | None) -> Tensor:
+        s = self.streaks.get((self.call_index, key, num_tokens))
         if s is None or s.shape[0] != batch:
             s = torch.zeros(batch, num_tokens, device=device)
-            self.streaks[(self.call_index, num_tokens)] = s
+            self.streaks[(self.call_index, key, num_tokens)] = s
         return s
 
     # ------------------------------------------------------------------ randomness

@@ -1,0 +1,225 @@
+"""``toca`` and ``fresh_tokens`` (strategies/toca.py): token-wise feature caching.
+
+The schedule's fresh steps and fresh fractions follow ToCa's rules (written out here from the paper's scheduler:
+the step counted from the last one down); the score ranks tokens by L2-normalised received attention, staleness and
+the best-of-cell bonus (float64, gaps asserted); through the hooks on the tiny native DiT of ``test_compile``:
+``interval=1`` and ``remove()`` give the unpatched model bit for bit, a cached step of a timestep-blind model on the
+fresh step's input returns the fresh step's output, a cached step reuses the attention (it never runs) and runs the
+feed-forward on the fresh tokens only, a batch equals its samples, a compiled trajectory compiles nothing after its
+first steps, the FLOP counter sees the saving; diffusers DiT and PixArt run it; a joint attention is refused.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import tomerge
+from tomerge.context import MergeContext
+from tomerge.experiments.flops import count_denoiser_flops
+from tomerge.schedule import Where
+from tomerge.strategies.toca import FreshTokens, ToCa, window_best
+from test_compile import build, call, inputs, times
+
+
+def where(step: int, layer: int = 0, num_steps: int = 20, num_layers: int = 6) -> Where:
+    return Where(step=step, num_steps=num_steps, progress=step / (num_steps - 1), layer=layer, num_layers=num_layers)
+
+
+def test_fresh_steps_are_the_first_and_every_interval_counted_from_the_last():
+    s = ToCa()
+    assert [t for t in range(20) if s.is_fresh(t, 20)] == [0, 3, 7, 11, 15, 19]  # ToCa counts 19, 18, ... 0
+    assert [t for t in range(8) if ToCa(interval=2).is_fresh(t, 8)] == [0, 1, 3, 5, 7]
+    assert all(ToCa(interval=1).is_fresh(t, 5) for t in range(5))
+
+
+@pytest.mark.parametrize("step, layer", [(1, 0), (1, 5), (10, 2), (18, 3)])
+def test_the_fresh_fraction_is_tocas_layer_step_and_module_factors(step, layer):
+    s = ToCa()
+    countdown = 19 - step
+    expected = 0.07 * (1.8 - 1.6 * layer / 5) * (1.4 - 0.8 * countdown / 20) * 2.5
+    assert s.fresh_fraction(where(step, layer)) == pytest.approx(expected, rel=1e-12)
+    decision = s.decide(where(step, layer))
+    assert decision.ratio == pytest.approx(1 - expected, rel=1e-12)
+    assert decision.sublayers == frozenset({"mlp"}) and decision.reuse_outputs == frozenset({"attn"})
+    assert decision.cache_weight == 0.0 and decision.cache_outputs == frozenset({"mlp"})
+    assert decision.streak_key == ("toca", layer)
+    fresh = s.decide(where(3, layer))
+    assert fresh.ratio == 0.0 and fresh.reset_streaks and fresh.cache_outputs == frozenset({"attn", "mlp"})
+    assert not fresh.reuse_outputs
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(interval=0), "interval"), (dict(fresh_ratio=0.0), "fresh_ratio"), (dict(fresh_ratio=1.5), "fresh_ratio"),
+    (dict(layer_weight=2.0), "layer_weight"), (dict(ratio=0.5), "no merging ratio"), (dict(window=0), "window"),
+])
+def test_bad_options_are_refused_with_their_name(bad, message):
+    with pytest.raises(ValueError, match=message):
+        ToCa(**bad)
+
+
+def test_the_cell_bonus_goes_to_the_best_token_of_each_cell_also_at_odd_edges():
+    score = torch.tensor([[0.1, 0.9, 0.3,
+                           0.4, 0.2, 0.8,
+                           0.7, 0.5, 0.6]], dtype=torch.float64)  # a 3 x 3 grid: cells 2x2, 2x1, 1x2, 1x1
+    best = window_best(score, (3, 3), 2)
+    assert best.tolist() == [[0.0, 0.9, 0.0, 0.0, 0.0, 0.8, 0.7, 0.0, 0.6]]
+    frames = window_best(torch.cat([score, score.flip(1)], 1), (2, 3, 3), 2)  # per frame on a 3-D grid
+    assert frames[0, :9].tolist() == best[0].tolist()
+
+
+def test_fresh_tokens_are_the_best_by_attention_staleness_and_bonus():
+    g = torch.Generator().manual_seed(3)
+    N, grid = 16, (4, 4)
+    attention = torch.rand(1, N, generator=g, dtype=torch.float64)
+    streak = torch.randint(0, 4, (1, N), generator=g).double()
+    strategy = FreshTokens()
+    ctx = MergeContext(grid=grid, ratio=0.75, received_attention=attention, streak=streak)
+    s1 = attention / attention.norm()
+    s3 = s1 + 0.25 * streak / 4
+    cells = s3.view(2, 2, 2, 2).permute(0, 2, 1, 3).reshape(4, 4)  # [cell, member]
+    bonus = torch.zeros(4, 4, dtype=torch.float64)
+    bonus[torch.arange(4), cells.argmax(1)] = 0.6 * cells.max(1).values
+    expected = (cells + bonus).view(2, 2, 2, 2).permute(0, 2, 1, 3).reshape(1, N)
+    order = expected[0].sort(descending=True).values
+    assert (order[3] - order[4]) > 1e-6  # no tie at the cut
+    plan = strategy.plan(torch.randn(1, N, 3, generator=g, dtype=torch.float64), ctx)
+    assert sorted(plan.dst[0].tolist()) == sorted(expected[0].topk(4).indices.tolist())
+    x = torch.randn(1, N, 5, generator=g, dtype=torch.float64)
+    assert torch.equal(plan.merge(x), x[:, plan.dst[0]])  # an exact selection
+    y = plan.unmerge(plan.merge(x))
+    stale = strategy.merged_tokens(plan, ctx)
+    assert stale.sum() == N - 4 and torch.equal(y[~stale], x[~stale]) and torch.all(y[stale] == 0)
+
+
+@pytest.fixture(scope="module")
+def dit() -> nn.Module:
+    return build("native_dit", depth=3)
+
+
+def trajectory(model: nn.Module, options: dict | None, calls: list[dict]) -> list[torch.Tensor]:
+    if options is None:
+        return [call(model, kwargs) for kwargs in calls]
+    with tomerge.merging(model, **options, num_steps=len(calls)):
+        return [call(model, kwargs) for kwargs in calls]
+
+
+def test_interval_one_and_remove_are_the_unpatched_model_and_fresh_steps_are_unmerged(dit):
+    calls = [inputs("native_dit", t) for t in times(8)]
+    before = trajectory(dit, None, calls)
+    assert all(torch.equal(a, b) for a, b in zip(trajectory(dit, dict(strategy="toca", interval=1), calls), before))
+    cached = trajectory(dit, dict(strategy="toca"), calls)
+    assert all(torch.equal(cached[t], before[t]) for t in (0, 3, 7))  # fresh: 8 steps counted 7..0, interval 4
+    assert all(not torch.equal(cached[t], before[t]) for t in (1, 2, 4, 5, 6))
+    assert all(torch.equal(a, b) for a, b in zip(trajectory(dit, None, calls), before))
+    assert all("forward" not in block.attn.__dict__ for block in dit.blocks)  # the reuse patch is gone
+
+
+def test_a_cached_step_on_the_fresh_steps_input_is_the_fresh_step():
+    """Timestep-blind model, one input at two timesteps: the reused attention and the cached feed-forward outputs
+    are what the step would compute, and the fresh tokens are computed from their own inputs, so the cached step
+    returns the fresh step's output (to float64 rounding of the smaller products)."""
+    model = build("native_dit", depth=3)
+    with torch.no_grad():
+        model.t_embedder.mlp[2].weight.zero_()
+    same = [inputs("native_dit", t) for t in (0.9, 0.8)]
+    full = trajectory(model, None, same[:1])[0]
+    out = trajectory(model, dict(strategy="toca", interval=4), same + same[:0])
+    torch.testing.assert_close(out[1], full, rtol=0, atol=1e-13)
+    changed = trajectory(model, dict(strategy="tomesd", ratio=0.5, merge_mlp=True, use_rand=False,
+                                     merge_from=0.5), same)
+    assert (changed[1] - full).abs().max() > 1e-4
+
+
+def test_a_cached_step_never_runs_the_attention_and_runs_the_feed_forward_on_the_fresh_tokens(dit):
+    lengths: dict[str, list[int]] = {"attn": [], "mlp": []}
+    # the sublayers' first projections: they run only when the sublayer does (the sublayer's own hooks always fire)
+    hooks = [module.register_forward_pre_hook(lambda m, args, name=name: lengths[name].append(args[0].shape[1]))
+             for block in dit.blocks for name, module in (("attn", block.attn.qkv), ("mlp", block.mlp.fc1))]
+    try:
+        calls = [inputs("native_dit", t) for t in times(4)]  # fresh: steps 0 and 3
+        with tomerge.merging(dit, "toca", num_steps=4) as handle:
+            for kwargs in calls:
+                call(dit, kwargs)
+            records = handle.state.records
+    finally:
+        for h in hooks:
+            h.remove()
+    assert lengths["attn"] == [64] * 6  # steps 0 and 3, three blocks each
+    kept = [r.num_tokens - r.num_removed for r in records if r.label == "toca"]
+    assert lengths["mlp"] == [64] * 3 + kept + [64] * 3 and all(0 < k < 64 for k in kept)
+
+
+def test_a_batch_equals_its_samples(dit):
+    pair = [inputs("native_dit", t) for t in times(5)]
+    pair = [{**kw, "x": kw["x"] + torch.linspace(0, 1, 2, dtype=torch.float64).view(2, 1, 1, 1)} for kw in pair]
+    batched = trajectory(dit, dict(strategy="toca"), pair)
+    for sample in range(2):
+        alone = [{k: v[sample:sample + 1] for k, v in kwargs.items()} for kwargs in pair]
+        for a, b in zip(trajectory(dit, dict(strategy="toca"), alone), batched):
+            torch.testing.assert_close(a[0], b[sample], rtol=1e-12, atol=1e-12)
+
+
+def test_a_compiled_trajectory_matches_eager_and_compiles_nothing_after_its_first_steps(dit):
+    steps = 12
+    calls = [inputs("native_dit", t) for t in times(steps)]
+    eager = trajectory(dit, dict(strategy="toca", interval=3), calls)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    backend = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    frames, compiled = [], []
+    with tomerge.merging(dit, "toca", interval=3, num_steps=steps):
+        runner = torch.compile(dit, backend=backend)
+        for kwargs in calls:
+            compiled.append(call(runner, kwargs))
+            frames.append(backend.frame_count)
+    breaks = dict(torch._dynamo.utils.counters["graph_break"])
+    torch._dynamo.reset()
+    assert not breaks, f"graph breaks: {breaks}"
+    for a, b in zip(compiled, eager):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+    assert frames[-1] == frames[len(frames) // 2], frames
+
+
+def test_the_flop_counter_sees_the_reused_attention_and_the_fresh_tokens(dit):
+    calls = [inputs("native_dit", t) for t in times(4)]
+
+    def per_step(**options) -> list[float]:
+        with tomerge.merging(dit, "toca", num_steps=4, **options):
+            return [count_denoiser_flops(dit, lambda: call(dit, kwargs))[0] for kwargs in calls]
+
+    unmerged = count_denoiser_flops(dit, lambda: call(dit, calls[0]))[0]
+    few, many = per_step(fresh_ratio=0.05), per_step(fresh_ratio=0.3)
+    # a fresh step is the unmerged model plus the received-attention probe the next steps' scores read
+    assert few[0] == few[3] == many[0] > unmerged
+    assert few[1] < many[1] < unmerged and few[2] < many[2] < unmerged
+
+
+@pytest.mark.parametrize("name", ["dit", "pixart"])
+def test_diffusers_dit_and_pixart_run_it_and_remove_leaves_no_trace(name):
+    from test_backbones_diffusers import make_inputs, tiny_dit, tiny_pixart
+
+    model = {"dit": tiny_dit, "pixart": tiny_pixart}[name]()
+    kwargs = make_inputs(name)
+    steps = [{**kwargs, "timestep": (kwargs["timestep"] * (1 - 0.2 * s)).to(kwargs["timestep"].dtype)}
+             for s in range(3)]
+    with torch.no_grad():
+        before = [model(**kw).sample for kw in steps]
+        with tomerge.merging(model, "toca", num_steps=3, interval=2) as handle:
+            out = [model(**kw).sample for kw in steps]
+            labels = {r.label for r in handle.state.records}
+        after = [model(**kw).sample for kw in steps]
+    assert labels == {"fresh", "toca"}
+    assert torch.equal(out[0], before[0]) and not torch.equal(out[1], before[1])
+    assert all(torch.isfinite(o).all() and o.shape == b.shape for o, b in zip(out, before))
+    assert all(torch.equal(a, b) for a, b in zip(after, before))
+
+
+def test_a_joint_attention_is_refused_by_name():
+    from test_backbones_diffusers import tiny_sd3
+
+    model = tiny_sd3()
+    with pytest.raises(NotImplementedError, match=r"toca.*'attn'.*joint.*not supported"):
+        tomerge.apply(model, "toca")
+    assert "_tomerge_handle" not in model.__dict__
