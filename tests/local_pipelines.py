@@ -326,10 +326,13 @@ def clip_folder() -> Path:
 # |---|---|---|---|---|
 # | ``sana`` | SanaPipeline (Gemma-2 text encoder, DC-AE) | 32 x 32 image | 16 x 16 x 4 | 16 x 16 (patch 1) |
 # | ``wan`` | WanPipeline (UMT5 encoder, Wan VAE) | 9 frames of 64 x 64 | 3 x 8 x 8 x 16 | 3 x 4 x 4 (patch (1, 2, 2)) |
+# | ``ltx`` | LTXPipeline (T5 encoder, LTX-Video VAE) | 9 frames of 32 x 32 | 3 x 8 x 8 x 8 | 3 x 8 x 8 (patch 1) |
 CURRENT_CALL_DEFAULTS: dict[str, dict[str, Any]] = {
     "sana": {**_SIZE, "guidance_scale": 4.5, "max_sequence_length": 16, "use_resolution_binning": False,
              "clean_caption": False, "complex_human_instruction": None},
     "wan": {"height": 64, "width": 64, "num_frames": 9, "num_inference_steps": 2, "guidance_scale": 5.0,
+            "max_sequence_length": 16},
+    "ltx": {"height": 32, "width": 32, "num_frames": 9, "num_inference_steps": 3, "guidance_scale": 3.0,
             "max_sequence_length": 16},
 }
 
@@ -387,7 +390,28 @@ def _build_wan():
                        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), transformer=transformer)
 
 
-_BUILDERS.update({"sana": _build_sana, "wan": _build_wan})
+def _build_ltx():
+    from diffusers import AutoencoderKLLTXVideo, FlowMatchEulerDiscreteScheduler, LTXPipeline, LTXVideoTransformer3DModel
+
+    tokenizer = t5_tokenizer()
+    text_encoder = _t5(tokenizer, 32, seed=1)  # caption_channels = d_model
+    _seeded(0)
+    transformer = LTXVideoTransformer3DModel(
+        in_channels=8, out_channels=8, patch_size=1, patch_size_t=1, num_attention_heads=4, attention_head_dim=8,
+        cross_attention_dim=32, num_layers=2, caption_channels=32).eval()
+    _seeded(2)
+    # spatial compression 4 (two 2x stages), temporal 4: 9 frames of 32 x 32 -> a 3 x 8 x 8 latent
+    vae = AutoencoderKLLTXVideo(
+        latent_channels=8, block_out_channels=(8, 8, 8, 8), decoder_block_out_channels=(8, 8, 8, 8),
+        layers_per_block=(1, 1, 1, 1, 1), decoder_layers_per_block=(1, 1, 1, 1, 1),
+        spatio_temporal_scaling=(True, True, False, False), decoder_spatio_temporal_scaling=(True, True, False, False),
+        decoder_inject_noise=(False,) * 5, upsample_residual=(False,) * 4, upsample_factor=(1,) * 4,
+        patch_size=1, patch_size_t=1).eval()
+    return LTXPipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae, text_encoder=text_encoder,
+                       tokenizer=tokenizer, transformer=transformer)
+
+
+_BUILDERS.update({"sana": _build_sana, "wan": _build_wan, "ltx": _build_ltx})
 
 
 # ---------------------------------------------------------------------- editing pipelines (input images)

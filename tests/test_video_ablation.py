@@ -130,6 +130,20 @@ def test_sana_image_pipeline_ablation(root):
     assert merged["psnr"] < 100.0 and merged["flops"] < merged["flops_base"] and merged["n_images"] == 2
 
 
+def test_ltx_video_pipeline_ablation_with_merging_and_token_wise_caching(root):
+    """LTX-Video (3-D RoPE, cross-attention, its own causal VAE) from a saved folder through the ablation: a
+    merging strategy and token-wise caching (its reused attention returns the image tokens alone)."""
+    frames = local_pipelines.CURRENT_CALL_DEFAULTS["ltx"]["num_frames"]
+    grid = "grid=[{strategy: tomesd, ratios: [0.5], options: {use_rand: false}}, {strategy: toca, ratios: [0.0]}]"
+    folder = run_ablation(load_config(None, overrides(root, "ltx", "ltx", grid)), progress=False).path
+    baseline, merged, cached = rows(folder)
+    assert [merged["run"], cached["run"]] == ["tomesd-r0.5-use_rand=False", "toca-r0"]
+    assert baseline["psnr"] == 100.0 and baseline["frames_per_video"] == frames
+    for r in (merged, cached):
+        assert r["psnr"] < 100.0 and r["flops"] < r["flops_base"] and r["n_frames"] == 2 * frames
+        assert len(r["psnr_per_frame"]) == frames
+
+
 def test_video_metrics_pair_frames_with_the_same_frame_of_the_baseline(tmp_path):
     """Hand-made videos: only frame 1 of video 0 differs, so only that frame index loses PSNR and SSIM."""
     from tomerge.experiments.generate import save_video
