@@ -327,6 +327,7 @@ def clip_folder() -> Path:
 # | ``sana`` | SanaPipeline (Gemma-2 text encoder, DC-AE) | 32 x 32 image | 16 x 16 x 4 | 16 x 16 (patch 1) |
 # | ``wan`` | WanPipeline (UMT5 encoder, Wan VAE) | 9 frames of 64 x 64 | 3 x 8 x 8 x 16 | 3 x 4 x 4 (patch (1, 2, 2)) |
 # | ``ltx`` | LTXPipeline (T5 encoder, LTX-Video VAE) | 9 frames of 32 x 32 | 3 x 8 x 8 x 8 | 3 x 8 x 8 (patch 1) |
+# | ``cogvideox`` | CogVideoXPipeline (T5 encoder, CogVideoX VAE) | 9 frames of 64 x 64 | 3 x 8 x 8 x 4 | 3 x 4 x 4 (patch 2) |
 CURRENT_CALL_DEFAULTS: dict[str, dict[str, Any]] = {
     "sana": {**_SIZE, "guidance_scale": 4.5, "max_sequence_length": 16, "use_resolution_binning": False,
              "clean_caption": False, "complex_human_instruction": None},
@@ -334,6 +335,8 @@ CURRENT_CALL_DEFAULTS: dict[str, dict[str, Any]] = {
             "max_sequence_length": 16},
     "ltx": {"height": 32, "width": 32, "num_frames": 9, "num_inference_steps": 3, "guidance_scale": 3.0,
             "max_sequence_length": 16},
+    "cogvideox": {"height": 64, "width": 64, "num_frames": 9, "num_inference_steps": 2, "guidance_scale": 3.0,
+                  "max_sequence_length": 16},
 }
 
 
@@ -411,7 +414,26 @@ def _build_ltx():
                        tokenizer=tokenizer, transformer=transformer)
 
 
-_BUILDERS.update({"sana": _build_sana, "wan": _build_wan, "ltx": _build_ltx})
+def _build_cogvideox():
+    from diffusers import AutoencoderKLCogVideoX, CogVideoXDDIMScheduler, CogVideoXPipeline, CogVideoXTransformer3DModel
+
+    tokenizer = t5_tokenizer()
+    text_encoder = _t5(tokenizer, 32, seed=1)  # text_embed_dim = d_model
+    _seeded(0)
+    transformer = CogVideoXTransformer3DModel(
+        num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=4, time_embed_dim=16,
+        text_embed_dim=32, num_layers=2, patch_size=2, sample_height=8, sample_width=8, sample_frames=9,
+        max_text_seq_length=16, use_rotary_positional_embeddings=True).eval()
+    _seeded(2)
+    # spatial compression 8 (three 2x stages), temporal 4: 9 frames of 64 x 64 -> a 3 x 8 x 8 latent
+    vae = AutoencoderKLCogVideoX(block_out_channels=(8, 8, 8, 8), latent_channels=4, layers_per_block=1,
+                                 norm_num_groups=2, temporal_compression_ratio=4, sample_height=64,
+                                 sample_width=64).eval()
+    return CogVideoXPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, transformer=transformer,
+                             scheduler=CogVideoXDDIMScheduler())
+
+
+_BUILDERS.update({"sana": _build_sana, "wan": _build_wan, "ltx": _build_ltx, "cogvideox": _build_cogvideox})
 
 
 # ---------------------------------------------------------------------- editing pipelines (input images)
