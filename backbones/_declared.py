@@ -986,7 +986,7 @@ def _refuse_masked_probe(point: DeclaredPoint, state: MergeState):
     the masked model does not pay."""
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
         call = state.call
-        if call is not None and call.decision.merges and call_arg(args, kwargs, point.site.mask_arg,
+        if call is not None and call.records_attention and call_arg(args, kwargs, point.site.mask_arg,
                                                                    point.site.mask_index) is not None:
             raise NotImplementedError(
                 f"tomerge: {type(module).__name__} got an attention mask ({point.site.mask_arg}); the "

@@ -333,7 +333,7 @@ def probe_sdpa_attention(attn: nn.Module, state: MergeState, *, text_side: str, 
 
     def wanted() -> bool:  # the hooks are on this block's attention: the call in progress is this block's
         call = state.call
-        return call is not None and call.decision.merges
+        return call is not None and call.records_attention
 
     def enter(module: nn.Module, args: tuple, kwargs: dict) -> None:
         if wanted():

@@ -149,9 +149,9 @@ CACHING_NOTE = ("The caching schedules ({names}, docs/schedules.md) are not in t
                 "step-level ones run on a family whose blocks return one tensor or declare what their tuple output "
                 "holds (`BlockSpec.outputs`; a block that does not stops the first call with a TypeError naming it), "
                 "which is tested for `native_dit`, `dit`, `sana`, `wan` and `qwenimage` (`tests/test_caching.py`); "
-                "`toca` runs where the attention returns the image tokens alone and is probed (not in joint "
-                "text-image attention, which `apply` refuses with a message), tested for `native_dit`, `dit` and "
-                "`pixart` (`tests/test_toca.py`).")
+                "`toca` runs where the attention is probed (a joint attention's whole output is reused, text "
+                "included), tested for `native_dit`, `dit`, `pixart`, `sd3` (`tests/test_toca.py`) and `ltx` "
+                "(`tests/test_video_ablation.py`).")
 
 
 def runnable_strategies(adapter: type, strategies: Sequence[str]) -> tuple[str, ...]:

@@ -5,7 +5,8 @@ only a scored fraction of the tokens of each block's feed-forward, taking the ca
 attention is not computed there at all (its module factor is 0 in the authors' final DiT scheduler). In tomerge's
 terms, on a cached step of block ``l``:
 
-* the attention's merge points return the output they stored on the last fresh step (``Decision.reuse_outputs``);
+* the attention's merge points return what their module returned on the last fresh step (``Decision.reuse_outputs``;
+  a joint attention's text tokens included);
 * the feed-forward runs on the ``k`` **fresh** tokens :class:`FreshTokens` selects (an exact selection: a soft plan
   whose merge rows are one-hot, so every fresh token is computed from its own input), the other tokens take their
   cached output (``Decision.cache_weight = 0``), and the combined output becomes the cache

@@ -335,7 +335,7 @@ CURRENT_CALL_DEFAULTS: dict[str, dict[str, Any]] = {
             "max_sequence_length": 16},
     "ltx": {"height": 32, "width": 32, "num_frames": 9, "num_inference_steps": 3, "guidance_scale": 3.0,
             "max_sequence_length": 16},
-    "cogvideox": {"height": 64, "width": 64, "num_frames": 9, "num_inference_steps": 2, "guidance_scale": 3.0,
+    "cogvideox": {"height": 64, "width": 64, "num_frames": 9, "num_inference_steps": 3, "guidance_scale": 3.0,
                   "max_sequence_length": 16},
 }
 

@@ -145,12 +145,14 @@ def test_ltx_video_pipeline_ablation_with_merging_and_token_wise_caching(root):
 
 
 def test_cogvideox_pipeline_ablation(root):
-    """CogVideoX (joint text-video attention, text first; 3-D RoPE; its own VAE) from a saved folder."""
+    """CogVideoX (joint text-video attention, text first; 3-D RoPE; its own VAE) from a saved folder: merging, and
+    token-wise caching reusing the joint attention's whole output."""
     frames = local_pipelines.CURRENT_CALL_DEFAULTS["cogvideox"]["num_frames"]
-    grid = "grid=[{strategy: tomesd, ratios: [0.5], options: {use_rand: false}}, {strategy: ssm, ratios: [0.5]}]"
+    grid = ("grid=[{strategy: tomesd, ratios: [0.5], options: {use_rand: false}}, {strategy: ssm, ratios: [0.5]},"
+            " {strategy: toca, ratios: [0.0]}]")
     folder = run_ablation(load_config(None, overrides(root, "cogvideox", "cogvideox", grid)), progress=False).path
     baseline, *merged = rows(folder)
-    assert [r["run"] for r in merged] == ["tomesd-r0.5-use_rand=False", "ssm-r0.5"]
+    assert [r["run"] for r in merged] == ["tomesd-r0.5-use_rand=False", "ssm-r0.5", "toca-r0"]
     assert baseline["psnr"] == 100.0 and baseline["frames_per_video"] == frames
     for r in merged:
         assert r["psnr"] < 100.0 and r["flops"] < r["flops_base"] and r["tokens_removed_mean"] > 0

@@ -21,7 +21,7 @@ from .adapter import BackboneAdapter, BlockSpec, MergePoint
 from .context import check_ratio
 from .registry import backbone_class, build, list_backbones, strategy_class
 from .schedule import Constant, Schedule
-from .state import MergeState, TrajectoryClock
+from .state import MergeState, TrajectoryClock, module_key
 from .strategy import RECORDED_NEEDS, MergeStrategy
 from .text_bias import bias_text_keys
 
@@ -142,7 +142,7 @@ class MergeHandle:
             add(block.module.register_forward_hook(self._block_post(block), always_call=True))
             for index, point in enumerate(block.points):
                 if point.sublayer in self.schedule.reused_sublayers:
-                    add(_ForwardPatch(point.module, self._reused_forward(block, point, index, point.module.forward)))
+                    add(_ForwardPatch(point.module, self._reused_forward(point, index, point.module.forward)))
                 add(point.module.register_forward_pre_hook(self._point_pre(point, index), with_kwargs=True))
                 add(point.module.register_forward_hook(self._point_post(point, index)))
         self._record_needs(blocks)
@@ -241,32 +241,21 @@ class MergeHandle:
             return output
         return cached_forward
 
-    def _reused_forward(self, block: BlockSpec, point: MergePoint, index: int, forward: Any):
+    def _reused_forward(self, point: MergePoint, index: int, forward: Any):
         """The merge point's ``forward`` for reused sublayers (``Decision.reuse_outputs``, token-wise caching): a
-        reusing call returns the full-length output this point stored last without running the sublayer (no FLOP
-        is spent); other calls, and a reuse without a stored output of the input's batch and length, run it. Runs
-        inside compiled graphs: it reads only the block call and tensors.
-
-        Raises:
-            NotImplementedError: the point returns more than the image tokens (a joint attention's text stream),
-                which a stored image output cannot stand for.
-        """
-        if point.output is not None:
-            raise NotImplementedError(
-                f"schedule {self.schedule.name!r} reuses the {point.sublayer!r} output of the {block.kind!r} blocks of "
-                f"backbone {self.adapter.name!r}, whose {type(point.module).__name__} also returns other tokens (e.g. "
-                "the text stream of a joint attention): token-wise caching of that sublayer is not supported there")
-
+        reusing call returns the whole output this point's module returned when it last stored one (a joint
+        attention's text tokens and tuple outputs included) without running the sublayer (no FLOP is spent); other
+        calls, and a reuse without a stored output for an input of this shape, run it. Runs inside compiled graphs:
+        it reads only the block call and tensors."""
         @functools.wraps(forward)
         def reused_forward(*args: Any, **kwargs: Any) -> Any:
             call = self.state.call
             if call is None or point.sublayer not in call.decision.reuse_outputs or index in call.skipped:
                 return forward(*args, **kwargs)
-            cached = call.cached_outputs.get(index)
-            x = point.get_input(args, kwargs)
-            if cached is None or cached.shape[:2] != x.shape[:2]:
+            stored = call.cached_outputs.get(module_key(index))
+            if stored is None or stored[0] != point.get_input(args, kwargs).shape:
                 return forward(*args, **kwargs)
-            return cached.to(x.dtype)  # [B, N, C'] the output of the last call that stored one
+            return stored[1]  # what the module returned in the call that stored it
         return reused_forward
 
     def _point_pre(self, point: MergePoint, index: int):
@@ -277,6 +266,8 @@ class MergeHandle:
             if not point.reads_tokens(args, kwargs):  # a shared submodule's call on other tokens: runs as it is
                 call.skipped.add(index)
                 return None
+            if point.sublayer in call.decision.cache_outputs and point.sublayer in self.schedule.reused_sublayers:
+                call.input_shapes[index] = point.get_input(args, kwargs).shape  # what a reuse must match
             if point.sublayer not in call.decision.sublayers or call.decision.strategy is None:
                 return None
             x = point.get_input(args, kwargs)
@@ -301,6 +292,8 @@ class MergeHandle:
             if plan is None:  # ran at full length
                 if point.sublayer in decision.cache_outputs:
                     call.store_output(index, point.get_output(output))
+                    if point.sublayer in self.schedule.reused_sublayers:
+                        call.store_module_output(index, output)
                 return None
             if point.keeps_merged(decision.sublayers):
                 return None  # a later point of the block consumes the merged output and unmerges

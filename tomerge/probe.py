@@ -173,8 +173,8 @@ def attention_probe(state: MergeState, attn: nn.Module, sources: Iterable[Source
                     record_before: nn.Module | None = None) -> list[Any]:
     """Hooks recording the attention the image tokens of a block receive in its attention ``attn``.
 
-    Only the block's calls that merge are recorded (``state.call`` with a merging decision: the hooks are on
-    the block's own modules, so the call in progress is the block's). In those, the forward hooks of
+    Only the block's calls that merge and run their attention are recorded (``state.call.records_attention``: the
+    hooks are on the block's own modules, so the call in progress is the block's). In those, the forward hooks of
     ``sources`` capture the q/k the attention computes anyway (a name captured twice keeps the later output:
     a norm after its projection); after ``attn`` ran, ``compute(captured, grid)`` turns them into
     ``a [B, N]`` for ``state.call.attention`` (stored for the block's layer when the call ends,
@@ -200,7 +200,7 @@ def attention_probe(state: MergeState, attn: nn.Module, sources: Iterable[Source
 
     def wanted() -> bool:  # the hooks are on this block's modules: the call in progress is this block's
         call = state.call
-        return call is not None and call.decision.merges
+        return call is not None and call.records_attention
 
     def keep(name: str, pick: Callable[[Any], Tensor] | None):
         def hook(module: nn.Module, args: tuple, output: Any) -> None:

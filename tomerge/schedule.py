@@ -84,9 +84,10 @@ class Decision:
         forecast_order: the order of the Taylor forecast of kept residuals (TaylorSeer): a storing call keeps the
             residual's finite differences up to this order over the steps of the last storing calls, a reusing
             call returns ``sum_i d_i k^i / i!`` (``k``: steps since the last store). 0: the residual as it was.
-        reuse_outputs: the sublayers whose merge points do not run in this call: each returns the full-length output
-            it stored last (``cache_outputs``; token-wise caching, ToCa: the attention of a partial step). A point
-            with no stored output of its input's length runs. Disjoint from ``sublayers``; only schedules whose
+        reuse_outputs: the sublayers whose merge points do not run in this call: each returns what its module
+            returned when it last stored its output (``cache_outputs``; a joint attention's text tokens and tuple
+            outputs included; token-wise caching, ToCa: the attention of a partial step). A point with no stored
+            output for an input of this shape runs. Disjoint from ``sublayers``; only schedules whose
             :attr:`Schedule.reused_sublayers` name them may use it.
         streak_key: the merge streaks (``ctx.streak``) of this call are kept under this key (``None``: one
             streak per token count, shared by every block, as SDTM counts; ToCa counts per block:

@@ -188,8 +188,9 @@ class BlockCall:
     computed: bool = False  # the plan was computed in this call (end_block caches it and tells the observers)
     new_streak: Tensor | None = None  # [B, N] streaks after this call's merge decision
     # point index (or reference_key(point)) -> the feature cache this call reads / what it stores (None: drop)
-    cached_outputs: dict[Hashable, Tensor] = dataclasses.field(default_factory=dict)
-    new_outputs: dict[Hashable, Tensor | None] = dataclasses.field(default_factory=dict)
+    # (module_key(point): (input shape, the module's whole output), for reused sublayers)
+    cached_outputs: dict[Hashable, Any] = dataclasses.field(default_factory=dict)
+    new_outputs: dict[Hashable, Any] = dataclasses.field(default_factory=dict)
     attention: Tensor | None = None  # [B, N] received attention a probe recorded in this call
     active: dict[int, MergePlan] = dataclasses.field(default_factory=dict)  # point index -> plan
     streams: Streams | None = None  # the block's input streams, when the decision uses the block cache
@@ -198,6 +199,13 @@ class BlockCall:
     new_residual: Streams | None = None  # the residual a storing call computed
 
     skipped: set[int] = dataclasses.field(default_factory=set)  # point indices whose call in progress reads no image tokens
+    input_shapes: dict[int, torch.Size] = dataclasses.field(default_factory=dict)  # point -> image input, for a stored module output
+
+    @property
+    def records_attention(self) -> bool:
+        """Whether the received-attention probes record in this call: its decision merges and its attention runs
+        (not reused from the feature cache, ``Decision.reuse_outputs``)."""
+        return self.decision.merges and "attn" not in self.decision.reuse_outputs
 
     # ------------------------------------------------------------------ the block cache
     def store_residual(self, outputs: Streams) -> None:
@@ -225,6 +233,17 @@ class BlockCall:
         for this layer and call index when the block call ends, :meth:`MergeState.end_block`)."""
         self.new_outputs[point] = output.detach()
         self.new_outputs[reference_key(point)] = None  # a new cached output: "merged_change" starts again
+
+    def store_module_output(self, point: int, output: Any) -> None:
+        """Keeps the whole output of merge point ``point``'s module (a tensor or a tuple: a joint attention's text
+        tokens included) with the shape of its image-token input, for the calls that reuse it
+        (``Decision.reuse_outputs``; stored for this layer and call index when the block call ends)."""
+        shape = self.input_shapes.pop(point, None)
+        if shape is None:
+            return
+        detached = tuple(t.detach() if isinstance(t, Tensor) else t for t in output) \
+            if isinstance(output, tuple) else output.detach()
+        self.new_outputs[module_key(point)] = (shape, detached)
 
     def blend_cached(self, point: int, output: Tensor, plan: MergePlan) -> Tensor:
         """``output [B, N, C']`` (the unmerged output of the block's merge point number ``point``, merged with
@@ -258,6 +277,11 @@ class BlockCall:
             return output
         blended = torch.lerp(cached, output, decision.cache_weight)  # [B, N, C'] = w * output + (1 - w) * cached
         return torch.where(self.merged.unsqueeze(-1), blended, output)  # [B, N, C']
+
+
+def module_key(point: int) -> tuple[str, int]:
+    """The feature-cache key of merge point ``point``'s whole module output and input shape (``reuse_outputs``)."""
+    return ("module", point)
 
 
 def reference_key(point: int) -> tuple[str, int]:
@@ -371,7 +395,7 @@ class MergeState:
         if decision.cache_weight is not None or decision.cache_detail is not None or decision.reuse_outputs:
             # it reads the feature cache
             for index in range(num_points):
-                for key in (index, reference_key(index)):
+                for key in (index, reference_key(index), module_key(index)):
                     cached = self.outputs.get((self.call_index, layer, key))
                     if cached is not None:
                         call.cached_outputs[key] = cached
