@@ -150,7 +150,8 @@ CACHING_NOTE = ("The caching schedules ({names}, docs/schedules.md) are not in t
                 "holds (`BlockSpec.outputs`; a block that does not stops the first call with a TypeError naming it), "
                 "which is tested for `native_dit`, `dit`, `sana`, `wan` and `qwenimage` (`tests/test_caching.py`); "
                 "`toca` runs where the attention is probed (a joint attention's whole output is reused, text "
-                "included), tested for `native_dit`, `dit`, `pixart`, `sd3` (`tests/test_toca.py`) and `ltx` "
+                "included), tested for `native_dit`, `dit`, `pixart`, `sd3`, `lumina2`, `chroma`, `flux2`, `qwenimage`, "
+                "`cogview4`, `wan`, `hunyuan_video` (`tests/test_toca.py`), `ltx` and `cogvideox` "
                 "(`tests/test_video_ablation.py`).")
 
 

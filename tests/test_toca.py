@@ -218,3 +218,38 @@ def test_diffusers_families_run_it_and_remove_leaves_no_trace(name):
     assert all(torch.isfinite(o).all() and o.shape == b.shape for o, b in zip(out, before))
     assert all(torch.equal(a, b) for a, b in zip(after, before))
     assert not any("forward" in m.__dict__ for m in model.modules())
+
+
+def declared_family(name: str):
+    from test_backbones_current import FAMILIES as CURRENT
+    from test_backbones_image_flux_like import FAMILIES as FLUX_LIKE
+    from test_backbones_image_other import FAMILIES as OTHER
+    from test_backbones_video import FAMILIES as VIDEO
+
+    return {**CURRENT, **FLUX_LIKE, **OTHER, **VIDEO}[name]
+
+
+@pytest.mark.parametrize("name", ["lumina2", "chroma", "flux2", "qwenimage", "cogview4", "wan", "hunyuan_video"])
+def test_declared_families_run_it_joint_and_single_stream_alike(name):
+    """Declared families (joint text-image attention, double and single streams, video grids): the fresh steps are
+    the unmerged model, the cached step differs and is finite, ``remove()`` leaves no trace."""
+    family = declared_family(name)
+    model = family.build()
+    kwargs = family.inputs(model)
+    t = kwargs["timestep"]
+    direction = 1 if name == "lumina2" else -1  # Lumina 2's timestep grows from noise (0) to image (1)
+    steps = [{**kwargs, "timestep": (t * (1 + direction * 0.2 * s)).to(t.dtype)} for s in range(3)]
+
+    def run():
+        with torch.no_grad():
+            return [model(**kw)[0] for kw in steps]
+
+    before = run()
+    with tomerge.merging(model, "toca", num_steps=3) as handle:
+        out = run()
+        labels = [r.label for r in handle.state.records]
+    assert set(labels) == {"fresh", "toca"}
+    assert torch.equal(out[0], before[0]) and torch.equal(out[2], before[2])  # steps 0 and 2 are fresh
+    assert torch.isfinite(out[1]).all() and not torch.equal(out[1], before[1])
+    assert all(torch.equal(a, b) for a, b in zip(run(), before))
+    assert not any("forward" in m.__dict__ for m in model.modules())
