@@ -13,9 +13,10 @@ times, in order) gets the seed ``--seed + i``; its initial noise comes from
 with its prompt in ``OUT/prompts.jsonl``. Each image written is also logged in
 ``OUT/generated.jsonl`` with the rank that wrote it.
 
-Video pipelines (Wan, HunyuanVideo, LTX-Video: a ``__call__`` taking ``num_frames``) write each item as a
-folder ``OUT/{i:05d}_seed{seed}/`` of one PNG per frame (``frame_000.png``, ``frame_001.png``, ...),
-made whole under a temporary name and renamed into place, so a folder that exists is complete.
+Video pipelines (Wan, HunyuanVideo, LTX-Video, Latte: a ``__call__`` taking ``num_frames`` or ``video_length``,
+``sources.VIDEO_CALL_ARGS``) write each item as a folder ``OUT/{i:05d}_seed{seed}/`` of one PNG per frame
+(``frame_000.png``, ``frame_001.png``, ...), made whole under a temporary name and renamed into place, so a
+folder that exists is complete.
 
 Resume: the list is cut into fixed batches of ``--batch-size`` consecutive items; a batch whose files
 all exist is skipped, and a partly finished one is recomputed whole but only its missing files are

@@ -17,8 +17,9 @@ Every subcommand that runs a model takes the same ``model:`` entry:
 Both produce images ``[B, C, H, W]`` in ``[-1, 1]`` (float32, CPU) for a batch of items, the initial
 noise of item ``i`` drawn from ``torch.Generator("cpu").manual_seed(seed_i)`` so an image depends
 only on its seed and settings (also across devices and batch compositions up to kernel rounding).
-Video pipelines (a ``__call__`` taking ``num_frames``: Wan, HunyuanVideo, LTX-Video) produce videos
-``[B, T, C, H, W]`` the same way (:attr:`ModelSpec.is_video`; docs/experiments.md, "Video pipelines").
+Video pipelines (a ``__call__`` taking a video length, :data:`VIDEO_CALL_ARGS`: ``num_frames`` for Wan,
+HunyuanVideo, LTX-Video, ..., ``video_length`` for Latte) produce videos ``[B, T, C, H, W]`` the same way
+(:attr:`ModelSpec.is_video`; docs/experiments.md, "Video pipelines").
 
 Example:
     >>> spec = ModelSpec.from_config({"pipeline": "/models/sd3-medium", "dtype": "fp16", "device": "cuda",
@@ -45,8 +46,8 @@ if TYPE_CHECKING:
 # torch is imported where a model is loaded or run, so that configs (and `tomerge ... --help`) load without it.
 
 __all__ = ["Item", "ModelSpec", "BUNDLED_REFERENCES", "BUNDLED_REFERENCE_NAMES", "reference_checkpoint", "check_call",
-           "ReferenceSource", "PipelineSource", "CALL_DEFAULTS", "DTYPES", "DTYPE_NAMES", "OFFLOAD_MODES", "torch_dtype",
-           "place_pipeline"]
+           "ReferenceSource", "PipelineSource", "CALL_DEFAULTS", "VIDEO_CALL_ARGS", "video_length_arg", "DTYPES",
+           "DTYPE_NAMES", "OFFLOAD_MODES", "torch_dtype", "place_pipeline"]
 
 # The reference models shipped with the package, by the name a config gives (`model: {reference: NAME}`):
 # the same DiT at 256 (32 x 32 images) and 1,024 image tokens (64 x 64), docs/reference-model.md.
@@ -95,6 +96,10 @@ CALL_DEFAULTS: dict[str, dict[str, Any]] = {
     "ltx": {"num_inference_steps": 50, "guidance_scale": 3.0, "height": 512, "width": 704, "num_frames": 161,
             "max_sequence_length": 128},
 }
+# The call argument that sets a video pipeline's frame count, by the name its `__call__` gives it: `num_frames`
+# (Wan, HunyuanVideo, LTX-Video, Mochi, ...) or `video_length` (LattePipeline). A pipeline taking one is a video
+# pipeline (ModelSpec.is_video).
+VIDEO_CALL_ARGS = ("num_frames", "video_length")
 # Arguments tomerge sets itself for every call (one image per item, per-item generators, tensor output).
 RESERVED_CALL_ARGS = ("prompt", "generator", "output_type", "num_images_per_prompt", "num_videos_per_prompt",
                       "return_dict", "class_labels", "latents", "prompt_embeds", "image")
@@ -440,11 +445,11 @@ it is a call argument, model.call.num_steps")
 
     @property
     def is_video(self) -> bool:
-        """Whether the model generates videos ``[B, T, C, H, W]``: a pipeline whose ``__call__`` takes
-        ``num_frames`` (read from the folder's ``model_index.json``, without loading weights). Its items are
-        written as folders of frames (:meth:`Item.output_name`)."""
+        """Whether the model generates videos ``[B, T, C, H, W]``: a pipeline whose ``__call__`` takes a video
+        length (:func:`video_length_arg`; the class read from the folder's ``model_index.json``, without loading
+        weights). Its items are written as folders of frames (:meth:`Item.output_name`)."""
         pipeline_class = self.pipeline_class()
-        return pipeline_class is not None and "num_frames" in inspect.signature(pipeline_class.__call__).parameters
+        return pipeline_class is not None and video_length_arg(pipeline_class) is not None
 
     def pipeline_class(self) -> type | None:
         """The diffusers class named by the pipeline folder's ``model_index.json`` (``None`` for the reference
@@ -605,6 +610,19 @@ class PipelineSource:
             what = "videos [B, T, C, H, W]" if self.video else "images [B, C, H, W]"
             raise ValueError(f"{type(self.pipe).__name__} returned {shape} with output_type='pt'; expected {what}")
         return (pixels.float().cpu() * 2 - 1).clamp(-1, 1)  # [B, 3, H, W] or [B, T, 3, H, W]
+
+
+def video_length_arg(pipeline_class: type) -> str | None:
+    """The name of the ``__call__`` argument that sets a video pipeline's frame count (the first of
+    :data:`VIDEO_CALL_ARGS` it takes), or ``None`` for an image pipeline.
+
+    Example:
+        >>> from diffusers import LattePipeline, WanPipeline, PixArtAlphaPipeline
+        >>> [video_length_arg(c) for c in (WanPipeline, LattePipeline, PixArtAlphaPipeline)]
+        ['num_frames', 'video_length', None]
+    """
+    parameters = inspect.signature(pipeline_class.__call__).parameters
+    return next((name for name in VIDEO_CALL_ARGS if name in parameters), None)
 
 
 def takes_image(pipeline_class: type) -> bool:

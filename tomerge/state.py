@@ -336,7 +336,10 @@ class MergeState:
         self.streaks: dict[tuple[int, Hashable, int], Tensor] = {}
         # (call index, layer, point or reference_key(point)) -> [B, N, C'] feature cache
         self.outputs: dict[tuple[int, int, Hashable], Tensor] = {}
-        self.attention: dict[int, Tensor] = {}  # layer -> [B, N] received attention, latest full-length call
+        # (layer, B, N) -> [B, N] received attention of the layer's latest call of that batch and length, oldest
+        # first: a step whose model calls differ in batch (a doubled guidance batch, then single ones) keeps each
+        # size's attention for the next step
+        self.attention_by_size: dict[tuple[int, int, int], Tensor] = {}
         self.residuals: dict[tuple[int, int], KeptResidual] = {}  # (call index, layer) -> the block cache
         self.signals: dict[int, ChangeSignal] = {}  # call index -> the change signal of adaptive caching
         self.change: float | None = None  # the change measured in the model call in progress (Where.change)
@@ -351,8 +354,8 @@ class MergeState:
     def begin_model_call(self, timestep: Tensor | float | None) -> None:
         previous = (self.clock.trajectory, self.clock.current)
         if self.clock.observe(timestep):
-            for per_trajectory in (self.plans, self.destinations, self.streaks, self.attention, self.outputs,
-                                   self.residuals, self.signals):
+            for per_trajectory in (self.plans, self.destinations, self.streaks, self.attention_by_size,
+                                   self.outputs, self.residuals, self.signals):
                 per_trajectory.clear()
         same_step = timestep is not None and previous[1] is not None \
             and (self.clock.trajectory, self.clock.current) == previous
@@ -508,13 +511,21 @@ class MergeState:
 
     # ------------------------------------------------------------------ per-token statistics
     def store_attention(self, layer: int, received: Tensor) -> None:
-        self.attention[layer] = received.detach()
+        """Keeps ``received [B, N]`` as the layer's latest received attention of its size (moved to the end: the
+        newest)."""
+        key = (layer, *received.shape[:2])
+        self.attention_by_size.pop(key, None)
+        self.attention_by_size[key] = received.detach()
+
+    @property
+    def attention(self) -> dict[int, Tensor]:
+        """layer -> ``[B, N]`` the received attention of the layer's latest call, whatever its size."""
+        return {layer: a for (layer, _, _), a in self.attention_by_size.items()}
 
     def _latest_attention(self, layer: int, batch: int, num_tokens: int) -> Tensor | None:
-        a = self.attention.get(layer)
-        if a is None or a.shape[1] != num_tokens or a.shape[0] != batch:
-            return None
-        return a
+        """The received attention the layer recorded last in a call of ``batch`` samples of ``num_tokens`` tokens
+        (``None`` if no call of that size recorded one in this trajectory)."""
+        return self.attention_by_size.get((layer, batch, num_tokens))
 
     def _streak(self, batch: int, num_tokens: int, device: torch.device, key: Hashable | None) -> Tensor:
         s = self.streaks.get((self.call_index, key, num_tokens))
