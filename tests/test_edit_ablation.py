@@ -11,12 +11,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
-import yaml
 from PIL import Image
 
 import local_pipelines
+from pipeline_ablation import ablation_overrides, block_records, item_index, result_rows, write_edits
+from pipeline_ablation import offline  # noqa: F401 (a fixture)
 from tomerge.experiments.ablate import run_ablation
 from tomerge.experiments.config import ConfigError, load_config
 from tomerge.experiments.sources import Item
@@ -30,28 +30,16 @@ INPUT_SIZE = (40, 24)  # (width, height) of the input images: 10 x 6 reference t
 TARGET_TOKENS = 64
 
 
-@pytest.fixture(autouse=True)
-def _offline(monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-
-
 @pytest.fixture(scope="module")
 def root(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("edit_ablation")
-    rng = np.random.default_rng(0)
-    for _, name in EDITS:
-        pixels = rng.integers(0, 256, (INPUT_SIZE[1], INPUT_SIZE[0], 3), dtype=np.uint8)
-        Image.fromarray(pixels).save(root / name)
-    (root / "edits.jsonl").write_text("".join(json.dumps({"prompt": p, "image": f}) + "\n" for p, f in EDITS))
-    local_pipelines.save_tiny_pipeline("flux_kontext", root / "tiny-flux_kontext")
+    write_edits(root, EDITS, INPUT_SIZE)
     return root
 
 
-def overrides(root: Path, name: str, *extra: str, pipeline: str = "tiny-flux_kontext") -> list[str]:
-    call = yaml.safe_dump(local_pipelines.EDIT_CALL_DEFAULTS["flux_kontext"], default_flow_style=True).strip()
-    return [f"model.pipeline={root / pipeline}", f"model.call={call}",
-            f"prompts={{file: {root / 'edits.jsonl'}, image_field: image}}", f"out_dir={root / 'runs'}",
-            f"name={name}", "batch_size=2", "timing_batch=1", "warmup=0", "repeats=1", "wandb=disabled", *extra]
+def overrides(root: Path, name: str, *extra: str) -> list[str]:
+    """The tiny FluxKontextPipeline on edits.jsonl (an input image per prompt) into the run ``name``."""
+    return ablation_overrides(root, "flux_kontext", *extra, name=name)
 
 
 def test_kontext_ablation_merges_the_generated_image_and_keeps_the_input_image_as_context(root):
@@ -59,18 +47,18 @@ def test_kontext_ablation_merges_the_generated_image_and_keeps_the_input_image_a
     config = load_config(None, overrides(root, "kontext", grid))
     assert [(i.prompt, Path(i.image).name) for i in config.items()] == [(p, f) for p, f in EDITS]
     folder = run_ablation(config, progress=False).path
-    rows = [json.loads(line) for line in (folder / "results.jsonl").read_text().splitlines()]
+    rows = result_rows(folder)
     assert [r["run"] for r in rows] == ["baseline", "tomesd-r0-use_rand=False", "tomesd-r0.5-use_rand=False"]
     baseline, ratio0, ratio5 = rows
 
     for run in ("baseline", ratio5["run"]):
-        index = [json.loads(line) for line in (folder / "images" / run / "prompts.jsonl").read_text().splitlines()]
+        index = item_index(folder, run)
         assert [Path(i["image"]).name for i in index] == [f for _, f in EDITS]  # each item names its input image
         for item in index:
             with Image.open(folder / "images" / run / item["file"]) as image:
                 assert image.size == (32, 32) and image.mode == "RGB"  # the target's size, not the input's
 
-    records = json.loads((folder / "maps" / f"{ratio5['run']}.json").read_text())
+    records = block_records(folder, ratio5["run"])
     assert records and all(r["num_tokens"] == TARGET_TOKENS for r in records)  # the input image's 60 tokens: context
     assert all(r["num_removed"] == TARGET_TOKENS // 2 for r in records)
     assert ratio5["tokens_removed_mean"] == pytest.approx(0.5) and ratio0["tokens_removed_mean"] == 0
@@ -97,7 +85,6 @@ def test_input_image_problems_are_config_errors(root, tmp_path):
         load_config(None, overrides(root, "txt", f"prompts={{file: {tmp_path / 'edits.txt'}, image_field: image}}"))
     local_pipelines.save_tiny_pipeline("pixart", tmp_path / "tiny-pixart")  # a text-to-image pipeline
     with pytest.raises(ConfigError, match="PixArtAlphaPipeline takes no input image"):
-        load_config(None, overrides(tmp_path, "t2i", pipeline="tiny-pixart")[:1]
-                    + overrides(root, "t2i")[1:])
+        load_config(None, [f"model.pipeline={tmp_path / 'tiny-pixart'}", *overrides(root, "t2i")[1:]])
     with pytest.raises(ConfigError, match="tomerge sets per item"):
         load_config(None, overrides(root, "call-image", "model.call.image=car.png"))

@@ -10,96 +10,40 @@ input-image tokens) stayed context.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-import numpy as np
 import pytest
-import yaml
-from PIL import Image
 
 import local_pipelines
-from tomerge.experiments.ablate import run_ablation
-from tomerge.experiments.config import load_config
+from pipeline_ablation import (SSM, TOCA, TOMESD, block_records, check_rows, item_index, run_family, write_edits,
+                               write_prompts)
+from pipeline_ablation import offline  # noqa: F401 (a fixture)
 
 pytest.importorskip("transformers", reason="the text pipelines of diffusers import transformers")
 
 # FlowMatch schedulers build numpy arrays the way numpy 2 deprecates; not ours.
 pytestmark = pytest.mark.filterwarnings("ignore:__array__ implementation:DeprecationWarning")
 
-PROMPTS = ["a photo of a cat", "a red car in the city"]
 EDITS = [("make the car red", "car.png"), ("a cat in the snow", "cat.png")]
 IMAGE_TOKENS = 64  # every family's 32 x 32 image is an 8 x 8 token grid
 INPUT_SIZE = (64, 32)  # (width, height) of the edit inputs: a 16 x 8 grid of 128 reference tokens
 EDIT_AREA = INPUT_SIZE[0] * INPUT_SIZE[1]
-TOMESD = "{strategy: tomesd, ratios: [0.5], options: {use_rand: false}}"
-SSM = "{strategy: ssm, ratios: [0.5]}"
-TOCA = "{strategy: toca, ratios: [0.0]}"
-
-
-@pytest.fixture(autouse=True)
-def _offline(monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
 
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("joint_image_ablation")
-    (root / "prompts.txt").write_text("\n".join(PROMPTS) + "\n")
-    rng = np.random.default_rng(0)
-    for _, name in EDITS:
-        pixels = rng.integers(0, 256, (INPUT_SIZE[1], INPUT_SIZE[0], 3), dtype=np.uint8)
-        Image.fromarray(pixels).save(root / name)
-    (root / "edits.jsonl").write_text("".join(json.dumps({"prompt": p, "image": f}) + "\n" for p, f in EDITS))
+    write_prompts(root)
+    write_edits(root, EDITS, INPUT_SIZE)
     return root
-
-
-def overrides(root: Path, family: str, *grid: str) -> list[str]:
-    folder = root / f"tiny-{family}"
-    if not folder.exists():
-        local_pipelines.save_tiny_pipeline(family, folder)
-    edit = family in local_pipelines.EDIT_CALL_DEFAULTS
-    defaults = (local_pipelines.EDIT_CALL_DEFAULTS if edit else local_pipelines.CURRENT_CALL_DEFAULTS)[family]
-    call = yaml.safe_dump(defaults, default_flow_style=True).strip()
-    prompts = f"{{file: {root / 'edits.jsonl'}, image_field: image}}" if edit else root / "prompts.txt"
-    return [f"model.pipeline={folder}", f"model.call={call}", f"prompts={prompts}", f"out_dir={root / 'runs'}",
-            f"name={family}", f"grid=[{', '.join(grid)}]", "batch_size=2", "timing_batch=1", "warmup=0",
-            "repeats=1", "wandb=disabled"]
-
-
-def ablate(root: Path, family: str, *grid: str) -> tuple[Path, list[dict]]:
-    folder = run_ablation(load_config(None, overrides(root, family, *grid)), progress=False).path
-    return folder, [json.loads(line) for line in (folder / "results.jsonl").read_text().splitlines()]
-
-
-def block_records(folder: Path, run: str) -> list[dict]:
-    return json.loads((folder / "maps" / f"{run}.json").read_text())
-
-
-def check_rows(folder: Path, rows: list[dict], runs: list[str], merging: list[str]) -> None:
-    """The baseline is itself; every run differs from it and costs fewer FLOPs; merging runs remove tokens; every
-    image has the requested 32 x 32 size."""
-    baseline, *others = rows
-    assert [r["run"] for r in rows] == ["baseline", *runs]
-    assert baseline["psnr"] == 100.0 and baseline["n_images"] == 2
-    for r in others:
-        assert r["psnr"] < 100.0 and r["flops"] < r["flops_base"], r["run"]
-        if r["run"] in merging:
-            assert r["tokens_removed_mean"] > 0, r["run"]
-    for run in ("baseline", *runs):
-        files = sorted((folder / "images" / run).glob("*.png"))
-        assert [f.name for f in files] == ["00000_seed0.png", "00001_seed1.png"]
-        for file in files:
-            with Image.open(file) as image:
-                assert image.size == (32, 32) and image.mode == "RGB"
 
 
 def test_qwenimage_pipeline_ablation_with_true_cfg(root):
     """Qwen-Image (Qwen2.5-VL text encoder, text first in the joint attention) with true CFG: the negative prompt's
     pass is a second model call at the same step, merged like the prompt's."""
-    folder, rows = ablate(root, "qwenimage", TOMESD, SSM)
+    folder, rows = run_family(root, "qwenimage", TOMESD, SSM)
     runs = ["tomesd-r0.5-use_rand=False", "ssm-r0.5"]
-    check_rows(folder, rows, runs, merging=runs)
+    check_rows(folder, rows, runs, size=(32, 32), merging=runs)
     steps = local_pipelines.CURRENT_CALL_DEFAULTS["qwenimage"]["num_inference_steps"]
     for run in runs:
         records = block_records(folder, run)
@@ -127,25 +71,25 @@ def test_qwenimage_edit_ablation_merges_the_generated_image_and_keeps_the_input_
         return forward(self, hidden_states, *args, **kwargs)
 
     monkeypatch.setattr(QwenImageTransformer2DModel, "forward", recording_forward)
-    folder, rows = ablate(root, "qwenimage_edit", TOMESD)
+    folder, rows = run_family(root, "qwenimage_edit", TOMESD)
     run = "tomesd-r0.5-use_rand=False"
-    check_rows(folder, rows, [run], merging=[run])
+    check_rows(folder, rows, [run], size=(32, 32), merging=[run])
     reference_tokens = (INPUT_SIZE[0] // 4) * (INPUT_SIZE[1] // 4)  # VAE factor 2, packed 2 x 2
     assert sequence_lengths and set(sequence_lengths) == {IMAGE_TOKENS + reference_tokens}
     records = block_records(folder, run)
     assert records and all(r["num_tokens"] == IMAGE_TOKENS for r in records)  # the reference's 128: context
     assert all(r["num_removed"] == IMAGE_TOKENS // 2 for r in records)
     assert rows[1]["tokens_removed_mean"] == pytest.approx(0.5)
-    index = [json.loads(line) for line in (folder / "images" / run / "prompts.jsonl").read_text().splitlines()]
+    index = item_index(folder, run)
     assert [Path(i["image"]).name for i in index] == [f for _, f in EDITS]  # each item names its input image
 
 
 def test_flux2_pipeline_ablation_with_merging_and_token_wise_caching(root):
     """FLUX.2 (Mistral-3 text encoder through a Pixtral processor; double- and single-stream blocks, text first):
     merging, and token-wise caching, which reuses cached image tokens on the middle step."""
-    folder, rows = ablate(root, "flux2", TOMESD, TOCA)
+    folder, rows = run_family(root, "flux2", TOMESD, TOCA)
     merged, cached = "tomesd-r0.5-use_rand=False", "toca-r0"
-    check_rows(folder, rows, [merged, cached], merging=[merged])
+    check_rows(folder, rows, [merged, cached], size=(32, 32), merging=[merged])
     records = block_records(folder, merged)
     assert {r["block_kind"] for r in records} == {"double", "single"}
     assert all(r["num_tokens"] == IMAGE_TOKENS and r["num_removed"] == IMAGE_TOKENS // 2 for r in records)
@@ -156,9 +100,9 @@ def test_flux2_pipeline_ablation_with_merging_and_token_wise_caching(root):
 
 def test_chroma_pipeline_ablation(root):
     """Chroma (T5 only, no pooled text embedding; FLUX.1-style double and single blocks, text first)."""
-    folder, rows = ablate(root, "chroma", TOMESD, SSM)
+    folder, rows = run_family(root, "chroma", TOMESD, SSM)
     runs = ["tomesd-r0.5-use_rand=False", "ssm-r0.5"]
-    check_rows(folder, rows, runs, merging=runs)
+    check_rows(folder, rows, runs, size=(32, 32), merging=runs)
     for run in runs:
         records = block_records(folder, run)
         assert {r["block_kind"] for r in records} == {"double", "single"}, run

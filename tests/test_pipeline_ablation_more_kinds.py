@@ -13,75 +13,18 @@ tiny saved pipeline of ``local_pipelines`` loaded from its folder as a researche
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 import torch
-import yaml
 
 import local_pipelines
 import tomerge
-from tomerge.experiments.ablate import run_ablation
-from tomerge.experiments.config import load_config
+from pipeline_ablation import SSM, TOCA, TOMESD, block_records, check_rows, run_family
+from pipeline_ablation import offline, root  # noqa: F401 (fixtures)
 
 pytest.importorskip("transformers", reason="the text pipelines of diffusers import transformers")
 
 # DPMSolver/Euler schedulers build numpy arrays the way numpy 2 deprecates; not ours.
 pytestmark = pytest.mark.filterwarnings("ignore:__array__ implementation:DeprecationWarning")
-
-PROMPTS = ["a photo of a cat", "a red car in the city"]
-TOMESD = "{strategy: tomesd, ratios: [0.5], options: {use_rand: false}}"
-
-
-@pytest.fixture(autouse=True)
-def _offline(monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-
-
-@pytest.fixture(scope="module")
-def root(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("more_kinds_ablation")
-    (root / "prompts.txt").write_text("\n".join(PROMPTS) + "\n")
-    return root
-
-
-def overrides(root: Path, family: str, *grid: str) -> list[str]:
-    folder = root / f"tiny-{family}"
-    if not folder.exists():
-        local_pipelines.save_tiny_pipeline(family, folder)
-    call = yaml.safe_dump(local_pipelines.CURRENT_CALL_DEFAULTS[family], default_flow_style=True).strip()
-    return [f"model.pipeline={folder}", f"model.call={call}", f"prompts={root / 'prompts.txt'}",
-            f"out_dir={root / 'runs'}", f"name={family}", "batch_size=2", "timing_batch=1", "warmup=0", "repeats=1",
-            "wandb=disabled", f"grid=[{', '.join(grid)}]"]
-
-
-def rows(folder: Path) -> list[dict]:
-    return [json.loads(line) for line in (folder / "results.jsonl").read_text().splitlines()]
-
-
-def records(folder: Path, run: str) -> list[dict]:
-    return json.loads((folder / "maps" / f"{run}.json").read_text())
-
-
-def frame_sizes(folder: Path, run: str) -> set[tuple[int, int]]:
-    from PIL import Image
-
-    sizes = set()
-    for path in (folder / "images" / run).rglob("*.png"):
-        with Image.open(path) as image:
-            sizes.add(image.size)
-    return sizes
-
-
-def check_video_rows(rows_: list[dict], frames: int) -> None:
-    baseline, *runs = rows_
-    assert baseline["psnr"] == 100.0 and baseline["psnr_per_frame"] == [100.0] * frames
-    for r in rows_:
-        assert r["n_images"] == 2 and r["n_frames"] == 2 * frames and r["frames_per_video"] == frames
-        assert len(r["psnr_per_frame"]) == len(r["ssim_per_frame"]) == frames
-    for r in runs:
-        assert r["psnr"] < 100.0 and r["flops"] < r["flops_base"] and r["tokens_removed_mean"] > 0, r["run"]
 
 
 def test_hunyuan_dit_pipeline_ablation_merges_inside_the_blocks_and_keeps_the_long_skips_full_length(root,
@@ -97,19 +40,12 @@ def test_hunyuan_dit_pipeline_ablation_merges_inside_the_blocks_and_keeps_the_lo
         return forward(self, hidden_states, *args, skip=skip, **kwargs)
 
     monkeypatch.setattr(HunyuanDiTBlock, "forward", recording_forward)
-    config = load_config(None, overrides(root, "hunyuan_dit", TOMESD, "{strategy: ssm, ratios: [0.5]}"))
-    folder = run_ablation(config, progress=False).path
-    baseline, merged, ssm = rows(folder)
-    assert [merged["run"], ssm["run"]] == ["tomesd-r0.5-use_rand=False", "ssm-r0.5"]
-    assert baseline["psnr"] == 100.0 and "n_frames" not in baseline
-    for r in (merged, ssm):
-        assert r["psnr"] < 100.0 and r["flops"] < r["flops_base"] and r["tokens_removed_mean"] > 0
-        assert r["n_images"] == 2
-    for run in ("baseline", merged["run"], ssm["run"]):
-        assert frame_sizes(folder, run) == {(64, 64)}
+    folder, rows = run_family(root, "hunyuan_dit", TOMESD, SSM)
+    runs = ["tomesd-r0.5-use_rand=False", "ssm-r0.5"]
+    check_rows(folder, rows, runs, size=(64, 64), merging=runs)
 
     # Batched guidance, 2 steps, 4 blocks: every block merges half of the 64 tokens, the skip-fusing block 3 too.
-    tomesd_records = records(folder, merged["run"])
+    tomesd_records = block_records(folder, "tomesd-r0.5-use_rand=False")
     assert [(r["step"], r["layer"]) for r in tomesd_records] == [(s, layer) for s in (0, 1) for layer in range(4)]
     assert all(r["num_tokens"] == 64 and r["num_removed"] == 32 for r in tomesd_records)
     assert skips and set(skips) == {(64, 64)}  # merged runs included: the skips stay full length
@@ -128,38 +64,32 @@ def test_skyreels_v2_diffusion_forcing_pipeline_ablation(root, monkeypatch):
 
     monkeypatch.setattr(SkyReelsV2Transformer3DModel, "forward", recording_forward)
     frames = local_pipelines.CURRENT_CALL_DEFAULTS["skyreels_v2"]["num_frames"]
-    config = load_config(None, overrides(root, "skyreels_v2", TOMESD, "{strategy: toca, ratios: [0.0]}"))
-    folder = run_ablation(config, progress=False).path
-    written = rows(folder)
-    assert [r["run"] for r in written[1:]] == ["tomesd-r0.5-use_rand=False", "toca-r0"]
-    check_video_rows(written, frames)
-    assert frame_sizes(folder, "toca-r0") == {(64, 64)}
+    folder, rows = run_family(root, "skyreels_v2", TOMESD, TOCA)
+    runs = ["tomesd-r0.5-use_rand=False", "toca-r0"]
+    check_rows(folder, rows, runs, size=(64, 64), frames=frames, merging=runs)
     assert any(len(set(t)) > 1 for t in frame_timesteps)  # asynchronous: the frames are at different timesteps
 
     # 3 steps + (3 latent frames - 1) * ar_step = 5 denoising calls, each a split guidance pair: the first 3 still
     # have a frame at the first timestep, so they share step 0 (the step is the largest frame timestep).
-    tomesd_records = records(folder, "tomesd-r0.5-use_rand=False")
+    tomesd_records = block_records(folder, "tomesd-r0.5-use_rand=False")
     assert [r["step"] for r in tomesd_records] == [0] * 12 + [1] * 4 + [2] * 4  # 2 blocks per call
     assert all(r["num_tokens"] == 48 and r["num_removed"] == 24 for r in tomesd_records)  # 3 x 4 x 4 tokens
-    assert {r["label"] for r in records(folder, "toca-r0") if r["step"] == 1} == {"toca"}  # the cached step
+    assert {r["label"] for r in block_records(folder, "toca-r0") if r["step"] == 1} == {"toca"}  # the cached step
 
 
 def test_ltx2_pipeline_ablation_merges_the_video_stream_and_caches_across_guidance_calls_of_two_sizes(root):
     """CFG on a doubled batch, then STG and modality guidance on the single batch, every step: the token-wise cached
     step needs the received attention of each call size (the single-batch calls come last in every step)."""
     frames = local_pipelines.CURRENT_CALL_DEFAULTS["ltx2"]["num_frames"]
-    config = load_config(None, overrides(root, "ltx2", TOMESD, "{strategy: toca, ratios: [0.0]}"))
-    folder = run_ablation(config, progress=False).path
-    written = rows(folder)
-    assert [r["run"] for r in written[1:]] == ["tomesd-r0.5-use_rand=False", "toca-r0"]
-    check_video_rows(written, frames)
-    assert frame_sizes(folder, "tomesd-r0.5-use_rand=False") == {(32, 32)}
+    folder, rows = run_family(root, "ltx2", TOMESD, TOCA)
+    runs = ["tomesd-r0.5-use_rand=False", "toca-r0"]
+    check_rows(folder, rows, runs, size=(32, 32), frames=frames, merging=runs)
 
     # 3 model calls per step, 2 blocks: each merges the 3 x 8 x 8 video tokens only (the 9 audio tokens are context).
-    tomesd_records = records(folder, "tomesd-r0.5-use_rand=False")
+    tomesd_records = block_records(folder, "tomesd-r0.5-use_rand=False")
     assert [r["step"] for r in tomesd_records] == [0] * 6 + [1] * 6 + [2] * 6
     assert all(r["num_tokens"] == 192 and r["num_removed"] == 96 for r in tomesd_records)
-    cached = [r for r in records(folder, "toca-r0") if r["label"] == "toca"]
+    cached = [r for r in block_records(folder, "toca-r0") if r["label"] == "toca"]
     assert len(cached) == 6 and all(0 < r["num_removed"] < 192 for r in cached)  # every call of step 1 cached
 
 

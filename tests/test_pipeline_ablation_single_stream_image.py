@@ -9,81 +9,25 @@ Every merged block call is recorded in ``maps/<run>.json``; its ``num_tokens`` i
 from __future__ import annotations
 
 import functools
-import json
 from pathlib import Path
 
 import pytest
-import yaml
-from PIL import Image
 
 import local_pipelines
-from tomerge.experiments.ablate import run_ablation
-from tomerge.experiments.config import load_config
+from pipeline_ablation import PROMPTS, SSM, TOCA, TOMESD, block_records, check_rows, item_index, run_family
+from pipeline_ablation import offline, root  # noqa: F401 (fixtures)
 
 pytest.importorskip("transformers", reason="the text pipelines of diffusers import transformers")
 
 # FlowMatch schedulers build numpy arrays the way numpy 2 deprecates; not ours.
 pytestmark = pytest.mark.filterwarnings("ignore:__array__ implementation:DeprecationWarning")
 
-PROMPTS = ["a photo of a cat", "a red car in the city"]
 IMAGE_TOKENS = 64  # every family's latent is an 8 x 8 token grid
-TOMESD = "{strategy: tomesd, ratios: [0.5], options: {use_rand: false}}"
-SSM = "{strategy: ssm, ratios: [0.5]}"
-TOCA = "{strategy: toca, ratios: [0.0]}"
-
-
-@pytest.fixture(autouse=True)
-def _offline(monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-
-
-@pytest.fixture(scope="module")
-def root(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("single_stream_ablation")
-    (root / "prompts.txt").write_text("\n".join(PROMPTS) + "\n")
-    return root
-
-
-def overrides(root: Path, family: str, *grid: str) -> list[str]:
-    folder = root / f"tiny-{family}"
-    if not folder.exists():
-        local_pipelines.save_tiny_pipeline(family, folder)
-    call = yaml.safe_dump(local_pipelines.CURRENT_CALL_DEFAULTS[family], default_flow_style=True).strip()
-    return [f"model.pipeline={folder}", f"model.call={call}", f"prompts={root / 'prompts.txt'}",
-            f"out_dir={root / 'runs'}", f"name={family}", f"grid=[{', '.join(grid)}]", "batch_size=2",
-            "timing_batch=1", "warmup=0", "repeats=1", "wandb=disabled"]
-
-
-def ablate(root: Path, family: str, *grid: str) -> tuple[Path, list[dict]]:
-    folder = run_ablation(load_config(None, overrides(root, family, *grid)), progress=False).path
-    return folder, [json.loads(line) for line in (folder / "results.jsonl").read_text().splitlines()]
-
-
-def check_runs(folder: Path, rows: list[dict], runs: list[str], size: int) -> None:
-    """The grid's runs in order, the baseline's own PSNR, every run cheaper and different from it, and the images
-    of the requested size."""
-    baseline, *others = rows
-    assert [r["run"] for r in others] == runs
-    assert baseline["psnr"] == 100.0
-    for r in others:
-        assert r["psnr"] < 100.0 and r["flops"] < r["flops_base"] and r["n_images"] == 2, r["run"]
-    for run in ("baseline", *runs):
-        files = sorted((folder / "images" / run).glob("*.png"))
-        assert [f.name for f in files] == ["00000_seed0.png", "00001_seed1.png"]
-        for file in files:
-            with Image.open(file) as image:
-                assert image.size == (size, size) and image.mode == "RGB"
-
-
-def merge_records(folder: Path, run: str) -> list[dict]:
-    records = json.loads((folder / "maps" / f"{run}.json").read_text())
-    assert records
-    return records
 
 
 def check_image_tokens_only(folder: Path, run: str, kinds: set[str]) -> None:
     """Every recorded block call of ``run`` merged the 8 x 8 image tokens alone, half of them, in each of ``kinds``."""
-    records = merge_records(folder, run)
+    records = block_records(folder, run)
     assert {r["block_kind"] for r in records} == kinds
     assert all(r["num_tokens"] == IMAGE_TOKENS for r in records)
     assert all(r["num_removed"] == IMAGE_TOKENS // 2 for r in records)
@@ -96,10 +40,9 @@ def test_lumina2_pipeline_ablation(root):
     lengths = {len(tokenizer(" <Prompt Start> " + p).input_ids) for p in PROMPTS}  # system_prompt "" + the prompt
     assert len(lengths) == 2 and max(lengths) < 32  # ragged captions, none truncated
 
-    folder, rows = ablate(root, "lumina2", TOMESD, SSM)
-    check_runs(folder, rows, ["tomesd-r0.5-use_rand=False", "ssm-r0.5"], size=128)
-    for r in rows[1:]:
-        assert r["tokens_removed_mean"] > 0
+    folder, rows = run_family(root, "lumina2", TOMESD, SSM)
+    runs = ["tomesd-r0.5-use_rand=False", "ssm-r0.5"]
+    check_rows(folder, rows, runs, size=(128, 128), merging=runs)
     check_image_tokens_only(folder, "tomesd-r0.5-use_rand=False", {"refiner", "joint"})
 
 
@@ -120,10 +63,9 @@ def test_z_image_pipeline_ablation_passes_each_call_a_fresh_prompt_list(root, mo
         return out
 
     monkeypatch.setattr(ZImagePipeline, "encode_prompt", spy)
-    folder, rows = ablate(root, "z_image", TOMESD, SSM)
-    check_runs(folder, rows, ["tomesd-r0.5-use_rand=False", "ssm-r0.5"], size=32)
-    for r in rows[1:]:
-        assert r["tokens_removed_mean"] > 0
+    folder, rows = run_family(root, "z_image", TOMESD, SSM)
+    runs = ["tomesd-r0.5-use_rand=False", "ssm-r0.5"]
+    check_rows(folder, rows, runs, size=(32, 32), merging=runs)
     check_image_tokens_only(folder, "tomesd-r0.5-use_rand=False", {"refiner", "joint"})
 
     # Every call (generation batches of 2 prompts, timing calls of 1) saw untemplated prompts, and the pipeline did
@@ -133,17 +75,16 @@ def test_z_image_pipeline_ablation_passes_each_call_a_fresh_prompt_list(root, mo
     for on_entry, after in received:
         assert on_entry in (PROMPTS, PROMPTS[:1])
         assert after == [f"user: {p}" for p in on_entry]
-    index = [json.loads(line) for line in (folder / "images" / "baseline" / "prompts.jsonl").read_text().splitlines()]
-    assert [i["prompt"] for i in index] == PROMPTS
+    assert [i["prompt"] for i in item_index(folder, "baseline")] == PROMPTS
 
 
 def test_cogview4_pipeline_ablation_with_merging_and_token_wise_caching(root):
     """CogView4: joint ``[text, image]`` attention with image-only RoPE and a feed-forward called twice per block
     (image, then text: only the image call is merged); token-wise caching reuses the joint attention's output."""
-    folder, rows = ablate(root, "cogview4", TOMESD, TOCA)
-    check_runs(folder, rows, ["tomesd-r0.5-use_rand=False", "toca-r0"], size=32)
-    assert rows[1]["tokens_removed_mean"] > 0
-    check_image_tokens_only(folder, "tomesd-r0.5-use_rand=False", {"cogview4"})
+    folder, rows = run_family(root, "cogview4", TOMESD, TOCA)
+    merged = "tomesd-r0.5-use_rand=False"
+    check_rows(folder, rows, [merged, "toca-r0"], size=(32, 32), merging=[merged])
+    check_image_tokens_only(folder, merged, {"cogview4"})
 
 
 def test_hidream_pipeline_ablation_merges_before_the_routed_experts(root, monkeypatch):
@@ -163,11 +104,10 @@ def test_hidream_pipeline_ablation_merges_before_the_routed_experts(root, monkey
         self.default_sample_size = 16
 
     monkeypatch.setattr(HiDreamImagePipeline, "__init__", init_at_32)
-    folder, rows = ablate(root, "hidream", TOMESD, SSM)
-    check_runs(folder, rows, ["tomesd-r0.5-use_rand=False", "ssm-r0.5"], size=32)
-    for r in rows[1:]:
-        assert r["tokens_removed_mean"] > 0
+    folder, rows = run_family(root, "hidream", TOMESD, SSM)
+    runs = ["tomesd-r0.5-use_rand=False", "ssm-r0.5"]
+    check_rows(folder, rows, runs, size=(32, 32), merging=runs)
     check_image_tokens_only(folder, "tomesd-r0.5-use_rand=False", {"double", "single"})
-    ssm = merge_records(folder, "ssm-r0.5")
+    ssm = block_records(folder, "ssm-r0.5")
     assert {r["block_kind"] for r in ssm} == {"double", "single"} and all(r["num_tokens"] == IMAGE_TOKENS for r in ssm)
     assert all("mlp" in r["sublayers"] for r in ssm)  # SSM merges before the mixture-of-experts feed-forward

@@ -8,15 +8,13 @@ Each family's tiny random-weight pipeline is saved with ``save_pretrained`` and 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
-import yaml
 from PIL import Image
 
 import local_pipelines
-from tomerge.experiments.ablate import run_ablation
-from tomerge.experiments.config import load_config
+from pipeline_ablation import PROMPTS, SSM, TOCA, TOMESD, block_records, check_rows, run_family
+from pipeline_ablation import offline, root  # noqa: F401 (fixtures)
 
 pytest.importorskip("transformers", reason="the text pipelines of diffusers import transformers")
 
@@ -24,60 +22,6 @@ pytest.importorskip("transformers", reason="the text pipelines of diffusers impo
 # autocast that torch disables with a warning; not ours.
 pytestmark = [pytest.mark.filterwarnings("ignore:__array__ implementation:DeprecationWarning"),
               pytest.mark.filterwarnings("ignore:In CPU autocast, but the target dtype is not supported:UserWarning")]
-
-PROMPTS = ["a photo of a cat", "a red car in the city"]
-TOMESD = "{strategy: tomesd, ratios: [0.5], options: {use_rand: false}}"
-
-
-@pytest.fixture(autouse=True)
-def _offline(monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-
-
-@pytest.fixture(scope="module")
-def root(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("video_families")
-    (root / "prompts.txt").write_text("\n".join(PROMPTS) + "\n")
-    return root
-
-
-def run_grid(root: Path, family: str, *grid: str) -> tuple[Path, list[dict]]:
-    """The family's saved pipeline through ``run_ablation`` with ``grid`` (2 prompts, batch 2): the run folder and
-    its result rows (baseline first)."""
-    folder = root / f"tiny-{family}"
-    if not folder.exists():
-        local_pipelines.save_tiny_pipeline(family, folder)
-    call = yaml.safe_dump(local_pipelines.CURRENT_CALL_DEFAULTS[family], default_flow_style=True, width=1 << 16)
-    overrides = [f"model.pipeline={folder}", f"model.call={call.strip()}", f"prompts={root / 'prompts.txt'}",
-                 f"out_dir={root / 'runs'}", f"name={family}", "batch_size=2", "timing_batch=1", "warmup=0",
-                 "repeats=1", "wandb=disabled", f"grid=[{', '.join(grid)}]"]
-    out = run_ablation(load_config(None, overrides), progress=False).path
-    return out, [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
-
-
-def check_video_rows(out: Path, rows: list[dict], runs: list[str], frames: int, size: tuple[int, int]) -> None:
-    """What every video family's run folder holds: the baseline then ``runs``; per item a folder of ``frames``
-    RGB PNGs of ``size`` (width, height); per-frame metrics of ``frames`` values; each run differs from the
-    baseline and costs fewer FLOPs."""
-    baseline, *merged = rows
-    assert [r["run"] for r in rows] == ["baseline", *runs]
-    for r in rows:
-        assert r["n_images"] == 2 and r["n_frames"] == 2 * frames and r["frames_per_video"] == frames
-        assert len(r["psnr_per_frame"]) == len(r["ssim_per_frame"]) == frames
-        videos = out / "images" / r["run"]
-        for item in ("00000_seed0", "00001_seed1"):
-            written = sorted((videos / item).iterdir())
-            assert [f.name for f in written] == [f"frame_{t:03d}.png" for t in range(frames)]
-            with Image.open(written[-1]) as image:
-                assert image.size == size and image.mode == "RGB"
-    assert baseline["psnr"] == 100.0 and baseline["psnr_per_frame"] == [100.0] * frames
-    for r in merged:
-        assert r["psnr"] < 100.0 and r["flops"] < r["flops_base"], r["run"]
-
-
-def merge_records(out: Path, run: str) -> list[dict]:
-    """The merge records of ``run`` (one per merged block call: ``num_tokens`` it saw, ``num_removed``)."""
-    return json.loads((out / "maps" / f"{run}.json").read_text())
 
 
 def test_hunyuan_video_pipeline_ablation_merges_video_tokens_with_text_as_context(root):
@@ -90,11 +34,10 @@ def test_hunyuan_video_pipeline_ablation_merges_video_tokens_with_text_as_contex
 
     call = local_pipelines.CURRENT_CALL_DEFAULTS["hunyuan_video"]
     frames, video_tokens = call["num_frames"], 3 * 8 * 8  # latent frames (9 - 1) / 4 + 1 = 3 of 8 x 8, patch 1
-    out, rows = run_grid(root, "hunyuan_video", TOMESD, "{strategy: toca, ratios: [0.0]}")
-    check_video_rows(out, rows, ["tomesd-r0.5-use_rand=False", "toca-r0"], frames, (call["width"], call["height"]))
-    merged = rows[1]
-    assert merged["tokens_removed_mean"] > 0
-    records = merge_records(out, merged["run"])
+    out, rows = run_family(root, "hunyuan_video", TOMESD, TOCA)
+    merged = "tomesd-r0.5-use_rand=False"
+    check_rows(out, rows, [merged, "toca-r0"], size=(call["width"], call["height"]), frames=frames, merging=[merged])
+    records = block_records(out, merged)
     assert records and {r["num_tokens"] for r in records} == {video_tokens}
     assert all(r["num_removed"] == video_tokens // 2 for r in records)
 
@@ -114,11 +57,11 @@ def test_mochi_pipeline_ablation_merges_the_video_stream(root):
     order although Mochi's model timestep rises from noise to data."""
     call = local_pipelines.CURRENT_CALL_DEFAULTS["mochi"]
     frames, video_tokens = call["num_frames"], 3 * 4 * 4  # latent frames (13 - 1) / 6 + 1 = 3 of 8 x 8, patch 2
-    out, rows = run_grid(root, "mochi", TOMESD, "{strategy: ssm, ratios: [0.5]}")
-    check_video_rows(out, rows, ["tomesd-r0.5-use_rand=False", "ssm-r0.5"], frames, (call["width"], call["height"]))
-    for r in rows[1:]:
-        assert r["tokens_removed_mean"] > 0
-        records = merge_records(out, r["run"])
+    out, rows = run_family(root, "mochi", TOMESD, SSM)
+    runs = ["tomesd-r0.5-use_rand=False", "ssm-r0.5"]
+    check_rows(out, rows, runs, size=(call["width"], call["height"]), frames=frames, merging=runs)
+    for run in runs:
+        records = block_records(out, run)
         assert records and {rec["num_tokens"] for rec in records} == {video_tokens}
         steps = [rec["step"] for rec in records]
         assert steps == sorted(steps) and set(steps) == {0, 1}  # steps advance: the adapter reads 1000 - t
@@ -130,10 +73,10 @@ def test_latte_pipeline_ablation_writes_frames_and_merges_each_frame(root):
     and scored per frame. Every merged block call is a spatial block on one frame's 8 x 8 tokens."""
     call = local_pipelines.CURRENT_CALL_DEFAULTS["latte"]
     frames, frame_tokens = call["video_length"], 8 * 8  # latent 16 x 16 per frame, patch 2
-    out, rows = run_grid(root, "latte", TOMESD)
-    check_video_rows(out, rows, ["tomesd-r0.5-use_rand=False"], frames, (call["width"], call["height"]))
-    assert rows[1]["tokens_removed_mean"] > 0
-    records = merge_records(out, rows[1]["run"])
+    out, rows = run_family(root, "latte", TOMESD)
+    merged = "tomesd-r0.5-use_rand=False"
+    check_rows(out, rows, [merged], size=(call["width"], call["height"]), frames=frames, merging=[merged])
+    records = block_records(out, merged)
     assert records and {(r["block_kind"], r["num_tokens"]) for r in records} == {("spatial", frame_tokens)}
     with Image.open(out / "images" / "baseline.png") as strip:  # one row of frames per video
         assert strip.size == (frames * call["width"], 2 * call["height"])
@@ -147,10 +90,10 @@ def test_kandinsky5_pipeline_ablation_merges_the_video_blocks(root):
 
     call = local_pipelines.CURRENT_CALL_DEFAULTS["kandinsky5"]
     frames, video_tokens = call["num_frames"], 3 * 4 * 4  # latent frames (9 - 1) / 4 + 1 = 3 of 8 x 8, patch 2
-    out, rows = run_grid(root, "kandinsky5", TOMESD)
-    check_video_rows(out, rows, ["tomesd-r0.5-use_rand=False"], frames, (call["width"], call["height"]))
-    assert rows[1]["tokens_removed_mean"] > 0
-    records = merge_records(out, rows[1]["run"])
+    out, rows = run_family(root, "kandinsky5", TOMESD)
+    merged = "tomesd-r0.5-use_rand=False"
+    check_rows(out, rows, [merged], size=(call["width"], call["height"]), frames=frames, merging=[merged])
+    records = block_records(out, merged)
     assert records and {(r["block_kind"], r["num_tokens"]) for r in records} == {("kandinsky5", video_tokens)}
 
     # The pipeline's fixed crop (prompt_template_encode_start_idx = 128) fits the saved processor's tokenizer.

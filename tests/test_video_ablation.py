@@ -7,56 +7,29 @@ The tiny pipelines of ``local_pipelines`` are saved to a temporary folder and lo
 
 from __future__ import annotations
 
-import json
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
 import local_pipelines
+from pipeline_ablation import (SSM, TOCA, TOMESD, ablation_overrides, check_rows, grid, item_index, result_rows,
+                               run_family)
+from pipeline_ablation import offline, root  # noqa: F401 (fixtures)
 from tomerge.experiments.ablate import run_ablation
 from tomerge.experiments.config import load_config
 
 # DPMSolver/Euler schedulers build numpy arrays the way numpy 2 deprecates; not ours.
 pytestmark = pytest.mark.filterwarnings("ignore:__array__ implementation:DeprecationWarning")
 
-PROMPTS = ["a photo of a cat", "a red car in the city"]
 WAN_FRAMES = local_pipelines.CURRENT_CALL_DEFAULTS["wan"]["num_frames"]  # 9 frames of 64 x 64
-GRID = "grid=[{strategy: tomesd, ratios: [0.0, 0.5], options: {use_rand: false}}]"
-
-
-@pytest.fixture(autouse=True)
-def _offline(monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-
-
-@pytest.fixture(scope="module")
-def root(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("video_ablation")
-    (root / "prompts.txt").write_text("\n".join(PROMPTS) + "\n")
-    return root
-
-
-def overrides(root: Path, family: str, name: str, *extra: str) -> list[str]:
-    folder = root / f"tiny-{family}"
-    if not folder.exists():
-        local_pipelines.save_tiny_pipeline(family, folder)
-    call = yaml.safe_dump(local_pipelines.CURRENT_CALL_DEFAULTS[family], default_flow_style=True).strip()
-    return [f"model.pipeline={folder}", f"model.call={call}", f"prompts={root / 'prompts.txt'}",
-            f"out_dir={root / 'runs'}", f"name={name}", "batch_size=2", "timing_batch=1", "warmup=0", "repeats=1",
-            "wandb=disabled", *extra]
-
-
-def rows(folder: Path) -> list[dict]:
-    return [json.loads(line) for line in (folder / "results.jsonl").read_text().splitlines()]
+GRID = grid("{strategy: tomesd, ratios: [0.0, 0.5], options: {use_rand: false}}")
 
 
 def test_wan_ablation_writes_frames_scores_them_per_frame_and_resumes(root):
-    config = overrides(root, "wan", "wan", GRID)
+    config = ablation_overrides(root, "wan", GRID)
     folder = run_ablation(load_config(None, config), progress=False).path
-    written = rows(folder)
+    written = result_rows(folder)
     assert [r["run"] for r in written] == ["baseline", "tomesd-r0-use_rand=False", "tomesd-r0.5-use_rand=False"]
 
     # Every item is a folder of one 64 x 64 PNG per frame; the index names the folders.
@@ -64,7 +37,7 @@ def test_wan_ablation_writes_frames_scores_them_per_frame_and_resumes(root):
 
     for run in ("baseline", "tomesd-r0.5-use_rand=False"):
         videos = folder / "images" / run
-        index = [json.loads(line) for line in (videos / "prompts.jsonl").read_text().splitlines()]
+        index = item_index(folder, run)
         assert [i["file"] for i in index] == ["00000_seed0", "00001_seed1"]
         for item in index:
             frames = sorted((videos / item["file"]).iterdir())
@@ -107,7 +80,7 @@ def test_wan_ablation_writes_frames_scores_them_per_frame_and_resumes(root):
     (last / ".00001_seed1.tmp1").mkdir()
     kept = (last / "00000_seed0" / "frame_000.png").stat().st_mtime_ns
     run_ablation(load_config(None, config), progress=False)
-    again = rows(folder)
+    again = result_rows(folder)
     assert [r["run"] for r in again] == [r["run"] for r in written]
     assert again[:2] == written[:2]
     assert (last / "00001_seed1" / "frame_004.png").read_bytes() == before  # same seed, same frames
@@ -117,45 +90,29 @@ def test_wan_ablation_writes_frames_scores_them_per_frame_and_resumes(root):
 
 
 def test_sana_image_pipeline_ablation(root):
-    config = overrides(root, "sana", "sana", "grid=[{strategy: tomesd, ratios: [0.5], options: {use_rand: false}}]")
     with local_pipelines.diffusers_log() as records:
-        folder = run_ablation(load_config(None, config), progress=False).path
+        folder, rows = run_family(root, "sana", TOMESD)
     # diffusers loads through accelerate: no "Cannot initialize model with low cpu memory usage" warning
     assert not [r.getMessage() for r in records if "accelerate" in r.getMessage()]
-    baseline, merged = rows(folder)
-    assert merged["run"] == "tomesd-r0.5-use_rand=False"
-    assert sorted(p.name for p in (folder / "images" / "baseline").glob("*.png")) == \
-        ["00000_seed0.png", "00001_seed1.png"]
-    assert baseline["psnr"] == 100.0 and "psnr_per_frame" not in baseline and "n_frames" not in baseline
-    assert merged["psnr"] < 100.0 and merged["flops"] < merged["flops_base"] and merged["n_images"] == 2
+    check_rows(folder, rows, ["tomesd-r0.5-use_rand=False"], size=(32, 32))
 
 
 def test_ltx_video_pipeline_ablation_with_merging_and_token_wise_caching(root):
     """LTX-Video (3-D RoPE, cross-attention, its own causal VAE) from a saved folder through the ablation: a
     merging strategy and token-wise caching (its reused attention returns the image tokens alone)."""
-    frames = local_pipelines.CURRENT_CALL_DEFAULTS["ltx"]["num_frames"]
-    grid = "grid=[{strategy: tomesd, ratios: [0.5], options: {use_rand: false}}, {strategy: toca, ratios: [0.0]}]"
-    folder = run_ablation(load_config(None, overrides(root, "ltx", "ltx", grid)), progress=False).path
-    baseline, merged, cached = rows(folder)
-    assert [merged["run"], cached["run"]] == ["tomesd-r0.5-use_rand=False", "toca-r0"]
-    assert baseline["psnr"] == 100.0 and baseline["frames_per_video"] == frames
-    for r in (merged, cached):
-        assert r["psnr"] < 100.0 and r["flops"] < r["flops_base"] and r["n_frames"] == 2 * frames
-        assert len(r["psnr_per_frame"]) == frames
+    call = local_pipelines.CURRENT_CALL_DEFAULTS["ltx"]
+    folder, rows = run_family(root, "ltx", TOMESD, TOCA)
+    check_rows(folder, rows, ["tomesd-r0.5-use_rand=False", "toca-r0"], size=(call["width"], call["height"]),
+               frames=call["num_frames"])
 
 
 def test_cogvideox_pipeline_ablation(root):
     """CogVideoX (joint text-video attention, text first; 3-D RoPE; its own VAE) from a saved folder: merging, and
     token-wise caching reusing the joint attention's whole output."""
-    frames = local_pipelines.CURRENT_CALL_DEFAULTS["cogvideox"]["num_frames"]
-    grid = ("grid=[{strategy: tomesd, ratios: [0.5], options: {use_rand: false}}, {strategy: ssm, ratios: [0.5]},"
-            " {strategy: toca, ratios: [0.0]}]")
-    folder = run_ablation(load_config(None, overrides(root, "cogvideox", "cogvideox", grid)), progress=False).path
-    baseline, *merged = rows(folder)
-    assert [r["run"] for r in merged] == ["tomesd-r0.5-use_rand=False", "ssm-r0.5", "toca-r0"]
-    assert baseline["psnr"] == 100.0 and baseline["frames_per_video"] == frames
-    for r in merged:
-        assert r["psnr"] < 100.0 and r["flops"] < r["flops_base"] and r["tokens_removed_mean"] > 0
+    call = local_pipelines.CURRENT_CALL_DEFAULTS["cogvideox"]
+    folder, rows = run_family(root, "cogvideox", TOMESD, SSM, TOCA)
+    runs = ["tomesd-r0.5-use_rand=False", "ssm-r0.5", "toca-r0"]
+    check_rows(folder, rows, runs, size=(call["width"], call["height"]), frames=call["num_frames"], merging=runs)
 
 
 def test_video_metrics_pair_frames_with_the_same_frame_of_the_baseline(tmp_path):
