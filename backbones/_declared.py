@@ -39,7 +39,8 @@ a plain table shared by the batch):
   ``[B, R + N, d/2]`` (Z-Image), its ``R`` other rows on the kind's ``joint`` side: the image rows are
   gathered, the others kept; a per-sample table built from a shared one goes as :class:`BatchedComplexTable`.
 * ``"broadcast"``: ``(cos, sin)``, each ``[N, ...]`` without a batch axis, broadcast from the right against
-  ``[B, N, ...]`` q/k (Mochi's ``[N, heads, d/2]``): gathered to ``[B, M, ...]`` (or ``[M, ...]``).
+  ``[B, N, ...]`` q/k (Mochi's ``[N, heads, d/2]``), or one such table (Kandinsky 6's rotation matrices
+  ``[N, 1, d/2, 2, 2]``, broadcast over the heads): gathered to ``[B, M, ...]`` (or ``[M, ...]``).
 * ``"allegro"``: ``(tables, positions)``: per-axis ``(cos, sin)`` tables indexed by the ``(t, h, w)`` position
   ids ``[1 or B, N]`` of every token (Allegro's ``apply_rotary_emb_allegro``): the position ids are gathered to
   ``[B, M]`` (or ``[1, M]``), the tables kept.
@@ -582,11 +583,11 @@ def gather_rope(freqs: Any, dst: Tensor, num_tokens: int, layout: str, text_side
         return _gather_complex_rows(freqs, dst, num_tokens, text_side)
     if layout == "broadcast":
         out = []
-        for t in freqs:
+        for t in (freqs,) if isinstance(freqs, Tensor) else freqs:
             if t.dim() < 2 or t.shape[0] != num_tokens:
                 raise ValueError(f"tomerge: a 'broadcast' rotary table must be [N={num_tokens}, ...], got {tuple(t.shape)}")
             out.append(_rows(t, dst, 0))  # [M, ...] or [B, M, ...]
-        return tuple(out)
+        return out[0] if isinstance(freqs, Tensor) else tuple(out)
     if layout == "allegro":
         tables, positions = freqs
         out = []

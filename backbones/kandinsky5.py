@@ -37,6 +37,7 @@ class Kandinsky5Adapter(DeclaredAdapter):
 
     name: ClassVar[str] = "kandinsky5"
     model_class: ClassVar[str] = "Kandinsky5Transformer3DModel"
+    grid_dims: ClassVar[int] = 3
     # forward(hidden_states, encoder_hidden_states, timestep, pooled_projections, visual_rope_pos, text_rope_pos,
     #         scale_factor, sparse_params)
     timestep_index: ClassVar[int] = 2
@@ -58,12 +59,17 @@ class Kandinsky5Adapter(DeclaredAdapter):
         return "it uses sparse (nabla) attention: fractal token order and a block mask over the full sequence"
 
     def probe(self, block: BlockSpec, point: MergePoint, state: MergeState) -> list[Any]:
-        """The received-attention probe of ``self_attention`` (the declared one reads ``to_q``/``to_k``)."""
-        if not isinstance(point, DeclaredPoint) or point.site.path != "self_attention":
+        """The received-attention probe of the probed site, ``self_attention`` (the declared one reads
+        ``to_q``/``to_k``); the image stream's context tokens are keys, not recorded."""
+        if not isinstance(point, DeclaredPoint) or not point.site.probe:
             return super().probe(block, point, state)
         attn = point.module
-        heads_first = lambda out: out.transpose(1, 2)  # noqa: E731  the norms' [B, N, heads, d] -> [B, heads, N, d]
+        heads_first = lambda out: out.transpose(1, 2)  # noqa: E731  the norms' [B, L, heads, d] -> [B, heads, L, d]
         sources = [("q", attn.query_norm, heads_first), ("k", attn.key_norm, heads_first)]
         scale = attn.query_norm.normalized_shape[0] ** -0.5
-        return attention_probe(state, attn, sources, lambda captured, grid: received_self_attention(
-            captured, grid, attn.num_heads, scale))
+
+        def compute(captured: dict[str, Any], grid: tuple[int, ...]) -> Any:
+            around = point._around()  # the block call's context tokens (Kandinsky 6's reference frame)
+            return received_self_attention(captured, grid, attn.num_heads, scale, context=(around.before, around.after))
+
+        return attention_probe(state, attn, sources, compute)

@@ -534,6 +534,11 @@ def test_gather_rope_broadcast_and_allegro_layouts_match_hand_built_tables():
     assert cos.shape == (2, 2, 2, 4) and torch.equal(cos[..., 0, 0], torch.tensor([[2.0, 0], [1, 1]]))
     shared, _ = gather_rope((table, table), dst[:1], 3, "broadcast")
     assert shared.shape == (2, 2, 4) and torch.equal(shared[:, 0, 0], torch.tensor([2.0, 0]))
+    single = torch.arange(3.0).view(3, 1, 1, 1, 1).expand(3, 1, 4, 2, 2)  # Kandinsky 6's one [N, 1, d/2, 2, 2] table
+    rotations = gather_rope(single, dst, 3, "broadcast")
+    assert rotations.shape == (2, 2, 1, 4, 2, 2)  # [B, M, 1, d/2, 2, 2]
+    assert torch.equal(rotations[:, :, 0, 0, 0, 0], torch.tensor([[2.0, 0], [1, 1]]))
+    assert gather_rope(single, dst[:1], 3, "broadcast").shape == (2, 1, 4, 2, 2)
     tables = ((torch.zeros(5, 2),) * 2,) * 3  # per-axis (cos, sin), kept as they are
     ids = (torch.tensor([[0, 0, 1]]), torch.tensor([[0, 1, 0]]), torch.tensor([[4, 5, 6]]))  # (t, h, w) [1, N]
     kept, (t, h, w) = gather_rope((tables, ids), dst, 3, "allegro")

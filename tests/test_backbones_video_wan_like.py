@@ -1,11 +1,13 @@
 """The declared adapters of the Wan-derived, history-conditioned and other current video transformers on
 ``(T, H, W)`` token grids: `skyreels_v2` (SkyReels-V2, diffusion forcing), `wan_vace` (Wan VACE), `wan_animate`
 (Wan 2.2 Animate), `framepack` (HunyuanVideo-FramePack), `ltx2` (LTX-2, video + audio), `chronoedit` (ChronoEdit),
-`helios` (Helios) and `kandinsky5` (Kandinsky 5.0 video), on random-weight diffusers models built from their
+`helios` (Helios), `kandinsky5` (Kandinsky 5.0 video) and `kandinsky6` (Kandinsky 6, video + audio), on
+random-weight diffusers models built from their
 released configurations with fewer heads and 1-2 blocks of each kind (see each builder). The checks are those of
 ``test_backbones_video.py`` (the helpers of ``test_backbones_current.py``), every registered strategy and schedule
 on every family, and each family's own layout (FramePack's and Helios's history tokens, LTX-2's audio stream,
-VACE's hints, SkyReels-V2's block-causal mask, Kandinsky's probe and batch behaviour). The declaration language's
+VACE's hints, SkyReels-V2's block-causal mask, Kandinsky's probe and batch behaviour, Kandinsky 6's audio stream,
+reference frame and block cache). The declaration language's
 context tokens and square masks on hand-made cases are in ``test_declared_layouts.py``.
 """
 
@@ -297,6 +299,53 @@ def kandinsky5_inputs(model: nn.Module, batch: int = 2, grid=(2, 4, 4), seed: in
                 visual_rope_pos=(torch.arange(T), torch.arange(H), torch.arange(W)), text_rope_pos=torch.arange(text))
 
 
+def build_kandinsky6() -> nn.Module:
+    """Kandinsky 6's config (the class defaults: 16 latent channels with the condition and mask channels, patch
+    (1, 2, 2), RoPE axes (32, 48, 48): head dim 128, time width 1024, Qwen2.5-VL text width 3584, CLIP pooled 768,
+    20 audio latent channels, the audio stream as wide as the video's; with the released checkpoints'
+    ``text_token_padding``, ``ca_rope``, ``cross_gates``, ``fix_modulation`` and the two token types that
+    image-to-video needs) with 2 heads (width 256) instead of 32 (4096) in both streams, the FFN scaled with the
+    width (16384 * 256 / 4096 = 1024), 1 text block per branch and 2 fused blocks instead of 4 and 60."""
+    from diffusers import Kandinsky6Transformer3DModel
+
+    torch.manual_seed(0)
+    return Kandinsky6Transformer3DModel(
+        in_visual_dim=16, out_visual_dim=16, in_text_dim=3584, in_text_dim2=768, time_dim=1024, patch_size=(1, 2, 2),
+        model_dim=256, ff_dim=1024, num_text_blocks=1, num_visual_blocks=2, axes_dims=(32, 48, 48), visual_cond=True,
+        in_audio_dim=20, out_audio_dim=20, text_token_padding=True, ca_rope=True, cross_gates=True,
+        fix_modulation=True, visual_token_type_num_embeddings=2).eval()
+
+
+KANDINSKY6_AUDIO = 6  # audio latent frames of the tests' calls
+#: Kandinsky 6's rope positions have no batch axis.
+KANDINSKY6_POSITIONS = ("visual_rope_pos",)
+
+
+def kandinsky6_inputs(model: nn.Module, batch: int = 2, grid=(2, 4, 4), seed: int = 1, dtype=torch.float32,
+                      text: int = 8, t: float = 500.0, reference: bool = True, audio: bool = True) -> dict:
+    """Image-to-video with audio, as the pipeline calls it: the ``T`` generated frames and the appended reference
+    frame (token type 1, temporal RoPE position 0) in the channels-last latent ``[B, T + 1, H, W, 2 * 16 + 1]``,
+    audio latents ``[B, Na, 20]``, a shorter second prompt (its padding masked). ``reference=False``: text-to-video
+    (``T`` frames, no type ids, default positions); ``audio=False``: a video-only call."""
+    g = _seed(seed)
+    T, H, W = grid
+    frames = T + 1 if reference else T
+    inputs = dict(hidden_states=torch.randn(batch, frames, 2 * H, 2 * W, 33, generator=g).to(dtype),
+                  encoder_hidden_states=torch.randn(batch, text, 3584, generator=g).to(dtype),
+                  pooled_projections=torch.randn(batch, 768, generator=g).to(dtype),
+                  timestep=torch.full((batch,), t, dtype=dtype),
+                  encoder_attention_mask=_text_mask(batch, text).bool())
+    if audio:
+        inputs["audio_hidden_states"] = torch.randn(batch, KANDINSKY6_AUDIO, 20, generator=g).to(dtype)
+    if reference:
+        token_types = torch.zeros(batch, frames, dtype=torch.long)
+        token_types[:, -1] = 1  # [B, T + 1]: the reference frame
+        inputs.update(visual_token_type_ids=token_types,
+                      visual_rope_pos=(torch.cat([torch.arange(T), torch.zeros(1, dtype=torch.long)]), torch.arange(H),
+                                       torch.arange(W)))
+    return inputs
+
+
 FAMILIES = {
     "skyreels_v2": Family("skyreels_v2", build_skyreels_v2, skyreels_v2_inputs, ("blocks",),
                           ("skyreels_v2", "skyreels_v2"), (2, 4, 4), (1, 4, 4), (3, 5, 7)),
@@ -315,11 +364,13 @@ FAMILIES = {
                      (3, 5, 7)),
     "kandinsky5": Family("kandinsky5", build_kandinsky5, kandinsky5_inputs, ("visual_transformer_blocks",),
                          ("kandinsky5", "kandinsky5"), (2, 4, 4), (1, 4, 4), (3, 5, 7)),
+    "kandinsky6": Family("kandinsky6", build_kandinsky6, kandinsky6_inputs, ("visual_transformer_blocks",),
+                         ("kandinsky6", "kandinsky6"), (2, 4, 4), (1, 4, 4), (3, 5, 7)),
 }
 SHARED_INPUTS = {"framepack": FRAMEPACK_INDICES, "helios": HELIOS_INDICES,  # inputs shared by the batch
-                 "kandinsky5": KANDINSKY5_POSITIONS}
+                 "kandinsky5": KANDINSKY5_POSITIONS, "kandinsky6": KANDINSKY6_POSITIONS}
 #: Sublayers that stay at full length in a merged block and so are not in the half-tokens FLOP reference.
-FULL_LENGTH = {"ltx2": ("video_to_audio_attn",)}
+FULL_LENGTH = {"ltx2": ("video_to_audio_attn",), "kandinsky6": ("av_cross_attention",)}
 
 
 @pytest.fixture(scope="module")
@@ -709,13 +760,10 @@ def test_helios_history_is_context_and_the_target_count_follows_the_slots():
     assert y.shape[1] == M and plain["attn2"][0].shape[1] == N and cross_count == N  # attn2 ignores the count
 
 
-def test_helios_received_attention_is_the_target_queries_share_on_the_target_keys(models):
-    """float64: the self-attention probe's rule with history keys: every target query's softmax over the history
-    and target keys (q and k after the q/k norms, before the RoPE rotation), averaged over heads and target queries,
-    restricted to the target keys and renormalised."""
-    model = copy.deepcopy(models["helios"]).double()
-    inputs = to_float64(helios_inputs(model))
-    P, N = framepack_history_tokens((2, 4, 4)), 32
+def idm_attention_and_inputs(model: nn.Module, inputs: dict, attentions: list[nn.Module],
+                             call=None) -> tuple[dict[int, Tensor], dict[int, Tensor]]:
+    """One forward of ``model`` under ``idm`` (ratio 0.5): the received attention it recorded per layer, and the
+    input ``x [B, L, C]`` each of ``attentions`` (one per layer) was called with."""
     seen: dict[int, Tensor] = {}
 
     def record(layer: int):
@@ -723,14 +771,25 @@ def test_helios_received_attention_is_the_target_queries_share_on_the_target_key
             seen[layer] = args[0]
         return hook
 
-    hooks = [block.attn1.register_forward_pre_hook(record(layer)) for layer, block in enumerate(model.blocks)]
+    hooks = [attn.register_forward_pre_hook(record(layer)) for layer, attn in enumerate(attentions)]
     try:
         with tomerge.merging(model, "idm", ratio=0.5) as handle, torch.no_grad():
-            model(**inputs)
+            (call or (lambda: model(**inputs)))()
             recorded = dict(handle.state.attention)
     finally:
         for hook in hooks:
             hook.remove()
+    return recorded, seen
+
+
+def test_helios_received_attention_is_the_target_queries_share_on_the_target_keys(models):
+    """float64: the self-attention probe's rule with history keys: every target query's softmax over the history
+    and target keys (q and k after the q/k norms, before the RoPE rotation), averaged over heads and target queries,
+    restricted to the target keys and renormalised."""
+    model = copy.deepcopy(models["helios"]).double()
+    inputs = to_float64(helios_inputs(model))
+    P, N = framepack_history_tokens((2, 4, 4)), 32
+    recorded, seen = idm_attention_and_inputs(model, inputs, [block.attn1 for block in model.blocks])
     assert sorted(recorded) == sorted(seen) == [0, 1]
     for layer, x in seen.items():
         attn = model.blocks[layer].attn1
@@ -799,22 +858,8 @@ def test_kandinsky5_received_attention_is_computed_from_its_query_and_key_norms(
     over the video keys (after the per-head norms, before the rotation), averaged over heads and queries."""
     model = models["kandinsky5"]
     inputs = kandinsky5_inputs(model)
-    seen: dict[int, Tensor] = {}
-
-    def record(layer: int):
-        def hook(module: nn.Module, args: tuple) -> None:
-            seen[layer] = args[0]
-        return hook
-
-    hooks = [block.self_attention.register_forward_pre_hook(record(layer))
-             for layer, block in enumerate(model.visual_transformer_blocks)]
-    try:
-        with tomerge.merging(model, "idm", ratio=0.5) as handle:
-            run(model, inputs)
-            recorded = dict(handle.state.attention)
-    finally:
-        for hook in hooks:
-            hook.remove()
+    recorded, seen = idm_attention_and_inputs(
+        model, inputs, [block.self_attention for block in model.visual_transformer_blocks], lambda: run(model, inputs))
     assert sorted(recorded) == sorted(seen) == [0, 1]
     for layer, x in seen.items():
         attn = model.visual_transformer_blocks[layer].self_attention
@@ -834,4 +879,188 @@ def test_kandinsky5_sparse_attention_calls_are_not_merged(models):
     with tomerge.merging(model, "tomesd", ratio=0.5) as handle:
         with pytest.warns(UserWarning, match="sparse"):
             assert handle.adapter.on_model_call((), inputs) is not None
+        assert handle.adapter.grid_size is None
+
+
+# ---------------------------------------------------------------------- Kandinsky 6
+def _kandinsky6_calls(model: nn.Module, inputs: dict, names: tuple[str, ...]) -> tuple[Tensor, dict[str, dict]]:
+    """The output and, per submodule of the first fused block (dotted ``names``), its call's tokens, keys/values
+    (``encoder_hidden_states``) and query RoPE (after tomerge's hooks, which run first)."""
+    block = model.visual_transformer_blocks[0]
+    seen: dict[str, dict] = {}
+
+    def record(name: str):
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            seen[name] = dict(tokens=kwargs.get("hidden_states", args[0] if args else None),
+                              keys=kwargs.get("encoder_hidden_states"),
+                              rope=kwargs.get("rope_q", kwargs.get("rotary_emb")))
+        return hook
+
+    hooks = [block.get_submodule(name).register_forward_pre_hook(record(name), with_kwargs=True) for name in names]
+    try:
+        with torch.no_grad():
+            out = model(**inputs)
+    finally:
+        for h in hooks:
+            h.remove()
+    return out, seen
+
+
+def test_kandinsky6_merges_the_video_stream_and_keeps_audio_and_reference_frame_as_context(models):
+    """The video sublayers get the merged target tokens and the reference frame's tokens unchanged after them (with
+    their RoPE rows); the audio stream keeps its length and av_cross_attention reads the full-length video stream,
+    which merging the cross-attention alone leaves as the plain model's in the first block; the audio output
+    changes only through the merged video stream."""
+    model = models["kandinsky6"]
+    inputs = kandinsky6_inputs(model)
+    names = ("video_dec_block.self_attention", "video_dec_block.cross_attention", "va_cross_attention",
+             "av_cross_attention", "audio_dec_block.self_attention", "video_dec_block.feed_forward")
+    plain, before = _kandinsky6_calls(model, inputs, names)
+    with tomerge.merging(model, "tomesd", ratio=0.5, use_rand=False, **ALL_SUBLAYERS) as handle:
+        merged, after = _kandinsky6_calls(model, inputs, names)
+        assert handle.adapter.grid_size == (2, 4, 4) and handle.adapter.context.after == 16
+    N, M, R, Na, T = 32, 16, 16, KANDINSKY6_AUDIO, 8
+    shapes = {name: (call["tokens"].shape[1], None if call["keys"] is None else call["keys"].shape[1])
+              for name, call in after.items()}
+    assert shapes == {"video_dec_block.self_attention": (M + R, None), "video_dec_block.cross_attention": (M + R, T),
+                      "va_cross_attention": (M + R, Na), "av_cross_attention": (Na, N + R),
+                      "audio_dec_block.self_attention": (Na, None), "video_dec_block.feed_forward": (M + R, None)}
+    attn, plain_attn = after["video_dec_block.self_attention"], before["video_dec_block.self_attention"]
+    assert torch.equal(attn["tokens"][:, M:], plain_attn["tokens"][:, N:])  # the reference frame, as it is
+    assert attn["rope"].shape == (2, M + R, 1, 64, 2, 2)  # per-sample [B, M + R, 1, d/2, 2, 2] rotations
+    assert torch.equal(attn["rope"][:, M:], plain_attn["rope"][None, N:].expand(2, -1, -1, -1, -1, -1))
+    assert after["va_cross_attention"]["rope"].shape[1] == M + R
+    for name in ("av_cross_attention", "audio_dec_block.self_attention"):
+        assert torch.equal(after[name]["tokens"], before[name]["tokens"])
+    with tomerge.merging(model, "tomesd", ratio=0.5, use_rand=False, merge_attn=False, merge_crossattn=True,
+                         merge_mlp=False):
+        _, crossattn_only = _kandinsky6_calls(model, inputs, names)
+    assert crossattn_only["video_dec_block.cross_attention"]["tokens"].shape[1] == M + R
+    assert torch.equal(crossattn_only["av_cross_attention"]["keys"], before["av_cross_attention"]["keys"])
+    assert merged.audio_sample.shape == plain.audio_sample.shape and torch.isfinite(merged.audio_sample).all()
+    assert not torch.equal(merged.audio_sample, plain.audio_sample)  # the second block reads the merged video
+
+
+@pytest.mark.parametrize("audio", [True, False], ids=["audio", "video_only"])
+def test_kandinsky6_text_to_video_permutation_is_exact(models, audio):
+    """Without a reference frame (text-to-video), with and without audio: the permuted slots give the plain output,
+    the video's and the audio's (the video RoPE of the self-attention and of va_cross_attention's queries gathered)."""
+    model = models["kandinsky6"]
+    inputs = kandinsky6_inputs(model, seed=4, reference=False, audio=audio)
+    with torch.no_grad():
+        before = model(**inputs)
+    with tomerge.merging(model, Permute(), ratio=0.5, **ALL_SUBLAYERS) as handle:
+        with torch.no_grad():
+            out = model(**inputs)
+        assert handle.adapter.grid_size == (2, 4, 4) and not handle.adapter.context
+        assert len(handle.state.records) == 2
+    torch.testing.assert_close(out.sample, before.sample, rtol=1e-4, atol=1e-5)
+    if audio:
+        torch.testing.assert_close(out.audio_sample, before.audio_sample, rtol=1e-4, atol=1e-5)
+    else:
+        assert out.audio_sample is None
+
+
+def test_kandinsky6_received_attention_is_the_target_queries_share_on_the_target_keys(models):
+    """float64: the probe on ``query_norm``/``key_norm`` with the reference frame's keys attended but not recorded:
+    every target query's softmax over the target and reference keys (after the per-head norms, before the rotation),
+    averaged over heads and queries, restricted to the target keys and renormalised."""
+    model = copy.deepcopy(models["kandinsky6"]).double()
+    inputs = to_float64(kandinsky6_inputs(model))
+    N, R = 32, 16
+    attentions = [block.video_dec_block.self_attention for block in model.visual_transformer_blocks]
+    recorded, seen = idm_attention_and_inputs(model, inputs, attentions)
+    assert sorted(recorded) == sorted(seen) == [0, 1]
+    for layer, x in seen.items():
+        attn = attentions[layer]
+        assert x.shape[1] == N + R
+        with torch.no_grad():
+            q = attn.query_norm(attn.to_query(x).unflatten(2, (attn.num_heads, -1)))  # [B, N + R, h, d]
+            k = attn.key_norm(attn.to_key(x).unflatten(2, (attn.num_heads, -1)))
+        p = torch.einsum("bqhd,bkhd->bhqk", q[:, :N], k).mul(q.shape[-1] ** -0.5).softmax(-1)  # target queries
+        share = p.mean(dim=(1, 2))[:, :N]  # [B, N]: the target keys
+        torch.testing.assert_close(recorded[layer].double(), share / share.sum(-1, keepdim=True), rtol=1e-5,
+                                   atol=1e-8)
+        assert (p[..., N:].sum(-1) > 1e-3).all()  # the reference keys take part of the target's attention
+
+
+@pytest.mark.parametrize("audio", [True, False], ids=["audio", "video_only"])
+def test_kandinsky6_block_cache_reuses_the_video_and_audio_streams(models, audio):
+    """The fused block returns ``(vis, aud)``: on a reused step (block_cache, interval 2) each block returns each
+    stream's input plus that stream's residual of the last full step; the full steps are the plain model's. A
+    video-only call's blocks return ``(vis, None)``, kept as ``None``."""
+    model = models["kandinsky6"]
+    inputs = kandinsky6_inputs(model, batch=1, audio=audio)
+    blocks = list(model.visual_transformer_blocks)
+    io: list[list[tuple[tuple, tuple]]] = []
+
+    def capture(module: nn.Module, args: tuple, output: tuple) -> None:
+        io[-1].append((args[:2], output))  # ((vis, aud), (vis, aud))
+
+    def trajectory(schedule: str | None = None, **options) -> list:
+        io.clear()
+        handle = tomerge.apply(model, schedule, num_steps=3, **options) if schedule else None
+        outs = []
+        try:
+            for step in range(3):
+                io.append([])
+                with torch.no_grad():
+                    out = model(**dict(inputs, timestep=inputs["timestep"] * (1 - 0.2 * step)))
+                outs.append((out.sample, out.audio_sample))
+        finally:
+            if handle:
+                handle.remove()
+        return outs
+
+    hooks = [b.register_forward_hook(capture) for b in blocks]
+    try:
+        base = trajectory()
+        outs = trajectory("block_cache", interval=2)
+        cached_io = [list(step) for step in io]
+    finally:
+        for h in hooks:
+            h.remove()
+    same = lambda a, b: a is b is None or torch.equal(a, b)  # noqa: E731
+    assert all(same(x, y) for step in (0, 2) for x, y in zip(outs[step], base[step]))
+    assert not torch.equal(outs[1][0], base[1][0])
+    for layer in range(len(blocks)):
+        (x0, y0), (x1, y1) = cached_io[0][layer], cached_io[1][layer]
+        assert torch.equal(y1[0], x1[0] + (y0[0] - x0[0]))
+        assert (y1[1] is None) if not audio else torch.equal(y1[1], x1[1] + (y0[1] - x0[1]))
+    assert no_hooks_left(model)
+
+
+@pytest.mark.parametrize("schedule", [name for name in tomerge.registry.list_strategies() if caches_blocks(name)])
+def test_kandinsky6_runs_every_caching_schedule(models, schedule):
+    """Six steps of each caching schedule (toca merges the video stream and reuses its attention on partial steps):
+    finite video and audio outputs of the plain shapes, the first step the plain model's, ``remove()`` restores it."""
+    model = models["kandinsky6"]
+    calls = [kandinsky6_inputs(model, batch=1, t=500.0 * (1 - 0.1 * step)) for step in range(6)]
+    with torch.no_grad():
+        before = model(**calls[0])
+    handle = tomerge.apply(model, schedule, num_steps=6)
+    try:
+        with torch.no_grad():
+            outs = [model(**call) for call in calls]
+    finally:
+        handle.remove()
+    assert torch.equal(outs[0].sample, before.sample) and torch.equal(outs[0].audio_sample, before.audio_sample)
+    for out in outs:
+        assert out.sample.shape == before.sample.shape and torch.isfinite(out.sample).all()
+        assert out.audio_sample.shape == before.audio_sample.shape and torch.isfinite(out.audio_sample).all()
+    with torch.no_grad():
+        assert torch.equal(model(**calls[0]).sample, before.sample)
+    assert no_hooks_left(model)
+
+
+@pytest.mark.filterwarnings("ignore:tomerge. no block")
+def test_kandinsky6_token_types_other_than_a_trailing_reference_leave_the_call_unmerged(models):
+    """Type ids that mark a frame before the target's last (not one grid followed by context) give no grid, with the
+    adapter's warning saying why."""
+    model = models["kandinsky6"]
+    inputs = kandinsky6_inputs(model)
+    inputs["visual_token_type_ids"] = inputs["visual_token_type_ids"].flip(1)  # [B, T + 1]: the first frame marked
+    with tomerge.merging(model, "tomesd", ratio=0.5) as handle:
+        with pytest.warns(UserWarning, match="visual_token_type_ids"):
+            handle.adapter.on_model_call((), inputs)
         assert handle.adapter.grid_size is None
