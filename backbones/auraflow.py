@@ -39,7 +39,7 @@ class AuraFlowAdapter(DeclaredAdapter):
         Kind("joint", "joint_transformer_blocks", ("AuraFlowJointTransformerBlock",), (
             Site("attn", "attn", output=0, probe=True, text_keys=True),
             Site("mlp", "ff", arg="x"),
-        ), text_arg="encoder_hidden_states"),
+        ), text_arg="encoder_hidden_states", outputs=("encoder_hidden_states", "hidden_states")),
         Kind("single", "single_transformer_blocks", ("AuraFlowSingleTransformerBlock",), (
             Site("attn", "attn", tokens="joint", probe=True, text_keys=True),
             Site("mlp", "ff", arg="x", tokens="joint"),

@@ -42,7 +42,7 @@ class CogVideoXAdapter(DeclaredAdapter):
             Site("attn", "attn1", output=0, rope=Rope("image_rotary_emb", 3, "rows"), probe=True, probe_heads_first=True,
                  probe_copies=True),
             Site("mlp", "ff", tokens="joint"),
-        ), text_arg="encoder_hidden_states"),
+        ), text_arg="encoder_hidden_states", outputs=("hidden_states", "encoder_hidden_states")),
     )
 
     def call_grid(self, args: tuple, kwargs: dict) -> tuple[int, ...] | None:

@@ -52,7 +52,7 @@ class CogView4Adapter(DeclaredAdapter):
         Kind("cogview4", "transformer_blocks", ("CogView4TransformerBlock",), (
             Site("attn", "attn1", output=0, rope=_ROPE, mask="pass", probe="sdpa", text_keys=True),
             Site("mlp", "ff", shared=True),
-        ), text_arg="encoder_hidden_states"),
+        ), text_arg="encoder_hidden_states", outputs=("hidden_states", "encoder_hidden_states")),
     )
 
 
@@ -65,7 +65,7 @@ class GlmImageAdapter(DeclaredAdapter):
     timestep_index: ClassVar[int] = 4  # forward(hidden_states, encoder_hidden_states, prior_token_id, prior_token_drop, timestep, ...)
     kinds: ClassVar[tuple[Kind, ...]] = (
         Kind("glm_image", "transformer_blocks", ("GlmImageTransformerBlock",), CogView4Adapter.kinds[0].sites,
-             text_arg="encoder_hidden_states"),
+             text_arg="encoder_hidden_states", outputs=("hidden_states", "encoder_hidden_states")),
     )
 
     def on_model_call(self, args: tuple, kwargs: dict) -> Tensor | float | None:
@@ -91,5 +91,5 @@ class CogView3PlusAdapter(DeclaredAdapter):
         Kind("cogview3plus", "transformer_blocks", ("CogView3PlusTransformerBlock",), (
             Site("attn", "attn1", output=0, probe="sdpa", text_keys=True),
             Site("mlp", "ff", tokens="joint"),
-        ), text_arg="encoder_hidden_states"),
+        ), text_arg="encoder_hidden_states", outputs=("hidden_states", "encoder_hidden_states")),
     )

@@ -49,7 +49,7 @@ def double_kind(block_class: str, mask: _Mask = None) -> Kind:
     return Kind("double", "transformer_blocks", (block_class,), (
         Site("attn", "attn", output=0, rope=_ROPE, mask=mask, probe=True),
         Site("mlp", "ff"),
-    ), text_arg="encoder_hidden_states")
+    ), text_arg="encoder_hidden_states", outputs=("encoder_hidden_states", "hidden_states"))
 
 
 def single_kind(block_class: str, joint_input: bool, mask: _Mask = None) -> Kind:
@@ -62,7 +62,8 @@ def single_kind(block_class: str, joint_input: bool, mask: _Mask = None) -> Kind
     )
     if joint_input:
         return Kind("single", "single_transformer_blocks", (block_class,), sites, joint_input="first")
-    return Kind("single", "single_transformer_blocks", (block_class,), sites, text_arg="encoder_hidden_states")
+    return Kind("single", "single_transformer_blocks", (block_class,), sites, text_arg="encoder_hidden_states",
+                outputs=("encoder_hidden_states", "hidden_states"))
 
 
 class ChromaAdapter(DeclaredAdapter):

@@ -50,7 +50,7 @@ class Flux3Adapter(DeclaredAdapter):
         Kind("single", "single_transformer_blocks", ("Flux3SingleTransformerBlock",), (
             Site("attn", "attn", tokens="joint", rope=_ROPE, mask_index=1, probe=True),
             Site("mlp", "ff", arg="x", tokens="joint"),
-        ), text_arg="encoder_hidden_states"),
+        ), text_arg="encoder_hidden_states", outputs=("encoder_hidden_states", "hidden_states")),
     )
 
     def call_grid(self, args: tuple, kwargs: dict) -> tuple[int, ...] | None:

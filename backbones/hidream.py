@@ -49,7 +49,8 @@ class HiDreamImageAdapter(DeclaredAdapter):
             Site("attn", "block.attn1", arg="norm_hidden_states", output=0, rope=_ROPE, probe="sdpa", text_keys=True,
                  **_MASK),
             Site("mlp", "block.ff_i", arg="x"),
-        ), text_arg="encoder_hidden_states", text_index=2, joint="last"),
+        ), text_arg="encoder_hidden_states", text_index=2, joint="last",
+             outputs=("hidden_states", "encoder_hidden_states")),
         Kind("single", "single_stream_blocks", ("HiDreamBlock",), (
             Site("attn", "block.attn1", arg="norm_hidden_states", tokens="joint", rope=_ROPE, probe="sdpa",
                  text_keys=True, **_MASK),

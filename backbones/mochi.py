@@ -38,7 +38,7 @@ class MochiAdapter(DeclaredAdapter):
         Kind("mochi", "transformer_blocks", ("MochiTransformerBlock",), (
             Site("attn", "attn1", output=0, rope=Rope("image_rotary_emb", 3, "broadcast"), mask="pass", probe=True),
             Site("mlp", "ff"),
-        ), text_arg="encoder_hidden_states", joint="last"),
+        ), text_arg="encoder_hidden_states", joint="last", outputs=("hidden_states", "encoder_hidden_states")),
     )
 
     def call_grid(self, args: tuple, kwargs: dict) -> tuple[int, ...] | None:

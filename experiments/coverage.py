@@ -148,12 +148,18 @@ def caches_blocks(name: str) -> bool:
 CACHING_NOTE = ("The caching schedules ({names}, docs/schedules.md) are not in the table's strategies column: the "
                 "step-level ones run on a family whose blocks return one tensor or declare what their tuple output "
                 "holds (`BlockSpec.outputs`; a block that does not stops the first call with a TypeError naming it), "
-                "which is tested for `native_dit`, `dit`, `sana`, `wan` and `qwenimage` (`tests/test_caching.py`) and "
-                "for `kandinsky6`'s video and audio streams (`tests/test_backbones_video_wan_like.py`); "
+                "which is tested for `native_dit`, `dit`, `sana`, `wan`, `qwenimage` and the families whose blocks "
+                "return two streams, `auraflow`, `bria`, `bria_fibo`, `chroma`, `cogvideox`, `cogview3plus`, "
+                "`cogview4`, `consisid`, `easyanimate`, `flux3`, `glm_image`, `hidream`, `longcat_image`, `mochi`, "
+                "`ovis_image` (`tests/test_caching.py`), and for the video and audio streams of `kandinsky6` and "
+                "`ltx2` (`tests/test_backbones_video_wan_like.py`); `wan_vace`'s control blocks return a new hint "
+                "beside the hidden states, which `outputs` cannot declare, so step-level caching stops there with "
+                "that TypeError; "
                 "`toca` runs where the attention is probed (a joint attention's whole output is reused, text "
                 "included), tested for `native_dit`, `dit`, `pixart`, `sd3`, `lumina2`, `chroma`, `flux2`, `qwenimage`, "
                 "`cogview4`, `wan`, `hunyuan_video` (`tests/test_toca.py`), `ltx` and `cogvideox` "
-                "(`tests/test_video_ablation.py`), `kandinsky6` (`tests/test_backbones_video_wan_like.py`).")
+                "(`tests/test_video_ablation.py`), `skyreels_v2` and `ltx2` (`tests/test_pipeline_ablation_more_kinds.py`), "
+                "`kandinsky6` and `ltx2` (`tests/test_backbones_video_wan_like.py`).")
 
 
 def runnable_strategies(adapter: type, strategies: Sequence[str]) -> tuple[str, ...]:

@@ -7,7 +7,7 @@ released configurations with fewer heads and 1-2 blocks of each kind (see each b
 ``test_backbones_video.py`` (the helpers of ``test_backbones_current.py``), every registered strategy and schedule
 on every family, and each family's own layout (FramePack's and Helios's history tokens, LTX-2's audio stream,
 VACE's hints, SkyReels-V2's block-causal mask, Kandinsky's probe and batch behaviour, Kandinsky 6's audio stream,
-reference frame and block cache). The declaration language's
+reference frame and block cache, LTX-2's block cache). The declaration language's
 context tokens and square masks on hand-made cases are in ``test_declared_layouts.py``.
 """
 
@@ -691,6 +691,52 @@ def test_ltx2_video_to_audio_attention_reads_the_full_length_video_stream(models
     assert not torch.equal(merged.audio_sample, plain.audio_sample)  # v2a reads the merged blocks' video output
 
 
+def test_ltx2_block_cache_reuses_the_video_and_audio_streams(models):
+    """The block returns ``(hidden_states, audio_hidden_states)``: interval 1 is the plain model bit for bit (video
+    and audio); on a reused step (block_cache, interval 2) each block returns each stream's input plus that stream's
+    residual of the last full step, and the full steps are the plain model's."""
+    model = models["ltx2"]
+    inputs = ltx2_inputs(model, batch=1)
+    blocks = list(model.transformer_blocks)
+    io: list[list[tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]]] = []  # per step, per block
+
+    def capture(module: nn.Module, args: tuple, kwargs: dict, output: tuple) -> None:
+        io[-1].append(((kwargs["hidden_states"], kwargs["audio_hidden_states"]), output))  # ([B, N, C], [B, Na, Ca])
+
+    def trajectory(schedule: str | None = None, **options) -> list[tuple[Tensor, Tensor]]:
+        io.clear()
+        handle = tomerge.apply(model, schedule, num_steps=3, **options) if schedule else None
+        outs = []
+        try:
+            for step in range(3):
+                io.append([])
+                with torch.no_grad():
+                    out = model(**dict(inputs, timestep=inputs["timestep"] * (1 - 0.2 * step)))
+                outs.append((out.sample, out.audio_sample))
+        finally:
+            if handle:
+                handle.remove()
+        return outs
+
+    hooks = [b.register_forward_hook(capture, with_kwargs=True) for b in blocks]
+    try:
+        base = trajectory()
+        every_step = trajectory("block_cache", interval=1)
+        outs = trajectory("block_cache", interval=2)
+        cached_io = [list(step) for step in io]
+    finally:
+        for h in hooks:
+            h.remove()
+    assert all(torch.equal(x, y) for step in range(3) for x, y in zip(every_step[step], base[step]))
+    assert all(torch.equal(x, y) for step in (0, 2) for x, y in zip(outs[step], base[step]))
+    assert all(torch.isfinite(x).all() and not torch.equal(x, y) for x, y in zip(outs[1], base[1]))
+    for layer in range(len(blocks)):
+        (x0, y0), (x1, y1) = cached_io[0][layer], cached_io[1][layer]
+        for stream in range(2):  # video, audio
+            assert torch.equal(y1[stream], x1[stream] + (y0[stream] - x0[stream])), (layer, stream)
+    assert no_hooks_left(model)
+
+
 def test_ltx2_interleaved_rope_and_video_self_attention_mask_follow_the_slots():
     """LTX-2's interleaved RoPE ([B, N, C]) and the video self-attention mask ([B, N, N], the IC-LoRA pipelines')
     are gathered per slot: the permutation is exact with both."""
@@ -1030,12 +1076,14 @@ def test_kandinsky6_block_cache_reuses_the_video_and_audio_streams(models, audio
     assert no_hooks_left(model)
 
 
+@pytest.mark.parametrize("name", ["kandinsky6", "ltx2"])
 @pytest.mark.parametrize("schedule", [name for name in tomerge.registry.list_strategies() if caches_blocks(name)])
-def test_kandinsky6_runs_every_caching_schedule(models, schedule):
-    """Six steps of each caching schedule (toca merges the video stream and reuses its attention on partial steps):
-    finite video and audio outputs of the plain shapes, the first step the plain model's, ``remove()`` restores it."""
-    model = models["kandinsky6"]
-    calls = [kandinsky6_inputs(model, batch=1, t=500.0 * (1 - 0.1 * step)) for step in range(6)]
+def test_video_and_audio_families_run_every_caching_schedule(models, name, schedule):
+    """Six steps of each caching schedule on the families whose blocks return ``(video, audio)`` (toca merges the
+    video stream and reuses its attention on partial steps): finite video and audio outputs of the plain shapes, the
+    first step the plain model's, ``remove()`` restores it."""
+    model = models[name]
+    calls = [FAMILIES[name].inputs(model, batch=1, t=500.0 * (1 - 0.1 * step)) for step in range(6)]
     with torch.no_grad():
         before = model(**calls[0])
     handle = tomerge.apply(model, schedule, num_steps=6)

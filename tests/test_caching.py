@@ -454,3 +454,59 @@ def test_a_block_whose_tuple_output_is_undeclared_is_refused_by_name(monkeypatch
             model(**kwargs)
     with torch.no_grad():
         assert torch.equal(model(**kwargs).sample, before)
+
+
+# ====================================================================== blocks that return a tuple
+#: Families whose joint blocks return ``(text, image)`` or ``(image, text)`` (``Kind.outputs``); the video and audio
+#: families are in ``test_backbones_video_wan_like.py``.
+TUPLE_FAMILIES = ["auraflow", "bria", "bria_fibo", "chroma", "cogvideox", "cogview3plus", "cogview4", "consisid",
+                  "easyanimate", "flux3", "glm_image", "hidream", "longcat_image", "mochi", "ovis_image"]
+
+
+@pytest.mark.parametrize("name", TUPLE_FAMILIES)
+def test_blocks_that_return_a_tuple_reuse_each_declared_stream_exactly(name):
+    """Interval 1 is the model bit for bit; with interval 2 the reused step's blocks return, for each element of
+    their tuple, the input it replaces plus its residual of the last full step, and the full steps are the model's;
+    fora, taylorseer and first_block_cache run with finite outputs and a first step that is the model's."""
+    from test_every_strategy import CASES, run, trajectory
+
+    case = CASES[name]
+    model = case.build()
+    calls = trajectory(case, model)  # 3 steps
+    base = run(case, model, calls)
+
+    def cached_run(schedule: str, **options) -> tuple[list[Tensor], list[list[tuple[tuple, tuple]]]]:
+        """Outputs, and each block call's (input streams, output streams) per step, in the declared order."""
+        handle = tomerge.apply(model, schedule, num_steps=len(calls), **options)
+        io: list[list[tuple[tuple, tuple]]] = []
+
+        def capture(spec):
+            def hook(module, args, kwargs, output):
+                io[-1].append((spec.streams(args, kwargs), spec.output_streams(output)))
+            return hook
+        specs = handle.adapter.blocks()
+        hooks = [spec.module.register_forward_hook(capture(spec), with_kwargs=True) for spec in specs]
+        outs = []
+        try:
+            for inputs in calls:
+                io.append([])
+                outs.extend(run(case, model, [inputs]))
+        finally:
+            for h in hooks:
+                h.remove()
+            handle.remove()
+        assert any(spec.outputs is not None and len(spec.outputs) == 2 for spec in specs)
+        return outs, io
+
+    every_step, _ = cached_run("block_cache", interval=1)
+    assert all(torch.equal(a, b) for a, b in zip(every_step, base))
+    outs, io = cached_run("block_cache", interval=2)
+    assert torch.equal(outs[0], base[0]) and torch.equal(outs[2], base[2])
+    assert torch.isfinite(outs[1]).all() and not torch.equal(outs[1], base[1])
+    for layer, ((x0, y0), (x1, y1)) in enumerate(zip(io[0], io[1])):
+        for stream, (a0, b0, a1, b1) in enumerate(zip(x0, y0, x1, y1)):
+            assert b1 is None if b0 is None else torch.equal(b1, a1 + (b0 - a0)), (layer, stream)
+    for schedule in ("fora", "taylorseer", "first_block_cache"):
+        outs, _ = cached_run(schedule)
+        assert torch.equal(outs[0], base[0]) and all(torch.isfinite(o).all() for o in outs), schedule
+    assert all(torch.equal(a, b) for a, b in zip(run(case, model, calls), base))
