@@ -95,7 +95,7 @@ import torch
 from torch import Tensor
 
 from tomerge.options import check_choice, check_int, check_number, check_ratio_option, check_sublayers
-from tomerge.schedule import Decision, Schedule, Where
+from tomerge.schedule import Decision, Schedule, Where, check_attention_runs_before_its_merge
 from tomerge.strategy import MergeStrategy
 
 from .idm import IDM
@@ -126,7 +126,8 @@ class SDTM(Schedule):
         protect_layers: layer indices (the adapter's block positions) never merged.
         protect_layers_every: protect layers with ``layer % k == 0`` and the last layer; ``None``: off.
         structure_sublayers: where SSM merges (default attention and MLP).
-        detail_sublayers: where IDM merges (default MLP only).
+        detail_sublayers: where IDM merges (default MLP only; ``"attn"`` only with ``idm_variant="streak"``:
+            the attention variant's received attention is recorded after the attention ran).
         window: ``k x k`` window side of both SSM and IDM.
         temporal_window: window depth in frames of both SSM and IDM on a ``(T, H, W)`` grid (1: per frame).
         alpha_s: SSM persistence-prior weight.
@@ -222,6 +223,10 @@ class SDTM(Schedule):
         set_(self, "_idm", IDM(window=self.window, temporal_window=self.temporal_window, alpha_d=self.alpha_d,
                                variant=self.idm_variant, local=self.idm_local, round_tokens=self.idm_round_tokens,
                                plan_from=self.idm_plan_from))
+        check_attention_runs_before_its_merge(
+            self._idm, self._detail, "leave 'attn' out of detail_sublayers (the default merges the MLP alone), or "
+            "set idm_variant='streak' (it needs no received attention)",
+            where=f" (the detail phase of {what}, detail_sublayers={self.detail_sublayers})")
 
     # ------------------------------------------------------------------ the rules, as pure functions
     @property

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -303,6 +305,25 @@ def test_detail_plans_come_from_the_block_input_when_only_the_mlp_merges(monkeyp
         assert metric is block_inputs[layer]
         assert not torch.allclose(metric, mlp_inputs[layer]) and not torch.allclose(metric, attn_inputs[layer])
     assert IDM().plan_input == "block_input" and IDM(plan_from="sublayer").plan_input == "sublayer"
+
+
+@pytest.mark.parametrize("strategy, options, refused", [
+    ("idm", dict(merge_attn=True), "strategy 'idm' needs received attention and merges the attention sublayer"),
+    ("sdtm", dict(detail_sublayers=("attn", "mlp")),
+     "strategy 'idm' (the detail phase of sdtm, detail_sublayers=('attn', 'mlp')) needs received attention"),
+])
+def test_merging_the_attention_it_has_not_recorded_yet_is_refused_by_apply(strategy, options, refused) -> None:
+    # The attention's merge is planned before the block's attention runs and is probed: refused before any call.
+    from tomerge.attach import check_options
+
+    with pytest.raises(ValueError, match=re.escape(refused)):
+        check_options(strategy, ratio=0.3, **options)
+    model = tiny_dit()
+    with pytest.raises(ValueError, match=re.escape(refused)):
+        tomerge.apply(model, strategy, ratio=0.3, **options)
+    assert "_tomerge_handle" not in model.__dict__
+    streak = {"idm": dict(variant="streak"), "sdtm": dict(idm_variant="streak")}[strategy]  # needs no attention
+    assert not check_options(strategy, ratio=0.3, **options, **streak).needs
 
 
 # ---------------------------------------------------------------------------------------- invariants

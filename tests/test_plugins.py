@@ -4,6 +4,7 @@ decorated class that is its own entry point (no circular import)."""
 
 import importlib
 import pickle
+import re
 import sys
 import uuid
 from importlib.metadata import EntryPoint
@@ -14,6 +15,7 @@ import torch
 
 import tomerge
 from tomerge import registry
+from tomerge.attach import check_options
 from tomerge.experiments import cli, plugins
 from tomerge.experiments.plugins import PluginError, load_plugins
 
@@ -321,3 +323,111 @@ def test_cli_reports_a_broken_plugin_in_one_line_with_exit_code_2(tmp_path, caps
     assert captured.out == ""
     assert cli.main(["--plugin", str(strategy_file(tmp_path, "tomesd")), "bench", "--help"]) == 2
     assert "already registered by the built-in" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------ received attention
+ATTENTION_PLUGIN = '''\
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+import tomerge
+
+
+@tomerge.register_strategy({name!r})
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MostAttendedKept(tomerge.MergeStrategy):
+    """Needs received attention: the most attended tokens are the destinations, the others merge into slot 0.
+    Its default sublayers are the base class's, attention and MLP."""
+
+    @property
+    def needs(self):
+        return frozenset({{"received_attention"}})
+
+    def select_destinations(self, x, ctx):
+        M = x.shape[1] - ctx.tokens_to_remove(x.shape[1])
+        return ctx.received_attention.topk(M, dim=1).indices.sort(dim=1).values  # [B, M]
+
+    def merge_matrix(self, x, dst, ctx):
+        B, N = x.shape[:2]
+        assign = torch.zeros(B, N, dtype=torch.long, device=x.device)  # [B, N]: sources into slot 0
+        assign.scatter_(1, dst, torch.arange(dst.shape[1], device=x.device).expand(B, -1))
+        return tomerge.MergePlan.hard(assign, dst, backend="index")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AttentionEveryCall(tomerge.Schedule):
+    """A schedule that merges the attention and the MLP with MostAttendedKept on every block call."""
+
+    name = {name!r} + "_schedule"
+    ratio: float = 0.5
+
+    def decide(self, where):
+        return tomerge.Decision(MostAttendedKept(), self.ratio, frozenset({{"attn", "mlp"}}))
+
+    def strategies(self):
+        return (MostAttendedKept(),)
+'''
+
+ATTENTION_MERGED_FIRST = "needs received attention and merges the attention sublayer ('attn')"
+
+
+def native_dit():
+    from tomerge.backbones.timm_dit import DiT, DiTConfig
+
+    torch.manual_seed(0)
+    model = DiT(DiTConfig(input_size=16, patch_size=2, in_channels=1, hidden_size=32, depth=2, num_heads=2,
+                          num_classes=3, learn_sigma=False))
+    return model.eval(), (torch.randn(2, 1, 16, 16), torch.tensor([0.3, 0.3]), torch.tensor([1, 2]))
+
+
+def no_hooks_left(model: torch.nn.Module) -> bool:
+    return all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+
+
+def test_a_plugin_needing_received_attention_that_merges_the_attention_is_refused_before_any_call(tmp_path):
+    name = unique()
+    [module] = load_plugins([str(write(tmp_path / "attended.py", ATTENTION_PLUGIN.format(name=name)))])
+    model, inputs = native_dit()
+    # The block's attention has not run when its merge is planned: refused by check_options and apply, before
+    # the model runs, saying what to change.
+    for refused in (lambda: check_options(name, ratio=0.5),
+                    lambda: tomerge.apply(model, name, ratio=0.5),
+                    lambda: tomerge.apply(model, module.MostAttendedKept(), ratio=0.5, merge_mlp=True)):
+        with pytest.raises(ValueError, match=re.escape(f"strategy {name!r} {ATTENTION_MERGED_FIRST}")) as info:
+            refused()
+        assert "merge_attn=False" in str(info.value) and "'received_attention' in the strategy's needs" in str(
+            info.value)
+        assert no_hooks_left(model) and "_tomerge_handle" not in model.__dict__
+    # Merging only what runs after the probed attention works.
+    assert check_options(name, ratio=0.5, merge_attn=False).sublayers == {"mlp"}
+    with tomerge.merging(model, name, ratio=0.5, merge_attn=False) as handle, torch.no_grad():
+        model(*inputs)
+        records = handle.state.records
+    assert len(records) == 2 and all(r.sublayers == ("mlp",) and r.num_removed == 32 for r in records)
+
+
+def test_a_schedule_merging_the_attention_with_such_a_strategy_is_refused_at_its_first_block_call(tmp_path):
+    name = unique()
+    [module] = load_plugins([str(write(tmp_path / "attended.py", ATTENTION_PLUGIN.format(name=name)))])
+    model, inputs = native_dit()
+    # A schedule's sublayers are known only from its decisions: the same refusal at the first one, before a plan.
+    with tomerge.merging(model, module.AttentionEveryCall()) as handle, torch.no_grad():
+        with pytest.raises(ValueError, match=re.escape(f"strategy {name!r} (chosen by schedule "
+                                                       f"'{name}_schedule' at step 0, layer 0) "
+                                                       f"{ATTENTION_MERGED_FIRST}")) as info:
+            model(*inputs)
+        assert "refused at the first block call" in str(info.value) and handle.state.records == []
+    assert no_hooks_left(model)
+
+
+def test_the_cli_reports_that_refusal_in_one_line_before_any_image(tmp_path, capsys):
+    name = unique()
+    path = write(tmp_path / "attended.py", ATTENTION_PLUGIN.format(name=name))
+    out = tmp_path / "out"
+    assert cli.main(["--plugin", str(path), "generate", "--classes", "0", "--strategy", name, "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"tomerge generate: error: strategy {name!r} {ATTENTION_MERGED_FIRST}")
+    assert len(err.splitlines()) == 1 and not out.exists()

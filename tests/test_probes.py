@@ -497,7 +497,7 @@ def test_a_strategy_that_needs_received_attention_runs_where_a_probe_is_declared
         with pytest.raises(NotImplementedError,
                            match=f"strategy 'test_most_attended_kept' needs received attention: backbone {name!r} "
                                  "cannot record received attention in its 'wan' blocks"):
-            tomerge.apply(model, MostAttendedKept(), ratio=0.5, backbone=name)
+            tomerge.apply(model, MostAttendedKept(), ratio=0.5, merge_attn=False, backbone=name)
         assert _no_hooks_left(model) and "_tomerge_handle" not in model.__dict__
     with pytest.raises(ValueError, match="'test_needs_gradients' needs 'gradients', which no backbone adapter records"):
         tomerge.apply(model, NeedsGradients(), ratio=0.5, backbone="wan")

@@ -218,6 +218,34 @@ def resolve_sublayers(strategy: MergeStrategy, merge_attn: bool | None, merge_cr
     return frozenset(chosen)
 
 
+def check_attention_runs_before_its_merge(strategy: MergeStrategy, sublayers: frozenset[str] | tuple[str, ...],
+                                          fix: str, where: str = "") -> None:
+    """Raises ``ValueError`` when ``strategy`` needs received attention (:attr:`MergeStrategy.needs`) and
+    ``sublayers`` include the attention (``"attn"``): a block records the attention its tokens receive when its
+    attention has run at full length, and the attention's merge is planned before it runs, so that plan never
+    has it. ``where`` follows the strategy's name in the message (e.g. which schedule merges there); ``fix``
+    ends it (what to change).
+
+    Example:
+        >>> import tomerge
+        >>> check_attention_runs_before_its_merge(tomerge.get_strategy("idm"), ("attn",), "merge the MLP alone")
+        Traceback (most recent call last):
+        ...
+        ValueError: strategy 'idm' needs received attention and merges the attention sublayer ('attn'): ...
+    """
+    if "attn" in sublayers and "received_attention" in strategy.needs:
+        raise ValueError(
+            f"strategy {strategy.name!r}{where} needs received attention and merges the attention sublayer "
+            "('attn'): the attention's merge is planned before the block's attention runs, and received attention "
+            f"is recorded only from an attention that ran at full length, so that plan would have none; {fix}")
+
+
+#: The end of :func:`check_attention_runs_before_its_merge`'s message for a strategy applied alone.
+MERGE_AFTER_THE_ATTENTION = (
+    "merge only sublayers that run after the attention (merge_attn=False, or a strategy whose default_sublayers "
+    "is {'mlp'}, as idm's), or do not list 'received_attention' in the strategy's needs")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Constant(Schedule):
     """One strategy at one ratio on every block call.
@@ -228,6 +256,9 @@ class Constant(Schedule):
         merge_attn, merge_crossattn, merge_mlp: override the strategy's default sublayers.
         merge_from, merge_until: merge only block calls with ``merge_from <= progress <= merge_until``
             (``progress = step / (num_steps - 1)``); the others run unmerged (label ``"skip_step"``).
+
+    A strategy that needs received attention may not merge ``"attn"`` (its merge is planned before the attention
+    runs and is recorded): :func:`check_attention_runs_before_its_merge` raises ``ValueError``.
 
     Example:
         >>> import tomerge
@@ -254,6 +285,7 @@ class Constant(Schedule):
         if self.merge_from > self.merge_until:
             raise ValueError(f"merge_from ({self.merge_from}) is after merge_until ({self.merge_until}): "
                              "no call would merge")
+        check_attention_runs_before_its_merge(self.strategy, self.sublayers, MERGE_AFTER_THE_ATTENTION)
 
     @property
     def sublayers(self) -> frozenset[str]:

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from .context import Grid, MergeContext
 from .plan import MergePlan
-from .schedule import SKIP, Decision, Schedule, Where
+from .schedule import SKIP, Decision, Schedule, Where, check_attention_runs_before_its_merge
 
 
 class TrajectoryClock:
@@ -375,6 +375,10 @@ class MergeState:
                       layer=layer, num_layers=self.num_layers, block_kind=block_kind, kind_index=kind_index,
                       change=self.change)
         decision = self.schedule.decide(where) if grid is not None else SKIP
+        if decision.merges:
+            check_attention_runs_before_its_merge(
+                decision.strategy, decision.sublayers, SCHEDULE_MERGES_AFTER_THE_ATTENTION,
+                where=f" (chosen by schedule {self.schedule.name!r} at step {where.step}, layer {layer})")
         if decision.reset_streaks:
             for key in [k for k in self.streaks if k[0] == self.call_index]:
                 del self.streaks[key]
@@ -550,6 +554,13 @@ class MergeState:
         gen.manual_seed((self.seed * 1_000_003 + where.step * 10_007 + where.layer) % (2**63))
         return gen
 
+
+#: The end of :func:`~tomerge.schedule.check_attention_runs_before_its_merge`'s message for a schedule's decision.
+SCHEDULE_MERGES_AFTER_THE_ATTENTION = (
+    "make the schedule merge only sublayers that run after the attention with this strategy (e.g. the MLP alone, "
+    "as sdtm's detail phase does with idm), or do not list 'received_attention' in the strategy's needs. A "
+    "schedule's sublayers are known only from its decisions, so this is refused at the first block call that "
+    "merges the attention with it, not by tomerge.apply")
 
 REUSE_MISSED = "reuse_missed"  # the label of a reuse that found no kept residual (the block ran and stored one)
 

@@ -94,7 +94,8 @@ class MergeStrategy(abc.ABC):
     @property
     def needs(self) -> frozenset[str]:
         """Per-token statistics the adapter must record: a subset of :data:`RECORDED_NEEDS`. Attaching to a
-        backbone that cannot record them for every block raises (``tomerge.apply``)."""
+        backbone that cannot record them for every block raises (``tomerge.apply``), and so does merging the
+        attention with a strategy that needs received attention (recorded after the attention ran)."""
         return frozenset()
 
     @property
