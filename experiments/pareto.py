@@ -4,8 +4,9 @@ One line per method through its runs in the order of their ratios. A method is a
 options that tell its runs apart (:func:`varying_options`), in one run folder. The legend names each method once
 with its ratios as a note, ``tomesd (r 0.2-0.65)``, and FLOP-matched runs (``tomerge ablate``'s
 ``flop_speedups``, rows with a ``flop_target``) by their targets, ``sdtm (FLOP-matched 1.3x, 1.5x)``. Colour is
-the strategy; the marker is the run folder when several are drawn (one folder: the strategy); the line style
-tells apart the option values of one strategy. The Pareto front of all merged runs is a thick translucent line
+the strategy; the marker is the run folder when several are drawn (one folder: the option values of the
+strategy, so that methods of one run each stay apart); the line style tells apart the option values of one
+strategy. The Pareto front of all merged runs is a thick translucent line
 under its points, which are outlined. The baseline is a dotted line at speed-up 1 (metrics against the
 baseline's images) or a star (metrics against real images). On the measured speed-up axis a bar per run shows
 the speed-up range its timing repeats allow (:func:`timing_interval`) and runs with noisy timing are hollow.
@@ -136,7 +137,7 @@ class Method:
     name: str                   # method_name of its rows
     rows: list[dict[str, Any]]  # sorted by ratio (then run id)
     colour: str                 # per strategy
-    marker: str                 # per run folder when several are drawn, else per strategy
+    marker: str                 # per run folder when several are drawn, else per option values within the strategy
     linestyle: Any              # per option values within the strategy (a matplotlib line style)
 
 
@@ -161,7 +162,7 @@ def methods(runs: Sequence[RunData], keep: Callable[[dict[str, Any]], bool] | No
             for k, name in enumerate(variants[s]):
                 if name in grouped:
                     found.append(Method(d.name, name, sorted(grouped[name], key=lambda r: (r["ratio"], r["run"])),
-                                        f"C{i % 10}", MARKERS[(j if several else i) % len(MARKERS)],
+                                        f"C{i % 10}", MARKERS[(j if several else k) % len(MARKERS)],
                                         LINESTYLES[k % len(LINESTYLES)]))
     return found
 
