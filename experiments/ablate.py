@@ -36,7 +36,7 @@ from typing import Any
 
 import tomerge
 
-from .cli import user_input
+from .errors import user_input
 from .config import AblationConfig, ConfigError, RunSpec, config_help, load_config, valid_ratios
 from .files import output_complete
 from .generate import INDEX_FILE, GenerateSpec, generate_distributed, generate_local, item_output, prepare
@@ -118,7 +118,7 @@ def match_flop_speedups(source: Any, config: AblationConfig, runs: Sequence[RunS
     the ratios the strategy accepts with the run's options (:func:`~tomerge.experiments.config.valid_ratios`).
     It is a step function of the ratio (token counts are integers) and rises with it, so after ``steps``
     halvings the closer of the two bracketing ratios is kept. Raises
-    :class:`~tomerge.experiments.config.ConfigError` (a usage error: one message, exit code 2) when a target
+    :class:`~tomerge.experiments.errors.ConfigError` (a usage error: one message, exit code 2) when a target
     lies outside the speed-ups of the smallest and the largest accepted ratio.
     """
     if all(run.flop_target is None for run in runs):
@@ -339,6 +339,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from tomerge.experiments.cli import module_main
+    from tomerge.experiments.errors import module_main
 
     module_main("ablate", main)

@@ -43,7 +43,7 @@ from .allocator import keep_freed_memory
 from .bench_e2e import COMPILE_MODES, TOMESD_PACKAGE, WIDTHS, check_sizes, clock_function, e2e_benchmark
 from .bench_e2e import markdown_table as e2e_table
 from .bench_e2e import pivot_table
-from .cli import UsageError, user_input
+from .errors import UsageError, user_input
 from .sources import DTYPE_NAMES, torch_dtype
 
 if TYPE_CHECKING:
@@ -312,8 +312,7 @@ def model_benchmark(config_path: Path, overrides: Sequence[str], plugins: Sequen
 
 def run(args: argparse.Namespace) -> int:
     if args.e2e + args.kernels + (args.config is not None) != 1:
-        print("tomerge bench: choose one mode, --e2e, --kernels or --config FILE", file=sys.stderr)
-        return 2
+        raise UsageError("choose one mode, --e2e, --kernels or --config FILE")
     import torch
 
     if args.device is None:
@@ -332,8 +331,7 @@ def run(args: argparse.Namespace) -> int:
         table = run_table(rows)
     elif args.kernels:
         if TOMESD_PACKAGE in (args.strategies or []):
-            print("tomerge bench: the tomesd package is always in --kernels; name tomerge strategies", file=sys.stderr)
-            return 2
+            raise UsageError("the tomesd package is always in --kernels; name tomerge strategies")
         rows = kernel_benchmark(args.tokens or [1024, 4096], args.ratios or [0.25, 0.5], args.channels, args.batch,
                                 args.strategies, min_run_time=args.min_run_time, device=args.device,
                                 dtype=torch_dtype(args.dtype), clock=args.clock)
@@ -376,6 +374,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from tomerge.experiments.cli import module_main
+    from tomerge.experiments.errors import module_main
 
     module_main("bench", main)

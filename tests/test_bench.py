@@ -71,8 +71,16 @@ def test_kernels_tiny(tmp_path):
 
 
 def test_a_mode_is_required(capsys):
-    assert bench.main([]) == 2
-    assert "--e2e, --kernels or --config FILE" in capsys.readouterr().err
+    from tomerge.experiments.cli import main
+    from tomerge.experiments.errors import UsageError
+
+    with pytest.raises(UsageError, match="choose one mode, --e2e, --kernels or --config FILE"):
+        bench.main([])
+    assert main(["bench"]) == 2
+    assert capsys.readouterr().err == "tomerge bench: error: choose one mode, --e2e, --kernels or --config FILE\n"
+    assert main(["bench", "--kernels", "--strategies", "tomesd package"]) == 2
+    assert capsys.readouterr().err == ("tomerge bench: error: the tomesd package is always in --kernels; "
+                                       "name tomerge strategies\n")
 
 
 @pytest.mark.parametrize("width", ["sd3", "flux"])
