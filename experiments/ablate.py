@@ -42,7 +42,7 @@ from .files import output_complete
 from .generate import INDEX_FILE, GenerateSpec, generate_distributed, generate_local, item_output, prepare
 from .records import RunFolder, environment
 from .sources import Item
-from .speed import NOISY_SPREAD, time_alternating
+from .timing import speed_columns, time_baseline_and_merged
 
 __all__ = ["run_ablation", "match_flop_speedups", "add_arguments", "run"]
 
@@ -152,19 +152,9 @@ def match_flop_speedups(source: Any, config: AblationConfig, runs: Sequence[RunS
 
 def speed_row(source: Any, config: AblationConfig, timing_items: Sequence[Item], run: RunSpec) -> dict[str, Any]:
     """Timing batch, baseline and merged alternating: medians, spreads, per image, denoiser time, memory."""
-    base, merged = time_alternating(lambda: source.generate(timing_items), lambda: _merging(source, run),
-                                    source.denoiser, warmup=config.warmup, repeats=config.repeats)
-    n = len(timing_items)
-    spread = None if base.spread is None else max(base.spread, merged.spread)
-    return {
-        "time_base_s": base.median, "time_s": merged.median, "speedup": base.median / merged.median,
-        "time_per_image_s": merged.median / n, "time_per_image_base_s": base.median / n,
-        "denoiser_time_base_s": base.denoiser_median, "denoiser_time_s": merged.denoiser_median,
-        "denoiser_speedup": base.denoiser_median / merged.denoiser_median,
-        "time_spread_base": base.spread, "time_spread": merged.spread, "timing_spread": spread,
-        "timing_noisy": spread is not None and spread > NOISY_SPREAD, "timing_repeats": config.repeats,
-        "peak_memory_base_mb": base.peak_memory_mb, "peak_memory_mb": merged.peak_memory_mb,
-    }
+    base, merged = time_baseline_and_merged(lambda: source.generate(timing_items), lambda: _merging(source, run),
+                                            source.denoiser, warmup=config.warmup, repeats=config.repeats)
+    return speed_columns(base, merged, items=len(timing_items), repeats=config.repeats)
 
 
 def quality_scorer(folder: RunFolder, config: AblationConfig, baseline_files: Sequence[Path],

@@ -5,9 +5,9 @@ differs between two runs of the same code on the same machine.
 
 Left out of the comparison:
 
-* the measured timing columns of a result row (:data:`MEASURED_COLUMNS`), in ``results.jsonl``,
-  ``results.csv`` and ``table.md`` (there under their table titles, ``records.TABLE_COLUMNS``), and each
-  row's ``git_commit``;
+* the measured timing columns of a result row (``timing.MEASURED_COLUMNS``), in ``results.jsonl``,
+  ``results.csv`` and ``table.md`` (there under their table titles, ``records.TABLE_COLUMNS``, and the note
+  on noisy timings under the table), and each row's ``git_commit``;
 * in ``config.yaml``, ``out_dir`` and ``name`` (where the folder is, and what it is called);
 * files of one process: ``tomerge.lock``, ``wandb_id.txt`` and everything under ``wandb/``.
 
@@ -26,13 +26,8 @@ import json
 import sys
 from pathlib import Path
 
-#: The columns of a result row that a timing measures (they differ from run to run of the same code).
-MEASURED_COLUMNS = frozenset({
-    "time_base_s", "time_s", "speedup", "time_per_image_s", "time_per_image_base_s",
-    "denoiser_time_base_s", "denoiser_time_s", "denoiser_speedup",
-    "time_spread_base", "time_spread", "timing_spread", "timing_noisy",
-    "peak_memory_base_mb", "peak_memory_mb", "overhead_ratio",
-})
+from tomerge.experiments.timing import MEASURED_COLUMNS  # the columns a timing measures
+
 ROW_KEYS_LEFT_OUT = MEASURED_COLUMNS | {"git_commit"}
 CONFIG_KEYS_LEFT_OUT = ("out_dir", "name")
 FILES_LEFT_OUT = frozenset({"tomerge.lock", "wandb_id.txt"})
@@ -77,11 +72,19 @@ def mask_csv(data: bytes) -> list[str]:
     return [",".join(LEFT_OUT if i in left_out else cell for i, cell in enumerate(row)) for row in rows]
 
 
+NOISY_NOTE = "(noisy):"  # the start of the note under a table with a noisy timing (records.markdown_table)
+
+
 def mask_markdown_table(data: bytes) -> list[str]:
-    """Each line of ``table.md`` with the cells under a measured column's title replaced."""
+    """Each line of ``table.md`` with the cells under a measured column's title replaced, without the note on
+    noisy timings (and the blank line before it): it is there when a measured ``timing_noisy`` is."""
     titles = measured_titles()
+    text = data.decode().splitlines()
+    kept = [line for i, line in enumerate(text)
+            if not line.startswith(NOISY_NOTE) and not (line == "" and text[i + 1:i + 2] and
+                                                        text[i + 1].startswith(NOISY_NOTE))]
     lines, left_out = [], set()
-    for line in data.decode().splitlines():
+    for line in kept:
         cells = line.split("|")  # "| a | b |" -> ["", " a ", " b ", ""]
         if not left_out and any(cell.strip() in titles for cell in cells):
             left_out = {i for i, cell in enumerate(cells) if cell.strip() in titles}
