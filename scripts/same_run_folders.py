@@ -111,19 +111,19 @@ def differences(before: Path, after: Path) -> tuple[int, list[str]]:
     found += [f"only in {after}: {name}" for name in sorted(after_files - before_files)]
     both = sorted(before_files & after_files)
     for name in both:
-        old, new = (before / name).read_bytes(), (after / name).read_bytes()
-        if old == new:
+        before_bytes, after_bytes = (before / name).read_bytes(), (after / name).read_bytes()
+        if before_bytes == after_bytes:
             continue
         mask = MASKS.get(name)
         if mask is None:
-            found.append(f"{name}: the bytes differ ({len(old)} and {len(new)} bytes)")
+            found.append(f"{name}: the bytes differ ({len(before_bytes)} and {len(after_bytes)} bytes)")
             continue
-        old_lines, new_lines = mask(old), mask(new)
-        if len(old_lines) != len(new_lines):
-            found.append(f"{name}: {len(old_lines)} and {len(new_lines)} lines")
+        before_lines, after_lines = mask(before_bytes), mask(after_bytes)
+        if len(before_lines) != len(after_lines):
+            found.append(f"{name}: {len(before_lines)} and {len(after_lines)} lines")
         found += [f"{name}, line {i + 1}: {a!r} != {b!r}"
-                  for i, (a, b) in enumerate(zip(old_lines, new_lines)) if a != b]
-        if old_lines == new_lines and old.endswith(b"\n") != new.endswith(b"\n"):
+                  for i, (a, b) in enumerate(zip(before_lines, after_lines)) if a != b]
+        if before_lines == after_lines and before_bytes.endswith(b"\n") != after_bytes.endswith(b"\n"):
             found.append(f"{name}: one ends with a newline, the other does not")
     return len(both), found
 

@@ -13,7 +13,7 @@ from tomerge.experiments import errors
 
 EXPERIMENTS = Path(__file__).resolve().parents[1] / "experiments"
 
-# module -> the names it has kept from before errors.py owned them
+# module -> the names of errors.py it also holds (its own spellings of them)
 OTHER_SPELLINGS = {
     "cli": ["UserError", "UsageError", "user_input", "did_you_mean", "is_user_error", "report_errors",
             "module_main", "INTERRUPTED"],
