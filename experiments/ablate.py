@@ -36,13 +36,13 @@ from typing import Any
 
 import tomerge
 
-from .cli import user_input
+from .errors import user_input
 from .config import AblationConfig, ConfigError, RunSpec, config_help, load_config, valid_ratios
 from .files import output_complete
 from .generate import INDEX_FILE, GenerateSpec, generate_distributed, generate_local, item_output, prepare
 from .records import RunFolder, environment
 from .sources import Item
-from .speed import NOISY_SPREAD, time_alternating
+from .timing import speed_columns, time_baseline_and_merged
 
 __all__ = ["run_ablation", "match_flop_speedups", "add_arguments", "run"]
 
@@ -118,7 +118,7 @@ def match_flop_speedups(source: Any, config: AblationConfig, runs: Sequence[RunS
     the ratios the strategy accepts with the run's options (:func:`~tomerge.experiments.config.valid_ratios`).
     It is a step function of the ratio (token counts are integers) and rises with it, so after ``steps``
     halvings the closer of the two bracketing ratios is kept. Raises
-    :class:`~tomerge.experiments.config.ConfigError` (a usage error: one message, exit code 2) when a target
+    :class:`~tomerge.experiments.errors.ConfigError` (a usage error: one message, exit code 2) when a target
     lies outside the speed-ups of the smallest and the largest accepted ratio.
     """
     if all(run.flop_target is None for run in runs):
@@ -152,19 +152,9 @@ def match_flop_speedups(source: Any, config: AblationConfig, runs: Sequence[RunS
 
 def speed_row(source: Any, config: AblationConfig, timing_items: Sequence[Item], run: RunSpec) -> dict[str, Any]:
     """Timing batch, baseline and merged alternating: medians, spreads, per image, denoiser time, memory."""
-    base, merged = time_alternating(lambda: source.generate(timing_items), lambda: _merging(source, run),
-                                    source.denoiser, warmup=config.warmup, repeats=config.repeats)
-    n = len(timing_items)
-    spread = None if base.spread is None else max(base.spread, merged.spread)
-    return {
-        "time_base_s": base.median, "time_s": merged.median, "speedup": base.median / merged.median,
-        "time_per_image_s": merged.median / n, "time_per_image_base_s": base.median / n,
-        "denoiser_time_base_s": base.denoiser_median, "denoiser_time_s": merged.denoiser_median,
-        "denoiser_speedup": base.denoiser_median / merged.denoiser_median,
-        "time_spread_base": base.spread, "time_spread": merged.spread, "timing_spread": spread,
-        "timing_noisy": spread is not None and spread > NOISY_SPREAD, "timing_repeats": config.repeats,
-        "peak_memory_base_mb": base.peak_memory_mb, "peak_memory_mb": merged.peak_memory_mb,
-    }
+    base, merged = time_baseline_and_merged(lambda: source.generate(timing_items), lambda: _merging(source, run),
+                                            source.denoiser, warmup=config.warmup, repeats=config.repeats)
+    return speed_columns(base, merged, items=len(timing_items), repeats=config.repeats)
 
 
 def quality_scorer(folder: RunFolder, config: AblationConfig, baseline_files: Sequence[Path],
@@ -339,6 +329,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from tomerge.experiments.cli import module_main
+    from tomerge.experiments.errors import module_main
 
     module_main("ablate", main)

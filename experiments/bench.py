@@ -29,10 +29,8 @@ import argparse
 import csv
 import math
 import platform
-import statistics
 import sys
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -40,11 +38,12 @@ from typing import TYPE_CHECKING
 import tomerge
 
 from .allocator import keep_freed_memory
-from .bench_e2e import COMPILE_MODES, TOMESD_PACKAGE, WIDTHS, check_sizes, clock_function, e2e_benchmark
+from .bench_e2e import COMPILE_MODES, TOMESD_PACKAGE, WIDTHS, check_sizes, e2e_benchmark
 from .bench_e2e import markdown_table as e2e_table
 from .bench_e2e import pivot_table
-from .cli import UsageError, user_input
+from .errors import UsageError, user_input
 from .sources import DTYPE_NAMES, torch_dtype
+from .timing import median_ms
 
 if TYPE_CHECKING:
     import torch
@@ -66,60 +65,6 @@ class KernelRow:
     @property
     def total_ms(self) -> float:
         return self.plan_ms + self.merge_unmerge_ms
-
-
-def median_ms(fn: Callable[[], object], min_run_time: float, clock: str = "wall") -> float:
-    """Median time of ``fn`` in ms: ``torch.utils.benchmark`` blocks of calls over ``min_run_time`` seconds
-    with all of torch's threads (``clock="cpu"``: process CPU time); on CUDA (once a CUDA tensor exists),
-    the median of CUDA-event timings over ``min_run_time`` seconds.
-
-    ``blocked_autorange``, not ``adaptive_autorange``: the adaptive loop runs until the spread is small, which on
-    a busy machine it never is, and its stop check re-sorts every block so far (a sub-millisecond kernel on a
-    loaded machine kept it going for minutes).
-    """
-    import torch
-
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        return _cuda_events_ms(fn, min_run_time)
-    timer = _torch_benchmark().Timer(stmt="fn()", globals={"fn": fn}, num_threads=torch.get_num_threads(),
-                            timer=clock_function(clock))
-    return timer.blocked_autorange(min_run_time=min_run_time).median * 1e3
-
-
-def _torch_benchmark():
-    """``torch.utils.benchmark``, imported without the warning "No CUDA runtime is found, using
-    CUDA_HOME=..." that importing it prints on a CPU machine with a CUDA folder: it imports
-    ``torch.utils.cpp_extension`` (for C++ timing statements, never used here), whose import looks for
-    CUDA and logs that warning."""
-    import logging
-
-    logger = logging.getLogger("torch.utils.cpp_extension")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        from torch.utils import benchmark
-    finally:
-        logger.setLevel(level)
-    return benchmark
-
-
-def _cuda_events_ms(fn: Callable[[], object], min_run_time: float, inner: int = 10) -> float:
-    """Median over blocks of ``inner`` back-to-back calls, each block timed with CUDA events."""
-    import torch
-
-    for _ in range(3):
-        fn()
-    times: list[float] = []
-    start_all = time.perf_counter()
-    while len(times) < 5 or time.perf_counter() - start_all < min_run_time:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(inner):
-            fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / inner)
-    return statistics.median(times)
 
 
 def _tomesd_row(x: torch.Tensor, grid: tuple[int, int], ratio: float, min_run_time: float,
@@ -312,8 +257,7 @@ def model_benchmark(config_path: Path, overrides: Sequence[str], plugins: Sequen
 
 def run(args: argparse.Namespace) -> int:
     if args.e2e + args.kernels + (args.config is not None) != 1:
-        print("tomerge bench: choose one mode, --e2e, --kernels or --config FILE", file=sys.stderr)
-        return 2
+        raise UsageError("choose one mode, --e2e, --kernels or --config FILE")
     import torch
 
     if args.device is None:
@@ -332,8 +276,7 @@ def run(args: argparse.Namespace) -> int:
         table = run_table(rows)
     elif args.kernels:
         if TOMESD_PACKAGE in (args.strategies or []):
-            print("tomerge bench: the tomesd package is always in --kernels; name tomerge strategies", file=sys.stderr)
-            return 2
+            raise UsageError("the tomesd package is always in --kernels; name tomerge strategies")
         rows = kernel_benchmark(args.tokens or [1024, 4096], args.ratios or [0.25, 0.5], args.channels, args.batch,
                                 args.strategies, min_run_time=args.min_run_time, device=args.device,
                                 dtype=torch_dtype(args.dtype), clock=args.clock)
@@ -376,6 +319,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from tomerge.experiments.cli import module_main
+    from tomerge.experiments.errors import module_main
 
     module_main("bench", main)

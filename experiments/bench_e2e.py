@@ -43,14 +43,15 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
-import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import tomerge
 
-from .speed import NOISY_SPREAD, median_and_spread
+# clock_function, median_and_spread and time_once keep their bench_e2e spellings
+from .timing import NOISY_SPREAD, clock_function, median_and_spread, time_once, time_setups  # noqa: F401
 
 if TYPE_CHECKING:
     import torch
@@ -127,7 +128,7 @@ class E2ERow:
 
     @property
     def noisy(self) -> bool:
-        """The repeats disagree by more than :data:`~tomerge.experiments.speed.NOISY_SPREAD` (10%)."""
+        """The repeats disagree by more than :data:`~tomerge.experiments.timing.NOISY_SPREAD` (10%)."""
         return self.spread is not None and self.spread > NOISY_SPREAD
 
     @property
@@ -435,71 +436,17 @@ def method_ratio(method: str | None, ratio: float) -> float | None:
     return None
 
 
-def time_once(fn: Callable[[], object], threads: int, clock: str = "wall") -> float:
-    """Seconds of one call of ``fn``, after one untimed warm-up call (CUDA: two).
-
-    CPU: with ``threads`` torch threads, wall-clock time (``time.perf_counter``) or with ``clock="cpu"``
-    the process's CPU time (``time.process_time``: robust when other jobs share the cores; meaningful
-    with one thread, where it is the work done). One warm-up suffices here: the methods alternate, and
-    what a first call after a switch pays (plan caches, allocator growth) is paid by that call.
-    CUDA: CUDA events around the call, after a synchronise (the GPU time of everything ``fn`` queues).
-    """
-    import torch
-
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        fn()
-        fn()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3
-    now = clock_function(clock)
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        fn()
-        begin = now()
-        fn()
-        return now() - begin
-    finally:
-        torch.set_num_threads(previous)
-
-
-def clock_function(clock: str) -> Callable[[], float]:
-    """The CPU clock named ``clock``: ``"wall"`` (``time.perf_counter``) or ``"cpu"`` (``time.process_time``)."""
-    if clock not in ("wall", "cpu"):
-        raise ValueError(f"clock must be 'wall' or 'cpu', got {clock!r}")
-    return time.process_time if clock == "cpu" else time.perf_counter
-
-
-def time_alternating(bench: Bench, methods: Sequence[str | None], ratio: float, fn: Callable[[], object],
-                     repeats: int, warmup: int, threads: int, num_steps: int | None = None,
-                     clock: str = "wall") -> dict[str | None, tuple[float, float | None]]:
-    """Median seconds of ``fn`` per method (``None`` = baseline), methods alternating round after round,
-    with the spread of the repeats, ``(max - min) / median`` (``None`` for one repeat)."""
-    times: dict[str | None, list[float]] = {m: [] for m in methods}
-    for round_ in range(warmup + repeats):
-        for method in methods:
-            with merged(bench, method, ratio, num_steps):
-                t = time_once(fn, threads, clock)
-            if round_ >= warmup:
-                times[method].append(t)
-    return {m: median_and_spread(ts) for m, ts in times.items()}
-
-
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
 def time_compiled(bench: Bench, methods: Sequence[str | None], ratio: float, fn: Callable[[], object],
                   repeats: int, warmup: int, threads: int, num_steps: int | None, clock: str,
                   mode: str, backend: str = "inductor") -> dict[str | None, tuple[float, float | None]]:
-    """As :func:`time_alternating`, with compiled models: every method gets its own copy of the model, applied
-    once and compiled (``torch.compile(copy, mode=mode)``; a new application would have new hooks and
-    recompile), and ``max(1, warmup)`` untimed calls compile it (every step of a loop compiles what it needs).
-    Then the methods alternate round after round, each calling its own compiled copy, so slow drifts of
+    """Median seconds and spread per method, as :func:`~tomerge.experiments.timing.time_setups` gives them for
+    eager models, with compiled models: every method gets its own copy of the model, applied once and compiled
+    (``torch.compile(copy, mode=mode)``; a new application would have new hooks and recompile), and
+    ``max(1, warmup)`` untimed calls compile it (every step of a loop compiles what it needs). Then the
+    methods alternate round after round (``time_setups``), each calling its own compiled copy, so slow drifts of
     the machine hit every method alike. Dynamo's recompile limit is raised to hold every method's graphs, and
     dynamo guards on module hooks (``skip_nnmodule_hook_guards=False``): by default it does not, and the
     copies share their blocks' code with the baseline, so a merged copy would run the baseline's graphs."""
@@ -509,7 +456,6 @@ def time_compiled(bench: Bench, methods: Sequence[str | None], ratio: float, fn:
 
     raw = bench.model
     runners: dict[str | None, Any] = {}
-    times: dict[str | None, list[float]] = {m: [] for m in methods}
     torch._dynamo.reset()
     with contextlib.ExitStack() as applied, \
             torch._dynamo.config.patch(recompile_limit=max(8, 8 * len(methods)), skip_nnmodule_hook_guards=False):
@@ -521,14 +467,25 @@ def time_compiled(bench: Bench, methods: Sequence[str | None], ratio: float, fn:
                                                               backend=backend)
                 for _ in range(max(1, warmup)):
                     fn()
-            for _ in range(repeats):
-                for method in methods:
-                    bench.model = runners[method]
-                    times[method].append(time_once(fn, threads, clock))
+
+            def run_compiled(method: str | None) -> contextlib.AbstractContextManager:
+                bench.model = runners[method]
+                return contextlib.nullcontext()
+
+            seconds = time_setups({m: functools.partial(run_compiled, m) for m in methods}, fn, repeats, 0, threads,
+                                  clock)  # compiled above: no warm-up rounds
         finally:
             bench.model = raw
     torch._dynamo.reset()
-    return {m: median_and_spread(ts) for m, ts in times.items()}
+    return seconds
+
+
+def __getattr__(name: str) -> Any:
+    if name == "time_alternating":
+        raise AttributeError("tomerge.experiments.bench_e2e.time_alternating is "
+                             "tomerge.experiments.timing.time_setups({method: context, ...}, fn, repeats, warmup, "
+                             "threads, clock)")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def sdpa_backend(name: str):
@@ -590,7 +547,7 @@ def e2e_benchmark(widths: Sequence[str] = ("sd3", "pixart", "flux", "unet"), tok
         dtype, device: where the models run (``dtype`` default: float32).
         sdpa: attention backend for every call (``"default"``, ``"flash"``, ``"efficient"``, ``"cudnn"``,
             ``"math"``); on CPU ``"flash"`` is the CPU flash kernel that runs by default anyway.
-        clock: ``"wall"`` or ``"cpu"`` (process CPU time; see :func:`time_once`); CUDA always uses events.
+        clock: ``"wall"`` or ``"cpu"`` (process CPU time; see :func:`~tomerge.experiments.timing.time_once`); CUDA always uses events.
         compile_mode: time the baseline and every method compiled with inductor in this ``torch.compile`` mode
             (one of :data:`COMPILE_MODES`; see :func:`time_compiled`); ``None``: eager.
         progress: show a progress bar.
@@ -630,8 +587,8 @@ def e2e_benchmark(widths: Sequence[str] = ("sd3", "pixart", "flux", "unet"), tok
                         with merged(bench, m, ratio, num_steps):
                             flops[m] = count_flops(fn)
                     if compile_mode is None:
-                        secs = time_alternating(bench, [None, *names], ratio, fn, repeats, warmup, threads,
-                                                num_steps, clock)
+                        applied = {m: functools.partial(merged, bench, m, ratio, num_steps) for m in [None, *names]}
+                        secs = time_setups(applied, fn, repeats, warmup, threads, clock)
                     else:
                         secs = time_compiled(bench, [None, *names], ratio, fn, repeats, warmup, threads, num_steps,
                                              clock, compile_mode)

@@ -11,33 +11,21 @@ registers are valid `--strategy` choices. Subcommands find the list, in command-
 `args.plugins` (to load the same plugins in worker processes). Spell the option in full: an
 abbreviated `--plug` is accepted by argparse but loaded only after the parser is built.
 
-Errors (:func:`report_errors`): a mistake of the user's prints ``tomerge COMMAND: error: MESSAGE`` and
-exits with 2, without a traceback. That is
-
-* a :class:`UserError` anywhere: :class:`UsageError` (a bad value, a refused request),
-  ``ConfigError`` (every problem of a config, one per line), ``MissingWeightsError``, ``PluginError``;
-* a ``FileNotFoundError`` anywhere (a missing input file, folder or checkpoint);
-* an ``OSError`` of a full disk or quota anywhere (``ENOSPC``, ``EDQUOT``; the run folders' writes name
-  their file: ``files.DiskFullError``);
-* a ``ValueError``, ``TypeError`` or ``KeyError`` raised inside a :func:`user_input` block: the
-  subcommands read and check their configs and arguments in one.
-
-Anything else is a bug: its traceback is printed with a line asking to report it, exit code 1.
-Ctrl-C prints one line (what is kept, and that rerunning the same command resumes where it
-resumes), exit code 130. A reader that closes the output early (``tomerge backbones | head``) ends the
-command quietly, exit code 141 (as a shell reports SIGPIPE). ``--debug`` (before or after the subcommand) lets every exception through
-with its full traceback.
+Errors: a user's mistake prints ``tomerge COMMAND: error: MESSAGE`` (exit code 2), a bug its traceback (exit
+code 1); which errors are the user's and how each is reported is :mod:`tomerge.experiments.errors`.
+``--debug`` (before or after the subcommand) lets every exception through with its full traceback.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib
-import os
 import sys
-import traceback
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
+
+# The error classes and reporting live in errors; these names keep their cli spellings.
+from .errors import INTERRUPTED, UsageError, UserError, did_you_mean, is_user_error, \
+    module_main, report_errors, user_input  # noqa: F401
 
 SUBCOMMANDS = {
     "ablate": ("tomerge.experiments.ablate", "run a strategy x ratio grid against the unmerged baseline",
@@ -59,106 +47,10 @@ SUBCOMMANDS = {
                   "example: tomerge backbones --json"),
 }
 
-# What an interrupted command leaves behind (printed after "interrupted; ").
-INTERRUPTED = {
-    "ablate": "finished runs and images are kept, rerun the same command to resume",
-    "generate": "finished images are kept, rerun the same command to resume",
-    "search": "finished trials are kept, rerun the same command to resume",
-    "train-reference": "the last checkpoint is kept, rerun the same command with --resume to continue",
-}
-
 PLUGIN_HELP = ("import a module (my_pkg.strategies) or a .py file (path/to/my_strategy.py) first, so the "
                "strategies and backbones it registers can be used (repeatable; a file's folder is not added "
                "to sys.path)")
 DEBUG_HELP = "show the full traceback of every error (user errors are otherwise reported in one line)"
-
-
-# ------------------------------------------------------------------------------------ errors
-class UserError(Exception):
-    """An error the user fixes (a config, an argument, a file): the command line reports its message in
-    one line (no traceback) and exits with 2. ``ConfigError``, ``MissingWeightsError`` and
-    ``PluginError`` are user errors too."""
-
-
-class UsageError(UserError, ValueError):
-    """A bad value or a refused request (a ``ValueError``), e.g. an output folder holding images made
-    with other settings."""
-
-
-@contextlib.contextmanager
-def user_input() -> Iterator[None]:
-    """Marks config and argument handling: a ``ValueError``, ``TypeError`` or ``KeyError`` raised inside
-    is the user's, re-raised as :class:`UsageError` (the original chained; user errors pass unchanged).
-
-    Example:
-        >>> with user_input():                             # doctest: +SKIP
-        ...     config = load_config(args.config, args.overrides)
-    """
-    try:
-        yield
-    except UserError:
-        raise
-    except (ValueError, TypeError, KeyError) as err:
-        message = err.args[0] if isinstance(err, KeyError) and len(err.args) == 1 else str(err)
-        raise UsageError(str(message)) from err
-
-
-def did_you_mean(word: str, choices: Iterable[str], quote: Callable[[str], str] = repr) -> str:
-    """``"; did you mean 'X'?"`` for the choice closest to ``word`` (:func:`difflib.get_close_matches`),
-    ``""`` when none is close: the end of an "unknown ..." message.
-
-    Example:
-        >>> did_you_mean("per_clas", ["per_class", "seed"]), did_you_mean("zzz", ["per_class"])
-        ("; did you mean 'per_class'?", '')
-    """
-    import difflib
-
-    close = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1)
-    return f"; did you mean {quote(close[0])}?" if close else ""
-
-
-def is_user_error(err: BaseException) -> bool:
-    """Whether ``err`` is reported in one line (see the module docstring)."""
-    import errno
-
-    disk_full = isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT)
-    return isinstance(err, (UserError, FileNotFoundError)) or disk_full
-
-
-def report_errors(command: str, call: Callable[[], int], debug: bool = False) -> int:
-    """``call()``'s exit code, with errors reported as the module docstring says (``debug``: re-raised)."""
-    prog = f"tomerge {command}" if command else "tomerge"
-    try:
-        return call()
-    except KeyboardInterrupt:
-        if debug:
-            raise
-        kept = INTERRUPTED.get(command)
-        print(f"\n{prog}: interrupted{f'; {kept}' if kept else ''}", file=sys.stderr)
-        return 130
-    except BrokenPipeError:
-        if debug:
-            raise
-        with contextlib.suppress(OSError, ValueError):  # stdout to /dev/null: the exit's flush fails no more
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 141
-    except Exception as err:
-        if debug:
-            raise
-        if is_user_error(err):
-            print(f"{prog}: error: {err}", file=sys.stderr)
-            return 2
-        traceback.print_exc()
-        print(f"{prog}: internal error ({type(err).__name__}): this is a bug in tomerge or in a plugin; please "
-              "report it with the traceback above and the command line (--debug shows every traceback)",
-              file=sys.stderr)
-        return 1
-
-
-def module_main(command: str, main: Callable[[], int]) -> None:
-    """``python -m tomerge.experiments.MODULE``: ``main()`` with errors reported as by ``tomerge`` (whose
-    ``--debug`` shows the tracebacks)."""
-    sys.exit(report_errors(command, main))
 
 
 # ------------------------------------------------------------------------------------ parser

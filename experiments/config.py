@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from .cli import UsageError, did_you_mean
+from .errors import ConfigError, UsageError, UserError, did_you_mean  # noqa: F401 (config.UsageError)
 from .sources import CALL_DEFAULTS, REFERENCE_CHECKPOINT, SAME_CALL_ARGS, Item, ModelSpec
 
 CONFIG_DIR = Path(__file__).parent / "configs"
@@ -32,16 +32,6 @@ MOVED_KEYS = {
     "checkpoint": "model.reference",
     "device": "model.device",
 }
-
-
-class ConfigError(UsageError):
-    """Everything wrong with a config, one problem per line (``problems``); a ``ValueError``, reported by
-    the command line without a traceback."""
-
-    def __init__(self, problems: list[str]) -> None:
-        self.problems = list(problems)
-        lines = "\n".join(f"  - {p}" for p in self.problems)
-        super().__init__(f"the config has {len(self.problems)} problem(s):\n{lines}")
 
 
 def _unknown_strategy(strategy: Any) -> str:
@@ -228,7 +218,6 @@ class MetricsConfig:
             if value is not None and not Path(value).exists():
                 problems.append(f"metrics.{key}: {what} {value} not found (local paths only; nothing is downloaded)")
         if self.dino_model is not None and Path(self.dino_model).exists():
-            from .cli import UserError
             from .metrics import check_dino_model  # imports torch and transformers: only for a DINO folder
 
             try:

@@ -27,7 +27,7 @@ A W&B offline run directory inside a run folder (``runs/<name>/wandb/offline-run
 that run folder; standalone W&B runs are not supported (their binary logs hold no more than the
 run folder does).
 
-A broken run folder is named in one line, with what to do (:class:`~tomerge.experiments.files.DamagedFileError`):
+A broken run folder is named in one line, with what to do (:class:`~tomerge.experiments.errors.DamagedFileError`):
 a truncated or unreadable image, ``prompts.jsonl`` or merge map, a broken row of ``results.jsonl``, rows
 lacking the keys figures need (a folder of another tomerge version). An unfinished last row (a killed
 ``tomerge ablate``) is left out and missing images are left out of the grids, each with a warning.
@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from .cli import UsageError
+from .errors import UsageError
 from .files import DamagedFileError, read_jsonl
 from .records import image_grid, merge_map_rgb, other_counter_message, other_counter_runs
 

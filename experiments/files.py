@@ -34,37 +34,16 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from .cli import UserError
+from .errors import NO_SPACE, DamagedFileError, DiskFullError, FolderInUseError, UserError, \
+    is_disk_full  # noqa: F401 (files.NO_SPACE, files.UserError)
 
 LOCK_FILE = "tomerge.lock"
-NO_SPACE = frozenset({errno.ENOSPC, errno.EDQUOT})
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 PNG_END = b"\x00\x00\x00\x00IEND\xaeB`\x82"  # the IEND chunk: length 0, type, CRC; the last 12 bytes of a PNG
 _TEMP_NAME = re.compile(r"^\..+\.tmp\d+$")  # .NAME.tmpPID (atomic_path)
 
 
-class DiskFullError(UserError, OSError):
-    """No space left on the device (or the quota is used up) while writing a file (an ``OSError`` with
-    that ``errno``, whose message names the file and what to do)."""
-
-    def __str__(self) -> str:
-        return self.strerror or super().__str__()  # one line, without OSError's "[Errno 28]"
-
-
-class DamagedFileError(UserError):
-    """A file of a run folder cannot be read (truncated, not what it should be, written by another
-    version); the message says which file (and line) and what to do."""
-
-
-class FolderInUseError(UserError):
-    """Another process holds the folder's lock."""
-
-
 # ------------------------------------------------------------------------------------- writing
-def is_disk_full(err: BaseException) -> bool:
-    return isinstance(err, OSError) and err.errno in NO_SPACE
-
-
 @contextlib.contextmanager
 def writing(path: str | os.PathLike) -> Iterator[None]:
     """Turns "no space left" (and "quota exceeded") inside into a :class:`DiskFullError` naming ``path``."""
@@ -313,7 +292,7 @@ def lock_folder(folder: str | os.PathLike, command: str) -> FolderLock:
         >>> with lock_folder(folder, "tomerge ablate"):
         ...     lock_folder(folder, "tomerge ablate")            # doctest: +ELLIPSIS
         Traceback (most recent call last):
-        tomerge.experiments.files.FolderInUseError: ... is in use by tomerge ablate (pid ... on host ...); ...
+        tomerge.experiments.errors.FolderInUseError: ... is in use by tomerge ablate (pid ... on host ...); ...
     """
     folder = Path(folder)
     path = folder / LOCK_FILE

@@ -136,7 +136,7 @@ def count_denoiser_flops(denoiser: nn.Module, call: Callable[[], Any]) -> tuple[
     The counter is entered around each call of ``denoiser`` (forward hooks), so text encoders and the VAE
     are not counted and a schedule's per-step changes are.
     """
-    from .speed import DenoiserProbe
+    from .timing import DenoiserProbe
 
     counter = FlopCounter()
     depth, total = [0], [0]

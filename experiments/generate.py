@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any
 
 import tomerge
 
-from .cli import UsageError, UserError, user_input
+from .errors import RankFailedError, UsageError, UserError, user_input
 from .config import apply_override, parse_override
 from .files import append_line, atomic_path, lock_folder, output_complete, remove_temp_files, \
     repair_jsonl_tail, write_text_atomic
@@ -410,12 +410,6 @@ def __getattr__(name: str) -> Any:
 DEFAULT_TIMEOUT_S = 1800.0  # PyTorch's default process-group timeout
 
 
-class RankFailedError(UserError):
-    """A rank of a distributed generation died (killed, out of memory) or failed with a user error; the
-    other ranks were stopped. Not a bug in tomerge: the message says which rank and how, and that a rerun
-    resumes."""
-
-
 RESUME = "the images written so far are kept: rerun the same command to resume"
 
 
@@ -452,7 +446,7 @@ def _rank_failure(err: BaseException, world_size: int, rank: int, timeout: float
         raised = None
     if isinstance(raised, type) and issubclass(raised, UserError):
         return RankFailedError(f"{who}: {message}")
-    if re.match(r"(OSError|\w+Error): \[Errno (28|122)\]", last):  # ENOSPC, EDQUOT, as cli.is_user_error
+    if re.match(r"(OSError|\w+Error): \[Errno (28|122)\]", last):  # ENOSPC, EDQUOT, as errors.is_user_error
         return RankFailedError(f"{who}: {message}; {RESUME}")
     if LOST_RANK.search(last):
         return RankFailedError(f"{who}: {lost}: {_short(message)}; the other ranks were stopped; {RESUME}")
@@ -731,7 +725,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     # Run through the package module, so Lightning (ddp_spawn pickling) sees one GenerateModule class.
-    from tomerge.experiments.cli import module_main
+    from tomerge.experiments.errors import module_main
     from tomerge.experiments.generate import main as _main
 
     module_main("generate", _main)

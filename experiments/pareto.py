@@ -259,7 +259,7 @@ def _legend(ax, runs: Sequence[RunData], drawn: Sequence[Method], front: bool, s
     front, the baseline and what the timing marks mean. Returns its lines of text and entries."""
     from matplotlib.lines import Line2D
 
-    from .speed import NOISY_SPREAD
+    from .timing import NOISY_SPREAD
 
     several = len(runs) > 1
     handles: list[Any] = []

@@ -36,21 +36,12 @@ import types
 from collections.abc import Sequence
 from pathlib import Path
 
-from .cli import UserError
+from .errors import PluginError, UserError  # noqa: F401 (plugins.UserError)
 
 __all__ = ["PluginError", "load_plugins", "load_plugin", "loaded_plugins", "resolve_specs", "is_path_spec",
            "module_name_for"]
 
 _LOADED: dict[str, types.ModuleType] = {}  # resolved file path or module name -> module, in load order
-
-
-class PluginError(UserError, ImportError):
-    """A plugin could not be loaded; ``plugin`` is the spec as given (a user error: one line on the
-    command line)."""
-
-    def __init__(self, message: str, plugin: str) -> None:
-        super().__init__(message)
-        self.plugin = plugin
 
 
 def is_path_spec(spec: str) -> bool:

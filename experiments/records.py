@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from .cli import UsageError
+from .errors import UsageError
 from .config import AblationConfig
 from .files import DamagedFileError, FolderLock, append_line, lock_folder, read_jsonl, remove_temp_files, \
     repair_jsonl_tail, write_text_atomic, write_with
@@ -124,7 +124,7 @@ class RunFolder:
 
     @classmethod
     def open(cls, config: AblationConfig) -> RunFolder:
-        """Locks the folder (a second process on it gets a :class:`~tomerge.experiments.files.FolderInUseError`
+        """Locks the folder (a second process on it gets a :class:`~tomerge.experiments.errors.FolderInUseError`
         naming the first), tidies what a killed process left, checks the config and reads the rows;
         :meth:`close` releases the lock."""
         path = Path(config.out_dir) / config.name

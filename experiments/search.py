@@ -41,7 +41,7 @@ from typing import Any
 
 import yaml
 
-from .cli import UsageError, did_you_mean, user_input
+from .errors import UsageError, did_you_mean, user_input
 from .config import AblationConfig, ConfigError, RunSpec, entry_problems, load_config_sections
 from .records import BETTER, format_value
 
@@ -476,6 +476,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from tomerge.experiments.cli import module_main
+    from tomerge.experiments.errors import module_main
 
     module_main("search", main)

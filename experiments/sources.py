@@ -37,7 +37,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .cli import UsageError, did_you_mean
+from .errors import UsageError, did_you_mean
 
 if TYPE_CHECKING:
     import torch

@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tomerge.experiments.cli import user_input
+from tomerge.experiments.errors import user_input
 
 if TYPE_CHECKING:
     import torch
@@ -453,6 +453,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from tomerge.experiments.cli import module_main
+    from tomerge.experiments.errors import module_main
 
     module_main("train-reference", main)

@@ -71,8 +71,16 @@ def test_kernels_tiny(tmp_path):
 
 
 def test_a_mode_is_required(capsys):
-    assert bench.main([]) == 2
-    assert "--e2e, --kernels or --config FILE" in capsys.readouterr().err
+    from tomerge.experiments.cli import main
+    from tomerge.experiments.errors import UsageError
+
+    with pytest.raises(UsageError, match="choose one mode, --e2e, --kernels or --config FILE"):
+        bench.main([])
+    assert main(["bench"]) == 2
+    assert capsys.readouterr().err == "tomerge bench: error: choose one mode, --e2e, --kernels or --config FILE\n"
+    assert main(["bench", "--kernels", "--strategies", "tomesd package"]) == 2
+    assert capsys.readouterr().err == ("tomerge bench: error: the tomesd package is always in --kernels; "
+                                       "name tomerge strategies\n")
 
 
 @pytest.mark.parametrize("width", ["sd3", "flux"])
@@ -203,3 +211,63 @@ def test_e2e_quick_video_rows_and_refusals(tmp_path, capsys):
         bench.main(["--e2e", "--quick", "--widths", "wan", "--tokens", "100", "--frames", "3"])
     with pytest.raises(UsageError, match="perfect squares"):
         bench.main(["--e2e", "--quick", "--widths", "wan", "pixart", "--tokens", "96"])
+
+
+NEEDS_ATTENTION_PLUGIN = '''\
+from __future__ import annotations  # string annotations: dataclasses look the module up in sys.modules
+
+import dataclasses
+
+import torch
+
+import tomerge
+
+
+@tomerge.register_strategy("test_bench_most_attended")
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MostAttended(tomerge.MergeStrategy):
+    """The most attended tokens are the destinations; every other token merges into the first slot. It merges
+    the feed-forward, as IDM does: the block's attention has run by then and its received attention is recorded."""
+
+    @property
+    def default_sublayers(self):
+        return frozenset({"mlp"})
+
+    @property
+    def needs(self):
+        return frozenset({"received_attention"})
+
+    def select_destinations(self, x, ctx):
+        kept = x.shape[1] - ctx.tokens_to_remove(x.shape[1])
+        return ctx.received_attention.topk(kept, dim=1).indices.sort(dim=1).values  # [B, M]
+
+    def merge_matrix(self, x, dst, ctx):
+        B, N = x.shape[:2]
+        slot = torch.zeros(B, N, dtype=torch.long, device=x.device)  # [B, N]: sources into slot 0
+        slot.scatter_(1, dst, torch.arange(dst.shape[1], device=x.device).expand(B, -1))  # destinations: own slots
+        return tomerge.MergePlan.hard(slot, dst, backend="index")
+'''
+
+
+def test_a_plugin_strategy_with_needs_runs_end_to_end(tmp_path):
+    """bench --e2e asks MergeStrategy.needs (through tomerge.apply) and keeps no list of strategies that need
+    received attention: a plugin's strategy that needs it runs on Wan, whose adapter records it."""
+    from tomerge import registry
+    from tomerge.experiments import cli, plugins
+
+    plugin = tmp_path / "most_attended.py"
+    plugin.write_text(NEEDS_ATTENTION_PLUGIN)
+    out = tmp_path / "needs.csv"
+    registered, loaded = dict(registry._strategies._classes), dict(plugins._LOADED)
+    try:
+        assert cli.main(["bench", "--plugin", str(plugin), "--e2e", "--quick", "--widths", "wan", "--tokens", "96",
+                         "--frames", "2", "--strategies", "test_bench_most_attended", "--repeats", "1",
+                         "--out", str(out)]) == 0
+    finally:
+        for name in set(registry._strategies._classes) - set(registered):
+            del registry._strategies._classes[name]
+        for spec in set(plugins._LOADED) - set(loaded):
+            del plugins._LOADED[spec]
+    rows = _rows(out)
+    assert [(r["model"], r["method"]) for r in rows] == [("wan", "test_bench_most_attended")]
+    assert float(rows[0]["merged_gflop"]) < float(rows[0]["base_gflop"])  # it merged

@@ -31,7 +31,7 @@ RUNS = [
 # (baseline, merged) timing spreads, (max - min) / median of the repeats; None: one repeat, no bar
 SPREADS = {"tomesd-r0.5-use_rand=False": (0.02, 0.04), "ssm-r0.5": (0.04, 0.02), "sdtm-r0.5": (0.03, 0.16),
            "idm-r0.5": (0.12, 0.02), "toma-r0.5-merge_every=2": (None, None)}
-NOISY = 0.10  # speed.NOISY_SPREAD
+NOISY = 0.10  # timing.NOISY_SPREAD
 
 
 def _label(strategy: str, step: int, layer: int) -> tuple[str, float, int]:
