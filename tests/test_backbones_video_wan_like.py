@@ -17,6 +17,7 @@ import copy
 import dataclasses
 import math
 import types
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -691,6 +692,33 @@ def test_ltx2_video_to_audio_attention_reads_the_full_length_video_stream(models
     assert not torch.equal(merged.audio_sample, plain.audio_sample)  # v2a reads the merged blocks' video output
 
 
+def audio_video_trajectory(model: nn.Module, inputs: dict, blocks: list[nn.Module], streams_of: Callable,
+                           schedule: str | None = None, **options) -> tuple[list[tuple], list[list[tuple]]]:
+    """Three steps of a model whose blocks return ``(video, audio)`` (the timestep falling by 20% a step), plain or
+    under ``schedule``: the ``(sample, audio_sample)`` outputs per step, and per step and block the block's
+    ``(input streams, output streams)``, ``streams_of(args, kwargs)`` giving its input ``(video, audio)``."""
+    io: list[list[tuple]] = []  # per step, per block
+
+    def capture(module: nn.Module, args: tuple, kwargs: dict, output: tuple) -> None:
+        io[-1].append((streams_of(args, kwargs), output))
+
+    hooks = [b.register_forward_hook(capture, with_kwargs=True) for b in blocks]
+    handle = tomerge.apply(model, schedule, num_steps=3, **options) if schedule else None
+    outs = []
+    try:
+        for step in range(3):
+            io.append([])
+            with torch.no_grad():
+                out = model(**dict(inputs, timestep=inputs["timestep"] * (1 - 0.2 * step)))
+            outs.append((out.sample, out.audio_sample))
+    finally:
+        if handle:
+            handle.remove()
+        for h in hooks:
+            h.remove()
+    return outs, io
+
+
 def test_ltx2_block_cache_reuses_the_video_and_audio_streams(models):
     """The block returns ``(hidden_states, audio_hidden_states)``: interval 1 is the plain model bit for bit (video
     and audio); on a reused step (block_cache, interval 2) each block returns each stream's input plus that stream's
@@ -698,35 +726,11 @@ def test_ltx2_block_cache_reuses_the_video_and_audio_streams(models):
     model = models["ltx2"]
     inputs = ltx2_inputs(model, batch=1)
     blocks = list(model.transformer_blocks)
-    io: list[list[tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]]] = []  # per step, per block
-
-    def capture(module: nn.Module, args: tuple, kwargs: dict, output: tuple) -> None:
-        io[-1].append(((kwargs["hidden_states"], kwargs["audio_hidden_states"]), output))  # ([B, N, C], [B, Na, Ca])
-
-    def trajectory(schedule: str | None = None, **options) -> list[tuple[Tensor, Tensor]]:
-        io.clear()
-        handle = tomerge.apply(model, schedule, num_steps=3, **options) if schedule else None
-        outs = []
-        try:
-            for step in range(3):
-                io.append([])
-                with torch.no_grad():
-                    out = model(**dict(inputs, timestep=inputs["timestep"] * (1 - 0.2 * step)))
-                outs.append((out.sample, out.audio_sample))
-        finally:
-            if handle:
-                handle.remove()
-        return outs
-
-    hooks = [b.register_forward_hook(capture, with_kwargs=True) for b in blocks]
-    try:
-        base = trajectory()
-        every_step = trajectory("block_cache", interval=1)
-        outs = trajectory("block_cache", interval=2)
-        cached_io = [list(step) for step in io]
-    finally:
-        for h in hooks:
-            h.remove()
+    # the block's video [B, N, C] and audio [B, Na, Ca] inputs
+    streams = lambda args, kwargs: (kwargs["hidden_states"], kwargs["audio_hidden_states"])  # noqa: E731
+    base, _ = audio_video_trajectory(model, inputs, blocks, streams)
+    every_step, _ = audio_video_trajectory(model, inputs, blocks, streams, "block_cache", interval=1)
+    outs, cached_io = audio_video_trajectory(model, inputs, blocks, streams, "block_cache", interval=2)
     assert all(torch.equal(x, y) for step in range(3) for x, y in zip(every_step[step], base[step]))
     assert all(torch.equal(x, y) for step in (0, 2) for x, y in zip(outs[step], base[step]))
     assert all(torch.isfinite(x).all() and not torch.equal(x, y) for x, y in zip(outs[1], base[1]))
@@ -1038,34 +1042,9 @@ def test_kandinsky6_block_cache_reuses_the_video_and_audio_streams(models, audio
     model = models["kandinsky6"]
     inputs = kandinsky6_inputs(model, batch=1, audio=audio)
     blocks = list(model.visual_transformer_blocks)
-    io: list[list[tuple[tuple, tuple]]] = []
-
-    def capture(module: nn.Module, args: tuple, output: tuple) -> None:
-        io[-1].append((args[:2], output))  # ((vis, aud), (vis, aud))
-
-    def trajectory(schedule: str | None = None, **options) -> list:
-        io.clear()
-        handle = tomerge.apply(model, schedule, num_steps=3, **options) if schedule else None
-        outs = []
-        try:
-            for step in range(3):
-                io.append([])
-                with torch.no_grad():
-                    out = model(**dict(inputs, timestep=inputs["timestep"] * (1 - 0.2 * step)))
-                outs.append((out.sample, out.audio_sample))
-        finally:
-            if handle:
-                handle.remove()
-        return outs
-
-    hooks = [b.register_forward_hook(capture) for b in blocks]
-    try:
-        base = trajectory()
-        outs = trajectory("block_cache", interval=2)
-        cached_io = [list(step) for step in io]
-    finally:
-        for h in hooks:
-            h.remove()
+    streams = lambda args, kwargs: args[:2]  # noqa: E731  (vis, aud)
+    base, _ = audio_video_trajectory(model, inputs, blocks, streams)
+    outs, cached_io = audio_video_trajectory(model, inputs, blocks, streams, "block_cache", interval=2)
     same = lambda a, b: a is b is None or torch.equal(a, b)  # noqa: E731
     assert all(same(x, y) for step in (0, 2) for x, y in zip(outs[step], base[step]))
     assert not torch.equal(outs[1][0], base[1][0])
