@@ -42,7 +42,7 @@ from .files import output_complete
 from .generate import INDEX_FILE, GenerateSpec, generate_distributed, generate_local, item_output, prepare
 from .records import RunFolder, environment
 from .sources import Item
-from .timing import speed_columns, time_baseline_and_merged
+from .timing import overhead_ratio, speed_columns, time_baseline_and_merged
 
 __all__ = ["run_ablation", "match_flop_speedups", "add_arguments", "run"]
 
@@ -264,7 +264,7 @@ def _run_grid(config: AblationConfig, folder: RunFolder, progress: bool) -> RunF
             "flops_base": flops_base, **_counts(measured), "flop_speedup": flops_base / measured["flops"],
             "tokens_removed_mean": _mean_removed(measured["records"]), **quality.score(files), **env,
         }
-        row["overhead_ratio"] = row["speedup"] / row["flop_speedup"]
+        row["overhead_ratio"] = overhead_ratio(row["speedup"], row["flop_speedup"])
         folder.save_grid(run.run_id, files)
         folder.save_maps(run.run_id, measured["maps"], measured["records"], measured["grids"])
         folder.append(row)

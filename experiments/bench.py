@@ -41,9 +41,10 @@ from .allocator import keep_freed_memory
 from .bench_e2e import COMPILE_MODES, TOMESD_PACKAGE, WIDTHS, check_sizes, e2e_benchmark
 from .bench_e2e import markdown_table as e2e_table
 from .bench_e2e import pivot_table
+from .columns import format_markdown_table
 from .errors import UsageError, user_input
 from .sources import DTYPE_NAMES, torch_dtype
-from .timing import median_ms
+from .timing import median_ms, overhead_ratio
 
 if TYPE_CHECKING:
     import torch
@@ -145,12 +146,10 @@ def kernel_benchmark(tokens: Sequence[int] = (1024, 4096), ratios: Sequence[floa
 
 
 def markdown_table(rows: Sequence[KernelRow]) -> str:
-    lines = ["| N | ratio | method | backend | removed | plan ms | merge+unmerge ms | total ms |",
-             "|---:|---:|---|---|---:|---:|---:|---:|"]
-    for r in rows:
-        lines.append(f"| {r.tokens} | {r.ratio} | {r.method} | {r.backend} | {r.removed} | {r.plan_ms:.2f} | "
-                     f"{r.merge_unmerge_ms:.2f} | {r.total_ms:.2f} |")
-    return "\n".join(lines)
+    titles = ["N", "ratio", "method", "backend", "removed", "plan ms", "merge+unmerge ms", "total ms"]
+    cells = [[str(r.tokens), str(r.ratio), r.method, r.backend, str(r.removed), f"{r.plan_ms:.2f}",
+              f"{r.merge_unmerge_ms:.2f}", f"{r.total_ms:.2f}"] for r in rows]
+    return format_markdown_table(titles, cells, [True, True, False, False, True, True, True, True])
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -250,7 +249,7 @@ def model_benchmark(config_path: Path, overrides: Sequence[str], plugins: Sequen
         flops = measure(source, config, items, run, map_steps=False)["flops"]
         row = {"run": run.run_id, "ratio": run.ratio, **speed_row(source, config, items, run),
                "flops_base": flops_base, "flops": flops, "flop_speedup": flops_base / flops}
-        row["overhead_ratio"] = row["speedup"] / row["flop_speedup"]
+        row["overhead_ratio"] = overhead_ratio(row["speedup"], row["flop_speedup"])
         rows.append(row)
     return rows
 

@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING, Any
 import tomerge
 
 # clock_function, median_and_spread and time_once keep their bench_e2e spellings
+from .columns import format_markdown_table
 from .timing import NOISY_SPREAD, clock_function, median_and_spread, time_once, time_setups  # noqa: F401
 
 if TYPE_CHECKING:
@@ -604,15 +605,13 @@ def e2e_benchmark(widths: Sequence[str] = ("sd3", "pixart", "flux", "unet"), tok
 def markdown_table(rows: Sequence[E2ERow]) -> str:
     """One line per row; ``spread`` is the larger timing's (max - min) / median over the repeats, and a
     row above 10% is marked ``(noisy)``: its speed-up is not reliable."""
-    lines = ["| model | C | depth | N | text | mode | ratio | method | base ms | merged ms | speed-up | ideal | "
-             "efficiency | spread |",
-             "|---|---:|---:|---:|---:|---|---:|---|---:|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        spread = "-" if r.spread is None else f"{r.spread:.0%}" + (" (noisy)" if r.noisy else "")
-        lines.append(f"| {r.model} | {r.width} | {r.depth} | {r.tokens} | {r.text_tokens} | {r.mode} | {r.ratio} | "
-                     f"{r.method} | {r.base_ms:.1f} | {r.merged_ms:.1f} | {r.speedup:.2f} | {r.ideal:.2f} | "
-                     f"{r.efficiency:.0%} | {spread} |")
-    return "\n".join(lines)
+    titles = ["model", "C", "depth", "N", "text", "mode", "ratio", "method", "base ms", "merged ms", "speed-up",
+              "ideal", "efficiency", "spread"]
+    cells = [[r.model, str(r.width), str(r.depth), str(r.tokens), str(r.text_tokens), r.mode, str(r.ratio), r.method,
+              f"{r.base_ms:.1f}", f"{r.merged_ms:.1f}", f"{r.speedup:.2f}", f"{r.ideal:.2f}", f"{r.efficiency:.0%}",
+              "-" if r.spread is None else f"{r.spread:.0%}" + (" (noisy)" if r.noisy else "")] for r in rows]
+    numeric = [False, True, True, True, True, False, True, False, True, True, True, True, True, True]
+    return format_markdown_table(titles, cells, numeric)
 
 
 def pivot_table(rows: Sequence[E2ERow]) -> str:

@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from .columns import figure_columns, format_markdown_table, plotted_metrics
 from .errors import UsageError
 from .files import DamagedFileError, read_jsonl
 from .records import image_grid, merge_map_rgb, other_counter_message, other_counter_runs
@@ -59,21 +60,11 @@ __all__ = ["RunData", "load_run", "metric_name", "ablation_table", "schedule_fig
            "image_grid_figure", "frame_indices", "frame_strip", "frame_strip_plot", "frame_strip_figure",
            "video_merge_map_figure", "frame_quality_figure", "make_figures", "add_arguments", "run"]
 
-# metric -> (axis label, higher is better, paired with the baseline images); keys as in metrics.compute_quality
-METRICS = {"psnr": ("PSNR vs baseline (dB)", True, True), "ssim": ("SSIM vs baseline", True, True),
-           "fd_effnetlite0": ("FD-EffNetLite0 vs baseline images (lower is better)", False, True),
-           "fd_effnetlite0_ref": ("FD-EffNetLite0 vs real images (lower is better)", False, False),
-           "fid": ("FID, Inception-v3, vs real images (lower is better)", False, False),
-           "clip_score": ("CLIP score", True, False),
-           "dino_dist": ("DINO distance vs baseline images, 1 - cos of CLS (lower is better)", False, True)}
+# metric -> (axis label, higher is better, paired with the baseline images); from columns.COLUMNS
+METRICS = plotted_metrics()
 X_AXES = {"speedup": "measured speed-up (x)", "flop_speedup": "FLOP-ideal speed-up (x)"}
 # key, title, format, higher is better (None: no bold); a column appears when some row has its key
-COLUMNS = [("ratio", "ratio", "{:g}", None), ("speedup", "speed-up", "{:.2f}", True),
-           ("flop_speedup", "FLOP-ideal", "{:.2f}", True), ("overhead_ratio", "meas./ideal", "{:.2f}", None),
-           ("tokens_removed_mean", "removed", "{:.2f}", None), ("psnr", "PSNR", "{:.2f}", True),
-           ("ssim", "SSIM", "{:.3f}", True), ("fd_effnetlite0", "FD-EffNetLite0", "{:.2f}", False),
-           ("fd_effnetlite0_ref", "FD-EffNetLite0 vs ref", "{:.2f}", False), ("fid", "FID", "{:.2f}", False),
-           ("clip_score", "CLIP", "{:.2f}", True), ("dino_dist", "DINO dist", "{:.3f}", False)]
+COLUMNS = figure_columns()
 PHASE_COLOURS = {"structure": "tab:blue", "detail": "tab:orange", "protected": "tab:gray", "merge": "tab:green",
                  "skip_step": "tab:gray", "skip_block": "tab:brown", "skip": "tab:gray"}
 GRID_SELECT = {"distinct": "one image per class or prompt", "first": "the first items"}
@@ -395,10 +386,8 @@ def ablation_table(runs: Sequence[RunData], latex: bool = False) -> str:
             cells.append(text)
         body.append((r["run"] == "baseline", cells))
     if not latex:
-        align = ["---"] * (len(head) - len(columns)) + ["---:"] * len(columns)
-        lines = ["| " + " | ".join(head) + " |", "|" + "|".join(align) + "|"]
-        lines += ["| " + " | ".join(cells) + " |" for _, cells in body]
-        return "\n".join(lines) + "\n"
+        numeric = [False] * (len(head) - len(columns)) + [True] * len(columns)
+        return format_markdown_table(head, [cells for _, cells in body], numeric) + "\n"
     spec = "l" * (len(head) - len(columns)) + "r" * len(columns)
     lines = ["% requires \\usepackage{booktabs}", "\\begin{table}[t]", "\\centering", "\\small",
              f"\\begin{{tabular}}{{{spec}}}", "\\toprule", " & ".join(_escape(h) for h in head) + " \\\\", "\\midrule"]

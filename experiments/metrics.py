@@ -39,6 +39,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from .columns import FD_LABEL, quality_labels
 from .errors import MissingWeightsError, UserError  # noqa: F401 (metrics.UserError)
 
 __all__ = [
@@ -48,14 +49,7 @@ __all__ = [
     "load_image_files", "image_files", "frame_files", "expand_videos", "load_video", "ImageSetQuality",
 ]
 
-FD_LABEL = "FD-EffNetLite0"
-QUALITY_LABELS = {  # dict key -> label for tables, figures and W&B
-    "psnr": "PSNR (dB)", "ssim": "SSIM", "feat_cos_dist": "EffNetLite0 feature cosine distance",
-    "fd_effnetlite0": FD_LABEL, "fd_effnetlite0_ref": f"{FD_LABEL} vs reference",
-    "fd_effnetlite0_ref_baseline": f"{FD_LABEL} baseline vs reference", "fid": "FID (Inception-v3)",
-    "clip_score": "CLIP score", "dino_dist": "DINO distance (1 - cos of CLS embeddings) vs baseline",
-    "n_images": "images",
-}
+QUALITY_LABELS = quality_labels()  # dict key -> label for tables, figures and W&B (columns.COLUMNS)
 DINO_MODEL_TYPES = ("vit", "dinov2", "dinov2_with_registers", "dinov3_vit")  # DINO ViTs' transformers model types
 _DINO_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                       "pytorch_model.bin.index.json")

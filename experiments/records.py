@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from .columns import BETTER, format_markdown_table, table_columns
 from .errors import UsageError
 from .config import AblationConfig
 from .files import DamagedFileError, FolderLock, append_line, lock_folder, read_jsonl, remove_temp_files, \
@@ -39,18 +40,9 @@ from .files import DamagedFileError, FolderLock, append_line, lock_folder, read_
 if TYPE_CHECKING:
     from torch import Tensor
 
-# (key, title); a column is shown when some row has a value for it
-TABLE_COLUMNS = [("run", "run"), ("ratio", "ratio"), ("speedup", "speed-up"), ("flop_speedup", "FLOP-ideal"),
-                 ("overhead_ratio", "measured/ideal"), ("timing_spread", "timing spread"),
-                 ("time_per_image_s", "s/image"), ("psnr", "PSNR dB"), ("ssim", "SSIM"),
-                 ("feat_cos_dist", "EffNetLite0 cos dist"), ("fd_effnetlite0", "FD-EffNetLite0 vs baseline"),
-                 ("fd_effnetlite0_ref", "FD-EffNetLite0 vs test"), ("clip_score", "CLIP score"), ("fid", "FID"),
-                 ("dino_dist", "DINO dist (lower is better)")]
-# Which way each numeric column of a result row is better (what `tomerge search` optimises, and figures mark).
-BETTER = {"flops": "lower", "flops_per_image": "lower", "speedup": "higher", "flop_speedup": "higher",
-          "denoiser_speedup": "higher", "time_s": "lower", "time_per_image_s": "lower", "peak_memory_mb": "lower",
-          "psnr": "higher", "ssim": "higher", "feat_cos_dist": "lower", "fd_effnetlite0": "lower",
-          "fd_effnetlite0_ref": "lower", "clip_score": "higher", "fid": "lower", "dino_dist": "lower"}
+# (key, title) of table.md; a column is shown when some row has a value for it. Which way each numeric column
+# is better (what `tomerge search` optimises, and figures mark): BETTER. Both come from columns.COLUMNS.
+TABLE_COLUMNS = table_columns()
 GRID_IMAGES = 20  # images in a run's grid PNG and logged to W&B
 GRID_VIDEOS = 4  # videos in a run's grid PNG (one row of frames each) and logged to W&B
 VIDEO_FPS = 8  # frame rate of the videos logged to W&B (GIF)
@@ -296,10 +288,8 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
     """The ablation table: one row per run; a column for every key some row has. A run whose timing
     repeats disagree by more than 10% (max - min over the median) is marked ``(noisy)``."""
     columns = [(k, t) for k, t in TABLE_COLUMNS if k in ("run", "ratio") or any(r.get(k) is not None for r in rows)]
-    lines = ["| " + " | ".join(title for _, title in columns) + " |",
-             "|" + "|".join("---" if k == "run" else "---:" for k, _ in columns) + "|"]
-    for row in rows:
-        lines.append("| " + " | ".join(_cell(row, k) for k, _ in columns) + " |")
+    cells = [[_cell(row, k) for k, _ in columns] for row in rows]
+    lines = [format_markdown_table([title for _, title in columns], cells, [k != "run" for k, _ in columns])]
     if any(r.get("timing_noisy") for r in rows):
         lines.append("\n(noisy): the timing repeats of that run disagree by more than 10%; its speed-up is not "
                      "reliable (rerun with more `repeats` on a quiet machine).")

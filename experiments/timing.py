@@ -33,7 +33,8 @@ if TYPE_CHECKING:
 # torch is imported in the functions (it is loaded whenever they run), so importing this module is cheap.
 
 __all__ = ["NOISY_SPREAD", "MEASURED_COLUMNS", "Timing", "DenoiserProbe", "median_and_spread", "clock_function",
-           "time_once", "median_ms", "alternating_rounds", "time_baseline_and_merged", "time_setups", "speed_columns"]
+           "time_once", "median_ms", "alternating_rounds", "time_baseline_and_merged", "time_setups", "speed_columns",
+           "overhead_ratio"]
 
 # A timing whose repeats disagree by more than this (max - min over the median) is flagged as noisy.
 NOISY_SPREAD = 0.10
@@ -319,3 +320,14 @@ def speed_columns(base: Timing, merged: Timing, items: int, repeats: int) -> dic
         "timing_noisy": spread is not None and spread > NOISY_SPREAD, "timing_repeats": repeats,
         "peak_memory_base_mb": base.peak_memory_mb, "peak_memory_mb": merged.peak_memory_mb,
     }
+
+
+def overhead_ratio(speedup: float, flop_speedup: float) -> float:
+    """A row's ``overhead_ratio``: the measured speed-up over the FLOP-ideal one (1: merging costs nothing
+    beyond its FLOPs; below 1: planning, gathers and scatters take part of what the removed FLOPs save).
+
+    Example:
+        >>> overhead_ratio(1.5, 2.0)
+        0.75
+    """
+    return speedup / flop_speedup

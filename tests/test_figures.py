@@ -517,7 +517,9 @@ def test_grid_shows_one_image_per_prompt(tmp_path):
 def test_doctests_of_the_modules_pass():
     import doctest
 
-    for module in (figures, pareto):
+    from tomerge.experiments import columns
+
+    for module in (figures, pareto, columns):
         result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
         assert result.attempted > 0 and result.failed == 0, module.__name__
 
