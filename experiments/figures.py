@@ -51,7 +51,8 @@ import yaml
 from .columns import figure_columns, format_markdown_table, plotted_metrics
 from .errors import UsageError
 from .files import DamagedFileError, read_jsonl
-from .records import image_grid, merge_map_rgb, other_counter_message, other_counter_runs
+from .records import RESULTS, image_grid, last_rows, merge_map_rgb, other_counter_message, other_counter_runs, \
+    read_rows
 
 if TYPE_CHECKING:  # torch is imported where images are drawn: `tomerge figures --help` stays fast
     from torch import Tensor
@@ -251,11 +252,11 @@ def regenerate(path: Path) -> str:
 
 
 def _resolve(path: Path) -> Path:
-    if (path / "results.jsonl").is_file():
+    if (path / RESULTS).is_file():
         return path
     is_wandb = path.name.startswith(("offline-run-", "run-")) or any(path.glob("*.wandb"))
     for parent in list(path.parents)[:3] if is_wandb else []:
-        if (parent / "results.jsonl").is_file():
+        if (parent / RESULTS).is_file():
             return parent
     hint = ("; a W&B run directory is read only inside a run folder, standalone W&B runs are not supported"
             if is_wandb else "")
@@ -273,11 +274,7 @@ def load_run(path: str | Path, runs: Sequence[str] | None = None) -> RunData:
     import warnings
 
     path = _resolve(Path(path))
-    latest: dict[str, dict[str, Any]] = {}
-    fix = "fix or delete that line (`tomerge ablate` then redoes its run)"
-    for row in read_jsonl(path / "results.jsonl", fix, required=("run",))[0]:
-        latest[row["run"]] = row
-    rows = [r for r in latest.values()
+    rows = [r for r in last_rows(read_rows(path))
             if r["run"] == "baseline" or not runs or any(fnmatch.fnmatch(r["run"], p) for p in runs)]
     rows.sort(key=lambda r: r["run"] != "baseline")  # stable: baseline first, then file order
     _check_keys(path, rows)

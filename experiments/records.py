@@ -106,6 +106,26 @@ RESULTS = "results.jsonl"
 FIX_ROW = "fix or delete that line (`tomerge ablate` then redoes its run)"
 
 
+def read_rows(path: Path) -> list[dict[str, Any]]:
+    """Every row of the run folder's ``results.jsonl``, in file order: a broken row is a
+    :class:`~tomerge.experiments.errors.DamagedFileError` naming its line and :data:`FIX_ROW`; an unfinished last
+    row (a killed process) is left out with a warning."""
+    return read_jsonl(path / RESULTS, FIX_ROW, required=("run",))[0]
+
+
+def last_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The last row of each run id, in the order the run ids first appear.
+
+    Example:
+        >>> [r["x"] for r in last_rows([{"run": "a", "x": 1}, {"run": "b", "x": 2}, {"run": "a", "x": 3}])]
+        [3, 2]
+    """
+    latest: dict[str, dict[str, Any]] = {}
+    for row in rows:
+        latest[row["run"]] = row
+    return list(latest.values())
+
+
 @dataclasses.dataclass
 class RunFolder:
     """The files of one ablation (see the module docstring)."""
@@ -153,7 +173,7 @@ class RunFolder:
         rows = []
         results = path / RESULTS
         if results.exists():
-            rows, _ = read_jsonl(results, FIX_ROW, required=("run",))
+            rows = read_rows(path)
             repair_jsonl_tail(results)  # an unfinished last row (warned about) goes: the next row starts a line
         return current_counts(rows, path)
 
@@ -171,6 +191,10 @@ class RunFolder:
 
     def baseline_row(self) -> dict[str, Any]:
         return next(r for r in self.rows if r["run"] == "baseline")
+
+    def last_row(self, run_id: str) -> dict[str, Any]:
+        """The run's last row (:func:`last_rows`' rule)."""
+        return next(r for r in reversed(self.rows) if r["run"] == run_id)
 
     def append(self, row: dict[str, Any]) -> None:
         """Appends a row whole, fsynced (a full disk: a one-line error, and the file as it was)."""

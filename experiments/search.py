@@ -297,7 +297,7 @@ def _run_trial(config: AblationConfig, run: RunSpec) -> dict[str, Any]:
     from .ablate import run_ablation
 
     folder = run_ablation(dataclasses.replace(config, grid=grid_of([run])), progress=False)
-    return next(r for r in reversed(folder.rows) if r["run"] == run.run_id)
+    return folder.last_row(run.run_id)
 
 
 def _values(row: dict[str, Any], space: SearchSpace) -> list[float]:
