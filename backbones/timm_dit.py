@@ -423,9 +423,9 @@ def load_dit(path: str | os.PathLike, config: DiTConfig | None = None, map_locat
 
     Example:
         The bundled reference model, ``experiments/reference/dit_reference.safetensors`` (installed with
-        the package; its path is ``tomerge.experiments.sources.REFERENCE_CHECKPOINT``):
+        the package; its path is ``tomerge.experiments.sources.models.REFERENCE_CHECKPOINT``):
 
-        >>> from tomerge.experiments.sources import REFERENCE_CHECKPOINT
+        >>> from tomerge.experiments.sources.models import REFERENCE_CHECKPOINT
         >>> model = load_dit(REFERENCE_CHECKPOINT)
         >>> model.config.num_classes, model.config.image_hw
         (10, (32, 32))

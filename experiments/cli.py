@@ -1,5 +1,5 @@
-"""The `tomerge` command line. Each subcommand lives in its own module with `add_arguments(parser)`
-and `run(args) -> exit code`; this file only wires them together.
+"""The `tomerge` command line. Each subcommand is a file of :mod:`tomerge.experiments.commands` with
+`add_arguments(parser)` and `run(args) -> exit code`; this file only wires them together.
 
 Start-up: only the module of the subcommand being run is imported (``tomerge --help`` imports none),
 and the subcommand modules import torch, diffusers, Lightning and the like in the functions that
@@ -28,22 +28,22 @@ from .errors import INTERRUPTED, UsageError, UserError, did_you_mean, is_user_er
     module_main, report_errors, user_input  # noqa: F401
 
 SUBCOMMANDS = {
-    "ablate": ("tomerge.experiments.ablate", "run a strategy x ratio grid against the unmerged baseline",
+    "ablate": ("tomerge.experiments.commands.ablate", "run a strategy x ratio grid against the unmerged baseline",
                "example: tomerge ablate --set per_class=2 --set name=quick --wandb disabled"),
-    "generate": ("tomerge.experiments.generate",
+    "generate": ("tomerge.experiments.commands.generate",
                  "images for a class list or a prompt set with a chosen strategy (one process or Lightning DDP)",
                  "example: tomerge generate --classes 0 1 2 --per-class 100 --strategy tomesd --ratio 0.5 "
                  "--out runs/gen/tomesd"),
-    "figures": ("tomerge.experiments.figures", "paper figures and tables from run folders (never runs a model)",
+    "figures": ("tomerge.experiments.commands.figures", "paper figures and tables from run folders (never runs a model)",
                 "example: tomerge figures runs/reference --out figures/reference"),
-    "bench": ("tomerge.experiments.bench", "speed benchmarks",
+    "bench": ("tomerge.experiments.commands.bench", "speed benchmarks",
               "example: tomerge bench --kernels --tokens 1024 4096 --ratios 0.25 0.5"),
-    "search": ("tomerge.experiments.search",
+    "search": ("tomerge.experiments.commands.search",
                "multi-objective search over strategies, ratios and options (Optuna); the Pareto front, held out",
                "example: tomerge search --config experiments/configs/search.yaml --set search.trials=10"),
-    "train-reference": ("tomerge.experiments.train_reference", "train the bundled reference DiT",
+    "train-reference": ("tomerge.experiments.commands.train_reference", "train the bundled reference DiT",
                         "example: tomerge train-reference --max-steps 4000 --out-dir checkpoints/reference"),
-    "backbones": ("tomerge.experiments.coverage", "which diffusers model classes tomerge merges, with which strategies",
+    "backbones": ("tomerge.experiments.commands.backbones", "which diffusers model classes tomerge merges, with which strategies",
                   "example: tomerge backbones --json"),
 }
 

@@ -1,6 +1,6 @@
 """Which method is best at equal speed-up: each strategy's metric interpolated at given speed-ups.
 
-For every strategy of the run folders (read with ``tomerge.experiments.figures.load_run``), its runs are
+For every strategy of the run folders (read with ``tomerge.experiments.figures.plots.load_run``), its runs are
 sorted by speed-up (``--x``: ``flop_speedup``, exact, or the measured ``speedup``) and the metric is
 interpolated linearly between the two runs that bracket each ``--at`` value; a strategy whose runs do not span
 a value has no entry there (no extrapolation, and the baseline is not a point of the curves). Runs of one
@@ -17,13 +17,13 @@ import argparse
 from collections import defaultdict
 from pathlib import Path
 
-from tomerge.experiments.figures import METRICS, load_run
-from tomerge.experiments.pareto import method_name, varying_options
+from tomerge.experiments.figures.plots import METRICS, load_run
+from tomerge.experiments.figures.pareto import method_name, varying_options
 
 
 def curves(folders: list[Path], x: str, metric: str) -> dict[str, list[tuple[float, float]]]:
     """``{curve name: [(speed-up, metric), ...]}`` sorted by speed-up, one curve per strategy and value of the
-    options that vary between its runs (:func:`~tomerge.experiments.pareto.method_name`). The baseline is
+    options that vary between its runs (:func:`~tomerge.experiments.figures.pareto.method_name`). The baseline is
     not a point of the curves: quality falls steeply with the first merged tokens, so a line from the baseline
     to the first run would flatter every method below its smallest ratio."""
     rows = [r for folder in folders for r in load_run(folder).merged]

@@ -1,7 +1,7 @@
 """Where a merged forward's time goes, eager and compiled: the SD3 table of docs/benchmarks.md ("Compiled
 (CPU)").
 
-For the baseline and each method, on its own copy of a bench model (``tomerge.experiments.bench_e2e.build``),
+For the baseline and each method, on its own copy of a bench model (``tomerge.experiments.bench.e2e.build``),
 eager and compiled with inductor (``skip_nnmodule_hook_guards=False``, as ``tomerge bench --e2e --compile``
 does), forwards are profiled (``torch.profiler``, CPU) after warm-up calls, ``--rounds`` of them, the models
 alternating round after round. Every (op, input shapes) keeps its least self time over the rounds (see
@@ -18,7 +18,7 @@ alternating round after round. Every (op, input shapes) keeps its least self tim
   regions' and AOT wrappers' own time.
 * ``other``: the rest, including Python between ops (the forward's wall time minus the classified self times).
 
-On CPU it first lets malloc keep freed blocks, as ``tomerge bench`` does (``experiments/allocator.py``;
+On CPU it first lets malloc keep freed blocks, as ``tomerge bench`` does (``experiments/bench/allocator.py``;
 ``--no-keep-freed-memory`` turns it off): otherwise every full-length activation is page-faulted in anew, and
 that cost, a larger share of a merged forward than of the baseline, shows up in the gathers and element-wise ops.
 
@@ -40,9 +40,9 @@ import torch._dynamo
 import torch._inductor.config
 from torch.profiler import ProfilerActivity, profile
 
-from tomerge.experiments.allocator import keep_freed_memory
-from tomerge.experiments.bench_e2e import build, merged
-from tomerge.experiments.flops import count_flops
+from tomerge.experiments.bench.allocator import keep_freed_memory
+from tomerge.experiments.bench.e2e import build, merged
+from tomerge.experiments.measure.flops import count_flops
 
 MATMUL = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_dot_product_flash_attention_for_cpu",
           "aten::_scaled_dot_product_attention_math", "mkldnn::_linear_pointwise", "aten::mkldnn_rnn_layer",

@@ -26,7 +26,7 @@ import json
 import sys
 from pathlib import Path
 
-from tomerge.experiments.timing import MEASURED_COLUMNS  # the columns a timing measures
+from tomerge.experiments.measure.timing import MEASURED_COLUMNS  # the columns a timing measures
 
 ROW_KEYS_LEFT_OUT = MEASURED_COLUMNS | {"git_commit"}
 CONFIG_KEYS_LEFT_OUT = ("out_dir", "name")
@@ -37,7 +37,7 @@ LEFT_OUT = "<left out>"
 
 def measured_titles() -> frozenset[str]:
     """The table titles of :data:`MEASURED_COLUMNS` (``table.md``'s header)."""
-    from tomerge.experiments.records import TABLE_COLUMNS
+    from tomerge.experiments.runs.records import TABLE_COLUMNS
 
     return frozenset(title for key, title in TABLE_COLUMNS if key in MEASURED_COLUMNS)
 

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tomerge.experiments.ablate import run_ablation
-from tomerge.experiments.config import load_config
+from tomerge.experiments.runs.ablation import run_ablation
+from tomerge.experiments.config.schema import load_config
 from tiny_reference import write_test_set, write_tiny_dit
 
 
@@ -71,7 +71,7 @@ def test_ablation_writes_every_run_resumes_and_logs_to_wandb_offline(setup):
 def test_rows_of_another_flop_counter_are_measured_again_reusing_their_images(setup):
     """A run folder whose FLOPs an older counter made (no ``flop_counter``) is not mixed with current counts:
     on resume those runs are measured again, and their images are not regenerated."""
-    from tomerge.experiments.flops import COUNTER_VERSION
+    from tomerge.experiments.measure.flops import COUNTER_VERSION
 
     root, overrides = setup
     overrides = [*overrides, "name=recount", "grid=[{strategy: tomesd, ratios: [0.5], options: {use_rand: false}}]"]
@@ -134,7 +134,7 @@ def test_bad_config_keys_and_strategies_raise():
 def test_the_whole_grid_is_checked_before_any_work_and_every_problem_reported(tmp_path):
     """A bad ratio, a misspelled option, an unknown strategy and a bad adapter option in one grid: one error
     listing all four, raised by load_config (before the model is loaded or anything is generated)."""
-    from tomerge.experiments.config import ConfigError
+    from tomerge.experiments.config.schema import ConfigError
 
     grid = ("grid=[{strategy: tomesd, ratios: [0.5, 1.5], options: {use_rand: false}},"
             " {strategy: tomesd, ratios: [0.25], options: {use_rnd: false}},"
@@ -156,8 +156,8 @@ def test_flop_matched_cells_find_the_closest_ratio_and_resume_by_target(setup):
     """A ``flop_speedups`` entry runs at the ratio whose counted FLOP-ideal speed-up is closest to the target:
     no ratio a step either side is closer. The row records the target and the ratio found; the run id names
     the target, so a rerun finds the run done without searching again."""
-    from tomerge.experiments.ablate import match_flop_speedups, measure
-    from tomerge.experiments.config import ConfigError, RunSpec
+    from tomerge.experiments.runs.ablation import match_flop_speedups, measure
+    from tomerge.experiments.config.schema import ConfigError, RunSpec
 
     root, overrides = setup
     grid = "grid=[{strategy: ssm, flop_speedups: [1.3], options: {round_windows: 1}}]"
@@ -196,7 +196,7 @@ def test_flop_matched_cells_find_the_closest_ratio_and_resume_by_target(setup):
 
 
 def test_flop_matched_entries_are_checked_with_the_grid():
-    from tomerge.experiments.config import ConfigError
+    from tomerge.experiments.config.schema import ConfigError
 
     grid = ("grid=[{strategy: ssm, ratios: [0.5], flop_speedups: [1.5]}, {strategy: ssm, flop_speedups: [0.9, 1.5]},"
             " {strategy: ssm, flop_speedups: [1.5], options: {window: 0}}]")

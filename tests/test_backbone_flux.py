@@ -12,7 +12,7 @@ import torch
 import tomerge
 from tomerge.backbones.flux import (BatchedRotaryTable, CallLengths, DoubleAttentionPoint, FluxAdapter,
                                     gather_rotary, grid_from_ids)
-from tomerge.experiments.flops import count_flops
+from tomerge.experiments.measure.flops import count_flops
 
 
 STRATEGIES = {"tomesd": {}, "ssm": {}, "idm": {}, "facility_location": {"num_tiles": 4}}

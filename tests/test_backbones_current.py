@@ -26,7 +26,7 @@ from torch import Tensor, nn
 import tomerge
 from tomerge.backbones._declared import (BatchedComplexTable, DeclaredAdapter, DeclaredPoint, gather_key_mask,
                                          gather_rope)
-from tomerge.experiments.flops import FlopCounter
+from tomerge.experiments.measure.flops import FlopCounter
 
 
 # ---------------------------------------------------------------------- families

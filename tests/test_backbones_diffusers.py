@@ -24,7 +24,7 @@ from tomerge.backbones.dit import DiTAdapter
 from tomerge.backbones.pixart import PixArtAdapter
 from tomerge.backbones.sd3 import SD3Adapter
 from tomerge.backbones.unet import UNetAdapter, block_levels
-from tomerge.experiments.flops import count_flops
+from tomerge.experiments.measure.flops import count_flops
 
 
 STRATEGIES = ["tomesd", "ssm", "idm", "facility_location"]

@@ -400,7 +400,7 @@ FULL_LENGTH_PARTS = {"cosmos2_video2world": ("norm1", "norm2", "norm3"), "sana_v
 
 def block_flops(model: nn.Module, inputs: dict, family: Family, parts: tuple[str, ...]) -> tuple[int, int]:
     """``(parts, the rest)``: FLOPs of one call in the blocks' submodules ``parts`` and in the rest of the blocks."""
-    from tomerge.experiments.flops import FlopCounter
+    from tomerge.experiments.measure.flops import FlopCounter
 
     counter = FlopCounter()
     with counter:

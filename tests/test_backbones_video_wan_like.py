@@ -25,7 +25,7 @@ from torch import Tensor, nn
 
 import tomerge
 from tomerge.backbones._declared import DeclaredAdapter
-from tomerge.experiments.flops import FlopCounter
+from tomerge.experiments.measure.flops import FlopCounter
 from tomerge.registry import backbone_class
 from tomerge.schedule import Schedule
 from test_backbones_current import (ALL_SUBLAYERS, Family, Permute, check_batch_equals_samples,
@@ -473,7 +473,7 @@ def test_merging_runs_under_inference_mode(models, name):
 
 
 # ---------------------------------------------------------------------- every strategy on every family
-from tomerge.experiments.coverage import caches_blocks  # noqa: E402
+from tomerge.experiments.sources.coverage import caches_blocks  # noqa: E402
 
 # the merging strategies and schedules; the caching schedules have their own contract (tests/test_caching.py)
 STRATEGIES = [name for name in tomerge.registry.list_strategies() if not caches_blocks(name)]

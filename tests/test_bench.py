@@ -10,8 +10,8 @@ import torch.nn.functional as F
 
 import tomerge
 
-from tomerge.experiments import bench
-from tomerge.experiments.bench_e2e import TOMESD_PACKAGE, build
+from tomerge.experiments.bench import kernels as bench
+from tomerge.experiments.bench.e2e import TOMESD_PACKAGE, build
 
 
 def _rows(path) -> list[dict[str, str]]:
@@ -46,7 +46,7 @@ def test_e2e_quick_unet_against_the_tomesd_package(tmp_path):
 
 
 def test_e2e_sampling_loop_and_schedules():
-    from tomerge.experiments.bench_e2e import e2e_benchmark
+    from tomerge.experiments.bench.e2e import e2e_benchmark
 
     rows = e2e_benchmark(widths=["dit"], tokens=[256], ratios=[0.5], depth=1, methods=["toma", "fora"], steps=3,
                          repeats=1, quick=True, progress=False)
@@ -101,7 +101,7 @@ def test_cpu_clock_counts_work_not_waiting():
     """``--clock cpu`` times process CPU time: a sleep costs wall-clock time but (almost) no CPU time."""
     import time
 
-    from tomerge.experiments.bench_e2e import clock_function, time_once
+    from tomerge.experiments.bench.e2e import clock_function, time_once
 
     wall = time_once(lambda: time.sleep(0.05), threads=1, clock="wall")
     cpu = time_once(lambda: time.sleep(0.05), threads=1, clock="cpu")
@@ -112,7 +112,7 @@ def test_cpu_clock_counts_work_not_waiting():
 
 _MALLINFO_SCRIPT = """
 import ctypes, sys, torch
-from tomerge.experiments.allocator import keep_freed_memory
+from tomerge.experiments.bench.allocator import keep_freed_memory
 
 class MallInfo2(ctypes.Structure):  # glibc >= 2.33, malloc.h
     _fields_ = [(name, ctypes.c_size_t) for name in
@@ -152,7 +152,7 @@ def test_keep_freed_memory_keeps_large_freed_blocks_in_the_heap():
 
 
 def test_keep_freed_memory_rejects_limits_mallopt_cannot_take():
-    from tomerge.experiments.allocator import keep_freed_memory
+    from tomerge.experiments.bench.allocator import keep_freed_memory
 
     with pytest.raises(ValueError, match="limit_bytes"):
         keep_freed_memory(1 << 31)
@@ -160,7 +160,7 @@ def test_keep_freed_memory_rejects_limits_mallopt_cannot_take():
 
 # ---------------------------------------------------------------------- video widths
 def test_video_grid_factors_a_token_count_into_frames_and_a_480p_like_frame():
-    from tomerge.experiments.bench_e2e import video_grid
+    from tomerge.experiments.bench.e2e import video_grid
 
     assert video_grid(32760) == (21, 30, 52)  # 81 frames of 480 x 832 through Wan's VAE and patch (1, 2, 2)
     assert video_grid(4096) == (16, 16, 16) and video_grid(16384) == (16, 32, 32)
@@ -197,7 +197,7 @@ def test_e2e_quick_video_rows_and_refusals(tmp_path, capsys):
     rows = _rows(out)
     assert [(r["model"], r["method"], int(r["tokens"])) for r in rows] == [("wan", "tomesd", 96), ("wan", "ssm", 96)]
     assert all(float(r["ideal"]) > 1.0 and float(r["merged_ms"]) > 0 for r in rows)
-    from tomerge.experiments.bench_e2e import default_methods
+    from tomerge.experiments.bench.e2e import default_methods
 
     assert default_methods("wan") == default_methods("hunyuan_video") == list(tomerge.list_strategies())
     idm = tmp_path / "idm.csv"  # received attention: Wan's self-attention probe, HunyuanVideo's joint one
@@ -253,7 +253,8 @@ def test_a_plugin_strategy_with_needs_runs_end_to_end(tmp_path):
     """bench --e2e asks MergeStrategy.needs (through tomerge.apply) and keeps no list of strategies that need
     received attention: a plugin's strategy that needs it runs on Wan, whose adapter records it."""
     from tomerge import registry
-    from tomerge.experiments import cli, plugins
+    from tomerge.experiments import cli
+    from tomerge.experiments import plugins
 
     plugin = tmp_path / "most_attended.py"
     plugin.write_text(NEEDS_ATTENTION_PLUGIN)

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 import tomerge
-from tomerge.experiments.flops import count_denoiser_flops
+from tomerge.experiments.measure.flops import count_denoiser_flops
 from tomerge.plan import MergePlan
 from tomerge.schedule import Where
 from tomerge.strategies.cached_detail import CachedDetail

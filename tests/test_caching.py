@@ -5,7 +5,7 @@ families: interval 1 and threshold 0 are the unpatched model bit for bit and ``r
 reused block returns its input plus the residual its block returned at the last full step, exactly, for every
 token stream; the forecast is TaylorSeer's formula, rebuilt here from the captured residuals; the adaptive
 criterion follows the relative L1 changes of the first block's residual, replayed here by hand; a reused
-block costs no FLOP and the criterion's first block costs a whole block (``experiments/flops.py``); a batch
+block costs no FLOP and the criterion's first block costs a whole block (``experiments/measure/flops.py``); a batch
 equals its samples; caching composes with a merging strategy and a merging schedule; compiled trajectories
 compile once more at most and match eager; a block whose output the adapter does not describe is refused.
 """
@@ -21,7 +21,7 @@ import torch._dynamo.utils
 from torch import Tensor, nn
 
 import tomerge
-from tomerge.experiments.flops import FlopCounter, count_denoiser_flops
+from tomerge.experiments.measure.flops import FlopCounter, count_denoiser_flops
 from tomerge.schedule import Decision, Where
 from tomerge.strategies.caching import FORA, BlockCache, FirstBlockCache, TaylorSeer
 from test_compile import FailOnHostRead, build, call, inputs, times

@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from tomerge.experiments import cli
-from tomerge.experiments.config import AblationConfig, ConfigError, MetricsConfig, config_help
+from tomerge.experiments.config.schema import AblationConfig, ConfigError, MetricsConfig, config_help
 
 BAD_GRID = "grid=[{strategy: tomesd, ratios: [1.5]}]"
 
@@ -67,7 +67,7 @@ def test_value_errors_are_the_users_only_inside_user_input(monkeypatch, capsys):
         with cli.user_input():
             raise ValueError("--ratio must be below 1")
 
-    module = importlib.import_module("tomerge.experiments.bench")
+    module = importlib.import_module("tomerge.experiments.bench.kernels")
     monkeypatch.setattr(module, "run", checked)
     assert cli.main(["bench", "--kernels"]) == 2
     assert capsys.readouterr().err == "tomerge bench: error: --ratio must be below 1\n"
@@ -115,7 +115,7 @@ def test_ctrl_c_says_that_rerunning_resumes(monkeypatch, capsys):
 
 
 def test_python_dash_m_reports_errors_as_the_command_does(monkeypatch, capsys):
-    gen = importlib.import_module("tomerge.experiments.generate")
+    gen = importlib.import_module("tomerge.experiments.generation.generate")
     monkeypatch.setattr(sys, "argv", ["generate.py", "--classes", "0", "--prompts", "p.txt", "--out", "unused"])
     with pytest.raises(SystemExit) as exit_:
         cli.module_main("generate", gen.main)
@@ -148,7 +148,7 @@ def test_help_imports_no_subcommand_module_and_no_torch():
     assert seen["--help"] == [[], []]  # the top-level help builds no subcommand
     for argv, (heavy, _) in seen.items():
         assert heavy == [], argv
-    assert "tomerge.experiments.figures" not in seen["train-reference --help"][1]
+    assert "tomerge.experiments.figures.plots" not in seen["train-reference --help"][1]
 
 
 def test_ablate_help_lists_every_config_key_with_its_default(capsys):

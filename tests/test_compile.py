@@ -215,7 +215,7 @@ def test_compiled_benchmark_times_every_method_compiled():
     and the bench's model is the untouched eager module afterwards. ``aot_eager`` here; the CLI uses inductor."""
     import contextlib
 
-    from tomerge.experiments import bench_e2e
+    from tomerge.experiments.bench import e2e as bench_e2e
 
     bench = bench_e2e.build("dit", 64, depth=1, batch=2, quick=True)
     raw = bench.model

@@ -14,8 +14,8 @@ import torch
 
 from tomerge.backbones.timm_dit import DiT, DiTConfig, save_dit
 from tomerge.experiments import cli
-from tomerge.experiments.config import MOVED_KEYS, ConfigError, load_config
-from tomerge.experiments.data import write_idx
+from tomerge.experiments.config.schema import MOVED_KEYS, ConfigError, load_config
+from tomerge.experiments.sources.data import write_idx
 
 BAD_CONFIG = """\
 per_clas: 1
@@ -139,7 +139,7 @@ def test_unknown_options_outside_configs_suggest_the_closest_too():
 
 
 def test_pipeline_call_arguments_name_the_pipeline_spelling():
-    from tomerge.experiments.sources import check_call
+    from tomerge.experiments.sources.models import check_call
 
     class TinyPipeline:
         def __call__(self, prompt=None, num_inference_steps=28, guidance_scale=7.0, height=None):
@@ -154,7 +154,7 @@ def test_pipeline_call_arguments_name_the_pipeline_spelling():
 
 
 def test_prompts_keys_suggest_the_closest():
-    from tomerge.experiments.prompt_sets import PromptSet
+    from tomerge.experiments.sources.prompt_sets import PromptSet
 
     with pytest.raises(ValueError, match=r"unknown prompts key\(s\) \['templat'\]; valid keys: \[.*\] "
                                          r"\(did you mean 'template' for 'templat'\?\)"):
@@ -183,7 +183,7 @@ def images_under(folder: Path) -> list[Path]:
 
 
 def test_a_missing_data_root_stops_the_ablation_before_any_image(tiny, tmp_path):
-    from tomerge.experiments.ablate import run_ablation
+    from tomerge.experiments.runs.ablation import run_ablation
 
     root, _, overrides = tiny
     runs = tmp_path / "runs"

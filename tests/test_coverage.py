@@ -21,7 +21,7 @@ import torch
 import tomerge
 from tomerge.experiments import cli
 from tomerge.registry import backbone_class
-from tomerge.experiments.coverage import (NOT_DECLARED, NOT_MERGED, PAGE, REGENERATE, coverage, default_ratio, markdown,
+from tomerge.experiments.sources.coverage import (NOT_DECLARED, NOT_MERGED, PAGE, REGENERATE, coverage, default_ratio, markdown,
                                           model_classes)
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tomerge.experiments import metrics as M
+from tomerge.experiments.measure import metrics as M
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +78,7 @@ def test_missing_weights_name_the_option(path):
 
 
 def test_config_refuses_a_missing_or_unloadable_folder_before_any_work(tmp_path, dino_folder):
-    from tomerge.experiments.config import ConfigError, load_config
+    from tomerge.experiments.config.schema import ConfigError, load_config
 
     runs = tmp_path / "runs"
     base = [f"out_dir={runs}", "wandb=disabled"]
@@ -105,7 +105,7 @@ def test_config_refuses_a_missing_or_unloadable_folder_before_any_work(tmp_path,
 
 
 def test_video_frames_are_paired_with_the_same_frame_of_the_baseline(tmp_path, dino_folder):
-    from tomerge.experiments.generate import save_video
+    from tomerge.experiments.generation.generate import save_video
 
     g = torch.Generator().manual_seed(0)
     base = torch.rand(2, 3, 3, 28, 28, generator=g) * 2 - 1  # [videos, T, C, H, W]
@@ -127,10 +127,10 @@ def test_video_frames_are_paired_with_the_same_frame_of_the_baseline(tmp_path, d
 
 def test_ablate_records_the_dino_distance(tmp_path, dino_folder):
     from tiny_reference import write_tiny_dit
-    from tomerge.experiments import figures
-    from tomerge.experiments.ablate import run_ablation
-    from tomerge.experiments.config import load_config
-    from tomerge.experiments.records import TABLE_COLUMNS
+    from tomerge.experiments.figures import plots as figures
+    from tomerge.experiments.runs.ablation import run_ablation
+    from tomerge.experiments.config.schema import load_config
+    from tomerge.experiments.runs.records import TABLE_COLUMNS
 
     write_tiny_dit(tmp_path / "tiny.safetensors")
     overrides = [f"model.reference={tmp_path / 'tiny.safetensors'}", "model.call.num_steps=2",

@@ -17,9 +17,9 @@ from PIL import Image
 import local_pipelines
 from pipeline_ablation import ablation_overrides, block_records, item_index, result_rows, write_edits
 from pipeline_ablation import offline  # noqa: F401 (a fixture)
-from tomerge.experiments.ablate import run_ablation
-from tomerge.experiments.config import ConfigError, load_config
-from tomerge.experiments.sources import Item
+from tomerge.experiments.runs.ablation import run_ablation
+from tomerge.experiments.config.schema import ConfigError, load_config
+from tomerge.experiments.sources.models import Item
 
 pytest.importorskip("transformers", reason="the text pipelines of diffusers import transformers")
 

@@ -133,7 +133,7 @@ def run(case: Case, model: nn.Module, calls: list[dict]) -> list[Tensor]:
         return [case.output(model(**inputs)) for inputs in calls]
 
 
-from tomerge.experiments.coverage import caches_blocks  # noqa: E402  (caching schedules: tests/test_caching.py)
+from tomerge.experiments.sources.coverage import caches_blocks  # noqa: E402  (caching schedules: tests/test_caching.py)
 
 
 @pytest.mark.parametrize("name, strategy", [(name, strategy) for name in CASES for strategy in tomerge.list_strategies()

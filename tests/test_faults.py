@@ -25,10 +25,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from tomerge.experiments import ablate, cli, files
-from tomerge.experiments import generate as gen
-from tomerge.experiments.ablate import run_ablation
-from tomerge.experiments.config import load_config
+from tomerge.experiments.runs import ablation as ablate
+from tomerge.experiments import cli
+from tomerge.experiments.generation import files
+from tomerge.experiments.generation import generate as gen
+from tomerge.experiments.runs.ablation import run_ablation
+from tomerge.experiments.config.schema import load_config
 
 MERGED = "tomesd-r0.5-use_rand=False"
 # the numbers of a row that do not depend on timing
@@ -57,7 +59,7 @@ def overrides(root: Path, name: str, *extra: str) -> list[str]:
 
 
 def ablate_command(root: Path, name: str) -> list[str]:
-    return [sys.executable, "-m", "tomerge.experiments.ablate", *set_args(overrides(root, name))]
+    return [sys.executable, "-m", "tomerge.experiments.runs.ablation", *set_args(overrides(root, name))]
 
 
 def set_args(values: list[str]) -> list[str]:
@@ -237,7 +239,7 @@ def test_ablate_resumes_over_truncated_missing_images_and_a_cut_off_row(tiny):
 
 # ------------------------------------------------------------------------------------ one writer per folder
 HOLD = ("import sys, time\n"
-        "from tomerge.experiments.files import lock_folder\n"
+        "from tomerge.experiments.generation.files import lock_folder\n"
         "lock = lock_folder(sys.argv[1], sys.argv[2])\n"
         "print('locked', flush=True)\n"
         "time.sleep(600)\n")
@@ -364,7 +366,7 @@ def test_a_hanging_rank_stops_the_job_after_the_timeout(tiny, tmp_path, capsys, 
 KILL_RANK_PLUGIN = '''
 import os, signal, time
 from pathlib import Path
-from tomerge.experiments import generate as gen
+from tomerge.experiments.generation import generate as gen
 
 _real = gen.process_batch
 

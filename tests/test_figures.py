@@ -13,8 +13,9 @@ import yaml
 
 pytest.importorskip("matplotlib")
 
-from tomerge.experiments import figures, pareto  # noqa: E402
-from tomerge.experiments.flops import COUNTER_VERSION  # noqa: E402
+from tomerge.experiments.figures import plots as figures
+from tomerge.experiments.figures import pareto  # noqa: E402
+from tomerge.experiments.measure.flops import COUNTER_VERSION  # noqa: E402
 
 STEPS, LAYERS, SIDE, N_IMAGES = 10, 3, 16, 6  # 16x16 images, patch 2 -> 8x8 = 64 tokens
 # run id, strategy, ratio, options, speed-up, PSNR, FD-EffNetLite0 (vs baseline images)
@@ -59,7 +60,7 @@ def save_images(folder: Path, run: str, images: torch.Tensor, prompts: list[str]
                 labels: list[int] | None = None) -> None:
     """A run's images as ``tomerge ablate`` writes them: ``images/<run>/`` PNGs and their ``prompts.jsonl``
     (class ``labels[i]`` of item ``i``, all 0 by default)."""
-    from tomerge.experiments.generate import Item, save_image, write_index
+    from tomerge.experiments.generation.generate import Item, save_image, write_index
 
     out = folder / "images" / run
     out.mkdir(parents=True)
@@ -80,7 +81,7 @@ def make_run_folder(root: Path, name: str = "synthetic", prompts: list[str] | No
     ``prompts``, made with the ``ModelSpec(**model)`` (default: the bundled reference DiT)."""
     from safetensors.torch import save_file
 
-    from tomerge.experiments.sources import ModelSpec
+    from tomerge.experiments.sources.models import ModelSpec
 
     spreads = SPREADS if spreads is None else spreads
     row_keys = row_keys or {}
@@ -425,7 +426,7 @@ def test_title_names_the_model_metric_and_image_count(tmp_path):
     import dataclasses
     import warnings
 
-    from tomerge.experiments.sources import ModelSpec
+    from tomerge.experiments.sources.models import ModelSpec
 
     sd3 = {"kind": "pipeline", "path": "/models/sd3-medium/"}
     a, b = _folders(tmp_path, ("quick", {}), ("big", {"model": sd3}))
@@ -450,7 +451,7 @@ def test_title_names_the_model_metric_and_image_count(tmp_path):
 
 def test_the_bundled_references_are_named_by_their_token_counts():
     from tomerge.backbones.timm_dit import DIT_PRESETS
-    from tomerge.experiments.sources import BUNDLED_REFERENCE_NAMES
+    from tomerge.experiments.sources.models import BUNDLED_REFERENCE_NAMES
 
     grids = {"bundled": DIT_PRESETS["reference"].grid_hw, "bundled-1024": DIT_PRESETS["reference-1024"].grid_hw}
     assert grids == {"bundled": (16, 16), "bundled-1024": (32, 32)}
@@ -517,7 +518,7 @@ def test_grid_shows_one_image_per_prompt(tmp_path):
 def test_doctests_of_the_modules_pass():
     import doctest
 
-    from tomerge.experiments import columns
+    from tomerge.experiments.measure import columns
 
     for module in (figures, pareto, columns):
         result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)

@@ -1,4 +1,4 @@
-"""experiments/flops.py: known answers for attention (every CPU kernel, the manual softmax path, self- and
+"""experiments/measure/flops.py: known answers for attention (every CPU kernel, the manual softmax path, self- and
 joint attention with projections), a merged block at its merged lengths, and errors for unpriced ops."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import tomerge
 from tomerge.backbones.timm_dit import DiT, DiTConfig
-from tomerge.experiments.flops import UnpricedOpError, count_denoiser_flops, count_flops, moves_flops, FlopCounter
+from tomerge.experiments.measure.flops import UnpricedOpError, count_denoiser_flops, count_flops, moves_flops, FlopCounter
 
 B, H, NQ, NK, D = 2, 3, 7, 11, 8
 

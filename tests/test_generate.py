@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from tomerge.experiments import generate as gen
-from tomerge.experiments.sources import ModelSpec
+from tomerge.experiments.generation import generate as gen
+from tomerge.experiments.sources.models import ModelSpec
 
 CLASSES = [0, 1, 2]
 PER_CLASS = 2  # 6 images

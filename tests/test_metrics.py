@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from tomerge.experiments import metrics as M
+from tomerge.experiments.measure import metrics as M
 
 N_IMG = 4  # images per set in the EfficientNet tests
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from tomerge.backbones.timm_dit import DiT, DiTConfig, get_2d_sincos_pos_embed, load_dit, save_dit
-from tomerge.experiments.data import FashionMNIST, read_idx, write_idx
-from tomerge.experiments.sampling import sample
+from tomerge.experiments.sources.data import FashionMNIST, read_idx, write_idx
+from tomerge.experiments.sources.sampling import sample
 
 TINY = DiTConfig(input_size=8, patch_size=2, in_channels=1, hidden_size=32, depth=2, num_heads=2,
                  num_classes=10, class_dropout_prob=0.1, learn_sigma=False)
@@ -164,7 +164,7 @@ def test_sampler_deterministic_and_shape():
 
 def test_training_smoke_checkpoint_resume_export(tmp_path):
     pytest.importorskip("pytorch_lightning")
-    from tomerge.experiments.train_reference import main
+    from tomerge.experiments.sources.training import main
 
     data = tmp_path / "data"
     data.mkdir()
@@ -217,7 +217,7 @@ def test_fashion_mnist_at_64_keeps_the_garment_at_the_same_fraction_of_the_frame
 
 
 def test_epoch_permutations_resume_where_the_uninterrupted_order_is():
-    from tomerge.experiments.train_reference import EpochPermutations
+    from tomerge.experiments.sources.training import EpochPermutations
 
     full = EpochPermutations(10, 3, seed=5)  # 3 batches per epoch, image 9 of each permutation dropped
     uninterrupted = [b for _ in range(3) for b in full]  # 3 epochs, 9 batches
@@ -239,7 +239,7 @@ TINY_TRAIN = ["--limit-images", "8", "--batch-size", "4", "--hidden-size", "32",
 
 def test_an_interrupted_training_run_resumes_bit_identically(tmp_path):
     pytest.importorskip("pytorch_lightning")
-    from tomerge.experiments.train_reference import main
+    from tomerge.experiments.sources.training import main
 
     data = tmp_path / "data"
     data.mkdir()
@@ -260,7 +260,7 @@ def test_an_interrupted_training_run_resumes_bit_identically(tmp_path):
 
 def test_the_1024_token_preset_trains_exports_loads_and_samples(tmp_path):
     pytest.importorskip("pytorch_lightning")
-    from tomerge.experiments.train_reference import main
+    from tomerge.experiments.sources.training import main
 
     data = tmp_path / "data"
     data.mkdir()

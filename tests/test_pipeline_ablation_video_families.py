@@ -109,7 +109,7 @@ def test_a_pipeline_taking_video_length_is_a_video_pipeline(tmp_path):
     ``video_length`` (``sources.VIDEO_CALL_ARGS``), read from the folder's model_index.json without weights."""
     from diffusers import LattePipeline, MochiPipeline, PixArtAlphaPipeline
 
-    from tomerge.experiments.sources import ModelSpec, video_length_arg
+    from tomerge.experiments.sources.models import ModelSpec, video_length_arg
 
     classes = (MochiPipeline, LattePipeline, PixArtAlphaPipeline)
     assert [video_length_arg(c) for c in classes] == ["num_frames", "video_length", None]

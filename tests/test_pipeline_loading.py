@@ -11,7 +11,7 @@ import torch
 
 import local_pipelines
 import tomerge
-from tomerge.experiments.sources import Item, ModelSpec, PipelineSource, place_pipeline
+from tomerge.experiments.sources.models import Item, ModelSpec, PipelineSource, place_pipeline
 
 pytestmark = pytest.mark.filterwarnings("ignore:__array__ implementation:DeprecationWarning")
 

@@ -3,7 +3,7 @@
 Backbones run in the diffusers pipeline of their family, assembled from tiny random-weight components
 (no download: the pipelines get ``prompt_embeds`` and no tokenizer or text encoder; the VAE is a
 one-level ``AutoencoderKL`` from a config and only DiT's pipeline decodes with it). The native DiT has
-no diffusers pipeline and runs in :func:`tomerge.experiments.sampling.sample`.
+no diffusers pipeline and runs in :func:`tomerge.experiments.sources.sampling.sample`.
 
 Checked for each backbone x strategy: a 4-step generation merges and stays finite; ratio 0 and
 ``remove()`` are bit-identical to the unpatched pipeline; the step index comes from the pipeline's
@@ -193,7 +193,7 @@ def generate(backbone: str, pipe: Any, ids: tuple[int, ...] = (0,), steps: int =
     if backbone == "dit":
         images = pipe(class_labels=[3 + k for k in ids], guidance_scale=2.0, output_type="np", **common).images
         return torch.from_numpy(images)
-    from tomerge.experiments.sampling import sample
+    from tomerge.experiments.sources.sampling import sample
 
     noise = torch.stack([_randn((4, 16, 16), k) for k in ids]).to(dtype)
     return sample(model, torch.tensor([3 + k for k in ids]), num_steps=steps, cfg_scale=2.0, noise=noise)

@@ -1,4 +1,4 @@
-"""Prompt sets (experiments/prompt_sets.py): every format from files written here, auto detection,
+"""Prompt sets (experiments/sources/prompt_sets.py): every format from files written here, auto detection,
 slicing, the errors, from_config, and the module's doctests."""
 
 import doctest
@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from tomerge.experiments import prompt_sets
-from tomerge.experiments.prompt_sets import PromptSet, read_prompts
+from tomerge.experiments.sources import prompt_sets
+from tomerge.experiments.sources.prompt_sets import PromptSet, read_prompts
 
 
 def write(path, text):

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from tomerge.backbones.timm_dit import load_dit
-from tomerge.experiments.config import REFERENCE_CHECKPOINT
-from tomerge.experiments.sampling import sample
+from tomerge.experiments.config.schema import REFERENCE_CHECKPOINT
+from tomerge.experiments.sources.sampling import sample
 
 
 def border_and_roughness(images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

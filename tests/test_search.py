@@ -10,10 +10,10 @@ import yaml
 
 pytest.importorskip("optuna")
 
-from tomerge.experiments import search as search_module  # noqa: E402
-from tomerge.experiments.ablate import run_ablation  # noqa: E402
-from tomerge.experiments.config import ConfigError, load_config  # noqa: E402
-from tomerge.experiments.search import load_search, run_search  # noqa: E402
+from tomerge.experiments.runs import search as search_module  # noqa: E402
+from tomerge.experiments.runs.ablation import run_ablation  # noqa: E402
+from tomerge.experiments.config.schema import ConfigError, load_config  # noqa: E402
+from tomerge.experiments.runs.search import load_search, run_search  # noqa: E402
 from tiny_reference import write_test_set, write_tiny_dit  # noqa: E402
 
 SPACE = {
@@ -133,7 +133,7 @@ def test_ablate_refuses_a_search_config_naming_the_command(setup):
 
 
 def test_dimensions_a_list_is_a_choice_a_low_high_mapping_a_range_any_other_value_fixed():
-    from tomerge.experiments.search import Dimension
+    from tomerge.experiments.runs.search import Dimension
 
     assert Dimension.parse([1, 2], "x")[0] == Dimension("choice", (1, 2))
     assert Dimension.parse({"low": 1, "high": 4}, "x")[0] == Dimension("int", (1, 4))

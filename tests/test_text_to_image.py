@@ -19,10 +19,10 @@ import torch
 import yaml
 
 import local_pipelines
-from tomerge.experiments import generate as gen
-from tomerge.experiments.ablate import run_ablation
+from tomerge.experiments.generation import generate as gen
+from tomerge.experiments.runs.ablation import run_ablation
 from tomerge.experiments.cli import main as cli
-from tomerge.experiments.config import load_config
+from tomerge.experiments.config.schema import load_config
 
 pytestmark = pytest.mark.filterwarnings("ignore:__array__ implementation:DeprecationWarning")
 
@@ -167,7 +167,7 @@ def test_clip_score_from_a_local_clip_folder_and_wandb_captions(tmp_path):
         assert 0 <= r["clip_score"] <= 100
     assert "CLIP score" in (folder / "table.md").read_text()
 
-    from tomerge.experiments.metrics import clip_score, load_image_files
+    from tomerge.experiments.measure.metrics import clip_score, load_image_files
 
     files = [folder / "images" / "baseline" / f for f in ("00000_seed5.png", "00001_seed6.png")]
     assert written[0]["clip_score"] == pytest.approx(clip_score(load_image_files(files), PROMPTS,
@@ -197,7 +197,7 @@ def test_figures_for_a_text_to_image_run(tmp_path):
 
 def test_bad_inputs_give_clear_errors_when_the_config_is_loaded(tmp_path, capsys):
     """Before any weights are loaded: load_config checks the folder, the call arguments and the prompts."""
-    from tomerge.experiments.config import ConfigError
+    from tomerge.experiments.config.schema import ConfigError
 
     config = write_config(tmp_path, "sd", "bad")
     with pytest.raises(ConfigError, match="model.pipeline .* not a local folder"):
@@ -229,7 +229,7 @@ def test_paper_configs_load_and_every_run_attaches_to_its_family(tmp_path, paper
     """The paper protocols are ready to run: with a local folder of the right family and a prompt file of
     the configured format, the config validates and every grid cell attaches (options exist)."""
     import tomerge
-    from tomerge.experiments.config import CONFIG_DIR
+    from tomerge.experiments.config.schema import CONFIG_DIR
 
     family = PAPERS[paper]
     coco = tmp_path / "captions.json"
@@ -255,7 +255,9 @@ def test_paper_configs_load_and_every_run_attaches_to_its_family(tmp_path, paper
 def test_examples_in_the_experiment_modules_run():
     import doctest
 
-    from tomerge.experiments import config, generate, sources
+    from tomerge.experiments.config import schema as config
+    from tomerge.experiments.generation import generate
+    from tomerge.experiments.sources import models as sources
 
     for module in (config, generate, sources):
         result = doctest.testmod(module)

@@ -1,4 +1,4 @@
-"""experiments/timing.py: spreads, noisy flags, alternating rounds, a row's measured columns; the
+"""experiments/measure/timing.py: spreads, noisy flags, alternating rounds, a row's measured columns; the
 spellings of the modules it replaces."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import contextlib
 import pytest
 import torch
 
-from tomerge.experiments.timing import NOISY_SPREAD, MEASURED_COLUMNS, Timing, speed_columns, \
+from tomerge.experiments.measure.timing import NOISY_SPREAD, MEASURED_COLUMNS, Timing, speed_columns, \
     time_baseline_and_merged, time_setups
 
 
@@ -66,13 +66,14 @@ def test_the_replaced_spellings_name_timing():
     import sys
 
     sys.modules.pop("tomerge.experiments.speed", None)
-    with pytest.raises(ImportError, match=r"tomerge\.experiments\.timing.*time_baseline_and_merged"):
+    with pytest.raises(ImportError, match=r"tomerge\.experiments\.measure\.timing.*time_baseline_and_merged"):
         importlib.import_module("tomerge.experiments.speed")
-    from tomerge.experiments import bench_e2e, timing
+    from tomerge.experiments.bench import e2e as bench_e2e
+    from tomerge.experiments.measure import timing
 
-    with pytest.raises(AttributeError, match=r"tomerge\.experiments\.timing\.time_setups"):
+    with pytest.raises(AttributeError, match=r"tomerge\.experiments\.measure\.timing\.time_setups"):
         bench_e2e.time_alternating  # noqa: B018
     assert bench_e2e.time_once is timing.time_once and bench_e2e.clock_function is timing.clock_function
-    from tomerge.experiments import bench
+    from tomerge.experiments.bench import kernels as bench
 
     assert bench.median_ms is timing.median_ms

@@ -18,7 +18,7 @@ from torch import nn
 
 import tomerge
 from tomerge.context import MergeContext
-from tomerge.experiments.flops import count_denoiser_flops
+from tomerge.experiments.measure.flops import count_denoiser_flops
 from tomerge.schedule import Where
 from tomerge.strategies.toca import FreshTokens, ToCa, window_best
 from test_compile import build, call, inputs, times

@@ -16,8 +16,8 @@ import local_pipelines
 from pipeline_ablation import (SSM, TOCA, TOMESD, ablation_overrides, check_rows, grid, item_index, result_rows,
                                run_family)
 from pipeline_ablation import offline, root  # noqa: F401 (fixtures)
-from tomerge.experiments.ablate import run_ablation
-from tomerge.experiments.config import load_config
+from tomerge.experiments.runs.ablation import run_ablation
+from tomerge.experiments.config.schema import load_config
 
 # DPMSolver/Euler schedulers build numpy arrays the way numpy 2 deprecates; not ours.
 pytestmark = pytest.mark.filterwarnings("ignore:__array__ implementation:DeprecationWarning")
@@ -117,8 +117,8 @@ def test_cogvideox_pipeline_ablation(root):
 
 def test_video_metrics_pair_frames_with_the_same_frame_of_the_baseline(tmp_path):
     """Hand-made videos: only frame 1 of video 0 differs, so only that frame index loses PSNR and SSIM."""
-    from tomerge.experiments.generate import save_video
-    from tomerge.experiments.metrics import ImageSetQuality, expand_videos
+    from tomerge.experiments.generation.generate import save_video
+    from tomerge.experiments.measure.metrics import ImageSetQuality, expand_videos
 
     g = torch.Generator().manual_seed(0)
     base = torch.rand(2, 3, 3, 16, 16, generator=g) * 2 - 1  # [videos, T, C, H, W]

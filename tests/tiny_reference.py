@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from tomerge.backbones.timm_dit import DiT, DiTConfig, save_dit
-from tomerge.experiments.data import write_idx
+from tomerge.experiments.sources.data import write_idx
 
 
 def write_tiny_dit(path: Path) -> Path:

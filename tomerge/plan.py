@@ -287,7 +287,7 @@ class MergePlan:
     def _use_dense(self, x: Tensor) -> bool:
         if self.backend == "auto":
             # Index ops are measured faster on CPU (docs/benchmarks.md); dense on CUDA follows ToMA's argument
-            # (matmuls, no scatter) and is not yet measured here (experiments/bench_gpu.sh times both).
+            # (matmuls, no scatter) and is not yet measured here (experiments/bench/gpu.sh times both).
             return x.device.type == "cuda"
         return self.backend == "dense"
 

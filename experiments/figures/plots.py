@@ -8,7 +8,7 @@ each figure in every format of ``--formats`` (default PNG and PDF):
 
 * ``OUT/pareto_<metric>.png`` (and ``.pdf``, ...): speed-up (measured, or ``--x flop_speedup``) vs quality, one
   line per method through its ratios, named once in the legend, the Pareto front highlighted, the model, metric
-  and image count in the title (:mod:`~tomerge.experiments.pareto`); ``OUT/pareto.json`` names the runs on
+  and image count in the title (:mod:`~tomerge.experiments.figures.pareto`); ``OUT/pareto.json`` names the runs on
   each front.
 * ``OUT/ablation.md`` and ``OUT/ablation.tex`` (booktabs): one row per run, best merged value in bold.
 * per run folder, ``OUT/<folder>/``: ``schedules.png`` (fraction of tokens removed per step, requested
@@ -48,10 +48,10 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from .columns import figure_columns, format_markdown_table, plotted_metrics
-from .errors import UsageError
-from .files import DamagedFileError, read_jsonl
-from .records import RESULTS, image_grid, last_rows, merge_map_rgb, other_counter_message, other_counter_runs, \
+from ..measure.columns import figure_columns, format_markdown_table, plotted_metrics
+from ..errors import UsageError
+from ..generation.files import DamagedFileError, read_jsonl
+from ..runs.records import RESULTS, image_grid, last_rows, merge_map_rgb, other_counter_message, other_counter_runs, \
     read_rows
 
 if TYPE_CHECKING:  # torch is imported where images are drawn: `tomerge figures --help` stays fast
@@ -117,7 +117,7 @@ class RunData:
 
     def _load(self, files: Sequence[Path]) -> Tensor:
         """``load_image_files(files)``; a damaged file is named in a :class:`DamagedFileError`."""
-        from .metrics import load_image_files
+        from ..measure.metrics import load_image_files
 
         try:
             return load_image_files(files)
@@ -142,7 +142,7 @@ class RunData:
 
     def video(self, run: str, index: int) -> Tensor | None:
         """The frames ``[T, C, H, W]`` (float, [-1, 1]) of the run's item with this ``index``, or ``None``."""
-        from .metrics import frame_files
+        from ..measure.metrics import frame_files
 
         items = self.items(run, [index])
         folder = self.path / "images" / run / items[0]["file"] if items else None
@@ -850,7 +850,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tomerge.experiments.figures", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m tomerge.experiments.figures.plots", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
     return run(parser.parse_args(argv))

@@ -17,7 +17,7 @@ index), and treats the frames as images for the feature distances (docs/experime
 
 Example:
     >>> import torch
-    >>> from tomerge.experiments.metrics import psnr, compute_quality
+    >>> from tomerge.experiments.measure.metrics import psnr, compute_quality
     >>> a = torch.rand(4, 1, 32, 32) * 2 - 1
     >>> psnr(a, a).tolist()                                   # identical images: capped at max_db
     [100.0, 100.0, 100.0, 100.0]
@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 
 from .columns import FD_LABEL, quality_labels
-from .errors import MissingWeightsError, UserError  # noqa: F401 (metrics.UserError)
+from ..errors import MissingWeightsError, UserError  # noqa: F401 (metrics.UserError)
 
 __all__ = [
     "FD_LABEL", "QUALITY_LABELS", "MissingWeightsError", "psnr", "ssim", "FeatureExtractor",

@@ -6,12 +6,12 @@
         --set model.pipeline=/models/sd3-medium --set prompts=/data/coco/captions_val2017.json
 
 The model is the bundled reference DiT (class labels) or any diffusers pipeline folder on local disk
-(prompt sets); see :mod:`tomerge.experiments.sources`. Every run generates the same items with the
+(prompt sets); see :mod:`tomerge.experiments.sources.models`. Every run generates the same items with the
 same per-item seeds as the baseline (noise of item ``i`` from ``seed + i``), written as PNGs to
 ``runs/<name>/images/<run>/`` (resumable, optionally over several processes with Lightning DDP), and
 records: its config; speed of the timing batch's generation call, baseline and merged alternating in
 one process (median and spread of the repeats, wall-clock and denoiser time, per image); FLOPs of
-the denoiser (:mod:`tomerge.experiments.flops` around every denoiser call) and the FLOP-ideal speed-up; peak CUDA
+the denoiser (:mod:`tomerge.experiments.measure.flops` around every denoiser call) and the FLOP-ideal speed-up; peak CUDA
 memory; PSNR/SSIM and EfficientNet-Lite0 feature distance against the baseline image of the same
 item; FD-EffNetLite0 against the baseline set and against real images; CLIP score and FID when
 their local weights are given; versions and the git commit. Results are appended to
@@ -27,7 +27,6 @@ pipelines".
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import warnings
 from collections.abc import Sequence
@@ -36,15 +35,15 @@ from typing import Any
 
 import tomerge
 
-from .errors import user_input
-from .config import AblationConfig, ConfigError, RunSpec, config_help, load_config, valid_ratios
-from .files import output_complete
-from .generate import INDEX_FILE, GenerateSpec, generate_distributed, generate_local, item_output, prepare
+from ..errors import user_input
+from ..config.schema import AblationConfig, ConfigError, RunSpec, config_help, load_config, valid_ratios
+from ..generation.files import output_complete
+from ..generation.generate import INDEX_FILE, GenerateSpec, generate_distributed, generate_local, item_output, prepare
 from .records import RunFolder, environment
-from .sources import Item
-from .timing import overhead_ratio, speed_columns, time_baseline_and_merged
+from ..sources.models import Item
+from ..measure.timing import overhead_ratio, speed_columns, time_baseline_and_merged
 
-__all__ = ["run_ablation", "match_flop_speedups", "add_arguments", "run"]
+__all__ = ["run_ablation", "match_flop_speedups"]
 
 
 def _merging(source: Any, run: RunSpec):
@@ -83,7 +82,7 @@ def measure(source: Any, config: AblationConfig, timing_items: Sequence[Item], r
     """FLOPs of the denoiser for the timing batch (with the run's merging), the merge maps of its first
     image (``[N]`` slots per key, with each map's token grid in ``grids``) and every block call's decision
     record."""
-    from .flops import count_denoiser_flops
+    from ..measure.flops import count_denoiser_flops
 
     call = lambda: source.generate(timing_items)  # noqa: E731
     n = len(timing_items)
@@ -115,7 +114,7 @@ def match_flop_speedups(source: Any, config: AblationConfig, runs: Sequence[RunS
     ``items`` is closest to its target; the others as they are.
 
     The speed-up is counted (:func:`measure`; the unmerged FLOPs once) at each ratio a bisection tries, within
-    the ratios the strategy accepts with the run's options (:func:`~tomerge.experiments.config.valid_ratios`).
+    the ratios the strategy accepts with the run's options (:func:`~tomerge.experiments.config.schema.valid_ratios`).
     It is a step function of the ratio (token counts are integers) and rises with it, so after ``steps``
     halvings the closer of the two bracketing ratios is kept. Raises
     :class:`~tomerge.experiments.errors.ConfigError` (a usage error: one message, exit code 2) when a target
@@ -159,7 +158,7 @@ def speed_row(source: Any, config: AblationConfig, timing_items: Sequence[Item],
 
 def quality_scorer(folder: RunFolder, config: AblationConfig, baseline_files: Sequence[Path],
                    prompts: Sequence[str] | None):
-    """The run folder's :class:`~tomerge.experiments.metrics.ImageSetQuality`: EfficientNet-Lite0
+    """The run folder's :class:`~tomerge.experiments.measure.metrics.ImageSetQuality`: EfficientNet-Lite0
     features of the baseline images and of the real reference images are computed once
     (``features.safetensors``) and reused by every run, with the optional CLIP score, FID and DINO
     distance of ``metrics:``.
@@ -167,7 +166,7 @@ def quality_scorer(folder: RunFolder, config: AblationConfig, baseline_files: Se
     Reference images: ``metrics.reference_images`` (a folder), else for the reference DiT
     ``fd_reference_images`` Fashion-MNIST test images (0: none).
     """
-    from .metrics import FeatureExtractor, ImageSetQuality, image_files
+    from ..measure.metrics import FeatureExtractor, ImageSetQuality, image_files
 
     m = config.metrics
     cached = folder.load_tensors("features") or {}
@@ -176,7 +175,7 @@ def quality_scorer(folder: RunFolder, config: AblationConfig, baseline_files: Se
             and config.model.kind == "reference":
         from PIL import Image
 
-        from .data import FashionMNIST
+        from ..sources.data import FashionMNIST
 
         with Image.open(baseline_files[0]) as first:  # the test images at the model's resolution
             side = first.size[0]
@@ -200,7 +199,7 @@ def run_ablation(config: AblationConfig, progress: bool = True) -> RunFolder:
     """Runs (or resumes) the grid; returns the run folder with every result written.
 
     The inputs besides the config's own files (Fashion-MNIST for FD, EfficientNet-Lite0) are checked
-    first (:meth:`~tomerge.experiments.config.AblationConfig.input_problems`; a :class:`ConfigError`), so a
+    first (:meth:`~tomerge.experiments.config.schema.AblationConfig.input_problems`; a :class:`ConfigError`), so a
     missing one stops the grid before the first image."""
     problems = config.input_problems()
     if problems:
@@ -276,7 +275,7 @@ def _run_grid(config: AblationConfig, folder: RunFolder, progress: bool) -> RunF
 
 def _counts(measured: dict[str, Any]) -> dict[str, float]:
     """The FLOP and call counts of :func:`measure` that go into a result row, with the counter's version."""
-    from .flops import COUNTER_VERSION
+    from ..measure.flops import COUNTER_VERSION
 
     return {**{k: measured[k] for k in ("flops", "flops_per_image", "denoiser_calls_per_image")},
             "flop_counter": COUNTER_VERSION}
@@ -285,50 +284,3 @@ def _counts(measured: dict[str, Any]) -> dict[str, float]:
 def _mean_removed(records: Sequence) -> float:
     merged = [r.num_removed / r.num_tokens for r in records if r.num_tokens]
     return float(sum(merged) / len(merged)) if merged else 0.0
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.epilog = config_help()  # shown as written: the subcommand parsers format descriptions raw
-    parser.add_argument("--config", type=Path, default=None,
-                        help="YAML config (default: experiments/configs/ablate.yaml, the reference-model grid)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a config entry, dotted keys (model.call.height=512), YAML values (repeatable)")
-    parser.add_argument("--wandb", choices=["disabled", "offline", "online"], default=None,
-                        help="W&B mode (default: offline unless an API key is configured)")
-    parser.add_argument("--out-dir", type=Path, default=None, help="parent folder of run folders (default runs/)")
-
-
-def command_overrides(args: argparse.Namespace) -> list[str]:
-    """The ``--set`` overrides of a command line, with ``--wandb`` and ``--out-dir`` as the keys they set
-    (``tomerge ablate`` and ``tomerge search``)."""
-    overrides = list(args.overrides)
-    if args.wandb is not None:
-        overrides.append(f"wandb={args.wandb}")
-    if args.out_dir is not None:
-        overrides.append(f"out_dir={args.out_dir}")
-    return overrides
-
-
-def run(args: argparse.Namespace) -> int:
-    overrides = command_overrides(args)
-    with user_input():
-        config = load_config(args.config, overrides, plugins=list(getattr(args, "plugins", None) or []),
-                             check_inputs=True)
-    folder = run_ablation(config)
-    print()
-    print(folder.table_path.read_text())
-    print(f"results: {folder.path}/results.csv, {folder.path}/results.jsonl; images and merge maps in {folder.path}")
-    return 0
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tomerge ablate", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    from tomerge.experiments.errors import module_main
-
-    module_main("ablate", main)

@@ -13,12 +13,12 @@ written to ``OUT_DIR/dit_reference_ema.safetensors`` (+ ``.json``) while trainin
 
 Examples:
     # train (continues from OUT_DIR/last.ckpt when it exists and --resume is given)
-    python -m tomerge.experiments.train_reference --out-dir checkpoints/reference --max-steps 100000 --resume
+    python -m tomerge.experiments.sources.training --out-dir checkpoints/reference --max-steps 100000 --resume
     # export the EMA weights of the newest checkpoint (no training)
-    python -m tomerge.experiments.train_reference --out-dir checkpoints/reference \\
+    python -m tomerge.experiments.sources.training --out-dir checkpoints/reference \\
         --export checkpoints/reference/dit_reference.safetensors   # then copy it to experiments/reference/ to ship it
     # smoke test on a handful of images
-    python -m tomerge.experiments.train_reference --out-dir /tmp/ref --limit-images 64 --max-steps 5 --wandb disabled
+    python -m tomerge.experiments.sources.training --out-dir /tmp/ref --limit-images 64 --max-steps 5 --wandb disabled
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the ``train-reference`` options to ``parser`` (used by ``tomerge train-reference``)."""
     parser.add_argument("--data-root", default=None,
                         help="folder with the Fashion-MNIST IDX files (gzipped or raw) (default: where the Debian "
-                             "package dataset-fashion-mnist installs them, tomerge.experiments.data."
+                             "package dataset-fashion-mnist installs them, tomerge.experiments.sources.data."
                              "DEFAULT_FASHION_MNIST_ROOT)")
     parser.add_argument("--out-dir", default="checkpoints/reference",
                         help="checkpoints, logs and exports go here (default: %(default)s)")
@@ -372,7 +372,7 @@ def run(args: argparse.Namespace) -> int:
     from pytorch_lightning.loggers import CSVLogger
     from torch.utils.data import DataLoader
 
-    from tomerge.experiments.data import DEFAULT_FASHION_MNIST_ROOT, FashionMNIST
+    from tomerge.experiments.sources.data import DEFAULT_FASHION_MNIST_ROOT, FashionMNIST
 
     with user_input():
         config = _config_from_args(args)
@@ -443,9 +443,9 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m tomerge.experiments.train_reference",
+        prog="python -m tomerge.experiments.sources.training",
         description=__doc__.split("\n\n")[0],
-        epilog="example: python -m tomerge.experiments.train_reference --out-dir checkpoints/reference --resume",
+        epilog="example: python -m tomerge.experiments.sources.training --out-dir checkpoints/reference --resume",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_arguments(parser)

@@ -1,5 +1,5 @@
 """The one timer of the experiments: how a call is clocked, how baseline and merged alternate, and the
-measured columns of a result row (FLOPs: :mod:`tomerge.experiments.flops`).
+measured columns of a result row (FLOPs: :mod:`tomerge.experiments.measure.flops`).
 
 * Clocks: :func:`clock_function` (``"wall"``, ``time.perf_counter``; ``"cpu"``, ``time.process_time``);
   :func:`time_once`, one call after a warm-up call, with a given torch thread count (CUDA: events);

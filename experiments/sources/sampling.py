@@ -7,7 +7,7 @@ class) inputs in one forward call: ``[cond; uncond]``.
 
 Example:
     >>> from tomerge.backbones.timm_dit import load_dit
-    >>> from tomerge.experiments.sources import REFERENCE_CHECKPOINT   # the bundled reference DiT
+    >>> from tomerge.experiments.sources.models import REFERENCE_CHECKPOINT   # the bundled reference DiT
     >>> model = load_dit(REFERENCE_CHECKPOINT)                                       # doctest: +SKIP
     >>> g = torch.Generator().manual_seed(0)
     >>> images = sample(model, torch.arange(10), num_steps=20, cfg_scale=2.0, generator=g)  # doctest: +SKIP

@@ -26,7 +26,6 @@ classes. ``--plugin`` adapters and strategies count like the built-in ones.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 from collections.abc import Sequence
@@ -36,7 +35,7 @@ if TYPE_CHECKING:
     from tomerge.adapter import KindSummary
 
 __all__ = ["NOT_MERGED", "NOT_DECLARED", "PAGE", "Row", "Coverage", "model_classes", "coverage", "default_ratio",
-           "runnable_strategies", "text_table", "json_lines", "markdown", "add_arguments", "run"]
+           "runnable_strategies", "text_table", "json_lines", "markdown"]
 
 # Why a class of diffusers.models.transformers is not merged, for the classes that are no image or video
 # generator from text (or are a part of another model). A class neither here nor named by an adapter reads
@@ -268,7 +267,7 @@ def markdown(table: Coverage) -> str:
         REGENERATE,
         "```",
         "",
-        "(`tomerge backbones --json` prints the same per class as JSON; `experiments/coverage.py` says how each "
+        "(`tomerge backbones --json` prints the same per class as JSON; `experiments/sources/coverage.py` says how each "
         "column is read from the registered adapters). `tests/test_coverage.py` fails when the page is not what "
         "the command prints for the installed diffusers, or when a class merged here is no longer merged with "
         "these strategies.",
@@ -294,18 +293,3 @@ def markdown(table: Coverage) -> str:
         out += ["", "## Backbones of other models", "", "| backbone | model |", "|---|---|"]
         out += [f"| `{name}` | {why} |" for name, why in table.other_backbones]
     return "\n".join(out) + "\n"
-
-
-# ---------------------------------------------------------------------- the command
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    form = parser.add_mutually_exclusive_group()
-    form.add_argument("--json", action="store_true", help="one JSON object per class (keys class, backbone, "
-                      "strategies, reason, grid_dims, kinds, module, diffusers)")
-    form.add_argument("--markdown", action="store_true", help=f"the page {PAGE} ({REGENERATE})")
-
-
-def run(args: argparse.Namespace) -> int:
-    table = coverage()
-    print(json_lines(table) if args.json else markdown(table) if args.markdown else text_table(table),
-          end="" if args.markdown else "\n")
-    return 0

@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from .errors import NO_SPACE, DamagedFileError, DiskFullError, FolderInUseError, UserError, \
+from ..errors import NO_SPACE, DamagedFileError, DiskFullError, FolderInUseError, UserError, \
     is_disk_full  # noqa: F401 (files.NO_SPACE, files.UserError)
 
 LOCK_FILE = "tomerge.lock"

@@ -11,7 +11,7 @@ metadata ``grids`` holds each map's token grid, ``(H, W)`` or ``(T, H, W)``) and
 files alone.
 
 One process writes to a run folder at a time: :meth:`RunFolder.open` locks it (``tomerge.lock``, see
-:func:`~tomerge.experiments.files.lock_folder`) until :meth:`RunFolder.close`. Every file is written
+:func:`~tomerge.experiments.generation.files.lock_folder`) until :meth:`RunFolder.close`. Every file is written
 whole (a temporary file renamed into place) and rows are appended whole, so a process killed at any
 moment leaves finished files and rows intact; the next :meth:`RunFolder.open` removes the temporary
 files it left and drops an unfinished last row (with a warning).
@@ -31,10 +31,10 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from .columns import BETTER, format_markdown_table, table_columns
-from .errors import UsageError
-from .config import AblationConfig
-from .files import DamagedFileError, FolderLock, append_line, lock_folder, read_jsonl, remove_temp_files, \
+from ..measure.columns import BETTER, format_markdown_table, table_columns
+from ..errors import UsageError
+from ..config.schema import AblationConfig
+from ..generation.files import DamagedFileError, FolderLock, append_line, lock_folder, read_jsonl, remove_temp_files, \
     repair_jsonl_tail, write_text_atomic, write_with
 
 if TYPE_CHECKING:
@@ -87,7 +87,7 @@ def preview_grid(files: list[Path]) -> Tensor:
     folders) one row of frames each: ``[H', W', 3]`` uint8."""
     import torch
 
-    from .metrics import load_image_files, load_video
+    from ..measure.metrics import load_image_files, load_video
 
     if files and Path(files[0]).is_dir():
         videos = [load_video(f) for f in files[:GRID_VIDEOS]]  # each [T, C, H, W]
@@ -267,14 +267,14 @@ def current_counts(rows: list[dict[str, Any]], path: Path) -> list[dict[str, Any
 
 def other_counter_runs(rows: list[dict[str, Any]]) -> list[str]:
     """Runs with a row whose FLOPs another FLOP counter made (``flop_counter`` is not
-    :data:`~tomerge.experiments.flops.COUNTER_VERSION`): their FLOP-ideal speed-ups follow other rules."""
-    from .flops import COUNTER_VERSION
+    :data:`~tomerge.experiments.measure.flops.COUNTER_VERSION`): their FLOP-ideal speed-ups follow other rules."""
+    from ..measure.flops import COUNTER_VERSION
 
     return list(dict.fromkeys(r["run"] for r in rows if "flops" in r and r.get("flop_counter") != COUNTER_VERSION))
 
 
 def other_counter_message(path: Path, runs: list[str]) -> str:
-    from .flops import COUNTER_VERSION
+    from ..measure.flops import COUNTER_VERSION
 
     shown = ", ".join(runs[:3]) + (", ..." if len(runs) > 3 else "")
     return f"{path}: {len(runs)} runs ({shown}) have FLOPs of another FLOP counter (not version {COUNTER_VERSION})"
@@ -360,7 +360,7 @@ class WandbLogger:
             return
         import wandb
 
-        from .metrics import load_image_files, load_video
+        from ..measure.metrics import load_image_files, load_video
 
         payload: dict[str, Any] = {f"{row['run']}/{k}": v for k, v in row.items()
                                    if isinstance(v, (int, float)) and v is not None}

@@ -37,7 +37,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .errors import UsageError, did_you_mean
+from ..errors import UsageError, did_you_mean
 
 if TYPE_CHECKING:
     import torch
@@ -52,8 +52,8 @@ __all__ = ["Item", "ModelSpec", "BUNDLED_REFERENCES", "BUNDLED_REFERENCE_NAMES",
 # The reference models shipped with the package, by the name a config gives (`model: {reference: NAME}`):
 # the same DiT at 256 (32 x 32 images) and 1,024 image tokens (64 x 64), docs/reference-model.md.
 BUNDLED_REFERENCES = {
-    "bundled": Path(__file__).parent / "reference" / "dit_reference.safetensors",
-    "bundled-1024": Path(__file__).parent / "reference" / "dit_reference_1024.safetensors",
+    "bundled": Path(__file__).parents[1] / "reference" / "dit_reference.safetensors",
+    "bundled-1024": Path(__file__).parents[1] / "reference" / "dit_reference_1024.safetensors",
 }
 REFERENCE_CHECKPOINT = BUNDLED_REFERENCES["bundled"]
 # what figures call them (ModelSpec.display_name); the token counts are those of DIT_PRESETS "reference" and
@@ -471,7 +471,7 @@ it is a call argument, model.call.num_steps")
 
 
 class ReferenceSource:
-    """A native DiT checkpoint sampled with :func:`tomerge.experiments.sampling.sample`."""
+    """A native DiT checkpoint sampled with :func:`tomerge.experiments.sources.sampling.sample`."""
 
     conditioning = "class"
     video = False

@@ -117,7 +117,7 @@ class FlopCounter(FlopCounterMode):
             if moves_flops(name):
                 raise UnpricedOpError(
                     f"the FLOP counter has no formula for {name}, which moves FLOPs; counting it as zero would "
-                    "overstate every speed-up. Add a formula to tomerge.experiments.flops, or run the model with "
+                    "overstate every speed-up. Add a formula to tomerge.experiments.measure.flops, or run the model with "
                     "a kernel the counter prices (e.g. under torch.nn.attention.sdpa_kernel)")
         return super()._count_flops(func_packet, out, args, kwargs)
 

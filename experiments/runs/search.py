@@ -41,8 +41,8 @@ from typing import Any
 
 import yaml
 
-from .errors import UsageError, did_you_mean, user_input
-from .config import AblationConfig, ConfigError, RunSpec, entry_problems, load_config_sections
+from ..errors import UsageError, did_you_mean, user_input
+from ..config.schema import AblationConfig, ConfigError, RunSpec, entry_problems, load_config_sections
 from .records import BETTER, format_value
 
 # optuna, torch and the model are imported where they are used: `--help` needs none.
@@ -294,7 +294,7 @@ def _sampler(space: SearchSpace):
 
 def _run_trial(config: AblationConfig, run: RunSpec) -> dict[str, Any]:
     """The result row of ``run`` in the run folder: run as a one-run grid unless the folder has it."""
-    from .ablate import run_ablation
+    from .ablation import run_ablation
 
     folder = run_ablation(dataclasses.replace(config, grid=grid_of([run])), progress=False)
     return folder.last_row(run.run_id)
@@ -326,7 +326,7 @@ def run_search(config: AblationConfig, space: SearchSpace, progress: bool = True
     from optuna.trial import TrialState
     from tqdm import tqdm
 
-    from .files import lock_folder
+    from ..generation.files import lock_folder
 
     out = Path(config.out_dir) / config.name / "search"
     out.mkdir(parents=True, exist_ok=True)
@@ -363,11 +363,11 @@ def run_search(config: AblationConfig, space: SearchSpace, progress: bool = True
     front_rows = _rows_of(config, front)
     held_out_rows = None
     if held_out and space.held_out:
-        from .ablate import run_ablation
+        from .ablation import run_ablation
 
         folder = run_ablation(space.held_out_config(config, front), progress=progress)
         held_out_rows = [r for r in folder.rows if r["run"] != "baseline"]
-    from .files import write_text_atomic
+    from ..generation.files import write_text_atomic
 
     write_text_atomic(out / "front.md", front_table(front, front_rows, held_out_rows, space))
     return SearchResult(out.parent, trials, front, front_rows, held_out_rows)
@@ -402,7 +402,7 @@ def front_table(front: Sequence[RunSpec], rows: Sequence[dict[str, Any]],
 def write_front(study: Any, space: SearchSpace, config: AblationConfig, front: Sequence[RunSpec], out: Path) -> None:
     """``front.yaml`` (an ablation config of the front's runs), ``held_out.yaml`` (the same runs on the held-out
     items) and ``front.png`` / ``front.pdf`` (Optuna's Pareto-front plot of the first two objectives)."""
-    from .files import write_text_atomic
+    from ..generation.files import write_text_atomic
 
     def dump(c: AblationConfig) -> str:  # a config file that `tomerge ablate --config` reads
         return yaml.safe_dump({**c.to_dict(), "model": c.model.to_config()}, sort_keys=False)
@@ -454,7 +454,7 @@ def load_search(path: Path, overrides: list[str], plugins: list[str] | None = No
 
 
 def run(args: argparse.Namespace) -> int:
-    from .ablate import command_overrides
+    from ..commands.ablate import command_overrides
 
     with user_input():
         config, space = load_search(args.config, command_overrides(args),

@@ -48,11 +48,11 @@ from typing import TYPE_CHECKING, Any
 
 import tomerge
 
-from .errors import RankFailedError, UsageError, UserError, user_input
-from .config import apply_override, parse_override
+from ..errors import RankFailedError, UsageError, UserError, user_input
+from ..config.schema import apply_override, parse_override
 from .files import append_line, atomic_path, lock_folder, output_complete, remove_temp_files, \
     repair_jsonl_tail, write_text_atomic
-from .sources import REFERENCE_CHECKPOINT, Item, ModelSpec
+from ..sources.models import REFERENCE_CHECKPOINT, Item, ModelSpec
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -273,7 +273,7 @@ def save_video(frames: Tensor, folder: Path) -> None:
 
 def process_batch(source: Any, batch: Sequence[Item], spec: GenerateSpec, out: Path, rank: int = 0) -> int:
     """Generates a batch unless all its files (video: frame folders) exist whole; writes only the missing
-    ones (a truncated PNG counts as missing: :func:`~tomerge.experiments.files.output_complete`); returns
+    ones (a truncated PNG counts as missing: :func:`~tomerge.experiments.generation.files.output_complete`); returns
     how many."""
     import warnings
 
@@ -308,7 +308,7 @@ def tidy(out: Path) -> None:
 
 def lock_output(out: Path, command: str = "tomerge generate"):
     """Locks the output folder for this process (one writer per folder; see
-    :func:`~tomerge.experiments.files.lock_folder`) and tidies it (:func:`tidy`); returns the lock to
+    :func:`~tomerge.experiments.generation.files.lock_folder`) and tidies it (:func:`tidy`); returns the lock to
     ``release()`` (or use in ``with``)."""
     out.mkdir(parents=True, exist_ok=True)
     lock = lock_folder(out, command)
@@ -340,7 +340,7 @@ def generate_local(items: Sequence[Item], spec: GenerateSpec, out: Path, source:
 def _lightning_module_class() -> type:
     """The ``LightningModule`` for ``Trainer.predict``, defined on first use (Lightning is imported lazily).
 
-    Reachable as ``tomerge.experiments.generate.GenerateModule`` (module ``__getattr__``), so
+    Reachable as ``tomerge.experiments.generation.generate.GenerateModule`` (module ``__getattr__``), so
     ``ddp_spawn`` can pickle it.
     """
     import pytorch_lightning as pl
@@ -358,7 +358,7 @@ def _lightning_module_class() -> type:
         def setup(self, stage: str) -> None:
             import torch
 
-            from .plugins import load_plugins
+            from ..plugins import load_plugins
 
             if self.threads:
                 torch.set_num_threads(self.threads)
@@ -397,7 +397,7 @@ def _lightning_module_class() -> type:
                 dist.barrier()
 
     GenerateModule.__qualname__ = "GenerateModule"
-    GenerateModule.__module__ = "tomerge.experiments.generate"
+    GenerateModule.__module__ = "tomerge.experiments.generation.generate"
     return GenerateModule
 
 
@@ -592,7 +592,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _config_values(args: argparse.Namespace) -> dict[str, Any]:
     """Model, items, seed and batch size from ``--config`` (dotted ``--set`` keys applied), then the flags."""
-    from .config import load_config
+    from ..config.schema import load_config
 
     config_overrides = [o for o in args.options if "." in o.split("=", 1)[0]]
     if args.config is None:
@@ -651,7 +651,7 @@ def _items(args: argparse.Namespace, model: ModelSpec, config: Any) -> list[Item
         return build_items(classes, per_class, seed)
     if args.classes is not None or args.class_file is not None:
         raise UsageError("a text-to-image pipeline takes --prompts, not class ids")
-    from .config import AblationConfig
+    from ..config.schema import AblationConfig
 
     keys = {"prompts": args.prompts, "num_prompts": args.num_prompts, "prompt_offset": args.prompt_offset,
             "images_per_prompt": args.images_per_prompt, "seed": args.seed}
@@ -717,7 +717,7 @@ def _first_process() -> bool:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tomerge.experiments.generate", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m tomerge.experiments.generation.generate", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
     return run(parser.parse_args(argv))
@@ -726,6 +726,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 if __name__ == "__main__":
     # Run through the package module, so Lightning (ddp_spawn pickling) sees one GenerateModule class.
     from tomerge.experiments.errors import module_main
-    from tomerge.experiments.generate import main as _main
+    from tomerge.experiments.generation.generate import main as _main
 
     module_main("generate", _main)

@@ -8,7 +8,7 @@ every strategy/schedule (and the ``tomesd`` package on a UNet), measured and FLO
 Per (model, token count, ratio): one transformer forward (``--steps K``: also a ``K``-step Euler
 sampling loop) is timed with ``torch.utils.benchmark`` for the baseline and for every method,
 alternating in one process (round after round: baseline, method 1, method 2, ...), median over
-``--repeats`` rounds after ``--warmup`` untimed ones. FLOPs come from :mod:`tomerge.experiments.flops`
+``--repeats`` rounds after ``--warmup`` untimed ones. FLOPs come from :mod:`tomerge.experiments.measure.flops`
 (every attention kernel priced; plan computation, e.g. similarity matmuls, is counted in the merged FLOPs). Reported: ``speedup = t_base / t_merged``, ``ideal = flops_base / flops_merged``
 and ``efficiency = speedup / ideal`` (the share of the FLOP saving that survives the merge overhead).
 
@@ -51,8 +51,8 @@ from typing import TYPE_CHECKING, Any
 import tomerge
 
 # clock_function, median_and_spread and time_once keep their bench_e2e spellings
-from .columns import format_markdown_table
-from .timing import NOISY_SPREAD, clock_function, median_and_spread, time_once, time_setups  # noqa: F401
+from ..measure.columns import format_markdown_table
+from ..measure.timing import NOISY_SPREAD, clock_function, median_and_spread, time_once, time_setups  # noqa: F401
 
 if TYPE_CHECKING:
     import torch
@@ -129,7 +129,7 @@ class E2ERow:
 
     @property
     def noisy(self) -> bool:
-        """The repeats disagree by more than :data:`~tomerge.experiments.timing.NOISY_SPREAD` (10%)."""
+        """The repeats disagree by more than :data:`~tomerge.experiments.measure.timing.NOISY_SPREAD` (10%)."""
         return self.spread is not None and self.spread > NOISY_SPREAD
 
     @property
@@ -430,7 +430,7 @@ def merged(bench: Bench, method: str | None, ratio: float, num_steps: int | None
 def method_ratio(method: str | None, ratio: float) -> float | None:
     """The ratio ``method`` runs at: ``ratio``, except for a caching schedule, which runs at its own defaults
     without a merging strategy (``None``: it merges nothing; its rows say ratio 0)."""
-    from tomerge.experiments.coverage import caches_blocks
+    from tomerge.experiments.sources.coverage import caches_blocks
 
     if method is None or method == TOMESD_PACKAGE or not caches_blocks(method):
         return ratio
@@ -443,7 +443,7 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-
 def time_compiled(bench: Bench, methods: Sequence[str | None], ratio: float, fn: Callable[[], object],
                   repeats: int, warmup: int, threads: int, num_steps: int | None, clock: str,
                   mode: str, backend: str = "inductor") -> dict[str | None, tuple[float, float | None]]:
-    """Median seconds and spread per method, as :func:`~tomerge.experiments.timing.time_setups` gives them for
+    """Median seconds and spread per method, as :func:`~tomerge.experiments.measure.timing.time_setups` gives them for
     eager models, with compiled models: every method gets its own copy of the model, applied once and compiled
     (``torch.compile(copy, mode=mode)``; a new application would have new hooks and recompile), and
     ``max(1, warmup)`` untimed calls compile it (every step of a loop compiles what it needs). Then the
@@ -483,8 +483,8 @@ def time_compiled(bench: Bench, methods: Sequence[str | None], ratio: float, fn:
 
 def __getattr__(name: str) -> Any:
     if name == "time_alternating":
-        raise AttributeError("tomerge.experiments.bench_e2e.time_alternating is "
-                             "tomerge.experiments.timing.time_setups({method: context, ...}, fn, repeats, warmup, "
+        raise AttributeError("tomerge.experiments.bench.e2e.time_alternating is "
+                             "tomerge.experiments.measure.timing.time_setups({method: context, ...}, fn, repeats, warmup, "
                              "threads, clock)")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
@@ -548,7 +548,7 @@ def e2e_benchmark(widths: Sequence[str] = ("sd3", "pixart", "flux", "unet"), tok
         dtype, device: where the models run (``dtype`` default: float32).
         sdpa: attention backend for every call (``"default"``, ``"flash"``, ``"efficient"``, ``"cudnn"``,
             ``"math"``); on CPU ``"flash"`` is the CPU flash kernel that runs by default anyway.
-        clock: ``"wall"`` or ``"cpu"`` (process CPU time; see :func:`~tomerge.experiments.timing.time_once`); CUDA always uses events.
+        clock: ``"wall"`` or ``"cpu"`` (process CPU time; see :func:`~tomerge.experiments.measure.timing.time_once`); CUDA always uses events.
         compile_mode: time the baseline and every method compiled with inductor in this ``torch.compile`` mode
             (one of :data:`COMPILE_MODES`; see :func:`time_compiled`); ``None``: eager.
         progress: show a progress bar.
@@ -560,7 +560,7 @@ def e2e_benchmark(widths: Sequence[str] = ("sd3", "pixart", "flux", "unet"), tok
     import torch
     from tqdm import tqdm
 
-    from .flops import count_flops
+    from ..measure.flops import count_flops
 
     if compile_mode is not None and compile_mode not in COMPILE_MODES:
         raise ValueError(f"compile_mode must be one of {COMPILE_MODES}, got {compile_mode!r}")

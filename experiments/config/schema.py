@@ -16,10 +16,10 @@ from typing import Any
 
 import yaml
 
-from .errors import ConfigError, UsageError, UserError, did_you_mean  # noqa: F401 (config.UsageError)
-from .sources import CALL_DEFAULTS, REFERENCE_CHECKPOINT, SAME_CALL_ARGS, Item, ModelSpec
+from ..errors import ConfigError, UsageError, UserError, did_you_mean  # noqa: F401 (config.UsageError)
+from ..sources.models import CALL_DEFAULTS, REFERENCE_CHECKPOINT, SAME_CALL_ARGS, Item, ModelSpec
 
-CONFIG_DIR = Path(__file__).parent / "configs"
+CONFIG_DIR = Path(__file__).parents[1] / "configs"
 DEFAULT_CONFIG = CONFIG_DIR / "ablate.yaml"
 __all__ = ["CONFIG_DIR", "DEFAULT_CONFIG", "REFERENCE_CHECKPOINT", "MOVED_KEYS", "ConfigError", "RunSpec", "MetricsConfig",
            "AblationConfig", "parse_override", "apply_override", "load_config", "load_config_sections",
@@ -165,7 +165,7 @@ class RunSpec:
     """One cell of the grid: a strategy (or schedule) at one ratio with its options.
 
     A cell of a ``flop_speedups`` entry names its FLOP-ideal speed-up target (``flop_target``) and has
-    ``ratio=None`` until :func:`~tomerge.experiments.ablate.match_flop_speedups` finds the ratio; its
+    ``ratio=None`` until :func:`~tomerge.experiments.runs.ablation.match_flop_speedups` finds the ratio; its
     run id names the target, so a resumed grid knows the run without searching again.
     """
 
@@ -218,7 +218,7 @@ class MetricsConfig:
             if value is not None and not Path(value).exists():
                 problems.append(f"metrics.{key}: {what} {value} not found (local paths only; nothing is downloaded)")
         if self.dino_model is not None and Path(self.dino_model).exists():
-            from .metrics import check_dino_model  # imports torch and transformers: only for a DINO folder
+            from ..measure.metrics import check_dino_model  # imports torch and transformers: only for a DINO folder
 
             try:
                 check_dino_model(self.dino_model)
@@ -240,12 +240,12 @@ class AblationConfig:
 
     Args:
         name: run folder name under ``out_dir``.
-        model: the model source (:class:`~tomerge.experiments.sources.ModelSpec`): ``reference`` or
+        model: the model source (:class:`~tomerge.experiments.sources.models.ModelSpec`): ``reference`` or
             ``{pipeline: FOLDER, dtype, device, call}``.
         classes, per_class: the reference model's labels (each class ``per_class`` times).
         prompts: a text-to-image pipeline's prompt set: a file (``.txt``, ``.jsonl``, COCO captions
             ``.json``, PartiPrompts ``.tsv``, class names) or a mapping (see
-            :class:`~tomerge.experiments.prompt_sets.PromptSet`).
+            :class:`~tomerge.experiments.sources.prompt_sets.PromptSet`).
         num_prompts, prompt_offset, images_per_prompt: which prompts, and images per prompt.
         seed: noise of item ``i`` comes from ``seed + i``.
         batch_size: images per generation call.
@@ -346,7 +346,7 @@ class AblationConfig:
     def input_problems(self) -> list[str]:
         """What ``tomerge ablate`` reads besides the config's own files, one message each, so that it fails
         before the first image (:func:`load_config` with ``check_inputs``, and
-        :func:`~tomerge.experiments.ablate.run_ablation`): the Fashion-MNIST test files of
+        :func:`~tomerge.experiments.runs.ablation.run_ablation`): the Fashion-MNIST test files of
         ``fd_reference_images`` (reference DiT without ``metrics.reference_images``; not when the run folder
         holds their features already) and EfficientNet-Lite0, the quality metrics' features."""
         import importlib.util
@@ -357,7 +357,7 @@ class AblationConfig:
         if (self.model.kind == "reference" and self.metrics.reference_images is None and isinstance(fd, int)
                 and not isinstance(fd, bool) and fd > 0 and isinstance(self.data_root, (str, type(None)))
                 and not cached.is_file()):
-            from .data import fashion_mnist_files
+            from ..sources.data import fashion_mnist_files
 
             try:
                 fashion_mnist_files(self.data_root, "test", root_hint="--set data_root=DIR")
@@ -379,7 +379,7 @@ class AblationConfig:
 
     def _check_input_images(self) -> None:
         """Input images (``prompts.image_field``) need a pipeline that takes ``image=``."""
-        from .sources import takes_image
+        from ..sources.models import takes_image
 
         pipeline_class = self.model.pipeline_class()
         if pipeline_class is not None and self.prompt_set().image_field is not None and not takes_image(pipeline_class):
@@ -388,7 +388,7 @@ class AblationConfig:
 
     # ------------------------------------------------------------------ items
     def prompt_set(self):
-        from .prompt_sets import PromptSet
+        from ..sources.prompt_sets import PromptSet
 
         return PromptSet.from_config(self.prompts, num_prompts=self.num_prompts, prompt_offset=self.prompt_offset,
                                      images_per_prompt=self.images_per_prompt)
@@ -475,7 +475,7 @@ def config_keys() -> list[tuple[list[str], dict[str, Any], str]]:
     """Every config key: ``([keys], {key: default}, meaning)``, from the docstrings and defaults of
     :class:`AblationConfig` and of its nested ``model``, ``prompts`` and ``metrics`` mappings (what
     ``tomerge ablate --help`` lists)."""
-    from .prompt_sets import PromptSet
+    from ..sources.prompt_sets import PromptSet
 
     nested = {
         "model": [
@@ -643,7 +643,7 @@ def load_config_sections(path: str | Path | None = None, overrides: list[str] | 
     pipeline = isinstance(raw_model, dict) and "pipeline" in raw_model
     for key in [k for k in values if k not in valid]:
         problems.append(_unknown_key(key, values.pop(key), valid, pipeline, from_set=key in set_keys))
-    from .plugins import load_plugins, resolve_specs
+    from ..plugins import load_plugins, resolve_specs
 
     listed = values.get("plugins") or []
     if not isinstance(listed, (list, tuple)):
@@ -743,7 +743,7 @@ def _written(dotted: str, value: Any, from_set: bool) -> str:
 
 def _nested_keys() -> dict[str, str]:
     """Keys of the nested mappings that a config may write at the top by mistake -> their dotted path."""
-    from .prompt_sets import PromptSet
+    from ..sources.prompt_sets import PromptSet
 
     out = {k: f"model.{k}" for k in ("reference", "pipeline", "dtype", "call")}
     out |= {k: f"model.call.{k}" for k in [*ModelSpec.REFERENCE_CALL, *(a for d in CALL_DEFAULTS.values() for a in d)]}

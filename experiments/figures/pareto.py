@@ -10,7 +10,7 @@ strategy. The Pareto front of all merged runs is a thick translucent line
 under its points, which are outlined. The baseline is a dotted line at speed-up 1 (metrics against the
 baseline's images) or a star (metrics against real images). On the measured speed-up axis a bar per run shows
 the speed-up range its timing repeats allow (:func:`timing_interval`) and runs with noisy timing are hollow.
-The title names the model (:attr:`~tomerge.experiments.sources.ModelSpec.display_name` of each folder's
+The title names the model (:attr:`~tomerge.experiments.sources.models.ModelSpec.display_name` of each folder's
 ``config.yaml``), the metric and the number of images. No text is drawn inside the axes, and no two texts of
 the figure overlap (tests/test_figures.py checks the extent of every text).
 """
@@ -26,8 +26,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from .figures import METRICS, X_AXES, RunData, _figure, _finite, _save, metric_name
-from .sources import ModelSpec
+from .plots import METRICS, X_AXES, RunData, _figure, _finite, _save, metric_name
+from ..sources.models import ModelSpec
 
 __all__ = ["pareto_front", "timing_interval", "varying_options", "method_name", "ratio_note", "Method", "methods",
            "model_name", "pareto_title", "pareto_plot", "pareto_figure"]
@@ -259,7 +259,7 @@ def _legend(ax, runs: Sequence[RunData], drawn: Sequence[Method], front: bool, s
     front, the baseline and what the timing marks mean. Returns its lines of text and entries."""
     from matplotlib.lines import Line2D
 
-    from .timing import NOISY_SPREAD
+    from ..measure.timing import NOISY_SPREAD
 
     several = len(runs) > 1
     handles: list[Any] = []

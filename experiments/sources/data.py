@@ -4,7 +4,7 @@ The Debian package ``dataset-fashion-mnist`` installs the IDX files (gzipped) un
 ``/usr/share/datasets/fashion-mnist/``; any folder with the same file names works (gzipped or raw).
 
 Example:
-    >>> from tomerge.experiments.data import FashionMNIST
+    >>> from tomerge.experiments.sources.data import FashionMNIST
     >>> ds = FashionMNIST()                      # doctest: +SKIP
     >>> image, label = ds[0]                     # image [1, 32, 32] in [-1, 1], label long
     >>> big = FashionMNIST(size=64)              # doctest: +SKIP

@@ -4,11 +4,11 @@
     tomerge bench --e2e --quick                   # tiny models in seconds (smoke test)
     tomerge bench --kernels                       # N = 1024, 4096; C = 1536; B = 2; ratio 0.25, 0.5
     tomerge bench --config my_sd3.yaml --set model.pipeline=/models/sd3 --set repeats=5   # a real pipeline
-    python -m tomerge.experiments.bench --kernels --tokens 1024 --ratios 0.5 --out runs/kernels.csv
+    python -m tomerge.experiments.bench.kernels --kernels --tokens 1024 --ratios 0.5 --out runs/kernels.csv
 
-End-to-end mode (:mod:`tomerge.experiments.bench_e2e`): random-weight diffusers models at SD3-Medium,
+End-to-end mode (:mod:`tomerge.experiments.bench.e2e`): random-weight diffusers models at SD3-Medium,
 PixArt/DiT-XL and Flux widths with reduced depth, baseline and every strategy/schedule alternating in
-one process; measured speed-up, FLOP-ideal speed-up (:mod:`tomerge.experiments.flops`) and their ratio; on a
+one process; measured speed-up, FLOP-ideal speed-up (:mod:`tomerge.experiments.measure.flops`) and their ratio; on a
 UNet, the ``tomesd`` package's own patch against tomerge's ``tomesd`` at the same ratio.
 
 Config mode (``--config``): the generation call of a config's model (the bundled reference DiT or a
@@ -38,13 +38,13 @@ from typing import TYPE_CHECKING
 import tomerge
 
 from .allocator import keep_freed_memory
-from .bench_e2e import COMPILE_MODES, TOMESD_PACKAGE, WIDTHS, check_sizes, e2e_benchmark
-from .bench_e2e import markdown_table as e2e_table
-from .bench_e2e import pivot_table
-from .columns import format_markdown_table
-from .errors import UsageError, user_input
-from .sources import DTYPE_NAMES, torch_dtype
-from .timing import median_ms, overhead_ratio
+from .e2e import COMPILE_MODES, TOMESD_PACKAGE, WIDTHS, check_sizes, e2e_benchmark
+from .e2e import markdown_table as e2e_table
+from .e2e import pivot_table
+from ..measure.columns import format_markdown_table
+from ..errors import UsageError, user_input
+from ..sources.models import DTYPE_NAMES, torch_dtype
+from ..measure.timing import median_ms, overhead_ratio
 
 if TYPE_CHECKING:
     import torch
@@ -179,7 +179,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "--threads 1). CUDA always uses CUDA events")
     parser.add_argument("--no-keep-freed-memory", dest="keep_freed_memory", action="store_false",
                         help="CPU: leave glibc's malloc as it is (by default freed large blocks are kept for reuse "
-                             "instead of being unmapped and page-faulted in again; see experiments/allocator.py)")
+                             "instead of being unmapped and page-faulted in again; see experiments/bench/allocator.py)")
     kernels = parser.add_argument_group("--kernels")
     kernels.add_argument("--channels", type=int, default=1536)
     kernels.add_argument("--min-run-time", type=float, default=0.5, help="seconds measured per timing")
@@ -235,8 +235,8 @@ def write_rows(path: Path, rows: Sequence[dict], table: str, header: str) -> Non
 def model_benchmark(config_path: Path, overrides: Sequence[str], plugins: Sequence[str] = ()) -> list[dict]:
     """Speed rows of every run of a config's grid on its model: the timing batch's generation call,
     baseline and merged alternating (``warmup``, ``repeats``), denoiser time and FLOPs, spread."""
-    from .ablate import match_flop_speedups, measure, speed_row
-    from .config import load_config
+    from ..runs.ablation import match_flop_speedups, measure, speed_row
+    from ..config.schema import load_config
 
     with user_input():
         config = load_config(config_path, list(overrides), plugins=list(plugins))
@@ -265,10 +265,10 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     kept = not args.device.startswith("cuda") and args.keep_freed_memory and keep_freed_memory()
     argv = getattr(args, "argv", None)  # set by main(); the `tomerge` console script passes sys.argv
-    command = f"python -m tomerge.experiments.bench {' '.join(argv)}" if argv is not None else \
+    command = f"python -m tomerge.experiments.bench.kernels {' '.join(argv)}" if argv is not None else \
         f"tomerge {' '.join(sys.argv[1:])}"
     if args.config is not None:
-        from .records import markdown_table as run_table
+        from ..runs.records import markdown_table as run_table
 
         dicts = rows = model_benchmark(args.config, args.overrides, getattr(args, "plugins", None) or ())
         header = f"Generation-call benchmark of {args.config} ({machine_line()})"
@@ -309,7 +309,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tomerge.experiments.bench", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m tomerge.experiments.bench.kernels", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
     args = parser.parse_args(argv)
