@@ -72,15 +72,38 @@ if not any(isinstance(finder, _MovedModules) for finder in sys.meta_path):
     sys.meta_path.append(_MovedModules())
 
 
+def moved_names(module: str, moved: dict[str, str]) -> Callable[[str], Any]:
+    """A module ``__getattr__`` for the names that left ``module``: ``moved`` maps each to the module that owns
+    it now (under ``tomerge.experiments``), and asking ``module`` for one raises an ``AttributeError`` naming
+    its new spelling.
+
+    Example (in ``measure/metrics.py``)::
+
+        __getattr__ = moved_names(__name__, {"load_video": "generation.files"})
+    """
+
+    def __getattr__(name: str) -> Any:
+        if name in moved:
+            raise AttributeError(f"{module}.{name} is {__name__}.{moved[name]}.{name}", name=name)
+        raise AttributeError(f"module {module!r} has no attribute {name!r}", name=name)
+
+    __getattr__.moved = moved  # type: ignore[attr-defined]  # read by forward_names
+    return __getattr__
+
+
 def forward_names(package: str, module: str) -> Callable[[str], Any]:
     """A module ``__getattr__`` for ``package``, a folder that was a module: the names of the old module are
-    answered from ``module`` (its owner now), imported when first asked."""
+    answered from ``module`` (its owner now), imported when first asked; a name that left ``module``
+    (:func:`moved_names`) raises an ``AttributeError`` naming its new spelling."""
 
     def __getattr__(name: str) -> Any:
         if not name.startswith("__"):
             owner = importlib.import_module(module)
-            if hasattr(owner, name):
-                return getattr(owner, name)
-        raise AttributeError(f"module {package!r} has no attribute {name!r}")
+            if name in vars(owner):
+                return vars(owner)[name]
+            moved = getattr(vars(owner).get("__getattr__"), "moved", {})
+            if name in moved:
+                raise AttributeError(f"{package}.{name} is {__name__}.{moved[name]}.{name}", name=name)
+        raise AttributeError(f"module {package!r} has no attribute {name!r}", name=name)
 
     return __getattr__
