@@ -59,7 +59,7 @@ def overrides(root: Path, name: str, *extra: str) -> list[str]:
 
 
 def ablate_command(root: Path, name: str) -> list[str]:
-    return [sys.executable, "-m", "tomerge.experiments.runs.ablation", *set_args(overrides(root, name))]
+    return [sys.executable, "-m", "tomerge.experiments.commands.ablate", *set_args(overrides(root, name))]
 
 
 def set_args(values: list[str]) -> list[str]:
