@@ -1,6 +1,6 @@
 """Which method is best at equal speed-up: each strategy's metric interpolated at given speed-ups.
 
-For every strategy of the run folders (read with ``tomerge.experiments.figures.plots.load_run``), its runs are
+For every strategy of the run folders (read with ``tomerge.experiments.figures.run_data.load_run``), its runs are
 sorted by speed-up (``--x``: ``flop_speedup``, exact, or the measured ``speedup``) and the metric is
 interpolated linearly between the two runs that bracket each ``--at`` value; a strategy whose runs do not span
 a value has no entry there (no extrapolation, and the baseline is not a point of the curves). Runs of one
@@ -17,8 +17,9 @@ import argparse
 from collections import defaultdict
 from pathlib import Path
 
-from tomerge.experiments.figures.plots import METRICS, load_run
+from tomerge.experiments.figures.canvas import METRICS
 from tomerge.experiments.figures.pareto import method_name, varying_options
+from tomerge.experiments.figures.run_data import load_run
 
 
 def curves(folders: list[Path], x: str, metric: str) -> dict[str, list[tuple[float, float]]]:

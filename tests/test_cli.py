@@ -148,7 +148,7 @@ def test_help_imports_no_subcommand_module_and_no_torch():
     assert seen["--help"] == [[], []]  # the top-level help builds no subcommand
     for argv, (heavy, _) in seen.items():
         assert heavy == [], argv
-    assert "tomerge.experiments.figures.plots" not in seen["train-reference --help"][1]
+    assert "tomerge.experiments.commands.figures" not in seen["train-reference --help"][1]
 
 
 def test_ablate_help_lists_every_config_key_with_its_default(capsys):

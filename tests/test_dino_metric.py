@@ -127,7 +127,9 @@ def test_video_frames_are_paired_with_the_same_frame_of_the_baseline(tmp_path, d
 
 def test_ablate_records_the_dino_distance(tmp_path, dino_folder):
     from tiny_reference import write_tiny_dit
-    from tomerge.experiments.figures import plots as figures
+    from tomerge.experiments.figures.canvas import METRICS
+    from tomerge.experiments.figures.run_data import load_run
+    from tomerge.experiments.figures.tables import ablation_table
     from tomerge.experiments.runs.ablation import run_ablation
     from tomerge.experiments.config.schema import load_config
     from tomerge.experiments.runs.records import TABLE_COLUMNS
@@ -149,5 +151,5 @@ def test_ablate_records_the_dino_distance(tmp_path, dino_folder):
     assert merged["dino_dist"] > 0 and merged["psnr"] < 100  # merging changed the images
     title = dict(TABLE_COLUMNS)["dino_dist"]
     assert title in (folder / "table.md").read_text()
-    assert "dino_dist" in figures.METRICS and not figures.METRICS["dino_dist"][1]  # lower is better
-    assert "DINO dist" in figures.ablation_table([figures.load_run(folder)])
+    assert "dino_dist" in METRICS and not METRICS["dino_dist"][1]  # lower is better
+    assert "DINO dist" in ablation_table([load_run(folder)])

@@ -13,8 +13,13 @@ import yaml
 
 pytest.importorskip("matplotlib")
 
-from tomerge.experiments.figures import plots as figures
+from tomerge.experiments.commands import figures as command  # noqa: E402
+from tomerge.experiments.errors import UsageError  # noqa: E402
 from tomerge.experiments.figures import pareto  # noqa: E402
+from tomerge.experiments.figures.image_grids import image_grid_figure  # noqa: E402
+from tomerge.experiments.figures.make import make_figures  # noqa: E402
+from tomerge.experiments.figures.run_data import load_run  # noqa: E402
+from tomerge.experiments.figures.schedules import step_profile  # noqa: E402
 from tomerge.experiments.measure.flops import COUNTER_VERSION  # noqa: E402
 
 STEPS, LAYERS, SIDE, N_IMAGES = 10, 3, 16, 6  # 16x16 images, patch 2 -> 8x8 = 64 tokens
@@ -148,7 +153,7 @@ def test_pareto_front_random_points():
 def test_figures_from_synthetic_run_folder(tmp_path):
     folder = make_run_folder(tmp_path)
     out = tmp_path / "figs"
-    assert figures.main([str(folder), "--out", str(out), "--k", "4", "--metrics", "psnr", "fd_effnetlite0"]) == 0
+    assert command.main([str(folder), "--out", str(out), "--k", "4", "--metrics", "psnr", "fd_effnetlite0"]) == 0
 
     stems = ["pareto_psnr", "pareto_fd_effnetlite0", "synthetic/schedules", "synthetic/grid",
              *[f"synthetic/maps/{r[0]}" for r in RUNS]]
@@ -192,12 +197,12 @@ def test_figures_from_synthetic_run_folder(tmp_path):
 
 
 def test_step_profile_phases(tmp_path):
-    data = figures.load_run(make_run_folder(tmp_path))
-    steps, removed, ratios, labels = figures.step_profile(data.records("sdtm-r0.5"))
+    data = load_run(make_run_folder(tmp_path))
+    steps, removed, ratios, labels = step_profile(data.records("sdtm-r0.5"))
     assert steps == list(range(STEPS))
     assert labels == ["structure"] * 6 + ["detail"] * 4
     assert removed[0] == pytest.approx(2 * 0.5 / 3) and removed[-1] == pytest.approx(2 * 0.25 / 3)
-    _, removed, _, labels = figures.step_profile(data.records("toma-r0.5-merge_every=2"))
+    _, removed, _, labels = step_profile(data.records("toma-r0.5-merge_every=2"))
     assert labels[:2] == ["merge", "skip_step"] and removed[1] == 0.0
 
 
@@ -207,13 +212,13 @@ def test_wandb_dir_and_several_folders(tmp_path):
     wandb_run = a / "wandb" / "offline-run-20250101_000000-abc"
     wandb_run.mkdir(parents=True)
     (wandb_run / "run-abc.wandb").write_bytes(b"")
-    assert figures.load_run(wandb_run).path == a
+    assert load_run(wandb_run).path == a
     standalone = tmp_path / "standalone" / "offline-run-x"
     standalone.mkdir(parents=True)
     with pytest.raises(FileNotFoundError, match="not supported"):
-        figures.load_run(standalone)
+        load_run(standalone)
     out = tmp_path / "figs"
-    written = figures.make_figures([wandb_run, b], out, metrics=["psnr"], runs=["tomesd-*"], k=2)
+    written = make_figures([wandb_run, b], out, metrics=["psnr"], runs=["tomesd-*"], k=2)
     md = (out / "ablation.md").read_text()
     assert md.startswith("| folder | run |") and md.count("| a | tomesd-") == 3 and md.count("| a-1 | tomesd-") == 3
     assert "ssm-r0.5" not in md
@@ -224,22 +229,22 @@ def test_wandb_dir_and_several_folders(tmp_path):
 def test_text_to_image_grid_has_one_row_per_prompt(tmp_path):
     prompts = [f"prompt number {i}, a photo of a cat on a mat" for i in range(N_IMAGES)]
     folder = make_run_folder(tmp_path, "t2i", prompts=prompts)
-    data = figures.load_run(folder)
+    data = load_run(folder)
     assert data.prompts(3) == prompts[:3]
     assert data.images("ssm-r0.5", 2).shape == (2, 3, SIDE, SIDE)
-    written = figures.image_grid_figure(data, tmp_path / "grid", k=3)
+    written = image_grid_figure(data, tmp_path / "grid", k=3)
     from PIL import Image
 
     with Image.open(written[0]) as im:  # 3 prompt rows, 9 columns (baseline + 8 runs): wider than tall
         assert im.size[0] > im.size[1] > 300
-    class_data = figures.load_run(make_run_folder(tmp_path, "classes"))
+    class_data = load_run(make_run_folder(tmp_path, "classes"))
     assert class_data.prompts() is None
 
 
 # ------------------------------------------------------------------ figures that compare runs
 def _folders(tmp_path: Path, *specs: tuple[str, dict]) -> list:
     """Loaded run folders named as given, built by ``make_run_folder`` with the given arguments."""
-    return [figures.load_run(make_run_folder(tmp_path / f"root{i}", name, **kw)) for i, (name, kw) in enumerate(specs)]
+    return [load_run(make_run_folder(tmp_path / f"root{i}", name, **kw)) for i, (name, kw) in enumerate(specs)]
 
 
 def _marker_path(marker: str):
@@ -481,7 +486,7 @@ def test_error_bars_show_the_timing_range(tmp_path):
 
 def test_grid_shows_one_image_per_class(tmp_path):
     folder = make_run_folder(tmp_path, "classes", labels=[0, 0, 1, 1, 2, 2])
-    data = figures.load_run(folder)
+    data = load_run(folder)
     assert data.grid_items(8) == [0, 2, 4] and data.grid_items(2) == [0, 2]
     assert data.grid_items(3, "first") == [0, 1, 2] and data.grid_items(None, "first") == list(range(N_IMAGES))
     every = data.images("ssm-r0.5")
@@ -489,10 +494,10 @@ def test_grid_shows_one_image_per_class(tmp_path):
     calls = []
     images = data.images
     data.images = lambda run, k=None, indices=None: calls.append((run, indices)) or images(run, k, indices)
-    written = figures.image_grid_figure(data, tmp_path / "grid")
+    written = image_grid_figure(data, tmp_path / "grid")
     assert written and calls == [(r["run"], [0, 2, 4]) for r in data.rows]  # the same items in every row
     calls.clear()
-    figures.image_grid_figure(data, tmp_path / "grid_first", k=4, select="first")
+    image_grid_figure(data, tmp_path / "grid_first", k=4, select="first")
     assert {tuple(i) for _, i in calls} == {(0, 1, 2, 3)}
     # an item one run lacks is left out for every run: like with like
     (folder / "images" / "ssm-r0.5" / data.index("ssm-r0.5")[2]["file"]).unlink()
@@ -503,26 +508,39 @@ def test_grid_shows_one_image_per_class(tmp_path):
 
 def test_grid_shows_one_image_per_prompt(tmp_path):
     prompts = [f"prompt {i // 2}, a photo of a cat" for i in range(N_IMAGES)]  # two images per prompt
-    data = figures.load_run(make_run_folder(tmp_path, "t2i", prompts=prompts))
+    data = load_run(make_run_folder(tmp_path, "t2i", prompts=prompts))
     assert data.grid_items(8) == [0, 2, 4]
     assert data.prompts(indices=[0, 2, 4]) == [prompts[0], prompts[2], prompts[4]]
-    written = figures.image_grid_figure(data, tmp_path / "grid")
+    written = image_grid_figure(data, tmp_path / "grid")
     from PIL import Image
 
     with Image.open(written[0]) as im:  # 3 prompt rows of 9 runs: wider than tall
         assert im.size[0] > im.size[1] > 300
-    assert figures.main([str(data.path), "--out", str(tmp_path / "figs"), "--metrics", "psnr",
+    assert command.main([str(data.path), "--out", str(tmp_path / "figs"), "--metrics", "psnr",
                          "--grid-items", "first", "--k", "2", "--formats", "png"]) == 0
 
 
 def test_doctests_of_the_modules_pass():
     import doctest
 
+    from tomerge.experiments.figures import canvas, schedules, videos
+    from tomerge.experiments.generation import pictures
     from tomerge.experiments.measure import columns
 
-    for module in (figures, pareto, columns):
+    for module in (canvas, schedules, videos, pareto, pictures, columns):
         result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
         assert result.attempted > 0 and result.failed == 0, module.__name__
+
+
+def test_the_names_of_the_flat_figures_module_answer_or_name_their_module():
+    import tomerge.experiments.figures as figures
+
+    assert figures.make_figures is make_figures and figures.load_run is load_run
+    with pytest.raises(AttributeError, match=r"^tomerge\.experiments\.figures\.main is "
+                                             r"tomerge\.experiments\.commands\.figures\.main$"):
+        figures.main  # noqa: B018
+    with pytest.raises(AttributeError, match=r"figures\.COLUMNS is tomerge\.experiments\.figures\.tables\.COLUMNS"):
+        figures.COLUMNS  # noqa: B018
 
 
 def test_an_unknown_metric_is_a_user_error(tmp_path, capsys):
@@ -533,7 +551,7 @@ def test_an_unknown_metric_is_a_user_error(tmp_path, capsys):
         main(["figures", str(folder), "--out", str(tmp_path / "figs"), "--metrics", "psnrr"])
     assert exit_.value.code == 2 and "invalid choice: 'psnrr'" in capsys.readouterr().err
     with pytest.raises(UsageError, match="unknown metric 'psnrr'"):  # the Python API says the same
-        figures.make_figures([folder], tmp_path / "figs", metrics=["psnrr"])
+        make_figures([folder], tmp_path / "figs", metrics=["psnrr"])
 
 
 def test_rows_of_another_flop_counter_are_refused_with_what_to_do(tmp_path):
@@ -543,5 +561,5 @@ def test_rows_of_another_flop_counter_are_refused_with_what_to_do(tmp_path):
     rows = [json.loads(line) for line in results.read_text().splitlines()]
     rows[-1].pop("flop_counter")  # the last row of a run is the one read
     results.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    with pytest.raises(figures.UsageError, match=rf"1 runs \({re.escape(rows[-1]['run'])}\).*rerun tomerge ablate"):
-        figures.load_run(folder)
+    with pytest.raises(UsageError, match=rf"1 runs \({re.escape(rows[-1]['run'])}\).*rerun tomerge ablate"):
+        load_run(folder)

@@ -309,7 +309,7 @@ def test_cli_plugin_before_or_after_the_subcommand_adds_strategy_choices(tmp_pat
 def test_cli_passes_the_plugins_to_the_subcommand(tmp_path, monkeypatch):
     a, b = str(strategy_file(tmp_path, unique())), str(strategy_file(tmp_path, unique()))
     seen = []
-    figures = importlib.import_module("tomerge.experiments.figures.plots")
+    figures = importlib.import_module("tomerge.experiments.commands.figures")
     monkeypatch.setattr(figures, "run", lambda args: seen.append(args) or 0)
     assert cli.main(["--plugin", a, "figures", str(tmp_path), "--out", str(tmp_path / "f"), "--plugin", b]) == 0
     assert seen[0].plugins == [a, b] and not hasattr(seen[0], "subcommand_plugins")

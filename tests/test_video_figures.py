@@ -19,8 +19,10 @@ from PIL import Image
 import local_pipelines
 from tomerge.experiments.runs.ablation import run_ablation
 from tomerge.experiments.config.schema import load_config
-from tomerge.experiments.figures.plots import frame_indices, frame_strip_plot, load_run, make_figures
+from tomerge.experiments.figures.make import make_figures
 from tomerge.experiments.figures.pareto import pareto_plot
+from tomerge.experiments.figures.run_data import load_run
+from tomerge.experiments.figures.videos import frame_indices, frame_strip_plot
 
 pytest.importorskip("transformers", reason="the text pipelines of diffusers import transformers")
 pytestmark = pytest.mark.filterwarnings("ignore:__array__ implementation:DeprecationWarning")

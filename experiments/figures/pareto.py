@@ -26,8 +26,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from .plots import METRICS, X_AXES, RunData, _figure, _finite, _save, metric_name
 from ..sources.models import ModelSpec
+from .canvas import METRICS, X_AXES, is_finite_number, metric_name, new_figure, save_figure
+from .run_data import RunData
 
 __all__ = ["pareto_front", "timing_interval", "varying_options", "method_name", "ratio_note", "Method", "methods",
            "model_name", "pareto_title", "pareto_plot", "pareto_figure"]
@@ -73,7 +74,7 @@ def timing_interval(row: dict[str, Any]) -> tuple[float, float] | None:
         True
     """
     s, sb, sm = row.get("speedup"), row.get("time_spread_base"), row.get("time_spread")
-    if not (_finite(s) and _finite(sb) and _finite(sm)):
+    if not (is_finite_number(s) and is_finite_number(sb) and is_finite_number(sm)):
         return None
     lo = s * (1 - sb / 2) / (1 + sm / 2)
     hi = s * (1 + sb / 2) / (1 - sm / 2) if sm < 2 else math.inf
@@ -184,7 +185,7 @@ def pareto_title(runs: Sequence[RunData], metric: str, rows: Sequence[dict[str, 
     rows count frames too) and the metric, e.g. ``bundled reference DiT (256 tokens), 40 images:
     FD-EffNetLite0 vs baseline images``."""
     models = " / ".join(dict.fromkeys(m for m in (model_name(d) for d in runs) if m))
-    counts = sorted({int(r["n_images"]) for r in rows if _finite(r.get("n_images"))})
+    counts = sorted({int(r["n_images"]) for r in rows if is_finite_number(r.get("n_images"))})
     unit = "videos" if any("n_frames" in r for r in rows) else "images"
     count = f"{counts[0]}{f'-{counts[-1]}' if counts[-1] != counts[0] else ''} {unit}" if counts else ""
     subject = ", ".join(t for t in (models, count) if t)
@@ -207,11 +208,11 @@ def pareto_plot(runs: Sequence[RunData], metric: str, x_key: str = "speedup") ->
     baseline's and the merged run's ``(max - min) / median`` (rows without spreads get none).
     """
     label, higher, paired = METRICS[metric]
-    drawn = methods(runs, keep=lambda r: _finite(r.get(x_key)) and _finite(r.get(metric)))
+    drawn = methods(runs, keep=lambda r: is_finite_number(r.get(x_key)) and is_finite_number(r.get(metric)))
     points = [(m, r) for m in drawn for r in m.rows]
     intervals = {(m.folder, r["run"]): timing_interval(r) for m, r in points} if x_key == "speedup" else {}
     finite_hi = [iv[1] for iv in intervals.values() if iv and math.isfinite(iv[1])] + [r[x_key] for _, r in points]
-    fig = _figure(7.5, 4.6)
+    fig = new_figure(7.5, 4.6)
     ax = fig.add_subplot()
     bars, hollow = False, False
     for m in drawn:
@@ -235,7 +236,7 @@ def pareto_plot(runs: Sequence[RunData], metric: str, x_key: str = "speedup") ->
         ax.plot(fx, fy, zorder=1, gid="pareto-front", **FRONT_BAND)
         ax.scatter(fx, fy, s=110, facecolors="none", edgecolors="black", linewidths=1.1, zorder=3.5,
                    gid="pareto-front-points")
-    base = [d.baseline[metric] for d in runs if d.baseline and _finite(d.baseline.get(metric))]
+    base = [d.baseline[metric] for d in runs if d.baseline and is_finite_number(d.baseline.get(metric))]
     star = not paired and bool(base)  # against real images the baseline has a value of its own
     if star:
         ax.plot([1.0] * len(base), base, linestyle="none", markersize=13, zorder=4, **BASELINE_STAR)
@@ -318,4 +319,4 @@ def pareto_figure(runs: Sequence[RunData], metric: str, stem: Path, x_key: str =
                   formats: Sequence[str] = ("png",)) -> tuple[list[Path], list[str]]:
     """``pareto_plot`` saved as ``stem.<format>``; returns the files and the ``folder/run`` ids on the front."""
     fig, front = pareto_plot(runs, metric, x_key)
-    return _save(fig, stem, formats), front
+    return save_figure(fig, stem, formats), front
