@@ -1,2 +1,3 @@
-"""Images and videos for a list of items, in one process or with Lightning DDP (`generate`), and their
-files: PNG, MP4 and the index of each folder (`files`)."""
+"""Images and videos for a list of items, in one process or with Lightning DDP (`generate`), their files:
+PNG, MP4 and the index of each folder (`files`), and the pictures drawn from them: image grids and merge maps
+(`pictures`)."""
