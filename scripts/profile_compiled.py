@@ -1,7 +1,7 @@
 """Where a merged forward's time goes, eager and compiled: the SD3 table of docs/benchmarks.md ("Compiled
 (CPU)").
 
-For the baseline and each method, on its own copy of a bench model (``tomerge.experiments.bench.e2e.build``),
+For the baseline and each method, on its own copy of a bench model (``tomerge.experiments.bench.models.build``),
 eager and compiled with inductor (``skip_nnmodule_hook_guards=False``, as ``tomerge bench --e2e --compile``
 does), forwards are profiled (``torch.profiler``, CPU) after warm-up calls, ``--rounds`` of them, the models
 alternating round after round. Every (op, input shapes) keeps its least self time over the rounds (see
@@ -41,7 +41,8 @@ import torch._inductor.config
 from torch.profiler import ProfilerActivity, profile
 
 from tomerge.experiments.bench.allocator import keep_freed_memory
-from tomerge.experiments.bench.e2e import build, merged
+from tomerge.experiments.bench.e2e import merged
+from tomerge.experiments.bench.models import build
 from tomerge.experiments.measure.flops import count_flops
 
 MATMUL = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_dot_product_flash_attention_for_cpu",

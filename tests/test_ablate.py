@@ -156,7 +156,7 @@ def test_flop_matched_cells_find_the_closest_ratio_and_resume_by_target(setup):
     """A ``flop_speedups`` entry runs at the ratio whose counted FLOP-ideal speed-up is closest to the target:
     no ratio a step either side is closer. The row records the target and the ratio found; the run id names
     the target, so a rerun finds the run done without searching again."""
-    from tomerge.experiments.runs.ablation import match_flop_speedups, measure
+    from tomerge.experiments.runs.ablation import match_flop_speedups, measure_run
     from tomerge.experiments.config.schema import ConfigError, RunSpec
 
     root, overrides = setup
@@ -168,10 +168,11 @@ def test_flop_matched_cells_find_the_closest_ratio_and_resume_by_target(setup):
 
     source = config.model.load()
     items = config.items()[:1]
-    base = measure(source, config, items, None, map_steps=False)["flops"]
+    base = measure_run(source, config, items, None, map_steps=False)["flops"]
 
     def speedup(ratio):
-        return base / measure(source, config, items, RunSpec("ssm", ratio, {"round_windows": 1}), map_steps=False)["flops"]
+        run = RunSpec("ssm", ratio, {"round_windows": 1})
+        return base / measure_run(source, config, items, run, map_steps=False)["flops"]
 
     found = row["ratio"]
     gap = abs(speedup(found) - 1.3)
@@ -189,7 +190,7 @@ def test_flop_matched_cells_find_the_closest_ratio_and_resume_by_target(setup):
     # sdtm's curve around centre 0 still merges its first steps: a target below that speed-up is out of reach,
     # not matched by a ratio near 0.
     curve = {"curve": "cosine", "deviation": 0.2}
-    at_zero = base / measure(source, config, items, RunSpec("sdtm", 0.0, curve), map_steps=False)["flops"]
+    at_zero = base / measure_run(source, config, items, RunSpec("sdtm", 0.0, curve), map_steps=False)["flops"]
     assert at_zero > 1.01
     with pytest.raises(ConfigError, match="out of reach"):
         match_flop_speedups(source, config, [RunSpec("sdtm", None, curve, flop_target=1 + (at_zero - 1) / 2)], items)

@@ -10,8 +10,9 @@ import torch.nn.functional as F
 
 import tomerge
 
-from tomerge.experiments.bench import kernels as bench
-from tomerge.experiments.bench.e2e import TOMESD_PACKAGE, build
+from tomerge.experiments.bench.e2e import TOMESD_PACKAGE
+from tomerge.experiments.bench.models import build
+from tomerge.experiments.commands import bench
 
 
 def _rows(path) -> list[dict[str, str]]:
@@ -68,6 +69,32 @@ def test_kernels_tiny(tmp_path):
     assert {r["method"] for r in rows} == {"tomesd package", "tomesd", "facility_location"}
     for r in rows:
         assert float(r["plan_ms"]) > 0 and float(r["merge_unmerge_ms"]) > 0 and int(r["removed"]) > 0
+    assert "command: `python -m tomerge.experiments.commands.bench --kernels --tokens 256 " in \
+        out.with_suffix(".md").read_text()
+
+
+def test_the_command_line_is_the_commands_module():
+    """``python -m tomerge.experiments.commands.bench`` is ``tomerge bench``; the names that left the benchmark
+    modules (the command line to commands/, the models to bench.models) fail naming their owner."""
+    import subprocess
+    import sys
+
+    from tomerge.experiments import bench as flat
+    from tomerge.experiments.bench import e2e, kernels
+
+    out = subprocess.run([sys.executable, "-m", "tomerge.experiments.commands.bench"], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 2
+    assert out.stderr == "tomerge bench: error: choose one mode, --e2e, --kernels or --config FILE\n"
+    with pytest.raises(AttributeError, match=r"bench\.kernels\.main is tomerge\.experiments\.commands\.bench\.main"):
+        kernels.main  # noqa: B018
+    with pytest.raises(AttributeError, match=r"experiments\.bench\.main is tomerge\.experiments\.commands\.bench\.main"):
+        flat.main  # noqa: B018
+    with pytest.raises(AttributeError, match=r"bench\.kernels\.model_benchmark is tomerge\.experiments\.bench\.grid\."):
+        kernels.model_benchmark  # noqa: B018
+    with pytest.raises(AttributeError, match=r"bench\.e2e\.video_grid is tomerge\.experiments\.bench\.models\."):
+        e2e.video_grid  # noqa: B018
+    assert flat.kernel_benchmark is kernels.kernel_benchmark and flat.TOMESD_PACKAGE == e2e.TOMESD_PACKAGE
 
 
 def test_a_mode_is_required(capsys):
@@ -160,7 +187,7 @@ def test_keep_freed_memory_rejects_limits_mallopt_cannot_take():
 
 # ---------------------------------------------------------------------- video widths
 def test_video_grid_factors_a_token_count_into_frames_and_a_480p_like_frame():
-    from tomerge.experiments.bench.e2e import video_grid
+    from tomerge.experiments.bench.models import video_grid
 
     assert video_grid(32760) == (21, 30, 52)  # 81 frames of 480 x 832 through Wan's VAE and patch (1, 2, 2)
     assert video_grid(4096) == (16, 16, 16) and video_grid(16384) == (16, 32, 32)

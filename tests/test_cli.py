@@ -67,7 +67,7 @@ def test_value_errors_are_the_users_only_inside_user_input(monkeypatch, capsys):
         with cli.user_input():
             raise ValueError("--ratio must be below 1")
 
-    module = importlib.import_module("tomerge.experiments.bench.kernels")
+    module = importlib.import_module("tomerge.experiments.commands.bench")
     monkeypatch.setattr(module, "run", checked)
     assert cli.main(["bench", "--kernels"]) == 2
     assert capsys.readouterr().err == "tomerge bench: error: --ratio must be below 1\n"

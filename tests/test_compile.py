@@ -216,8 +216,9 @@ def test_compiled_benchmark_times_every_method_compiled():
     import contextlib
 
     from tomerge.experiments.bench import e2e as bench_e2e
+    from tomerge.experiments.bench.models import build
 
-    bench = bench_e2e.build("dit", 64, depth=1, batch=2, quick=True)
+    bench = build("dit", 64, depth=1, batch=2, quick=True)
     raw = bench.model
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():  # DiT's init zeroes the blocks' modulation: random weights make merging visible

@@ -141,3 +141,20 @@ def test_dimensions_a_list_is_a_choice_a_low_high_mapping_a_range_any_other_valu
     assert Dimension.parse({"use_rand": False}, "x")[0] == Dimension("fixed", ({"use_rand": False},))
     assert Dimension.parse(0.3, "x")[0] == Dimension("fixed", (0.3,))
     assert "a range needs numbers low and high" in Dimension.parse({"low": 0.1}, "x")[1][0]
+
+
+def test_the_command_line_is_the_commands_module():
+    """``tomerge search`` and ``python -m tomerge.experiments.commands.search`` are the commands module's; the
+    search module's old command-line names fail naming it."""
+    import subprocess
+    import sys
+
+    from tomerge.experiments import cli
+    from tomerge.experiments.commands import search as command
+
+    assert cli.SUBCOMMANDS["search"][0] == command.__name__
+    out = subprocess.run([sys.executable, "-m", command.__name__, "--help"], capture_output=True, text=True,
+                         timeout=120, check=True).stdout
+    assert out.startswith("usage: tomerge search [-h] --config CONFIG") and search_module.__doc__.strip() in out
+    with pytest.raises(AttributeError, match=r"runs\.search\.main is tomerge\.experiments\.commands\.search\.main"):
+        search_module.main  # noqa: B018

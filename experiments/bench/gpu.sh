@@ -85,22 +85,22 @@ else
     toca_loop=(--widths dit pixart --tokens 4096 --ratios 0.5 --depth 2 --batch 2 --steps 20 --repeats "$REPEATS"
                --strategies toca cached_detail fora tomesd)
 fi
-"$PY" -m tomerge.experiments.bench.kernels --e2e --device cuda --dtype bf16 --sdpa flash "${e2e[@]}" \
+"$PY" -m tomerge.experiments.commands.bench --e2e --device cuda --dtype bf16 --sdpa flash "${e2e[@]}" \
     --out "$OUT/e2e_bf16.csv"
-"$PY" -m tomerge.experiments.bench.kernels --e2e --device cuda --dtype bf16 --sdpa flash "${video[@]}" \
+"$PY" -m tomerge.experiments.commands.bench --e2e --device cuda --dtype bf16 --sdpa flash "${video[@]}" \
     --out "$OUT/e2e_video_bf16.csv"
 # compiled baseline vs compiled merged (inductor, CUDA graphs: mode reduce-overhead), forwards and sampling loops
-"$PY" -m tomerge.experiments.bench.kernels --e2e --device cuda --dtype bf16 --sdpa flash --compile reduce-overhead \
+"$PY" -m tomerge.experiments.commands.bench --e2e --device cuda --dtype bf16 --sdpa flash --compile reduce-overhead \
     "${compiled[@]}" --out "$OUT/e2e_compiled_bf16.csv"
-"$PY" -m tomerge.experiments.bench.kernels --e2e --device cuda --dtype bf16 --sdpa flash --compile reduce-overhead \
+"$PY" -m tomerge.experiments.commands.bench --e2e --device cuda --dtype bf16 --sdpa flash --compile reduce-overhead \
     "${compiled_loop[@]}" --out "$OUT/e2e_compiled_loop_bf16.csv"
 # merging composed with caching (docs/claims.md, "tomerge's own"): 20-step sampling loops, eager; the caching
 # schedules run unmerged at their defaults (rows at ratio 0), cached_detail merges with tomesd at the ratio
-"$PY" -m tomerge.experiments.bench.kernels --e2e --device cuda --dtype bf16 --sdpa flash "${caching_loop[@]}" \
+"$PY" -m tomerge.experiments.commands.bench --e2e --device cuda --dtype bf16 --sdpa flash "${caching_loop[@]}" \
     --out "$OUT/e2e_caching_loop_bf16.csv"
-"$PY" -m tomerge.experiments.bench.kernels --e2e --device cuda --dtype bf16 --sdpa flash "${toca_loop[@]}" \
+"$PY" -m tomerge.experiments.commands.bench --e2e --device cuda --dtype bf16 --sdpa flash "${toca_loop[@]}" \
     --out "$OUT/e2e_toca_loop_bf16.csv"
-"$PY" -m tomerge.experiments.bench.kernels --kernels --device cuda --dtype bf16 "${kernels[@]}" \
+"$PY" -m tomerge.experiments.commands.bench --kernels --device cuda --dtype bf16 "${kernels[@]}" \
     --out "$OUT/kernels_bf16.csv"
 
 # --- one Markdown file with the machine, versions and commands -------------------------------------

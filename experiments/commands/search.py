@@ -1,3 +1,50 @@
-"""`tomerge search`: its arguments and its flow."""
+"""`tomerge search`: its arguments and its flow (load the search config, run the trials, print the front). The
+search itself is :func:`tomerge.experiments.runs.search.run_search`."""
 
-from ..runs.search import add_arguments, main, run  # noqa: F401
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from pathlib import Path
+
+from ..errors import module_main, user_input
+from ..runs import search
+from ..runs.search import front_table, load_search, run_search
+
+__all__ = ["add_arguments", "run", "main"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", type=Path, required=True, help="YAML config with a search: section")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config entry, dotted keys (search.trials=10), YAML values (repeatable)")
+    parser.add_argument("--wandb", choices=["disabled", "offline", "online"], default=None,
+                        help="W&B mode (default: offline unless an API key is configured)")
+    parser.add_argument("--out-dir", type=Path, default=None, help="parent folder of run folders (default runs/)")
+    parser.add_argument("--no-held-out", action="store_true", help="do not re-score the front on search.held_out")
+
+
+def run(args: argparse.Namespace) -> int:
+    from .ablate import command_overrides  # here: `tomerge search --help` loads no other subcommand
+
+    with user_input():
+        config, space = load_search(args.config, command_overrides(args),
+                                    plugins=list(getattr(args, "plugins", None) or []))
+    result = run_search(config, space, held_out=not args.no_held_out)
+    print()
+    print(f"{len(result.trials)} trials; the Pareto front of {', '.join(space.objectives)}:")
+    print(front_table(result.front, result.front_rows, result.held_out_rows, space))
+    print(f"front: {result.folder}/search/front.md, front.png/.pdf; rerun it: tomerge ablate --config "
+          f"{result.folder}/search/front.yaml")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tomerge search", description=search.__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    module_main("search", main)

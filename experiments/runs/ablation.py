@@ -43,7 +43,9 @@ from .records import RunFolder, environment
 from ..sources.models import Item
 from ..measure.timing import overhead_ratio, speed_columns, time_baseline_and_merged
 
-__all__ = ["run_ablation", "match_flop_speedups"]
+# run_ablation is the grid; measure_run, speed_row and match_flop_speedups measure one run of it, and
+# `tomerge bench --config` times a grid with them (without images or quality metrics).
+__all__ = ["run_ablation", "measure_run", "speed_row", "match_flop_speedups"]
 
 
 def _merging(source: Any, run: RunSpec):
@@ -77,11 +79,13 @@ def produce_images(folder: RunFolder, run_id: str, spec: GenerateSpec, items: Se
     return files
 
 
-def measure(source: Any, config: AblationConfig, timing_items: Sequence[Item], run: RunSpec | None,
-            map_steps: bool = True) -> dict[str, Any]:
-    """FLOPs of the denoiser for the timing batch (with the run's merging), the merge maps of its first
-    image (``[N]`` slots per key, with each map's token grid in ``grids``) and every block call's decision
-    record."""
+def measure_run(source: Any, config: AblationConfig, timing_items: Sequence[Item], run: RunSpec | None,
+                map_steps: bool = True) -> dict[str, Any]:
+    """The counted side of one run: FLOPs of the denoiser for ``timing_items`` with the run's merging
+    (``run=None``: the unmerged baseline) as ``flops``, ``flops_per_image`` and ``denoiser_calls_per_image``
+    (:func:`~tomerge.experiments.measure.flops.count_denoiser_flops`); with ``map_steps``, the merge maps of
+    its first image at the config's map steps (``maps``: ``[N]`` slots per key, ``grids``: each map's token
+    grid); and every block call's decision record (``records``)."""
     from ..measure.flops import count_denoiser_flops
 
     call = lambda: source.generate(timing_items)  # noqa: E731
@@ -113,7 +117,7 @@ def match_flop_speedups(source: Any, config: AblationConfig, runs: Sequence[RunS
     """``runs`` with every FLOP-matched one (``flop_target`` set) at the ratio whose FLOP-ideal speed-up on
     ``items`` is closest to its target; the others as they are.
 
-    The speed-up is counted (:func:`measure`; the unmerged FLOPs once) at each ratio a bisection tries, within
+    The speed-up is counted (:func:`measure_run`; the unmerged FLOPs once) at each ratio a bisection tries, within
     the ratios the strategy accepts with the run's options (:func:`~tomerge.experiments.config.schema.valid_ratios`).
     It is a step function of the ratio (token counts are integers) and rises with it, so after ``steps``
     halvings the closer of the two bracketing ratios is kept. Raises
@@ -122,13 +126,14 @@ def match_flop_speedups(source: Any, config: AblationConfig, runs: Sequence[RunS
     """
     if all(run.flop_target is None for run in runs):
         return list(runs)
-    base = measure(source, config, items, None, map_steps=False)["flops"]
+    base = measure_run(source, config, items, None, map_steps=False)["flops"]
 
     def matched(run: RunSpec) -> RunSpec:
         def speedup(ratio: float) -> float:
             with warnings.catch_warnings():  # e.g. "capping at N windows" at ratios the search only tries
                 warnings.simplefilter("ignore")
-                flops = measure(source, config, items, dataclasses.replace(run, ratio=ratio), map_steps=False)["flops"]
+                at_ratio = dataclasses.replace(run, ratio=ratio)
+                flops = measure_run(source, config, items, at_ratio, map_steps=False)["flops"]
             return base / flops
 
         lo, hi = valid_ratios(run.strategy, run.options)
@@ -150,7 +155,10 @@ def match_flop_speedups(source: Any, config: AblationConfig, runs: Sequence[RunS
 
 
 def speed_row(source: Any, config: AblationConfig, timing_items: Sequence[Item], run: RunSpec) -> dict[str, Any]:
-    """Timing batch, baseline and merged alternating: medians, spreads, per image, denoiser time, memory."""
+    """The timed side of one run: the generation call of ``timing_items``, baseline and merged alternating
+    (the config's ``warmup`` and ``repeats``; :func:`~tomerge.experiments.measure.timing.time_baseline_and_merged`),
+    as a result row's measured columns (:func:`~tomerge.experiments.measure.timing.speed_columns`: medians,
+    spreads, per image, denoiser time, memory)."""
     base, merged = time_baseline_and_merged(lambda: source.generate(timing_items), lambda: _merging(source, run),
                                             source.denoiser, warmup=config.warmup, repeats=config.repeats)
     return speed_columns(base, merged, items=len(timing_items), repeats=config.repeats)
@@ -244,7 +252,7 @@ def _run_grid(config: AblationConfig, folder: RunFolder, progress: bool) -> RunF
     baseline_files = produce_images(folder, "baseline", _spec(config, None), items, source, config, progress)
     quality = quality_scorer(folder, config, baseline_files, prompts)
     if not folder.has("baseline"):
-        measured = measure(source, config, timing_items, None)
+        measured = measure_run(source, config, timing_items, None)
         row = {"run": "baseline", "strategy": "none", "ratio": 0.0, "options": {},
                **_counts(measured), **quality.score(baseline_files), **env}
         folder.save_grid("baseline", baseline_files)
@@ -254,7 +262,7 @@ def _run_grid(config: AblationConfig, folder: RunFolder, progress: bool) -> RunF
 
     for run in tqdm(todo, desc=f"ablate {config.name}", disable=not progress):
         files = produce_images(folder, run.run_id, _spec(config, run), items, source, config, progress=False)
-        measured = measure(source, config, timing_items, run)
+        measured = measure_run(source, config, timing_items, run)
         flops_base = folder.baseline_row()["flops"]
         row = {
             "run": run.run_id, "strategy": run.strategy, "ratio": run.ratio, "options": run.options,
@@ -274,7 +282,7 @@ def _run_grid(config: AblationConfig, folder: RunFolder, progress: bool) -> RunF
 
 
 def _counts(measured: dict[str, Any]) -> dict[str, float]:
-    """The FLOP and call counts of :func:`measure` that go into a result row, with the counter's version."""
+    """The FLOP and call counts of :func:`measure_run` that go into a result row, with the counter's version."""
     from ..measure.flops import COUNTER_VERSION
 
     return {**{k: measured[k] for k in ("flops", "flops_per_image", "denoiser_calls_per_image")},

@@ -32,7 +32,6 @@ Example:
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 from collections.abc import Sequence
@@ -41,13 +40,14 @@ from typing import Any
 
 import yaml
 
-from ..errors import UsageError, did_you_mean, user_input
+from .. import moved_names
+from ..errors import UsageError, did_you_mean
 from ..config.schema import AblationConfig, ConfigError, RunSpec, entry_problems, load_config_sections
 from .records import BETTER, format_value
 
 # optuna, torch and the model are imported where they are used: `--help` needs none.
 
-__all__ = ["SearchSpace", "SpaceEntry", "Dimension", "run_search", "add_arguments", "run", "main"]
+__all__ = ["SearchSpace", "SpaceEntry", "Dimension", "run_search", "load_search"]
 
 SAMPLERS = ("nsga2", "tpe", "random")
 SEARCH_KEYS = ("trials", "sampler", "seed", "objectives", "space", "held_out")
@@ -269,6 +269,16 @@ def grid_of(runs: Sequence[RunSpec]) -> tuple[dict[str, Any], ...]:
     return tuple({"strategy": r.strategy, "ratios": [r.ratio], "options": dict(r.options)} for r in runs)
 
 
+def load_search(path: Path, overrides: list[str], plugins: list[str] | None = None,
+                check_inputs: bool = True) -> tuple[AblationConfig, SearchSpace]:
+    """The ablation config and the parsed ``search:`` section of a search config (every problem at once)."""
+    config, sections = load_config_sections(path, overrides, plugins=plugins, check_inputs=check_inputs,
+                                            sections=("search",))
+    if config.grid:
+        raise ConfigError(["a search config has no grid: (the search chooses the runs); remove it"])
+    return config, SearchSpace.parse(sections.get("search"), config)
+
+
 # ------------------------------------------------------------------------------------------ the loop
 @dataclasses.dataclass
 class SearchResult:
@@ -432,50 +442,5 @@ def write_front(study: Any, space: SearchSpace, config: AblationConfig, front: S
         plt.close(axes.figure)
 
 
-# ------------------------------------------------------------------------------------------- command
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", type=Path, required=True, help="YAML config with a search: section")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a config entry, dotted keys (search.trials=10), YAML values (repeatable)")
-    parser.add_argument("--wandb", choices=["disabled", "offline", "online"], default=None,
-                        help="W&B mode (default: offline unless an API key is configured)")
-    parser.add_argument("--out-dir", type=Path, default=None, help="parent folder of run folders (default runs/)")
-    parser.add_argument("--no-held-out", action="store_true", help="do not re-score the front on search.held_out")
-
-
-def load_search(path: Path, overrides: list[str], plugins: list[str] | None = None,
-                check_inputs: bool = True) -> tuple[AblationConfig, SearchSpace]:
-    """The ablation config and the parsed ``search:`` section of a search config (every problem at once)."""
-    config, sections = load_config_sections(path, overrides, plugins=plugins, check_inputs=check_inputs,
-                                            sections=("search",))
-    if config.grid:
-        raise ConfigError(["a search config has no grid: (the search chooses the runs); remove it"])
-    return config, SearchSpace.parse(sections.get("search"), config)
-
-
-def run(args: argparse.Namespace) -> int:
-    from ..commands.ablate import command_overrides
-
-    with user_input():
-        config, space = load_search(args.config, command_overrides(args),
-                                    plugins=list(getattr(args, "plugins", None) or []))
-    result = run_search(config, space, held_out=not args.no_held_out)
-    print()
-    print(f"{len(result.trials)} trials; the Pareto front of {', '.join(space.objectives)}:")
-    print(front_table(result.front, result.front_rows, result.held_out_rows, space))
-    print(f"front: {result.folder}/search/front.md, front.png/.pdf; rerun it: tomerge ablate --config "
-          f"{result.folder}/search/front.yaml")
-    return 0
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tomerge search", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    from tomerge.experiments.errors import module_main
-
-    module_main("search", main)
+__getattr__ = moved_names(__name__, {"add_arguments": "commands.search", "run": "commands.search",
+                                     "main": "commands.search"})
