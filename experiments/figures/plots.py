@@ -50,7 +50,7 @@ import yaml
 
 from ..measure.columns import figure_columns, format_markdown_table, plotted_metrics
 from ..errors import UsageError
-from ..generation.files import DamagedFileError, read_jsonl
+from ..generation.files import DamagedFileError, frame_files, load_image_files, read_jsonl
 from ..runs.records import RESULTS, image_grid, last_rows, merge_map_rgb, other_counter_message, other_counter_runs, \
     read_rows
 
@@ -117,8 +117,6 @@ class RunData:
 
     def _load(self, files: Sequence[Path]) -> Tensor:
         """``load_image_files(files)``; a damaged file is named in a :class:`DamagedFileError`."""
-        from ..measure.metrics import load_image_files
-
         try:
             return load_image_files(files)
         except (OSError, SyntaxError, ValueError) as err:  # PIL: truncated, not an image
@@ -142,8 +140,6 @@ class RunData:
 
     def video(self, run: str, index: int) -> Tensor | None:
         """The frames ``[T, C, H, W]`` (float, [-1, 1]) of the run's item with this ``index``, or ``None``."""
-        from ..measure.metrics import frame_files
-
         items = self.items(run, [index])
         folder = self.path / "images" / run / items[0]["file"] if items else None
         if folder is None or not folder.is_dir():
