@@ -13,7 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from tomerge.experiments.generation.files import load_image_files
 from tomerge.experiments.measure import metrics as M
+from tomerge.experiments.measure.features import dino_embeddings
+from tomerge.experiments.measure.image_sets import ImageSetQuality
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +68,7 @@ def test_distance_is_one_minus_cosine_of_the_cls_tokens(dino_folder):
     got = M.dino_distance(a, b, dino_folder)
     assert float(expected.min()) > 1e-4  # really different images
     torch.testing.assert_close(got.float(), expected, rtol=1e-4, atol=1e-6)
-    torch.testing.assert_close(M.dino_embeddings(a, dino_folder), ea, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(dino_embeddings(a, dino_folder), ea, rtol=1e-5, atol=1e-6)
     q = M.compute_quality(a, b, dino_model_path=dino_folder, batch_size=2)
     assert q["dino_dist"] == pytest.approx(float(expected.mean()), rel=1e-4)
     assert "dino_dist" in M.QUALITY_LABELS
@@ -116,7 +119,7 @@ def test_video_frames_are_paired_with_the_same_frame_of_the_baseline(tmp_path, d
         for v in range(2):
             save_video(videos[v], tmp_path / name / f"{v:05d}_seed{v}")
     base_files = sorted((tmp_path / "base").iterdir())
-    quality = M.ImageSetQuality(base_files, dino_model=dino_folder, batch_size=4)
+    quality = ImageSetQuality(base_files, dino_model=dino_folder, batch_size=4)
     assert quality.baseline_dino.shape == (6, 32)  # one CLS embedding per frame
     same, other = quality.score(base_files), quality.score(sorted((tmp_path / "run").iterdir()))
     assert same["dino_dist"] == pytest.approx(0.0, abs=1e-6) and same["dino_dist_per_frame"] == [0.0] * 3
@@ -145,7 +148,7 @@ def test_ablate_records_the_dino_distance(tmp_path, dino_folder):
     baseline, merged = rows
     assert baseline["dino_dist"] == pytest.approx(0.0, abs=1e-6)
     files = {r: sorted((folder / "images" / r).glob("*.png")) for r in ("baseline", merged["run"])}
-    expected = M.dino_distance(M.load_image_files(files["baseline"]), M.load_image_files(files[merged["run"]]),
+    expected = M.dino_distance(load_image_files(files["baseline"]), load_image_files(files[merged["run"]]),
                                dino_folder).mean()
     assert merged["dino_dist"] == pytest.approx(float(expected), rel=1e-5, abs=1e-7)
     assert merged["dino_dist"] > 0 and merged["psnr"] < 100  # merging changed the images

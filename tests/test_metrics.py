@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 import torch
 
+from tomerge.experiments.measure import features as F
 from tomerge.experiments.measure import metrics as M
+from tomerge.experiments.sources import weights
 
 N_IMG = 4  # images per set in the EfficientNet tests
 
@@ -93,8 +95,8 @@ def test_frechet_identity_covariances_is_squared_mean_distance(method):
     mu1, mu2 = np.zeros(d), np.array([1.0, -2.0, 0.5, 0.0, 3.0])
     a = _exact_moments(200, mu1, np.eye(d), 0)
     b = _exact_moments(300, mu2, np.eye(d), 1)
-    assert M.frechet_distance(a, b, method=method) == pytest.approx(float(((mu1 - mu2) ** 2).sum()), abs=1e-8)
-    assert M.frechet_distance(torch.from_numpy(a), torch.from_numpy(a), method=method) == pytest.approx(0, abs=1e-8)
+    assert F.frechet_distance(a, b, method=method) == pytest.approx(float(((mu1 - mu2) ** 2).sum()), abs=1e-8)
+    assert F.frechet_distance(torch.from_numpy(a), torch.from_numpy(a), method=method) == pytest.approx(0, abs=1e-8)
 
 
 @pytest.mark.parametrize("method", ["auto", "sqrtm"])
@@ -106,12 +108,12 @@ def test_frechet_matches_closed_form(method):
     s1, s2 = np.array([1.0, 4.0, 0.25, 2.0]), np.array([9.0, 1.0, 0.25, 0.5])
     a, b = _exact_moments(100, mu1, np.diag(s1), 2), _exact_moments(150, mu2, np.diag(s2), 3)
     expected = float(((mu1 - mu2) ** 2).sum() + ((np.sqrt(s1) - np.sqrt(s2)) ** 2).sum())
-    assert M.frechet_distance(a, b, method=method) == pytest.approx(expected, rel=1e-9)
+    assert F.frechet_distance(a, b, method=method) == pytest.approx(expected, rel=1e-9)
     # full, non-commuting covariances
     q1, q2 = rng.standard_normal((d, d)), rng.standard_normal((d, d))
     c1, c2 = q1 @ q1.T + 0.1 * np.eye(d), q2 @ q2.T + 0.1 * np.eye(d)
     a, b = _exact_moments(100, mu1, c1, 4), _exact_moments(120, mu2, c2, 5)
-    assert M.frechet_distance(a, b, method=method) == pytest.approx(_closed_form(mu1, c1, mu2, c2), rel=1e-7)
+    assert F.frechet_distance(a, b, method=method) == pytest.approx(_closed_form(mu1, c1, mu2, c2), rel=1e-7)
 
 
 def test_frechet_fewer_samples_than_dimensions():
@@ -122,21 +124,21 @@ def test_frechet_fewer_samples_than_dimensions():
     ev = np.linalg.eigvals(s1 @ s2)
     cross = np.sqrt(np.clip(ev.real, 0, None)).sum()
     expected = ((a.mean(0) - b.mean(0)) ** 2).sum() + np.trace(s1) + np.trace(s2) - 2 * cross
-    assert M.frechet_distance(a, b) == pytest.approx(expected, rel=1e-8)
-    assert M.frechet_distance(a, a) == pytest.approx(0, abs=1e-9)
-    assert M.frechet_distance(a, b, method="sqrtm") == pytest.approx(expected, rel=1e-3)
+    assert F.frechet_distance(a, b) == pytest.approx(expected, rel=1e-8)
+    assert F.frechet_distance(a, a) == pytest.approx(0, abs=1e-9)
+    assert F.frechet_distance(a, b, method="sqrtm") == pytest.approx(expected, rel=1e-3)
 
 
 def test_frechet_checks_inputs():
     x = np.zeros((4, 3))
     with pytest.raises(ValueError, match="N >= 2"):
-        M.frechet_distance(x[:1], x)
+        F.frechet_distance(x[:1], x)
     with pytest.raises(ValueError, match="dimensions differ"):
-        M.frechet_distance(x, np.zeros((4, 2)))
+        F.frechet_distance(x, np.zeros((4, 2)))
     with pytest.raises(ValueError, match="method"):
-        M.frechet_distance(x, x, method="exact")
+        F.frechet_distance(x, x, method="exact")
     with pytest.raises(ValueError, match="NaN"):
-        M.frechet_distance(x, np.full((4, 3), np.nan))
+        F.frechet_distance(x, np.full((4, 3), np.nan))
 
 
 # ---------------------------------------------------------------- EfficientNet-Lite0 features
@@ -147,9 +149,9 @@ def test_extractor_loads_offline_and_is_cached(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr(socket.socket, "connect", no_network)
     monkeypatch.setattr(torch.hub, "load_state_dict_from_url", no_network)
-    M._load_effnet_lite0.cache_clear()
-    fx = M.FeatureExtractor(batch_size=2)
-    assert M.FeatureExtractor(batch_size=2).model is fx.model  # cached per process
+    F._load_effnet_lite0.cache_clear()
+    fx = F.FeatureExtractor(batch_size=2)
+    assert F.FeatureExtractor(batch_size=2).model is fx.model  # cached per process
     assert not fx.model.training and not any(p.requires_grad for p in fx.model.parameters())
     gray = _images(2, 3)
     f = fx(gray)
@@ -160,14 +162,14 @@ def test_extractor_loads_offline_and_is_cached(monkeypatch):
 
 def test_extractor_errors(tmp_path):
     with pytest.raises(M.MissingWeightsError, match="not found"):
-        M.FeatureExtractor(weights_path=tmp_path / "missing.pth")
-    fx = M.FeatureExtractor()
+        F.FeatureExtractor(weights_path=tmp_path / "missing.pth")
+    fx = F.FeatureExtractor()
     with pytest.raises(ValueError, match="1 or 3 channels"):
         fx(torch.zeros(2, 2, 8, 8))
 
 
 def test_packaged_weights_are_a_plain_state_dict():
-    state = torch.load(M.default_effnet_lite0_weights(), map_location="cpu", weights_only=True)
+    state = torch.load(weights.default_effnet_lite0_weights(), map_location="cpu", weights_only=True)
     assert len(state) == 296 and state["_conv_head.weight"].shape == (1280, 320, 1, 1)
 
 
@@ -192,6 +194,21 @@ def test_compute_quality_keys_and_values():
     assert q["fd_effnetlite0_ref_baseline"] == pytest.approx(0.0, abs=1e-6)
     assert all(k in M.QUALITY_LABELS for k in q)
     assert M.FD_LABEL == "FD-EffNetLite0" and "FID" not in M.QUALITY_LABELS["fd_effnetlite0"]
+
+
+
+def test_names_owned_elsewhere_name_their_owner():
+    """The file readers, the file sets' scorer and the packaged weights have one owner each; metrics' old
+    spellings name it."""
+    for name, owner in (("load_video", "generation.files"), ("ImageSetQuality", "measure.image_sets"),
+                        ("default_effnet_lite0_weights", "sources.weights")):
+        with pytest.raises(AttributeError, match=rf"metrics\.{name} is tomerge\.experiments\.{owner}\.{name}$"):
+            getattr(M, name)
+
+
+def test_missing_weights_message_names_the_metric_that_needs_none():
+    with pytest.raises(M.MissingWeightsError, match=f"tomerge never downloads .*; {M.FD_LABEL} works offline"):
+        weights.require_path(None, "metrics.clip_model", "CLIP score")
 
 
 # ---------------------------------------------------------------- opt-in FID / CLIP: never download

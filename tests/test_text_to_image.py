@@ -167,7 +167,8 @@ def test_clip_score_from_a_local_clip_folder_and_wandb_captions(tmp_path):
         assert 0 <= r["clip_score"] <= 100
     assert "CLIP score" in (folder / "table.md").read_text()
 
-    from tomerge.experiments.measure.metrics import clip_score, load_image_files
+    from tomerge.experiments.generation.files import load_image_files
+    from tomerge.experiments.measure.metrics import clip_score
 
     files = [folder / "images" / "baseline" / f for f in ("00000_seed5.png", "00001_seed6.png")]
     assert written[0]["clip_score"] == pytest.approx(clip_score(load_image_files(files), PROMPTS,

@@ -118,7 +118,8 @@ def test_cogvideox_pipeline_ablation(root):
 def test_video_metrics_pair_frames_with_the_same_frame_of_the_baseline(tmp_path):
     """Hand-made videos: only frame 1 of video 0 differs, so only that frame index loses PSNR and SSIM."""
     from tomerge.experiments.generation.generate import save_video
-    from tomerge.experiments.measure.metrics import ImageSetQuality, expand_videos
+    from tomerge.experiments.generation.files import expand_videos
+    from tomerge.experiments.measure.image_sets import ImageSetQuality
 
     g = torch.Generator().manual_seed(0)
     base = torch.rand(2, 3, 3, 16, 16, generator=g) * 2 - 1  # [videos, T, C, H, W]

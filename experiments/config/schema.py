@@ -218,7 +218,7 @@ class MetricsConfig:
             if value is not None and not Path(value).exists():
                 problems.append(f"metrics.{key}: {what} {value} not found (local paths only; nothing is downloaded)")
         if self.dino_model is not None and Path(self.dino_model).exists():
-            from ..measure.metrics import check_dino_model  # imports torch and transformers: only for a DINO folder
+            from ..sources.weights import check_dino_model  # imports transformers: only for a DINO folder
 
             try:
                 check_dino_model(self.dino_model)

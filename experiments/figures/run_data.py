@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from ..errors import DamagedFileError, UsageError
-from ..generation.files import read_jsonl
+from ..generation.files import frame_files, load_image_files, read_jsonl
 from ..runs.records import RESULTS, last_rows, other_counter_message, other_counter_runs, read_rows
 
 if TYPE_CHECKING:  # torch is imported where images are loaded: `tomerge figures --help` stays fast
@@ -77,8 +77,6 @@ class RunData:
 
     def _load(self, files: Sequence[Path]) -> Tensor:
         """``load_image_files(files)``; a damaged file is named in a :class:`DamagedFileError`."""
-        from ..measure.metrics import load_image_files
-
         try:
             return load_image_files(files)
         except (OSError, SyntaxError, ValueError) as err:  # PIL: truncated, not an image
@@ -102,8 +100,6 @@ class RunData:
 
     def video(self, run: str, index: int) -> Tensor | None:
         """The frames ``[T, C, H, W]`` (float, [-1, 1]) of the run's item with this ``index``, or ``None``."""
-        from ..measure.metrics import frame_files
-
         items = self.items(run, [index])
         folder = self.path / "images" / run / items[0]["file"] if items else None
         if folder is None or not folder.is_dir():

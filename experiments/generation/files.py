@@ -17,6 +17,10 @@ a full disk, a second process on the same folder, a file damaged by a broken cop
   at a broken row elsewhere with a :class:`DamagedFileError` naming the line; :func:`output_complete`
   tells a whole PNG (or video frame folder) from a truncated one by its ``IEND`` trailer, without
   decoding it.
+* Images and videos as tensors: :func:`load_image_files` (PNG/JPEG -> ``[n, C, H, W]`` in ``[-1, 1]``),
+  :func:`load_video` (a folder of ``frame_000.png``, ... -> ``[T, C, H, W]``), :func:`image_files` (the
+  images of a folder), :func:`frame_files` (the frames of a video folder) and :func:`expand_videos` (a set
+  of images or of video folders as one list of image files).
 """
 
 from __future__ import annotations
@@ -30,12 +34,15 @@ import re
 import shutil
 import socket
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import NO_SPACE, DamagedFileError, DiskFullError, FolderInUseError, UserError, \
     is_disk_full  # noqa: F401 (files.NO_SPACE, files.UserError)
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 LOCK_FILE = "tomerge.lock"
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -238,6 +245,74 @@ def repair_jsonl_tail(path: str | os.PathLike) -> str | None:
     if not data.endswith(b"\n"):
         append_line(path, "", sync=False)  # the row is whole; only its newline is missing
     return None
+
+
+# ------------------------------------------------------------------------------------- images and videos
+def load_image_files(paths: Sequence[str | os.PathLike]) -> Tensor:
+    """PNG/JPEG files -> ``[n, C, H, W]`` float in ``[-1, 1]`` (C = 1 for greyscale files, else 3).
+
+    Example:
+        >>> load_image_files(sorted(Path("runs/gen/base").glob("*.png"))[:4]).shape   # doctest: +SKIP
+        torch.Size([4, 3, 1024, 1024])
+    """
+    import numpy as np
+    import torch
+    from PIL import Image
+
+    arrays = []
+    for path in paths:
+        with Image.open(path) as img:
+            array = np.asarray(img.convert("L") if img.mode in ("L", "1", "I;16") else img.convert("RGB"))
+        arrays.append(torch.from_numpy(array.copy()).reshape(*array.shape[:2], -1).permute(2, 0, 1))  # [C, H, W]
+    if not arrays:
+        raise ValueError("no image files to load")
+    return torch.stack(arrays).float().div(127.5).sub(1.0)  # [n, C, H, W]
+
+
+def frame_files(video: str | os.PathLike) -> list[Path]:
+    """The frames of a video folder (``frame_000.png``, ...), in frame order."""
+    folder = Path(video)
+    frames = sorted(folder.glob("frame_*.png"))
+    if not frames:
+        raise ValueError(f"video folder {folder} holds no frame_*.png files")
+    return frames
+
+
+def expand_videos(files: Sequence[str | os.PathLike]) -> tuple[list[Path], int | None]:
+    """Image files as they are, or video folders as their frames, in order: ``(frame files, frames per
+    video)`` (``None`` for images). Every video must have the same number of frames.
+
+    Example:
+        >>> expand_videos(["runs/x/images/baseline/00000_seed0"])   # doctest: +SKIP
+        ([PosixPath('.../00000_seed0/frame_000.png'), ...], 9)
+    """
+    paths = [Path(f) for f in files]
+    videos = [p.is_dir() for p in paths]
+    if not any(videos):
+        return paths, None
+    if not all(videos):
+        raise ValueError("a set mixes image files and video folders")
+    per_video = [frame_files(p) for p in paths]
+    counts = sorted({len(f) for f in per_video})
+    if len(counts) != 1:
+        raise ValueError(f"videos of one set must have equal frame counts, got {counts}")
+    return [f for frames in per_video for f in frames], counts[0]
+
+
+def load_video(folder: str | os.PathLike) -> Tensor:
+    """A video folder -> ``[T, C, H, W]`` float in ``[-1, 1]``."""
+    return load_image_files(frame_files(folder))
+
+
+def image_files(folder: str | os.PathLike, limit: int | None = None) -> list[Path]:
+    """Image files (PNG/JPEG) of a folder, sorted by name, at most ``limit``."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"image folder {folder} not found")
+    files = sorted(p for p in folder.iterdir() if p.suffix.lower() in (".png", ".jpg", ".jpeg"))
+    if not files:
+        raise ValueError(f"{folder} holds no .png/.jpg images")
+    return files[:limit]
 
 
 # ------------------------------------------------------------------------------------- locking

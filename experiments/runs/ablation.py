@@ -37,7 +37,7 @@ import tomerge
 
 from ..errors import user_input
 from ..config.schema import AblationConfig, ConfigError, RunSpec, config_help, load_config, valid_ratios
-from ..generation.files import output_complete
+from ..generation.files import image_files, output_complete
 from ..generation.generate import INDEX_FILE, GenerateSpec, generate_distributed, generate_local, item_output, prepare
 from .records import RunFolder, environment
 from ..sources.models import Item
@@ -166,7 +166,7 @@ def speed_row(source: Any, config: AblationConfig, timing_items: Sequence[Item],
 
 def quality_scorer(folder: RunFolder, config: AblationConfig, baseline_files: Sequence[Path],
                    prompts: Sequence[str] | None):
-    """The run folder's :class:`~tomerge.experiments.measure.metrics.ImageSetQuality`: EfficientNet-Lite0
+    """The run folder's :class:`~tomerge.experiments.measure.image_sets.ImageSetQuality`: EfficientNet-Lite0
     features of the baseline images and of the real reference images are computed once
     (``features.safetensors``) and reused by every run, with the optional CLIP score, FID and DINO
     distance of ``metrics:``.
@@ -174,7 +174,8 @@ def quality_scorer(folder: RunFolder, config: AblationConfig, baseline_files: Se
     Reference images: ``metrics.reference_images`` (a folder), else for the reference DiT
     ``fd_reference_images`` Fashion-MNIST test images (0: none).
     """
-    from ..measure.metrics import FeatureExtractor, ImageSetQuality, image_files
+    from ..measure.features import FeatureExtractor
+    from ..measure.image_sets import ImageSetQuality
 
     m = config.metrics
     cached = folder.load_tensors("features") or {}

@@ -34,8 +34,8 @@ import yaml
 from ..measure.columns import BETTER, format_markdown_table, table_columns
 from ..errors import UsageError
 from ..config.schema import AblationConfig
-from ..generation.files import DamagedFileError, FolderLock, append_line, lock_folder, read_jsonl, remove_temp_files, \
-    repair_jsonl_tail, write_text_atomic, write_with
+from ..generation.files import DamagedFileError, FolderLock, append_line, load_image_files, load_video, lock_folder, \
+    read_jsonl, remove_temp_files, repair_jsonl_tail, write_text_atomic, write_with
 from ..generation.pictures import image_grid, merge_map_rgb
 
 if TYPE_CHECKING:
@@ -74,8 +74,6 @@ def preview_grid(files: list[Path]) -> Tensor:
     """The first :data:`GRID_IMAGES` images in rows of 10, or the first :data:`GRID_VIDEOS` videos (frame
     folders) one row of frames each: ``[H', W', 3]`` uint8."""
     import torch
-
-    from ..measure.metrics import load_image_files, load_video
 
     if files and Path(files[0]).is_dir():
         videos = [load_video(f) for f in files[:GRID_VIDEOS]]  # each [T, C, H, W]
@@ -347,8 +345,6 @@ class WandbLogger:
         if self.run is None:
             return
         import wandb
-
-        from ..measure.metrics import load_image_files, load_video
 
         payload: dict[str, Any] = {f"{row['run']}/{k}": v for k, v in row.items()
                                    if isinstance(v, (int, float)) and v is not None}
