@@ -1,0 +1,110 @@
+"""The layout of ``tomerge.experiments`` (its docstring): one stage per folder, each module importing only
+from the stages before it, no import circle, and the modules of the flat layout answering with their new
+spelling. Imports are read from the source (every ``import`` statement, also those inside functions), so a
+lazy import that breaks the order is found as well."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+import tomerge.experiments as experiments
+
+ROOT = Path(experiments.__file__).parent
+# The stages in the order a run takes them; a module imports from its own stage and the ones before.
+STAGES = ("errors", "plugins", "sources", "config", "generation", "measure", "runs", "figures", "bench",
+          "commands", "cli")
+
+
+def module_name(path: Path) -> str:
+    """``runs/records.py`` -> ``runs.records``; ``runs/__init__.py`` -> ``runs``; the package -> ``""``."""
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def is_module(name: str) -> bool:
+    path = ROOT.joinpath(*name.split(".")) if name else ROOT
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
+def imported_modules(path: Path) -> set[str]:
+    """The modules of ``tomerge.experiments`` that ``path`` imports (names relative to the package)."""
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".") if package else []
+                base = base[: len(base) - node.level + 1]
+                module = ".".join([*base, *([node.module] if node.module else [])])
+            elif node.module and (node.module + ".").startswith("tomerge.experiments."):
+                module = node.module.removeprefix("tomerge.experiments").lstrip(".")
+            else:
+                continue
+            for alias in node.names:  # `from .runs import records` imports the module runs.records
+                child = f"{module}.{alias.name}" if module else alias.name
+                found.add(child if is_module(child) else module)
+        elif isinstance(node, ast.Import):
+            found |= {a.name.removeprefix("tomerge.experiments.") for a in node.names
+                      if a.name.startswith("tomerge.experiments.")}
+    return {m for m in found if m and m != name}
+
+
+SOURCES = sorted(ROOT.rglob("*.py"))
+GRAPH = {module_name(p): imported_modules(p) for p in SOURCES}
+
+
+def stage(module: str) -> str:
+    return module.split(".")[0]
+
+
+def test_every_module_is_in_a_stage():
+    assert {stage(m) for m in GRAPH if m} <= set(STAGES)
+
+
+def test_a_module_imports_only_from_its_stage_and_the_ones_before():
+    late = [f"{m} imports {t}" for m, targets in GRAPH.items() if m for t in sorted(targets)
+            if STAGES.index(stage(t)) > STAGES.index(stage(m))]
+    assert late == []
+
+
+def test_no_import_circle():
+    done: set[str] = set()
+
+    def visit(module: str, path: tuple[str, ...]) -> None:
+        if module in path:
+            cycle = " -> ".join([*path[path.index(module):], module])
+            pytest.fail(f"import circle: {cycle}")
+        if module in done:
+            return
+        for target in sorted(GRAPH.get(module, ())):
+            visit(target, (*path, module))
+        done.add(module)
+
+    for module in sorted(GRAPH):
+        visit(module, ())
+
+
+@pytest.mark.parametrize("old, new", sorted(experiments.MOVED_MODULES.items()))
+def test_a_moved_module_names_its_new_spelling(old, new):
+    assert is_module(new), new
+    sys.modules.pop(f"tomerge.experiments.{old}", None)
+    spelling = re.escape(f"tomerge.experiments.{old} is tomerge.experiments.{new}")
+    with pytest.raises(ModuleNotFoundError, match=rf"^{spelling}( \(its command line: python -m .*\))?$"):
+        importlib.import_module(f"tomerge.experiments.{old}")
+
+
+@pytest.mark.parametrize("package, owner, name", [
+    ("config", "config.schema", "load_config"), ("sources", "sources.models", "ModelSpec"),
+    ("figures", "figures.make", "make_figures"), ("bench", "bench.kernels", "kernel_benchmark")])
+def test_a_folder_that_was_a_module_answers_its_old_names(package, owner, name):
+    old = importlib.import_module(f"tomerge.experiments.{package}")
+    assert getattr(old, name) is getattr(importlib.import_module(f"tomerge.experiments.{owner}"), name)
+    with pytest.raises(AttributeError, match=f"tomerge.experiments.{package}' has no attribute 'no_such_name'"):
+        old.no_such_name  # noqa: B018
