@@ -171,12 +171,14 @@ class FacilityLocation(MergeStrategy):
         """``[B, T, s, s]``: the tile similarities both stages need, computed once per plan."""
         return _similarities(x, self.tile_layout(ctx.grid, x.device))
 
-    def select_destinations(self, x: Tensor, ctx: MergeContext) -> Tensor:
+    def select_destinations(self, x: Tensor, ctx: MergeContext, shared: Tensor | None = None) -> Tensor:
         """Greedy facility location in every tile.
 
         Args:
             x: ``[B, N, C]`` image-token features (any float dtype).
             ctx: the merge context (grid and ratio).
+            shared: ``[B, T, s, s]`` the tile similarities of ``x`` (:meth:`shared_work`, passed by ``plan``);
+                ``None``: computed here.
 
         Returns:
             ``[B, M]`` long token positions, ``M = T*d``, slot ``m = t*d + j`` is tile ``t``'s ``j``-th pick.
@@ -184,15 +186,14 @@ class FacilityLocation(MergeStrategy):
         B, N, _ = ctx.check_tokens(x)
         layout = self.tile_layout(ctx.grid, x.device)  # [T, s]
         d = self._dst_per_tile(N, layout.shape[0], ctx)
-        S = ctx.shared_work  # [B, T, s, s] when called by plan()
-        if S is None:
+        if shared is None:
             S = _similarities(x[:1] if self.shared_destinations else x, layout)  # [b, T, s, s]
-        elif self.shared_destinations:
-            S = S[:1]  # [1, T, s, s]: select on sample 0
+        else:
+            S = shared[:1] if self.shared_destinations else shared  # [b, T, s, s]: b = 1 selects on sample 0
         local, _ = self._greedy(S, layout == N, d, self._fewest_members(ctx.grid))  # [b, T, d] (b = 1 when shared)
         return _positions(layout, local).expand(B, -1)  # [B, M]
 
-    def merge_matrix(self, x: Tensor, dst: Tensor, ctx: MergeContext) -> MergePlan:
+    def merge_matrix(self, x: Tensor, dst: Tensor, ctx: MergeContext, shared: Tensor | None = None) -> MergePlan:
         """Soft tiled merge/unmerge matrices from the destinations.
 
         Args:
@@ -200,34 +201,47 @@ class FacilityLocation(MergeStrategy):
             dst: ``[B, M]`` (or ``[1, M]``) destinations from :meth:`select_destinations`: slot ``m = t*d + j``
                 must hold a token of tile ``t``.
             ctx: the merge context.
+            shared: ``[B, T, s, s]`` the tile similarities of ``x`` (:meth:`shared_work`, passed by ``plan``);
+                ``None``: computed here.
 
         Returns:
             A soft tiled :class:`MergePlan` with ``W [B, T, d, s]`` and ``U [B, T, s, d]`` (fp32).
         """
         B, N, C = ctx.check_tokens(x)
         layout = self.tile_layout(ctx.grid, x.device)  # [T, s]
+        # Called on its own (no shared similarities), the destinations are given by hand: their values are checked.
+        # Inside plan() they were just selected, or kept from an earlier plan of this grid.
+        local = self._tile_members(dst, layout, B, ctx.grid, check_values=shared is None)  # [b, T, d]
+        S = _similarities(x, layout) if shared is None else shared  # [B, T, s, s]
+        L = _rows(S, local.expand(B, -1, -1))  # [B, T, d, s]
+        return self._matrices(L, dst.expand(B, -1), layout, N)
+
+    def _tile_members(self, dst: Tensor, layout: Tensor, batch: int, grid: Grid, check_values: bool) -> Tensor:
+        """``[b, T, d]``: the member index inside its tile of every destination ``dst [b, T*d]`` (``b`` is 1 or
+        ``batch``) of the tiles ``layout [T, s]`` (``N`` marks padding).
+
+        Raises ``ValueError`` unless ``dst`` is ``[b, T*d]``; with ``check_values``, also unless every slot
+        ``t*d + j`` holds a token of tile ``t``. The value checks read the host, so a compiled graph skips them
+        (they would break it and synchronise).
+        """
         T, s = layout.shape
-        # The value checks read the host: they run on destinations given by hand. Inside plan() (shared work set)
-        # the destinations were just selected or kept from an earlier plan of this grid, and a compiled graph
-        # skips them too (they would break it and sync).
-        checked = ctx.shared_work is None and not torch.compiler.is_compiling()
-        if (dst.dim() != 2 or dst.shape[0] not in (1, B) or dst.shape[1] % T != 0
+        N = math.prod(grid)
+        checked = check_values and not torch.compiler.is_compiling()
+        if (dst.dim() != 2 or dst.shape[0] not in (1, batch) or dst.shape[1] % T != 0
                 or checked and (dst.min() < 0 or dst.max() >= N)):
             raise ValueError(
-                f"dst must be [B={B}, T*d] token positions with T={T} tiles for grid {ctx.grid}, got "
+                f"dst must be [B={batch}, T*d] token positions with T={T} tiles for grid {grid}, got "
                 f"{tuple(dst.shape)}; pass the output of select_destinations for the same x and ctx"
             )
         d = dst.shape[1] // T
-        member = torch.empty(N + 1, dtype=torch.long, device=x.device)
-        member[layout.flatten()] = torch.arange(T * s, device=x.device)  # [N + 1]: tile-layout row of every token
-        start = torch.arange(T, device=x.device).view(1, T, 1) * s  # [1, T, 1] first row of every tile
+        member = torch.empty(N + 1, dtype=torch.long, device=layout.device)
+        member[layout.flatten()] = torch.arange(T * s, device=layout.device)  # [N + 1]: tile-layout row of every token
+        start = torch.arange(T, device=layout.device).view(1, T, 1) * s  # [1, T, 1] first row of every tile
         local = member[dst].view(-1, T, d) - start  # [b, T, d] member index inside the tile
         if checked and (local.min() < 0 or local.max() >= s):
-            raise ValueError(f"dst slot t*d + j must be a token of tile t (tile_layout({ctx.grid})); "
+            raise ValueError(f"dst slot t*d + j must be a token of tile t (tile_layout({grid})); "
                              "pass the output of select_destinations for the same x and ctx")
-        S = ctx.shared_work if ctx.shared_work is not None else _similarities(x, layout)  # [B, T, s, s]
-        L = _rows(S, local.expand(B, -1, -1))  # [B, T, d, s]
-        return self._matrices(L, dst.expand(B, -1), layout, N)
+        return local
 
     def _greedy(self, S: Tensor, pad: Tensor, d: int, fewest: int) -> tuple[Tensor, Tensor]:
         """``d`` greedy facility-location picks per tile of the similarities ``S [b, T, s, s]`` (``pad [T, s]``

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -44,9 +45,15 @@ def grid_frames(grid: Grid) -> tuple[int, int, int]:
     return T, H, W
 
 
-@dataclass
+@dataclass(frozen=True)
 class MergeContext:
     """What a strategy may use to plan the merge of one block's image tokens.
+
+    Frozen: assigning a field raises ``dataclasses.FrozenInstanceError``; a context that differs in some fields
+    is derived with ``dataclasses.replace(ctx, field=value)``, validated like a new one (except inside a compiled
+    graph, where it comes from a context validated eagerly). Work a strategy computes for its own two stages is
+    no field of it: :meth:`~tomerge.MergeStrategy.plan` passes it to them as ``shared=``
+    (:meth:`~tomerge.MergeStrategy.shared_work`).
 
     Args:
         grid: ``(H, W)`` token grid, or ``(T, H, W)`` for video (frames x height x width), raster order
@@ -65,8 +72,6 @@ class MergeContext:
         streak: ``[B, N]`` number of consecutive merge decisions in which each token was merged.
         draws: what the strategy's :meth:`~tomerge.MergeStrategy.draw` returned for this plan (drawn by the merge
             state outside compiled graphs), or ``None``: the strategy draws from ``generator`` itself.
-        shared_work: what the strategy's :meth:`~tomerge.MergeStrategy.shared_work` returned, set by
-            :meth:`~tomerge.MergeStrategy.plan` while its two stages run (``None`` otherwise).
         removal: ``[r, 0]`` (an empty tensor): ``r = int(N * ratio)`` for the grid's ``N`` as a tensor size, set by
             the merge state. ``torch.compile`` treats a tensor size that changes between calls as dynamic
             (automatic dynamic shapes), so a ratio curve compiles once more and then reuses one graph for every
@@ -79,6 +84,10 @@ class MergeContext:
         >>> video = MergeContext(grid=(4, 16, 16), ratio=0.5)
         >>> video.num_tokens, video.frames, video.frame_tokens
         (1024, 4, 256)
+        >>> import dataclasses
+        >>> later = dataclasses.replace(ctx, step=3, progress=0.5)   # a derived context; ctx is unchanged
+        >>> later.step, ctx.step
+        (3, 0)
     """
 
     grid: Grid
@@ -94,10 +103,13 @@ class MergeContext:
     streak: Tensor | None = None
     removal: Tensor | None = None
     draws: Tensor | None = None
-    shared_work: Any = None
 
     def __post_init__(self) -> None:
-        self.grid = check_grid(self.grid)
+        if torch.compiler.is_compiling():
+            # Derived inside a compiled graph (dataclasses.replace) from a context validated eagerly: checking the
+            # floats again would make the graph guard on their values (progress changes every step: a recompile)
+            return
+        object.__setattr__(self, "grid", check_grid(self.grid))  # how a frozen dataclass sets a field
         check_ratio(self.ratio)
         if not 0.0 <= float(self.progress) <= 1.0:
             raise ValueError(f"progress must be in [0, 1], got {self.progress}")
@@ -149,6 +161,22 @@ class MergeContext:
             if stat is not None and (stat.dim() != 2 or stat.shape[1] != N or stat.shape[0] not in (1, B)):
                 raise ValueError(f"{name} must be [B={B}, N={N}], got {tuple(stat.shape)}")
         return B, N, C
+
+
+def _refuse_shared_work(init: Any) -> Any:
+    """Wraps the dataclass ``__init__`` of :class:`MergeContext` so that ``shared_work=`` names its replacement."""
+
+    @functools.wraps(init)
+    def __init__(self: MergeContext, *args: Any, **kwargs: Any) -> None:
+        if "shared_work" in kwargs:
+            raise TypeError("MergeContext has no field 'shared_work': a strategy's shared work is passed to its "
+                            "stages as shared= (MergeStrategy.shared_work; stages take shared=None)")
+        init(self, *args, **kwargs)
+
+    return __init__
+
+
+MergeContext.__init__ = _refuse_shared_work(MergeContext.__init__)  # type: ignore[method-assign]
 
 
 def check_ratio(ratio: float) -> float:

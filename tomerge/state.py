@@ -420,7 +420,7 @@ class MergeState:
                 call.kept_destinations = kept[1]
         if self.keep_streaks:
             call.streak = self._streak(B, N, block_input.device, decision.streak_key)
-        call.ctx = MergeContext(
+        ctx = MergeContext(
             grid=grid, ratio=decision.ratio, progress=where.progress, step=where.step,
             num_steps=where.num_steps, layer=layer, num_layers=self.num_layers, block_kind=block_kind,
             generator=self._generator(strategy, where, block_input.device) if strategy.uses_generator else None,
@@ -428,8 +428,9 @@ class MergeState:
             streak=call.streak if strategy.uses_streak else None,
             removal=torch.empty(int(N * decision.ratio), 0, device=block_input.device),  # [r, 0]: r as a size
         )
-        if strategy.uses_generator and call.ctx.tokens_to_remove(N) > 0 and call.kept_destinations is None:
-            call.ctx.draws = strategy.draw(call.ctx, B)  # drawn here, outside compiled graphs
+        if strategy.uses_generator and ctx.tokens_to_remove(N) > 0 and call.kept_destinations is None:
+            ctx = dataclasses.replace(ctx, draws=strategy.draw(ctx, B))  # drawn here, outside compiled graphs
+        call.ctx = ctx
         return call
 
     def plan_for(self, call: BlockCall, tokens: Tensor) -> MergePlan:
@@ -441,7 +442,7 @@ class MergeState:
         strategy, ctx = call.decision.strategy, call.ctx
         assert strategy is not None and ctx is not None  # begin_block prepared a merging call
         if call.attention is not None:  # recorded by a probe earlier in this call (its attention ran unmerged)
-            ctx.received_attention = call.attention
+            ctx = dataclasses.replace(ctx, received_attention=call.attention)
         if call.kept_destinations is None:
             plan = strategy.plan(tokens, ctx)
         else:
