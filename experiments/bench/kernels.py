@@ -236,7 +236,7 @@ def model_benchmark(config_path: Path, overrides: Sequence[str], plugins: Sequen
     """Speed rows of every run of a config's grid on its model: the timing batch's generation call,
     baseline and merged alternating (``warmup``, ``repeats``), denoiser time and FLOPs, spread."""
     from ..runs.ablation import match_flop_speedups, measure, speed_row
-    from ..config.schema import load_config
+    from ..config.load import load_config
 
     with user_input():
         config = load_config(config_path, list(overrides), plugins=list(plugins))

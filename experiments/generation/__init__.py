@@ -1,2 +1,3 @@
-"""Images and videos for a list of items, in one process or with Lightning DDP (`generate`), and their
-files: PNG, MP4 and the index of each folder (`files`)."""
+"""Images and videos for a list of items: in one process, with their output folder and its index
+(`generate`), or over Lightning DDP ranks (`distributed`); and the files of run and generation folders,
+written whole and locked against a second writer (`files`)."""
