@@ -22,7 +22,7 @@ from PIL import Image
 
 import local_pipelines
 from tomerge.experiments.runs.ablation import run_ablation
-from tomerge.experiments.config.schema import load_config
+from tomerge.experiments.config.load import load_config
 
 PROMPTS = ["a photo of a cat", "a red car in the city"]
 ITEMS = ("00000_seed0", "00001_seed1")  # the file (image) or folder (video) of each prompt, seeds 0 and 1

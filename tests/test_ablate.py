@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tomerge.experiments.runs.ablation import run_ablation
-from tomerge.experiments.config.schema import load_config
+from tomerge.experiments.config.load import load_config
 from tiny_reference import write_test_set, write_tiny_dit
 
 

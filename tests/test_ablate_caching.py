@@ -10,7 +10,7 @@ import torch
 
 from tomerge.backbones.timm_dit import load_dit
 from tomerge.experiments.runs.ablation import run_ablation
-from tomerge.experiments.config.schema import load_config
+from tomerge.experiments.config.load import load_config
 from tomerge.experiments.measure.flops import FlopCounter
 from tiny_reference import write_test_set, write_tiny_dit
 

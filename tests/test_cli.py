@@ -14,7 +14,8 @@ import sys
 import pytest
 
 from tomerge.experiments import cli
-from tomerge.experiments.config.schema import AblationConfig, ConfigError, MetricsConfig, config_help
+from tomerge.experiments.config.help import config_help
+from tomerge.experiments.config.schema import AblationConfig, ConfigError, MetricsConfig
 
 BAD_GRID = "grid=[{strategy: tomesd, ratios: [1.5]}]"
 
@@ -115,7 +116,7 @@ def test_ctrl_c_says_that_rerunning_resumes(monkeypatch, capsys):
 
 
 def test_python_dash_m_reports_errors_as_the_command_does(monkeypatch, capsys):
-    gen = importlib.import_module("tomerge.experiments.generation.generate")
+    gen = importlib.import_module("tomerge.experiments.commands.generate")
     monkeypatch.setattr(sys, "argv", ["generate.py", "--classes", "0", "--prompts", "p.txt", "--out", "unused"])
     with pytest.raises(SystemExit) as exit_:
         cli.module_main("generate", gen.main)

@@ -14,7 +14,8 @@ import torch
 
 from tomerge.backbones.timm_dit import DiT, DiTConfig, save_dit
 from tomerge.experiments import cli
-from tomerge.experiments.config.schema import MOVED_KEYS, ConfigError, load_config
+from tomerge.experiments.config.load import MOVED_KEYS, load_config
+from tomerge.experiments.config.schema import ConfigError
 from tomerge.experiments.sources.data import write_idx
 
 BAD_CONFIG = """\
@@ -255,3 +256,17 @@ def test_every_data_hint_names_an_option_of_the_command_that_prints_it(tmp_path,
     for command, message in (("train-reference", train), ("ablate", ablate)):
         assert _flags(message) and _flags(message) <= _options_of(command), (command, message)
     assert "--data-root" not in _options_of("ablate")
+
+
+def test_the_config_package_answers_the_names_of_its_modules():
+    """``tomerge.experiments.config.NAME`` answers from the module that owns NAME; a name asked of the schema
+    that another config module owns names its owner."""
+    from tomerge.experiments import config
+    from tomerge.experiments.config import grid, help, load, schema
+
+    assert config.load_config is load.load_config and config.MOVED_KEYS is load.MOVED_KEYS
+    assert config.AblationConfig is schema.AblationConfig and config.config_help is help.config_help
+    assert config.entry_problems is grid.entry_problems
+    with pytest.raises(AttributeError, match=re.escape(
+            "tomerge.experiments.config.schema.load_config is tomerge.experiments.config.load.load_config")):
+        schema.load_config  # noqa: B018

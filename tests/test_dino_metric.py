@@ -81,7 +81,8 @@ def test_missing_weights_name_the_option(path):
 
 
 def test_config_refuses_a_missing_or_unloadable_folder_before_any_work(tmp_path, dino_folder):
-    from tomerge.experiments.config.schema import ConfigError, load_config
+    from tomerge.experiments.config.load import load_config
+    from tomerge.experiments.config.schema import ConfigError
 
     runs = tmp_path / "runs"
     base = [f"out_dir={runs}", "wandb=disabled"]
@@ -134,7 +135,7 @@ def test_ablate_records_the_dino_distance(tmp_path, dino_folder):
     from tomerge.experiments.figures.run_data import load_run
     from tomerge.experiments.figures.tables import ablation_table
     from tomerge.experiments.runs.ablation import run_ablation
-    from tomerge.experiments.config.schema import load_config
+    from tomerge.experiments.config.load import load_config
     from tomerge.experiments.runs.records import TABLE_COLUMNS
 
     write_tiny_dit(tmp_path / "tiny.safetensors")

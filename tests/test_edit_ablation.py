@@ -18,7 +18,8 @@ import local_pipelines
 from pipeline_ablation import ablation_overrides, block_records, item_index, result_rows, write_edits
 from pipeline_ablation import offline  # noqa: F401 (a fixture)
 from tomerge.experiments.runs.ablation import run_ablation
-from tomerge.experiments.config.schema import ConfigError, load_config
+from tomerge.experiments.config.load import load_config
+from tomerge.experiments.config.schema import ConfigError
 from tomerge.experiments.sources.models import Item
 
 pytest.importorskip("transformers", reason="the text pipelines of diffusers import transformers")

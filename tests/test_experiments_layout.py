@@ -101,7 +101,7 @@ def test_a_moved_module_names_its_new_spelling(old, new):
 
 
 @pytest.mark.parametrize("package, owner, name", [
-    ("config", "config.schema", "load_config"), ("sources", "sources.models", "ModelSpec"),
+    ("config", "config.load", "load_config"), ("sources", "sources.models", "ModelSpec"),
     ("figures", "figures.make", "make_figures"), ("bench", "bench.kernels", "kernel_benchmark")])
 def test_a_folder_that_was_a_module_answers_its_old_names(package, owner, name):
     old = importlib.import_module(f"tomerge.experiments.{package}")

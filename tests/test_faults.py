@@ -28,9 +28,10 @@ import torch
 from tomerge.experiments.runs import ablation as ablate
 from tomerge.experiments import cli
 from tomerge.experiments.generation import files
+from tomerge.experiments.generation import distributed
 from tomerge.experiments.generation import generate as gen
 from tomerge.experiments.runs.ablation import run_ablation
-from tomerge.experiments.config.schema import load_config
+from tomerge.experiments.config.load import load_config
 
 MERGED = "tomesd-r0.5-use_rand=False"
 # the numbers of a row that do not depend on timing
@@ -308,7 +309,7 @@ def test_a_killed_rank_stops_the_other_with_an_error_and_a_rerun_completes(tiny,
     what is missing, every item once."""
     args = [*GENERATE, "--batch-size", "1", "--checkpoint", str(tiny / "tiny.safetensors"), "--devices", "2",
             "--accelerator", "cpu", "--launcher", "ddp_fork", "--timeout", "60"]
-    real = gen.process_batch
+    real = distributed.process_batch
     for victim in (1, 0):
         out = tmp_path / f"victim{victim}"
         flag = tmp_path / f"killed{victim}"
@@ -321,7 +322,7 @@ def test_a_killed_rank_stops_the_other_with_an_error_and_a_rerun_completes(tiny,
             time.sleep(0.2)  # the other rank is mid-run
             return written
 
-        monkeypatch.setattr(gen, "process_batch", dying)  # forked ranks see the patch
+        monkeypatch.setattr(distributed, "process_batch", dying)  # forked ranks see the patch
         start = time.monotonic()
         code = cli.main(["generate", *args, "--out", str(out)])
         line = one_error_line(capsys.readouterr().err)
@@ -343,7 +344,7 @@ def test_a_hanging_rank_stops_the_job_after_the_timeout(tiny, tmp_path, capsys, 
     """A rank that hangs (alive, never finishing) is named by the others once they waited ``--timeout``
     seconds for it at the end; nothing blocks for ever."""
     out, flag = tmp_path / "out", tmp_path / "hung"
-    real = gen.process_batch
+    real = distributed.process_batch
 
     def hanging(source, batch, spec, out_dir, rank=0):
         written = real(source, batch, spec, out_dir, rank)
@@ -352,7 +353,7 @@ def test_a_hanging_rank_stops_the_job_after_the_timeout(tiny, tmp_path, capsys, 
             time.sleep(3600)  # stopped by the parent once rank 0 gives up
         return written
 
-    monkeypatch.setattr(gen, "process_batch", hanging)
+    monkeypatch.setattr(distributed, "process_batch", hanging)
     args = [*GENERATE, "--batch-size", "1", "--checkpoint", str(tiny / "tiny.safetensors"), "--devices", "2",
             "--accelerator", "cpu", "--launcher", "ddp_fork", "--timeout", "3", "--out", str(out)]
     start = time.monotonic()
@@ -366,9 +367,9 @@ def test_a_hanging_rank_stops_the_job_after_the_timeout(tiny, tmp_path, capsys, 
 KILL_RANK_PLUGIN = '''
 import os, signal, time
 from pathlib import Path
-from tomerge.experiments.generation import generate as gen
+from tomerge.experiments.generation import distributed
 
-_real = gen.process_batch
+_real = distributed.process_batch
 
 
 def _dying(source, batch, spec, out, rank=0):
@@ -381,7 +382,7 @@ def _dying(source, batch, spec, out, rank=0):
     return written
 
 
-gen.process_batch = _dying
+distributed.process_batch = _dying
 '''
 
 

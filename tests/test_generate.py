@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from tomerge.experiments.commands import generate as command
+from tomerge.experiments.generation import distributed
 from tomerge.experiments.generation import generate as gen
+from tomerge.experiments.sources.items import class_items, read_class_file
 from tomerge.experiments.sources.models import ModelSpec
 
 CLASSES = [0, 1, 2]
@@ -50,7 +54,7 @@ def _spec(checkpoint: Path) -> gen.GenerateSpec:
 
 
 def test_items_batches_and_shards():
-    items = gen.build_items(CLASSES, PER_CLASS, seed=10)
+    items = class_items(CLASSES, PER_CLASS, seed=10)
     assert [i.filename for i in items] == EXPECTED
     batches = gen.make_batches(items, 4)
     assert [len(b) for b in batches] == [4, 2]
@@ -63,35 +67,35 @@ def test_items_batches_and_shards():
 def test_class_file(tmp_path):
     (tmp_path / "c.json").write_text(json.dumps([2, 0, 1]))
     (tmp_path / "c.txt").write_text("2, 0  # comment\n1\n")
-    assert gen.read_class_file(tmp_path / "c.json") == gen.read_class_file(tmp_path / "c.txt") == [2, 0, 1]
+    assert read_class_file(tmp_path / "c.json") == read_class_file(tmp_path / "c.txt") == [2, 0, 1]
     (tmp_path / "bad.txt").write_text("1 two")
     with pytest.raises(ValueError, match="integers"):
-        gen.read_class_file(tmp_path / "bad.txt")
+        read_class_file(tmp_path / "bad.txt")
 
 
 def test_single_process_resume_and_ddp_match(checkpoint, tmp_path, monkeypatch):
     single, ddp = tmp_path / "single", tmp_path / "ddp"
 
     # one process, through the command line
-    assert gen.main([*COMMON, "--checkpoint", str(checkpoint), "--out", str(single)]) == 0
+    assert command.main([*COMMON, "--checkpoint", str(checkpoint), "--out", str(single)]) == 0
     assert _pngs(single) == EXPECTED
     assert json.loads((single / "generate.json").read_text())["strategy"] == "tomesd"
 
     # rerun: everything skipped, nothing rewritten
     mtimes = {n: (single / n).stat().st_mtime_ns for n in EXPECTED}
-    assert gen.main([*COMMON, "--checkpoint", str(checkpoint), "--out", str(single)]) == 0
+    assert command.main([*COMMON, "--checkpoint", str(checkpoint), "--out", str(single)]) == 0
     assert {n: (single / n).stat().st_mtime_ns for n in EXPECTED} == mtimes
 
     # partial resume: only the missing file is written, identical to before (batch recomputed whole)
     before = _pixels(single / EXPECTED[3])
     (single / EXPECTED[3]).unlink()
-    assert gen.main([*COMMON, "--checkpoint", str(checkpoint), "--out", str(single)]) == 0
+    assert command.main([*COMMON, "--checkpoint", str(checkpoint), "--out", str(single)]) == 0
     np.testing.assert_array_equal(_pixels(single / EXPECTED[3]), before)
     assert all((single / n).stat().st_mtime_ns == mtimes[n] for n in EXPECTED if n != EXPECTED[3])
 
     # other settings into the same folder are refused
     with pytest.raises(ValueError, match="other settings"):
-        gen.main([*COMMON, "--ratio", "0.25", "--checkpoint", str(checkpoint), "--out", str(single)])
+        command.main([*COMMON, "--ratio", "0.25", "--checkpoint", str(checkpoint), "--out", str(single)])
 
     # Lightning Trainer.predict, DDP over 2 CPU processes (gloo); 3 batches -> shards of 2 and 1 batches
     ddp.mkdir()
@@ -103,12 +107,12 @@ def test_single_process_resume_and_ddp_match(checkpoint, tmp_path, monkeypatch):
         (shard_log / f"rank{rank}-of-{world_size}.json").write_text(json.dumps(mine))  # forked ranks see this patch
         return mine
 
-    real_shard = gen.shard
-    monkeypatch.setattr(gen, "shard", logged_shard)
-    items = gen.build_items(CLASSES, PER_CLASS, seed=10)
+    real_shard = distributed.shard
+    monkeypatch.setattr(distributed, "shard", logged_shard)
+    items = class_items(CLASSES, PER_CLASS, seed=10)
     gen.prepare(ddp, items, _spec(checkpoint))
-    assert gen.generate_distributed(items, _spec(checkpoint), ddp, devices=2, accelerator="cpu",
-                                    launcher="ddp_fork", threads=1, progress=False)
+    assert distributed.generate_distributed(items, _spec(checkpoint), ddp, devices=2, accelerator="cpu",
+                                            launcher="ddp_fork", threads=1, progress=False)
     shards = {p.name: json.loads(p.read_text()) for p in shard_log.iterdir()}
     assert shards == {"rank0-of-2.json": [0, 2], "rank1-of-2.json": [1]}  # two processes, disjoint shards
     assert _pngs(ddp) == EXPECTED  # every item exactly once, nothing else
@@ -121,3 +125,11 @@ def test_single_process_resume_and_ddp_match(checkpoint, tmp_path, monkeypatch):
 def test_strategy_none_rejects_options(checkpoint):
     with pytest.raises(ValueError, match="needs a --strategy"):
         gen.GenerateSpec(model=ModelSpec(path=str(checkpoint)), options={"use_rand": False})
+
+
+@pytest.mark.parametrize("name, owner", [("main", "commands.generate"), ("read_class_file", "sources.items"),
+                                         ("generate_distributed", "generation.distributed")])
+def test_a_name_that_left_the_generation_module_names_its_owner(name, owner):
+    with pytest.raises(AttributeError, match=re.escape(
+            f"tomerge.experiments.generation.generate.{name} is tomerge.experiments.{owner}.{name}")):
+        getattr(gen, name)

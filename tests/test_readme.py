@@ -145,7 +145,8 @@ def main_job_table(text: str) -> tuple[list[str], list[list[str]]]:
 def test_readme_main_job_table_runs_are_the_default_grid():
     """One row per run of `experiments/configs/ablate.yaml`, in the grid's order, the baseline first: a grid
     entry added to (or removed from) the default config without the README's table following fails here."""
-    from tomerge.experiments.config.schema import DEFAULT_CONFIG, load_config
+    from tomerge.experiments.config.load import load_config
+    from tomerge.experiments.config.schema import DEFAULT_CONFIG
 
     header, rows = main_job_table(README.read_text())
     assert header[0] == "run"
@@ -159,7 +160,8 @@ def test_readme_main_job_table_runs_are_the_default_grid():
 def test_readme_main_job_table_columns_are_the_ablate_table_columns():
     """The table's header is what `tomerge ablate` prints for the default config (records.TABLE_COLUMNS, less
     the metrics the default config does not compute), and every row has a cell per column."""
-    from tomerge.experiments.config.schema import DEFAULT_CONFIG, load_config
+    from tomerge.experiments.config.load import load_config
+    from tomerge.experiments.config.schema import DEFAULT_CONFIG
     from tomerge.experiments.runs.records import TABLE_COLUMNS
 
     header, rows = main_job_table(README.read_text())

@@ -12,7 +12,8 @@ pytest.importorskip("optuna")
 
 from tomerge.experiments.runs import search as search_module  # noqa: E402
 from tomerge.experiments.runs.ablation import run_ablation  # noqa: E402
-from tomerge.experiments.config.schema import ConfigError, load_config  # noqa: E402
+from tomerge.experiments.config.load import load_config  # noqa: E402
+from tomerge.experiments.config.schema import ConfigError  # noqa: E402
 from tomerge.experiments.runs.search import load_search, run_search  # noqa: E402
 from tiny_reference import write_test_set, write_tiny_dit  # noqa: E402
 

@@ -22,7 +22,7 @@ import local_pipelines
 from tomerge.experiments.generation import generate as gen
 from tomerge.experiments.runs.ablation import run_ablation
 from tomerge.experiments.cli import main as cli
-from tomerge.experiments.config.schema import load_config
+from tomerge.experiments.config.load import load_config
 
 pytestmark = pytest.mark.filterwarnings("ignore:__array__ implementation:DeprecationWarning")
 
@@ -256,11 +256,11 @@ def test_paper_configs_load_and_every_run_attaches_to_its_family(tmp_path, paper
 def test_examples_in_the_experiment_modules_run():
     import doctest
 
-    from tomerge.experiments.config import schema as config
+    from tomerge.experiments.config import help as config_help, load as config_load
     from tomerge.experiments.generation import generate
-    from tomerge.experiments.sources import models as sources
+    from tomerge.experiments.sources import items, models as sources
 
-    for module in (config, generate, sources):
+    for module in (config_load, config_help, generate, items, sources):
         result = doctest.testmod(module)
         assert result.attempted > 0 and result.failed == 0, module.__name__
 

@@ -17,7 +17,7 @@ from pipeline_ablation import (SSM, TOCA, TOMESD, ablation_overrides, check_rows
                                run_family)
 from pipeline_ablation import offline, root  # noqa: F401 (fixtures)
 from tomerge.experiments.runs.ablation import run_ablation
-from tomerge.experiments.config.schema import load_config
+from tomerge.experiments.config.load import load_config
 
 # DPMSolver/Euler schedulers build numpy arrays the way numpy 2 deprecates; not ours.
 pytestmark = pytest.mark.filterwarnings("ignore:__array__ implementation:DeprecationWarning")

@@ -18,7 +18,7 @@ from PIL import Image
 
 import local_pipelines
 from tomerge.experiments.runs.ablation import run_ablation
-from tomerge.experiments.config.schema import load_config
+from tomerge.experiments.config.load import load_config
 from tomerge.experiments.figures.make import make_figures
 from tomerge.experiments.figures.pareto import pareto_plot
 from tomerge.experiments.figures.run_data import load_run

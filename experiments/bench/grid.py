@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from ..config.schema import load_config
+from ..config.load import load_config
 from ..errors import user_input
 from ..measure.timing import overhead_ratio
 from ..runs.ablation import match_flop_speedups, measure_run, speed_row

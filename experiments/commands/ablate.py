@@ -7,7 +7,8 @@ import argparse
 from collections.abc import Sequence
 from pathlib import Path
 
-from ..config.schema import config_help, load_config
+from ..config.help import config_help
+from ..config.load import load_config
 from ..errors import module_main, user_input
 from ..runs import ablation
 from ..runs.ablation import run_ablation

@@ -1,163 +1,38 @@
-"""Experiment configs: a frozen dataclass read from YAML, overridable with ``--set key=value``.
+"""The ablation config's schema: :class:`AblationConfig` (what a run draws, generates and measures), its
+:class:`MetricsConfig` and the grid's cells (:class:`RunSpec`), frozen dataclasses that check every value
+when made and report every problem at once (:class:`ConfigError`); and where the shipped configs are
+(:data:`CONFIG_DIR`, :data:`DEFAULT_CONFIG`, the reference grid).
 
 One config describes what ``tomerge ablate`` runs, and ``tomerge generate --config`` reads its
-``model``, prompt/class, seed and batch keys. ``--set`` takes dotted keys into mappings
-(``--set model.pipeline=/models/sd3 --set model.call.num_inference_steps=28``) and YAML values.
+``model``, prompt/class, seed and batch keys. Reading one from YAML with ``--set`` overrides is
+:mod:`~tomerge.experiments.config.load`, the keys listed by ``tomerge ablate --help``
+:mod:`~tomerge.experiments.config.help`, the checks of a grid entry :mod:`~tomerge.experiments.config.grid`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import inspect
-import re
-import textwrap
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from .. import moved_names
 from ..errors import ConfigError, UsageError, UserError, did_you_mean  # noqa: F401 (config.UsageError)
-from ..sources.models import CALL_DEFAULTS, REFERENCE_CHECKPOINT, SAME_CALL_ARGS, Item, ModelSpec
+from ..sources.items import class_items, prompt_items
+from ..sources.models import REFERENCE_CHECKPOINT, Item, ModelSpec
+from .grid import entry_problems
 
 CONFIG_DIR = Path(__file__).parents[1] / "configs"
 DEFAULT_CONFIG = CONFIG_DIR / "ablate.yaml"
-__all__ = ["CONFIG_DIR", "DEFAULT_CONFIG", "REFERENCE_CHECKPOINT", "MOVED_KEYS", "ConfigError", "RunSpec", "MetricsConfig",
-           "AblationConfig", "parse_override", "apply_override", "load_config", "load_config_sections",
-           "entry_problems", "SECTION_COMMANDS"]
+__all__ = ["CONFIG_DIR", "DEFAULT_CONFIG", "REFERENCE_CHECKPOINT", "ConfigError", "RunSpec", "MetricsConfig",
+           "AblationConfig"]
 
-# Top-level keys of earlier versions -> their dotted path now: a config that still has one is told where it went.
-MOVED_KEYS = {
-    "num_steps": "model.call.num_steps",
-    "cfg_scale": "model.call.cfg_scale",
-    "checkpoint": "model.reference",
-    "device": "model.device",
-}
+__getattr__ = moved_names(__name__, {
+    **dict.fromkeys(["MOVED_KEYS", "SECTION_COMMANDS", "parse_override", "apply_override", "load_config",
+                     "load_config_sections"], "config.load"),
+    **dict.fromkeys(["ENTRY_KEYS", "entry_problems", "valid_ratios"], "config.grid"),
+    **dict.fromkeys(["docstring_args", "config_keys", "config_help"], "config.help"),
+})
 
-
-def _unknown_strategy(strategy: Any) -> str:
-    import tomerge
-
-    registered = tomerge.list_strategies()
-    own = "a strategy in your own file: plugins: [FILE] or --plugin FILE"
-    close = did_you_mean(str(strategy), registered)
-    if close:
-        return f"unknown strategy {strategy!r}{close} (registered: {registered}; {own})"
-    return f"unknown strategy {strategy!r}; registered: {registered} ({own})"
-
-
-def _check_run(strategy: str, ratio: Any, options: dict[str, Any], backbones: list[str] | None) -> None:
-    import tomerge
-    from tomerge.attach import check_options
-
-    if strategy not in tomerge.list_strategies():
-        raise ValueError(_unknown_strategy(strategy))
-    check_options(strategy, ratio=ratio, backbones=backbones, **options)
-
-
-def valid_ratios(strategy: str, options: dict[str, Any], backbones: list[str] | None = None) -> tuple[float, float]:
-    """The smallest and largest of the ratios 0, 0.05, ..., 0.95 that the strategy accepts with ``options``
-    (e.g. ``sdtm`` with a deviation needs ``ratio < 1 - deviation``; a centre ratio below the deviation is
-    accepted, its curve clipped at 0); raises the strategy's own error at ratio 0.5 when it accepts none."""
-    accepted = []
-    for i in range(20):
-        try:
-            _check_run(strategy, i / 20, options, backbones)
-            accepted.append(i / 20)
-        except ValueError:
-            pass
-    if not accepted:
-        _check_run(strategy, 0.5, options, backbones)
-        raise ValueError(f"{strategy} accepts no ratio in [0, 0.95] with options {options}")
-    return accepted[0], accepted[-1]
-
-
-ENTRY_KEYS = ("strategy", "ratios", "flop_speedups", "options")
-_ENTRY_SHAPE = "entries are {strategy, ratios or flop_speedups, options}"
-
-
-def entry_problems(i: int, entry: Any, backbones: list[str] | None, prefix: str = "grid") -> list[str]:
-    """Every problem of grid entry ``i``, one message each: its keys, its strategy, each unknown option
-    (with the closest valid one), and each ratio (checked with the options that exist, so an unknown
-    option does not hide a bad ratio), or its FLOP targets. Messages start with ``{prefix}[i]``."""
-    if not isinstance(entry, dict):
-        return [f"{prefix}[{i}]: {_ENTRY_SHAPE}; got {entry!r}"]
-    problems = []
-    unknown_keys = [k for k in entry if k not in ENTRY_KEYS]
-    for key in unknown_keys:
-        hint = did_you_mean(str(key), ENTRY_KEYS) or f"; {_ENTRY_SHAPE}"
-        problems.append(f"{prefix}[{i}]: unknown entry key {key!r}{hint}")
-    if "strategy" not in entry:
-        return [*problems, f"{prefix}[{i}]: no strategy; {_ENTRY_SHAPE}; got {entry}"]
-    strategy = entry["strategy"]
-    where = f"{prefix}[{i}] ({strategy})"
-    import tomerge
-
-    known = isinstance(strategy, str) and strategy in tomerge.list_strategies()
-    if not known:
-        problems.append(f"{where}: {_unknown_strategy(strategy)}")
-    if ("ratios" in entry) == ("flop_speedups" in entry):
-        if "ratios" in entry:
-            problems.append(f"{where}: give ratios or flop_speedups, not both; {_ENTRY_SHAPE}; got {entry}")
-        elif not any(did_you_mean(str(k), ("ratios", "flop_speedups")) for k in unknown_keys):
-            problems.append(f"{where}: no ratios: [...] or flop_speedups: [...]; {_ENTRY_SHAPE}; got {entry}")
-        return problems
-    key = "ratios" if "ratios" in entry else "flop_speedups"
-    values = entry[key]
-    if not isinstance(values, (list, tuple)) or not values:
-        problems.append(f"{where}: {key} must be a non-empty list, got {values!r}")
-        values = []
-    options = entry.get("options") or {}
-    if not isinstance(options, dict):
-        problems.append(f"{where}: options must be a mapping {{option: value}}, got {options!r}")
-        options = {}
-    if not known:
-        return problems
-    from tomerge.attach import option_names
-    from tomerge.context import check_ratio
-
-    valid = option_names(strategy, backbones)
-    for name in [k for k in options if k not in valid]:
-        problems.append(f"{where}: unknown option {name!r} for strategy {strategy!r}"
-                        f"{did_you_mean(str(name), valid) or f'; valid options: {valid}'}")
-    options = {k: v for k, v in options.items() if k in valid}
-    errors = (ValueError, TypeError, KeyError)
-    if key == "flop_speedups":
-        bad = [t for t in values if isinstance(t, bool) or not isinstance(t, (int, float)) or t <= 1]
-        if bad:
-            problems.append(f"{where}: flop_speedups are FLOP-ideal speed-up targets > 1, got {bad}")
-        try:
-            valid_ratios(strategy, options, backbones)
-        except errors as err:
-            problems.append(f"{where}: {_message(err)}")
-        return problems
-    failures: dict[str, list[Any]] = {}  # a message -> the ratios it holds for, in order
-    in_range = []
-    for ratio in values:
-        try:
-            _check_run(strategy, ratio, options, backbones)
-            in_range.append(ratio)
-            continue
-        except errors as err:
-            message = _message(err)
-        try:
-            check_ratio(ratio)
-            in_range.append(ratio)
-        except ValueError as err:
-            message = _message(err)  # the ratio itself, whatever the options
-        failures.setdefault(message, []).append(ratio)
-    if values and not in_range:  # the options' own values are still checked, at ratio 0
-        try:
-            _check_run(strategy, 0.0, options, backbones)
-        except errors as err:
-            problems.append(f"{where}: {_message(err)}")
-    for message, ratios in failures.items():
-        at = f"ratio {ratios[0]}" if len(ratios) == 1 else f"ratios {', '.join(str(r) for r in ratios)}"
-        problems.append(f"{prefix}[{i}] ({strategy} at {at}): {message}")
-    return problems
-
-
-def _message(err: BaseException) -> str:
-    return str(err.args[0]) if isinstance(err, KeyError) and err.args else str(err)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -293,7 +168,8 @@ class AblationConfig:
         """Checks the whole config before any work, and reports every problem at once (:class:`ConfigError`):
         counts, modes, the model source (files exist, call arguments), the prompts (read), and every run
         of the grid (strategy name, ratio, options: what ``tomerge.apply`` would refuse; each entry's
-        unknown options and its bad ratios both). :func:`load_config` adds the problems of the keys."""
+        unknown options and its bad ratios both). :func:`~tomerge.experiments.config.load.load_config` adds the
+        problems of the keys."""
         problems: list[str] = []
 
         def check(what: str, fn) -> None:
@@ -345,8 +221,8 @@ class AblationConfig:
 
     def input_problems(self) -> list[str]:
         """What ``tomerge ablate`` reads besides the config's own files, one message each, so that it fails
-        before the first image (:func:`load_config` with ``check_inputs``, and
-        :func:`~tomerge.experiments.runs.ablation.run_ablation`): the Fashion-MNIST test files of
+        before the first image (:func:`~tomerge.experiments.config.load.load_config` with ``check_inputs``,
+        and :func:`~tomerge.experiments.runs.ablation.run_ablation`): the Fashion-MNIST test files of
         ``fd_reference_images`` (reference DiT without ``metrics.reference_images``; not when the run folder
         holds their features already) and EfficientNet-Lite0, the quality metrics' features."""
         import importlib.util
@@ -396,18 +272,10 @@ class AblationConfig:
     def items(self) -> list[Item]:
         """Every image of the config, item ``i`` with seed ``seed + i``: each class ``per_class`` times
         (reference model), or each prompt ``images_per_prompt`` times (pipelines; editing pipelines with the
-        prompt's input image, ``prompts.image_field``), in order."""
+        prompt's input image, ``prompts.image_field``), in order (:mod:`~tomerge.experiments.sources.items`)."""
         if self.model.conditioning == "class":
-            labels = [int(c) for c in self.classes for _ in range(self.per_class)]
-            return [Item(i, self.seed + i, label=c) for i, c in enumerate(labels)]
-        prompt_set = self.prompt_set()
-        prompts = prompt_set.prompts()
-        if not prompts:
-            raise ValueError(f"the prompt set {self.prompts!r} holds no prompts")
-        images = prompt_set.images() or [None] * len(prompts)  # input images of editing pipelines
-        expanded = [(p, im) for p, im in zip(prompts, images) for _ in range(self.images_per_prompt)]
-        return [Item(i, self.seed + i, prompt=p, image=None if im is None else str(im))
-                for i, (p, im) in enumerate(expanded)]
+            return class_items(self.classes, self.per_class, self.seed)
+        return prompt_items(self.prompt_set(), self.seed)
 
     def runs(self) -> list[RunSpec]:
         """Every cell of the grid, in order; those of ``flop_speedups`` entries with ``ratio=None``."""
@@ -425,330 +293,3 @@ class AblationConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
-
-
-# ------------------------------------------------------------------------------ `ablate --help`
-def docstring_args(cls: type) -> list[tuple[list[str], str]]:
-    """The ``Args:`` section of a class docstring: ``([names], meaning)`` per entry, in order; an entry
-    ``a, b: text`` names several keys. Sphinx roles and double backquotes are reduced to plain text.
-
-    Example:
-        >>> docstring_args(MetricsConfig)[-1]
-        (['batch_size'], 'images per feature-extractor forward.')
-    """
-    lines = inspect.getdoc(cls).splitlines()
-    entries: list[tuple[list[str], str]] = []
-    for line in lines[lines.index("Args:") + 1:]:
-        if line.startswith("        ") and entries:
-            entries[-1] = (entries[-1][0], f"{entries[-1][1]} {line.strip()}")
-        elif line.startswith("    ") and ": " in line:
-            names, text = line.strip().split(": ", 1)
-            entries.append(([n.strip() for n in names.split(",")], text))
-        else:
-            break
-    return [(names, _plain_text(text)) for names, text in entries]
-
-
-def _plain_text(text: str) -> str:
-    text = re.sub(r":\w+:`~([\w.]+)`", lambda m: m.group(1).rsplit(".", 1)[-1], text)
-    text = re.sub(r":\w+:`([^`]+)`", r"\1", text)
-    return re.sub(r"``([^`]+)``", r"\1", text)
-
-
-def _yaml_value(value: Any, limit: int = 60) -> str:
-    """``value`` as it is written in YAML, in one line (a long list as its length)."""
-    value = _plain(value)
-    text = yaml.safe_dump(value, default_flow_style=True, width=10**6, sort_keys=False).strip()
-    text = text[:-4].strip() if text.endswith("\n...") else text
-    if len(text) > limit and isinstance(value, list):
-        return f"[{len(value)} entries]"
-    return text
-
-
-def _defaults(cls: type) -> dict[str, Any]:
-    return {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING
-            or f.default_factory is not dataclasses.MISSING}
-
-
-def config_keys() -> list[tuple[list[str], dict[str, Any], str]]:
-    """Every config key: ``([keys], {key: default}, meaning)``, from the docstrings and defaults of
-    :class:`AblationConfig` and of its nested ``model``, ``prompts`` and ``metrics`` mappings (what
-    ``tomerge ablate --help`` lists)."""
-    from ..sources.prompt_sets import PromptSet
-
-    nested = {
-        "model": [
-            (["reference"], {"reference": "bundled"},
-             "a native DiT checkpoint (.safetensors or .pt; bundled: the shipped reference model), sampled with "
-             "tomerge's Euler sampler; items are class labels."),
-            (["pipeline"], {}, "instead of reference: a local diffusers pipeline folder (never downloaded); "
-             "items are prompts."),
-            *[(names, {n: ModelSpec.REFERENCE_CALL if n == "call" else _defaults(ModelSpec)[n] for n in names}, text)
-              for names, text in docstring_args(ModelSpec) if names[0] in ("dtype", "device", "offload", "call")],
-        ],
-        "prompts": [(names, {n: _defaults(PromptSet)[n] for n in names if n in _defaults(PromptSet)}, text)
-                    for names, text in docstring_args(PromptSet)
-                    if names[0] in ("file", "format", "field", "template", "coco_caption", "image_field")],
-        "metrics": [(names, {n: _defaults(MetricsConfig)[n] for n in names}, text)
-                    for names, text in docstring_args(MetricsConfig)],
-    }
-    defaults = _defaults(AblationConfig)
-    out = []
-    for names, text in docstring_args(AblationConfig):
-        out.append((names, {n: defaults[n] for n in names}, text))
-        for key in names:
-            for sub, values, meaning in nested.get(key, []):
-                out.append(([f"{key}.{n}" for n in sub], {f"{key}.{n}": v for n, v in values.items()}, meaning))
-    return out
-
-
-def config_help(width: int = 100) -> str:
-    """The config keys with their defaults and meanings, for ``tomerge ablate --help``."""
-    default_file = yaml.safe_load(DEFAULT_CONFIG.read_text()) or {}
-    intro = ("config keys (a YAML mapping in --config FILE, or --set KEY=VALUE with dotted keys and YAML values). "
-             "KEY = the default when a config leaves the key out; without --config, tomerge ablate reads "
-             f"{DEFAULT_CONFIG.parent.parent.name}/{DEFAULT_CONFIG.parent.name}/{DEFAULT_CONFIG.name}, whose "
-             "settings are shown as [ablate.yaml: ...]:")
-    lines = [*textwrap.wrap(intro, width), ""]
-    for names, defaults, text in config_keys():
-        head = ", ".join(f"{n} = {_yaml_value(defaults[n])}" if n in defaults else n for n in names)
-        set_here = {n: default_file[n] for n in names if n in default_file and n in defaults
-                    and _plain(default_file[n]) != _plain(defaults[n])}
-        if set_here:
-            head += f"  [ablate.yaml: {', '.join(f'{n}: {_yaml_value(v)}' for n, v in set_here.items())}]"
-        lines.append(f"  {head}")
-        lines += textwrap.wrap(text, width, initial_indent="      ", subsequent_indent="      ")
-    return "\n".join(lines)
-
-
-def _plain(value: Any) -> Any:
-    """A default as a config writes it: the default model is ``reference``, a nested mapping of defaults
-    (``metrics``) is ``{}`` (its keys are listed below it), tuples are lists."""
-    if isinstance(value, ModelSpec) and value == ModelSpec():
-        return "reference"
-    if dataclasses.is_dataclass(value):
-        return {}
-    return list(value) if isinstance(value, tuple) else value
-
-
-def parse_override(text: str, option: str | None = None) -> tuple[str, Any]:
-    """``KEY=VALUE`` -> ``(KEY, yaml value)``; ``KEY`` may be dotted (``model.call.height``). ``option``
-    (``"--set"``) is the command-line option the text came from, named in the error messages."""
-    given = f"{option} {text}" if option else repr(text)
-    if "=" not in text:
-        raise ValueError(f"{option} wants KEY=VALUE, got {text!r}" if option else f"{given}: wanted KEY=VALUE")
-    key, value = text.split("=", 1)
-    try:
-        return key.strip(), yaml.safe_load(value)
-    except yaml.YAMLError as err:
-        raise ValueError(f"{given}: the value is not valid YAML ({_yaml_problem(err)})") from err
-
-
-def _yaml_problem(err: yaml.YAMLError) -> str:
-    """A YAML error in one line (its own message spans several, with a caret under the column)."""
-    problem = getattr(err, "problem", None)
-    mark = getattr(err, "problem_mark", None)
-    if problem is None:
-        return str(err).splitlines()[0]
-    return f"{problem} at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else problem
-
-
-def apply_override(values: dict[str, Any], key: str, value: Any, option: str | None = None) -> None:
-    """Sets ``values[a][b][c] = value`` for ``key = "a.b.c"``, creating mappings on the way (``option``: as
-    for :func:`parse_override`).
-
-    Setting ``model.pipeline`` on a reference model (or ``model.reference`` on a pipeline) starts a new
-    ``model`` mapping: the other source's call arguments do not carry over (set ``model.call`` after it).
-
-    Example:
-        >>> v = {"model": {"reference": "bundled", "call": {"num_steps": 20}}}
-        >>> apply_override(v, "model.pipeline", "/m/sd3"); v
-        {'model': {'pipeline': '/m/sd3'}}
-        >>> apply_override(v, "model.call.height", 512); v
-        {'model': {'pipeline': '/m/sd3', 'call': {'height': 512}}}
-    """
-    *parents, last = key.split(".")
-    if parents == ["model"] and last in ("reference", "pipeline"):
-        model = values.get("model")
-        other = "pipeline" if last == "reference" else "reference"
-        if model == other or (isinstance(model, dict) and other in model):
-            values["model"] = {}  # another model source: its call arguments do not carry over
-    node = values
-    for part in parents:
-        child = node.get(part)
-        if child == "reference" and part == "model":
-            child = {}  # `model: reference` is the mapping-less default
-        if child is None:
-            child = {}
-        if not isinstance(child, dict):
-            raise ValueError(f"{option + ' ' if option else ''}{key}: {part!r} is {child!r}, not a mapping")
-        node[part] = child = dict(child)
-        node = child
-    node[last] = value
-
-
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
-                plugins: list[str] | None = None, check_inputs: bool = False) -> AblationConfig:
-    """The :class:`AblationConfig` of a YAML file (see :func:`load_config_sections`, which this is without
-    sections)."""
-    return load_config_sections(path, overrides, plugins, check_inputs)[0]
-
-
-# Top-level config sections that a command other than `tomerge ablate` reads, and that command.
-SECTION_COMMANDS = {"search": "tomerge search"}
-
-
-def load_config_sections(path: str | Path | None = None, overrides: list[str] | None = None,
-                         plugins: list[str] | None = None, check_inputs: bool = False,
-                         sections: tuple[str, ...] = ()) -> tuple[AblationConfig, dict[str, Any]]:
-    """Reads a YAML config (default: the reference grid), applies ``KEY=VALUE`` overrides, loads the
-    config's plugins (and ``plugins``, e.g. from ``--plugin``), validates.
-
-    Every problem is reported at once, in one :class:`ConfigError` (one line each): unknown keys, at the
-    top and in ``model``, ``metrics`` and ``prompts`` (with the closest valid key, or where a key of an
-    earlier version moved: :data:`MOVED_KEYS`), and then what :class:`AblationConfig` checks (values, files,
-    the model's call arguments, every grid entry). ``check_inputs`` (``tomerge ablate``) adds the inputs
-    of the quality metrics (:meth:`AblationConfig.input_problems`). A file that is not YAML, a malformed
-    ``--set`` and a plugin that fails to import are reported alone. Relative plugin paths in a config file
-    are looked up next to the file first.
-
-    ``sections`` (e.g. ``("search",)`` for ``tomerge search``) are top-level keys that the calling command
-    reads itself: they are returned raw (``--set search.trials=5`` applied) beside the config, the config
-    is validated without them; a section of :data:`SECTION_COMMANDS` in a config of another command is a
-    problem that names its command.
-    """
-    path = Path(path) if path is not None else DEFAULT_CONFIG
-    if not path.is_file():
-        raise FileNotFoundError(f"config {path} not found")
-    try:
-        values = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as err:
-        raise ValueError(f"config {path} is not valid YAML: {_yaml_problem(err)}") from err
-    if not isinstance(values, dict):
-        raise ValueError(f"config {path} must be a mapping of keys to values, got {type(values).__name__}")
-    set_keys = set()
-    for text in overrides or []:
-        key, value = parse_override(text, option="--set")
-        apply_override(values, key, value, option="--set")
-        set_keys.add(key.split(".")[0])
-    problems: list[str] = []
-    found = {name: values.pop(name) for name in sections if name in values}
-    for name in [k for k in SECTION_COMMANDS if k in values]:
-        values.pop(name)
-        problems.append(f"the config has a {name}: section, which `{SECTION_COMMANDS[name]} --config FILE` runs "
-                        f"(this command reads the other keys only)")
-    valid = [f.name for f in dataclasses.fields(AblationConfig)]
-    raw_model = values.get("model")
-    pipeline = isinstance(raw_model, dict) and "pipeline" in raw_model
-    for key in [k for k in values if k not in valid]:
-        problems.append(_unknown_key(key, values.pop(key), valid, pipeline, from_set=key in set_keys))
-    from ..plugins import load_plugins, resolve_specs
-
-    listed = values.get("plugins") or []
-    if not isinstance(listed, (list, tuple)):
-        problems.append(f"plugins must be a list of modules or .py files, got {listed!r} (plugins: [{listed}])")
-        listed = []
-    config_plugins = resolve_specs(list(listed), base_dir=path.parent)
-    extra = resolve_specs(list(plugins or []))
-    load_plugins(config_plugins)
-    load_plugins(extra)
-    values["plugins"] = tuple(dict.fromkeys(config_plugins + extra))  # absolute: worker processes load them too
-    for key in ("classes", "grid", "map_steps"):
-        if key in values:
-            if isinstance(values[key], (list, tuple)):
-                values[key] = tuple(values[key])
-            else:
-                problems.append(f"{key} must be a list, got {values[key]!r}")
-                del values[key]
-    model, model_problems = ModelSpec.parse(raw_model)
-    problems += model_problems
-    if model is None:  # what depends on the kind of model is not checked against a guess
-        model = ModelSpec()
-        values.pop("prompts", None)
-    values["model"] = model
-    metrics = values.get("metrics") or {}
-    if not isinstance(metrics, dict):
-        problems.append(f"metrics must be a mapping, got {metrics!r}")
-        metrics = {}
-    metrics_keys = [f.name for f in dataclasses.fields(MetricsConfig)]
-    for key in [k for k in metrics if k not in metrics_keys]:
-        hint = (f": it is a top-level key, {key}" if key in valid else
-                did_you_mean(f"metrics.{key}", [f"metrics.{k}" for k in metrics_keys], quote=repr)
-                or f"; valid: {', '.join(metrics_keys)}")
-        problems.append(f"unknown key 'metrics.{key}'{hint}")
-    metrics = {k: v for k, v in metrics.items() if k in metrics_keys}
-    try:
-        values["metrics"] = MetricsConfig(**metrics)
-    except ConfigError as err:
-        problems += err.problems
-        values["metrics"] = MetricsConfig()
-    config = None
-    try:
-        config = AblationConfig(**values)
-    except ConfigError as err:
-        problems += err.problems
-    if check_inputs:
-        stand_in = config or _unchecked(AblationConfig, {**values, "metrics": _unchecked(MetricsConfig, metrics)})
-        problems += stand_in.input_problems()
-    if problems:
-        raise ConfigError(problems)
-    return config, found
-
-
-def _unchecked(cls: type, values: dict[str, Any]) -> Any:
-    """A ``cls`` (a frozen config dataclass) of ``values`` without its checks, whose problems are listed
-    already: for :meth:`AblationConfig.input_problems`, which reads a few fields and checks their types."""
-    instance = object.__new__(cls)
-    for f in dataclasses.fields(cls):
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        object.__setattr__(instance, f.name, values.get(f.name, default))
-    return instance
-
-
-def _unknown_key(key: Any, value: Any, valid: list[str], pipeline: bool, from_set: bool) -> str:
-    """The problem of an unknown top-level key: where it moved (:data:`MOVED_KEYS`), the mapping it belongs
-    in (``dtype`` -> ``model.dtype``, ``clip_model`` -> ``metrics.clip_model``), or the closest valid key;
-    how to write the new key, as the user gave the old one (``--set`` or the file)."""
-    name = str(key)
-    if name in MOVED_KEYS:
-        new = MOVED_KEYS[name]
-        if pipeline and name in SAME_CALL_ARGS:
-            new = f"model.call.{SAME_CALL_ARGS[name]}"  # a pipeline's name for the reference DiT's argument
-        return f"unknown key {name!r}: moved to {new} ({_written(new, value, from_set)})"
-    nested = _nested_keys()
-    if name in nested:
-        return f"unknown key {name!r}: it is {nested[name]} ({_written(nested[name], value, from_set)})"
-    import difflib
-
-    close = difflib.get_close_matches(name, [*valid, *MOVED_KEYS, *nested], n=1)
-    if not close:
-        return f"unknown key {name!r}; valid keys: {valid}"
-    target = close[0] if close[0] in valid else MOVED_KEYS.get(close[0], nested.get(close[0]))
-    return f"unknown key {name!r}; did you mean {target!r}?"
-
-
-def _written(dotted: str, value: Any, from_set: bool) -> str:
-    """``--set a.b=VALUE`` or ``a: {b: VALUE}``: how ``dotted`` is written on the command line or in a file."""
-    if from_set:
-        import shlex
-
-        return f"--set {shlex.quote(f'{dotted}={_yaml_value(value)}')}"
-    nested: Any = _plain(value)
-    for part in reversed(dotted.split(".")):
-        nested = {part: nested}
-    text = yaml.safe_dump(nested, default_flow_style=True, width=10**6, sort_keys=False).strip()
-    return text[1:-1] if text.startswith("{") and text.endswith("}") else text
-
-
-def _nested_keys() -> dict[str, str]:
-    """Keys of the nested mappings that a config may write at the top by mistake -> their dotted path."""
-    from ..sources.prompt_sets import PromptSet
-
-    out = {k: f"model.{k}" for k in ("reference", "pipeline", "dtype", "call")}
-    out |= {k: f"model.call.{k}" for k in [*ModelSpec.REFERENCE_CALL, *(a for d in CALL_DEFAULTS.values() for a in d)]}
-    out |= {f.name: f"metrics.{f.name}" for f in dataclasses.fields(MetricsConfig)}
-    out |= {k: f"prompts.{k}" for k in ("file", "format", "field", "template", "coco_caption", "image_field")
-            if k in {f.name for f in dataclasses.fields(PromptSet)}}
-    top = {f.name for f in dataclasses.fields(AblationConfig)}
-    return {k: v for k, v in out.items() if k not in top}

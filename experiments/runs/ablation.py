@@ -35,10 +35,11 @@ from typing import Any
 
 import tomerge
 
-from ..errors import user_input
-from ..config.schema import AblationConfig, ConfigError, RunSpec, config_help, load_config, valid_ratios
+from ..config.grid import valid_ratios
+from ..config.schema import AblationConfig, ConfigError, RunSpec
 from ..generation.files import image_files, output_complete
-from ..generation.generate import INDEX_FILE, GenerateSpec, generate_distributed, generate_local, item_output, prepare
+from ..generation.distributed import generate_distributed
+from ..generation.generate import INDEX_FILE, GenerateSpec, generate_local, item_output, prepare
 from .records import RunFolder, environment
 from ..sources.models import Item
 from ..measure.timing import overhead_ratio, speed_columns, time_baseline_and_merged
@@ -118,7 +119,7 @@ def match_flop_speedups(source: Any, config: AblationConfig, runs: Sequence[RunS
     ``items`` is closest to its target; the others as they are.
 
     The speed-up is counted (:func:`measure_run`; the unmerged FLOPs once) at each ratio a bisection tries, within
-    the ratios the strategy accepts with the run's options (:func:`~tomerge.experiments.config.schema.valid_ratios`).
+    the ratios the strategy accepts with the run's options (:func:`~tomerge.experiments.config.grid.valid_ratios`).
     It is a step function of the ratio (token counts are integers) and rises with it, so after ``steps``
     halvings the closer of the two bracketing ratios is kept. Raises
     :class:`~tomerge.experiments.errors.ConfigError` (a usage error: one message, exit code 2) when a target

@@ -42,7 +42,9 @@ import yaml
 
 from .. import moved_names
 from ..errors import UsageError, did_you_mean
-from ..config.schema import AblationConfig, ConfigError, RunSpec, entry_problems, load_config_sections
+from ..config.grid import entry_problems
+from ..config.load import load_config_sections
+from ..config.schema import AblationConfig, ConfigError, RunSpec
 from .records import BETTER, format_value
 
 # optuna, torch and the model are imported where they are used: `--help` needs none.
