@@ -23,6 +23,7 @@ import yaml
 
 from ..errors import DamagedFileError, UsageError
 from ..generation.files import frame_files, load_image_files, read_jsonl
+from ..generation.generate import INDEX_FILE
 from ..runs.records import RESULTS, last_rows, other_counter_message, other_counter_runs, read_rows
 
 if TYPE_CHECKING:  # torch is imported where images are loaded: `tomerge figures --help` stays fast
@@ -52,7 +53,7 @@ class RunData:
 
     def index(self, run: str) -> list[dict[str, Any]]:
         """The run's items (``images/<run>/prompts.jsonl``): index, seed, file, prompt or label."""
-        file = self.path / "images" / run / "prompts.jsonl"
+        file = self.path / "images" / run / INDEX_FILE
         if not file.exists():
             return []
         return read_jsonl(file, f"delete it and {regenerate(self.path)}", required=("index", "file"),
@@ -195,7 +196,7 @@ class RunData:
         missing = []
         for r in self.rows:
             folder = self.path / "images" / r["run"]
-            if not (folder / "prompts.jsonl").exists():
+            if not (folder / INDEX_FILE).exists():
                 missing.append(folder)
             missing += [folder / item["file"] for item in self.index(r["run"]) if not (folder / item["file"]).exists()]
         return missing
