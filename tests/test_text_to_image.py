@@ -258,9 +258,9 @@ def test_examples_in_the_experiment_modules_run():
 
     from tomerge.experiments.config import schema as config
     from tomerge.experiments.generation import generate
-    from tomerge.experiments.sources import models as sources
+    from tomerge.experiments.sources import call_arguments, devices, models, reference_model, training
 
-    for module in (config, generate, sources):
+    for module in (config, generate, models, call_arguments, devices, reference_model, training):
         result = doctest.testmod(module)
         assert result.attempted > 0 and result.failed == 0, module.__name__
 
