@@ -140,7 +140,7 @@ def test_unknown_options_outside_configs_suggest_the_closest_too():
 
 
 def test_pipeline_call_arguments_name_the_pipeline_spelling():
-    from tomerge.experiments.sources.models import check_call
+    from tomerge.experiments.sources.call_arguments import check_call
 
     class TinyPipeline:
         def __call__(self, prompt=None, num_inference_steps=28, guidance_scale=7.0, height=None):

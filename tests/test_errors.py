@@ -30,7 +30,7 @@ OTHER_SPELLINGS = {
     "commands.bench": ["UsageError", "user_input"],
     "sources": ["UsageError", "did_you_mean"],
     "figures": ["UsageError"],
-    "train_reference": ["user_input"],
+    "commands.train_reference": ["user_input"],
 }
 
 

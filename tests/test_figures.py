@@ -457,7 +457,7 @@ def test_title_names_the_model_metric_and_image_count(tmp_path):
 
 def test_the_bundled_references_are_named_by_their_token_counts():
     from tomerge.backbones.timm_dit import DIT_PRESETS
-    from tomerge.experiments.sources.models import BUNDLED_REFERENCE_NAMES
+    from tomerge.experiments.sources.reference_model import BUNDLED_REFERENCE_NAMES
 
     grids = {"bundled": DIT_PRESETS["reference"].grid_hw, "bundled-1024": DIT_PRESETS["reference-1024"].grid_hw}
     assert grids == {"bundled": (16, 16), "bundled-1024": (32, 32)}

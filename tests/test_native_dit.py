@@ -164,7 +164,7 @@ def test_sampler_deterministic_and_shape():
 
 def test_training_smoke_checkpoint_resume_export(tmp_path):
     pytest.importorskip("pytorch_lightning")
-    from tomerge.experiments.sources.training import main
+    from tomerge.experiments.commands.train_reference import main
 
     data = tmp_path / "data"
     data.mkdir()
@@ -199,6 +199,23 @@ def test_training_smoke_checkpoint_resume_export(tmp_path):
     assert main(["--out-dir", str(tmp_path / "warm"), "--export", str(again)]) == 0
     start, end = load_dit(target).state_dict(), load_dit(again).state_dict()
     assert all(torch.equal(start[k], end[k]) for k in start)
+
+
+def test_the_training_command_line_is_the_train_reference_command():
+    """The library (sources.training) trains from plain values; its command line is commands.train_reference,
+    run as ``python -m`` like ``tomerge train-reference``, and the library names it for the names it left."""
+    import subprocess
+    import sys
+
+    from tomerge.experiments.sources import training
+
+    with pytest.raises(AttributeError, match=r"^tomerge\.experiments\.sources\.training\.main is "
+                                             r"tomerge\.experiments\.commands\.train_reference\.main$"):
+        training.main  # noqa: B018
+    out = subprocess.run([sys.executable, "-m", "tomerge.experiments.commands.train_reference", "--help"],
+                         capture_output=True, text=True, check=True, timeout=120).stdout
+    assert out.startswith("usage: python -m tomerge.experiments.commands.train_reference")
+    assert "--resume [CKPT]" in out and "Train the bundled reference model" in out
 
 
 def test_fashion_mnist_at_64_keeps_the_garment_at_the_same_fraction_of_the_frame(tmp_path):
@@ -239,7 +256,7 @@ TINY_TRAIN = ["--limit-images", "8", "--batch-size", "4", "--hidden-size", "32",
 
 def test_an_interrupted_training_run_resumes_bit_identically(tmp_path):
     pytest.importorskip("pytorch_lightning")
-    from tomerge.experiments.sources.training import main
+    from tomerge.experiments.commands.train_reference import main
 
     data = tmp_path / "data"
     data.mkdir()
@@ -260,7 +277,7 @@ def test_an_interrupted_training_run_resumes_bit_identically(tmp_path):
 
 def test_the_1024_token_preset_trains_exports_loads_and_samples(tmp_path):
     pytest.importorskip("pytorch_lightning")
-    from tomerge.experiments.sources.training import main
+    from tomerge.experiments.commands.train_reference import main
 
     data = tmp_path / "data"
     data.mkdir()

@@ -106,10 +106,12 @@ def test_kandinsky5_pipeline_ablation_merges_the_video_blocks(root):
 
 def test_a_pipeline_taking_video_length_is_a_video_pipeline(tmp_path):
     """``ModelSpec.is_video`` knows a video pipeline by its frame-count argument, ``num_frames`` or Latte's
-    ``video_length`` (``sources.VIDEO_CALL_ARGS``), read from the folder's model_index.json without weights."""
+    ``video_length`` (``sources.call_arguments.VIDEO_CALL_ARGS``), read from the folder's model_index.json
+    without weights."""
     from diffusers import LattePipeline, MochiPipeline, PixArtAlphaPipeline
 
-    from tomerge.experiments.sources.models import ModelSpec, video_length_arg
+    from tomerge.experiments.sources.call_arguments import video_length_arg
+    from tomerge.experiments.sources.models import ModelSpec
 
     classes = (MochiPipeline, LattePipeline, PixArtAlphaPipeline)
     assert [video_length_arg(c) for c in classes] == ["num_frames", "video_length", None]

@@ -11,7 +11,9 @@ import torch
 
 import local_pipelines
 import tomerge
-from tomerge.experiments.sources.models import Item, ModelSpec, PipelineSource, place_pipeline
+from tomerge.experiments.sources.devices import place_pipeline
+from tomerge.experiments.sources.models import Item, ModelSpec
+from tomerge.experiments.sources.pipelines import PipelineSource
 
 pytestmark = pytest.mark.filterwarnings("ignore:__array__ implementation:DeprecationWarning")
 

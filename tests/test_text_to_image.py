@@ -258,9 +258,10 @@ def test_examples_in_the_experiment_modules_run():
 
     from tomerge.experiments.config import help as config_help, load as config_load
     from tomerge.experiments.generation import generate
-    from tomerge.experiments.sources import items, models as sources
+    from tomerge.experiments.sources import call_arguments, devices, items, models, reference_model, training
 
-    for module in (config_load, config_help, generate, items, sources):
+    for module in (config_load, config_help, generate, items, models, call_arguments, devices, reference_model,
+                   training):
         result = doctest.testmod(module)
         assert result.attempted > 0 and result.failed == 0, module.__name__
 

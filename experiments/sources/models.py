@@ -21,6 +21,15 @@ Video pipelines (a ``__call__`` taking a video length, :data:`VIDEO_CALL_ARGS`: 
 HunyuanVideo, LTX-Video, ..., ``video_length`` for Latte) produce videos ``[B, T, C, H, W]`` the same way
 (:attr:`ModelSpec.is_video`; docs/experiments.md, "Video pipelines").
 
+This module holds the ``model:`` entry as data (:class:`ModelSpec`: parsing, checks, ``load()``) and
+:class:`Item`. The rest of the model-source API is owned by these modules, and this module answers each of
+their public names too:
+
+* :mod:`~tomerge.experiments.sources.reference_model`: the bundled reference DiTs, ``ReferenceSource``;
+* :mod:`~tomerge.experiments.sources.pipelines`: ``PipelineSource`` (diffusers pipeline folders);
+* :mod:`~tomerge.experiments.sources.call_arguments`: ``CALL_DEFAULTS`` and the checks of ``model.call``;
+* :mod:`~tomerge.experiments.sources.devices`: dtypes, offload modes, ``place_pipeline``, the noise generator.
+
 Example:
     >>> spec = ModelSpec.from_config({"pipeline": "/models/sd3-medium", "dtype": "fp16", "device": "cuda",
     ...                               "call": {"num_inference_steps": 28}})     # doctest: +SKIP
@@ -31,17 +40,18 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import inspect
-import warnings
-from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from ..errors import UsageError, did_you_mean
-
-if TYPE_CHECKING:
-    import torch
-    from torch import Tensor, nn
+from ..errors import UsageError, did_you_mean  # noqa: F401  (UsageError: the spelling sources.UsageError)
+from . import devices
+# The model-source API in one import: `sources.models.NAME` (and `sources.NAME`) answers each name below.
+from .call_arguments import (CALL_DEFAULTS, RESERVED_CALL_ARGS, SAME_CALL_ARGS, VIDEO_CALL_ARGS, check_call,
+                             takes_image, unknown_call_arguments, video_length_arg)
+from .devices import DTYPE_NAMES, OFFLOAD_MODES, place_pipeline, torch_dtype
+from .pipelines import PipelineSource
+from .reference_model import (BUNDLED_REFERENCE_NAMES, BUNDLED_REFERENCES, REFERENCE_CHECKPOINT, ReferenceSource,
+                              reference_checkpoint)
 
 # torch is imported where a model is loaded or run, so that configs (and `tomerge ... --help`) load without it.
 
@@ -49,101 +59,15 @@ __all__ = ["Item", "ModelSpec", "BUNDLED_REFERENCES", "BUNDLED_REFERENCE_NAMES",
            "ReferenceSource", "PipelineSource", "CALL_DEFAULTS", "VIDEO_CALL_ARGS", "video_length_arg", "DTYPES",
            "DTYPE_NAMES", "OFFLOAD_MODES", "torch_dtype", "place_pipeline"]
 
-# The reference models shipped with the package, by the name a config gives (`model: {reference: NAME}`):
-# the same DiT at 256 (32 x 32 images) and 1,024 image tokens (64 x 64), docs/reference-model.md.
-BUNDLED_REFERENCES = {
-    "bundled": Path(__file__).parents[1] / "reference" / "dit_reference.safetensors",
-    "bundled-1024": Path(__file__).parents[1] / "reference" / "dit_reference_1024.safetensors",
-}
-REFERENCE_CHECKPOINT = BUNDLED_REFERENCES["bundled"]
-# what figures call them (ModelSpec.display_name); the token counts are those of DIT_PRESETS "reference" and
-# "reference-1024", which tests check
-BUNDLED_REFERENCE_NAMES = {"bundled": "bundled reference DiT (256 tokens)",
-                           "bundled-1024": "bundled reference DiT (1,024 tokens)"}
-DTYPE_NAMES = ("fp32", "fp16", "bf16")
-OFFLOAD_MODES = ("model", "sequential")
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    """``"fp32"`` / ``"fp16"`` / ``"bf16"`` -> the torch dtype."""
-    import torch
-
-    return {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[name]
-
 
 def __getattr__(name: str) -> Any:
     if name == "DTYPES":  # name -> torch dtype, built on first use (imports torch)
-        return {n: torch_dtype(n) for n in DTYPE_NAMES}
+        return devices.DTYPES
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
-# Pipeline-call arguments per backbone family, on top of which `call:` applies. They are the released
-# pipelines' own defaults made explicit (diffusers 0.42), so that every result row records them; the
-# resolution is the family's native one.
-CALL_DEFAULTS: dict[str, dict[str, Any]] = {
-    "sd3": {"num_inference_steps": 28, "guidance_scale": 7.0, "height": 1024, "width": 1024,
-            "max_sequence_length": 256},
-    "flux": {"num_inference_steps": 28, "guidance_scale": 3.5, "height": 1024, "width": 1024,
-             "max_sequence_length": 512},
-    "pixart": {"num_inference_steps": 20, "guidance_scale": 4.5, "height": 1024, "width": 1024},
-    "unet": {"num_inference_steps": 50},  # SD 1.x/2.x (7.5, 512^2) and SDXL (5.0, 1024^2): the pipeline's own
-    "dit": {"num_inference_steps": 250, "guidance_scale": 4.0},
-    "sana": {"num_inference_steps": 20, "guidance_scale": 4.5, "height": 1024, "width": 1024,
-             "max_sequence_length": 300},
-    "wan": {"num_inference_steps": 50, "guidance_scale": 5.0, "height": 480, "width": 832, "num_frames": 81,
-            "max_sequence_length": 512},  # Wan 2.1 T2V at 480p
-    "hunyuan_video": {"num_inference_steps": 50, "guidance_scale": 6.0, "height": 720, "width": 1280,
-                      "num_frames": 129, "max_sequence_length": 256},
-    "ltx": {"num_inference_steps": 50, "guidance_scale": 3.0, "height": 512, "width": 704, "num_frames": 161,
-            "max_sequence_length": 128},
-}
-# The call argument that sets a video pipeline's frame count, by the name its `__call__` gives it: `num_frames`
-# (Wan, HunyuanVideo, LTX-Video, Mochi, ...) or `video_length` (LattePipeline). A pipeline taking one is a video
-# pipeline (ModelSpec.is_video).
-VIDEO_CALL_ARGS = ("num_frames", "video_length")
-# Arguments tomerge sets itself for every call (one image per item, per-item generators, tensor output).
-RESERVED_CALL_ARGS = ("prompt", "generator", "output_type", "num_images_per_prompt", "num_videos_per_prompt",
-                      "return_dict", "class_labels", "latents", "prompt_embeds", "image")
 
-
-# The reference DiT's sampler argument and the pipeline call argument that means the same.
-SAME_CALL_ARGS = {"num_steps": "num_inference_steps", "cfg_scale": "guidance_scale"}
 # Keys of the model mapping of earlier versions -> where they are now (under model.).
 MOVED_MODEL_KEYS = {"checkpoint": "reference"}
-
-
-def unknown_call_arguments(unknown: Sequence[str], valid: Iterable[str], what: str) -> str:
-    """The message for ``model.call`` arguments ``what`` (the reference DiT, a pipeline class) does not take:
-    each with the valid one of the other model kind's name (``num_steps`` <-> ``num_inference_steps``,
-    ``cfg_scale`` <-> ``guidance_scale``) or the closest valid name.
-
-    Example:
-        >>> print(unknown_call_arguments(["num_inference_steps", "sheft"], ["num_steps", "shift"], "the reference DiT"))
-        unknown model.call argument(s) ['num_inference_steps', 'sheft'] for the reference DiT ('num_inference_steps': \
-the reference DiT calls it 'num_steps'; 'sheft': did you mean 'shift'?); valid: ['num_steps', 'shift']
-    """
-    valid = sorted(valid)
-    same = {**SAME_CALL_ARGS, **{v: k for k, v in SAME_CALL_ARGS.items()}}
-    hints = []
-    for name in unknown:
-        if same.get(name) in valid:
-            hints.append(f"{name!r}: {what} calls it {same[name]!r}")
-        elif close := did_you_mean(name, valid):
-            hints.append(f"{name!r}: {close.removeprefix('; ')}")
-    hint = f" ({'; '.join(hints)})" if hints else ""
-    return f"unknown model.call argument(s) {sorted(unknown)} for {what}{hint}; valid: {valid}"
-
-
-def check_call(pipeline_class: type, call: dict[str, Any]) -> None:
-    """Raises unless every ``call`` argument is a named parameter of the pipeline's ``__call__`` (its
-    ``**kwargs``, where it has them, would swallow a typo) and the pipeline takes prompts."""
-    params = inspect.signature(pipeline_class.__call__).parameters
-    valid = {k for k, p in params.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and k != "self"}
-    unknown = sorted(set(call) - valid)
-    if unknown:
-        raise ValueError(unknown_call_arguments(unknown, valid - set(RESERVED_CALL_ARGS), pipeline_class.__name__))
-    if "prompt" not in valid:
-        raise ValueError(f"{pipeline_class.__name__} takes no prompt: tomerge generates from prompt sets with "
-                         "text-to-image pipelines (use model: reference for class labels)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,25 +106,6 @@ class Item:
         """What the item is written as in a run's image folder: :attr:`filename` (a PNG), or for a video
         :attr:`video_dirname` (a folder of one PNG per frame)."""
         return self.video_dirname if video else self.filename
-
-
-def _cpu_generator(seed: int) -> torch.Generator:
-    import torch
-
-    return torch.Generator("cpu").manual_seed(int(seed))
-
-
-def reference_checkpoint(path: str | None) -> Path:
-    """The file of ``model.reference``: ``None`` is the default bundled model, a name of
-    :data:`BUNDLED_REFERENCES` its file, anything else a path.
-
-    Example:
-        >>> reference_checkpoint("bundled-1024").name
-        'dit_reference_1024.safetensors'
-    """
-    if path is None:
-        return REFERENCE_CHECKPOINT
-    return BUNDLED_REFERENCES.get(path, Path(path))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -469,187 +374,3 @@ it is a call argument, model.call.num_steps")
     def load(self) -> ReferenceSource | PipelineSource:
         return ReferenceSource(self) if self.kind == "reference" else PipelineSource(self)
 
-
-class ReferenceSource:
-    """A native DiT checkpoint sampled with :func:`tomerge.experiments.sources.sampling.sample`."""
-
-    conditioning = "class"
-    video = False
-
-    def __init__(self, spec: ModelSpec) -> None:
-        from tomerge.backbones.timm_dit import load_dit
-
-        self.spec = spec
-        spec.check()
-        path = reference_checkpoint(spec.path)
-        self.checkpoint = path
-        self.model = load_dit(path, map_location=spec.device).eval().to(torch_dtype(spec.dtype))
-        self.call = {**ModelSpec.REFERENCE_CALL, **spec.call}
-
-    @property
-    def target(self) -> nn.Module:
-        """What :func:`tomerge.apply` attaches to."""
-        return self.model
-
-    @property
-    def denoiser(self) -> nn.Module:
-        return self.model
-
-    @property
-    def num_steps(self) -> int:
-        return int(self.call["num_steps"])
-
-    def merge_options(self) -> dict[str, Any]:
-        """Extra :func:`tomerge.apply` options: the sampler's step count (schedules see exact progress)."""
-        return {"num_steps": self.num_steps}
-
-    def check_items(self, items: Sequence[Item]) -> None:
-        n = self.model.config.num_classes
-        if any(i.label is None for i in items):
-            raise UsageError("the reference DiT is class-conditional: give class labels, not prompts")
-        bad = sorted({i.label for i in items if not 0 <= i.label < n})
-        if bad:
-            raise UsageError(f"class ids {bad} outside the model's classes 0..{n - 1}")
-
-    def generate(self, batch: Sequence[Item]) -> Tensor:
-        """Images ``[B, C, H, W]`` in ``[-1, 1]`` (float32, CPU)."""
-        import torch
-
-        from .sampling import sample
-
-        c = self.model.config
-        noise = torch.stack([torch.randn((c.in_channels, *c.image_hw), generator=_cpu_generator(i.seed))
-                             for i in batch])  # [B, C, H, W]
-        labels = torch.tensor([i.label for i in batch], dtype=torch.long)
-        return sample(self.model, labels, num_steps=self.num_steps, cfg_scale=float(self.call["cfg_scale"]),
-                      shift=float(self.call["shift"]), noise=noise).float().cpu()
-
-
-class PipelineSource:
-    """A diffusers pipeline from a local folder, called once per batch of prompts (image or video pipelines)."""
-
-    conditioning = "prompt"
-
-    def __init__(self, spec: ModelSpec) -> None:
-        from diffusers import DiffusionPipeline
-
-        self.spec = spec
-        spec.check()
-        folder = Path(spec.path).expanduser()
-        with warnings.catch_warnings():
-            # diffusers 0.42 renames torch_dtype; older releases know only it
-            warnings.filterwarnings("ignore", message="`torch_dtype` is deprecated", category=FutureWarning)
-            self.pipe = DiffusionPipeline.from_pretrained(str(folder), torch_dtype=torch_dtype(spec.dtype),
-                                                          local_files_only=True)
-        place_pipeline(self.pipe, spec.device, spec.offload)
-        self.video = spec.is_video
-        self.pipe.set_progress_bar_config(disable=True)
-        self.family = self._family()
-        self.call = {**CALL_DEFAULTS.get(self.family, {}), **spec.call}
-        check_call(type(self.pipe), self.call)
-
-    def _family(self) -> str | None:
-        import tomerge
-        from tomerge.registry import backbone_class
-
-        for name in tomerge.list_backbones():
-            if backbone_class(name).find_model(self.pipe) is not None:
-                return name
-        return None
-
-    @property
-    def target(self) -> Any:
-        return self.pipe
-
-    @property
-    def denoiser(self) -> nn.Module:
-        from torch import nn
-
-        for attr in ("transformer", "unet"):
-            module = getattr(self.pipe, attr, None)
-            if isinstance(module, nn.Module):
-                return module
-        raise ValueError(f"{type(self.pipe).__name__} has no transformer or unet")
-
-    @property
-    def num_steps(self) -> int | None:
-        steps = self.call.get("num_inference_steps")
-        if steps is None:
-            steps = inspect.signature(self.pipe.__call__).parameters["num_inference_steps"].default
-        return int(steps)
-
-    def merge_options(self) -> dict[str, Any]:
-        return {}  # the step clock comes from the pipeline's scheduler
-
-    def check_items(self, items: Sequence[Item]) -> None:
-        if any(i.prompt is None for i in items):
-            raise UsageError(f"{type(self.pipe).__name__} is a text-to-image pipeline: give prompts (`prompts:`)")
-        with_image = {i.image is not None for i in items}
-        if with_image == {True, False}:
-            raise UsageError("some items have an input image and some have none; give every prompt one")
-        if True in with_image and not takes_image(type(self.pipe)):
-            raise UsageError(f"{type(self.pipe).__name__} takes no input image (`image=`); remove "
-                             "prompts.image_field or use an editing pipeline")
-
-    def generate(self, batch: Sequence[Item]) -> Tensor:
-        """Images ``[B, 3, H, W]``, or for a video pipeline videos ``[B, T, 3, H, W]``, in ``[-1, 1]`` (float32,
-        CPU). Video pipelines return their frames (``output_type="pt"``: ``.frames``, ``[B, T, C, H, W]`` in
-        ``[0, 1]``), image pipelines ``.images`` (``[B, C, H, W]``)."""
-        images = {} if batch[0].image is None else {"image": [_load_rgb(i.image) for i in batch]}
-        out = self.pipe(prompt=[i.prompt for i in batch], generator=[_cpu_generator(i.seed) for i in batch],
-                        output_type="pt", **images, **self.call)
-        for name in ("frames", "images"):
-            if hasattr(out, name):
-                pixels = getattr(out, name)
-                break
-        else:
-            pixels = out[0]
-        expected = 5 if self.video else 4
-        if not hasattr(pixels, "ndim") or pixels.ndim != expected:
-            shape = tuple(pixels.shape) if hasattr(pixels, "shape") else type(pixels).__name__
-            what = "videos [B, T, C, H, W]" if self.video else "images [B, C, H, W]"
-            raise ValueError(f"{type(self.pipe).__name__} returned {shape} with output_type='pt'; expected {what}")
-        return (pixels.float().cpu() * 2 - 1).clamp(-1, 1)  # [B, 3, H, W] or [B, T, 3, H, W]
-
-
-def video_length_arg(pipeline_class: type) -> str | None:
-    """The name of the ``__call__`` argument that sets a video pipeline's frame count (the first of
-    :data:`VIDEO_CALL_ARGS` it takes), or ``None`` for an image pipeline.
-
-    Example:
-        >>> from diffusers import LattePipeline, WanPipeline, PixArtAlphaPipeline
-        >>> [video_length_arg(c) for c in (WanPipeline, LattePipeline, PixArtAlphaPipeline)]
-        ['num_frames', 'video_length', None]
-    """
-    parameters = inspect.signature(pipeline_class.__call__).parameters
-    return next((name for name in VIDEO_CALL_ARGS if name in parameters), None)
-
-
-def takes_image(pipeline_class: type) -> bool:
-    """Whether a pipeline's ``__call__`` takes input images (``image``): editing pipelines (FLUX.1 Kontext,
-    Qwen-Image-Edit, FLUX.2), image-to-image and image-to-video ones."""
-    return "image" in inspect.signature(pipeline_class.__call__).parameters
-
-
-def _load_rgb(path: str):
-    """An item's input image as an RGB PIL image (what the pipelines' image processors take)."""
-    from PIL import Image
-
-    with Image.open(path) as image:
-        return image.convert("RGB")
-
-
-def place_pipeline(pipe: Any, device: str, offload: str | None = None) -> None:
-    """Puts a loaded pipeline on ``device`` (``pipe.to(device)``), or with ``offload`` (:attr:`ModelSpec.offload`)
-    keeps its models in CPU memory and has diffusers move them to ``device`` when they run: ``"model"`` a whole
-    model at a time (``pipe.enable_model_cpu_offload(device=device)``), ``"sequential"`` one layer at a time
-    (``pipe.enable_sequential_cpu_offload(device=device)``). Both use ``accelerate``'s hooks, which run inside the
-    module calls, so :func:`tomerge.apply` hooks on the same modules compose with them."""
-    if offload is None:
-        pipe.to(device)
-    elif offload == "model":
-        pipe.enable_model_cpu_offload(device=device)
-    elif offload == "sequential":
-        pipe.enable_sequential_cpu_offload(device=device)
-    else:
-        raise ValueError(f"offload must be None, model or sequential, got {offload!r}")

@@ -2,112 +2,113 @@
 
 Objective: rectified flow as in SD3. ``x_t = (1 - t) * x0 + t * noise``, the model predicts the
 velocity ``noise - x0`` (MSE loss); ``t`` is drawn logit-normal (``sigmoid(N(0, 1))``, SD3's default)
-or uniform (``--t-sampling uniform``). Labels are replaced by the null class with probability
+or uniform (``t_sampling="uniform"``). Labels are replaced by the null class with probability
 ``class_dropout_prob`` (0.1) so the model supports classifier-free guidance. AdamW with a linear
 warm-up, gradient clipping, and an EMA of the weights (the EMA is what gets exported).
 
-Checkpoints (``last.ckpt`` + the newest periodic one, Lightning format, with optimizer and EMA state)
-go to ``--out-dir`` every ``--ckpt-minutes`` minutes (or every ``--ckpt-every-steps`` steps); a
-stopped run continues with ``--resume``. Every ``--export-every`` steps the EMA weights are also
-written to ``OUT_DIR/dit_reference_ema.safetensors`` (+ ``.json``) while training runs.
+:func:`train` writes checkpoints (``last.ckpt`` + the newest periodic one, Lightning format, with optimizer and
+EMA state) to its output folder every ``ckpt_minutes`` minutes (or every ``ckpt_every_steps`` steps); a stopped
+run continues from ``resume`` (:func:`checkpoint_to_resume`: ``"last"`` is ``OUT_DIR/last.ckpt``), bit for bit
+as the uninterrupted run (:class:`EpochPermutations`). Every ``export_every`` steps the EMA weights are also
+written to ``OUT_DIR/dit_reference_ema.safetensors`` (+ ``.json``) while training runs; :func:`export_checkpoint`
+writes those of any checkpoint. Its command line is ``tomerge train-reference``
+(:mod:`tomerge.experiments.commands.train_reference`).
 
-Examples:
-    # train (continues from OUT_DIR/last.ckpt when it exists and --resume is given)
-    python -m tomerge.experiments.sources.training --out-dir checkpoints/reference --max-steps 100000 --resume
-    # export the EMA weights of the newest checkpoint (no training)
-    python -m tomerge.experiments.sources.training --out-dir checkpoints/reference \\
-        --export checkpoints/reference/dit_reference.safetensors   # then copy it to experiments/reference/ to ship it
-    # smoke test on a handful of images
-    python -m tomerge.experiments.sources.training --out-dir /tmp/ref --limit-images 64 --max-steps 5 --wandb disabled
+Example:
+    >>> from tomerge.experiments.sources.data import FashionMNIST
+    >>> config = reference_dit_config("reference", depth=2)
+    >>> dataset = FashionMNIST("data/fashion-mnist", limit=64, size=config.image_hw[0])    # doctest: +SKIP
+    >>> train(config, dataset, "data/fashion-mnist", "/tmp/ref", TrainingOptions(max_steps=5))  # doctest: +SKIP
 """
 
 from __future__ import annotations
 
-import argparse
 import copy
+import dataclasses
 import datetime as _dt
 import json
 import math
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tomerge.experiments.errors import user_input
+from .. import moved_names
 
 if TYPE_CHECKING:
     import torch
     from torch import Tensor
 
     from tomerge.backbones.timm_dit import DiT, DiTConfig
+
+    from .data import FashionMNIST
 # torch, the model (timm), the data and Lightning are imported where they are used: `--help` needs none.
 
-__all__ = ["add_arguments", "run", "main", "export_checkpoint", "build_module", "EpochPermutations"]
+__all__ = ["TrainingOptions", "reference_dit_config", "train", "checkpoint_to_resume", "export_checkpoint",
+           "build_module", "EpochPermutations", "EMA_EXPORT_NAME"]
+__getattr__ = moved_names(__name__, {"add_arguments": "commands.train_reference", "run": "commands.train_reference",
+                                     "main": "commands.train_reference"})
 
 EMA_EXPORT_NAME = "dit_reference_ema.safetensors"
 
 
-# ------------------------------------------------------------------------------------ arguments
-def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the ``train-reference`` options to ``parser`` (used by ``tomerge train-reference``)."""
-    parser.add_argument("--data-root", default=None,
-                        help="folder with the Fashion-MNIST IDX files (gzipped or raw) (default: where the Debian "
-                             "package dataset-fashion-mnist installs them, tomerge.experiments.sources.data."
-                             "DEFAULT_FASHION_MNIST_ROOT)")
-    parser.add_argument("--out-dir", default="checkpoints/reference",
-                        help="checkpoints, logs and exports go here (default: %(default)s)")
-    parser.add_argument("--preset", default="reference",
-                        help="DiTConfig preset: 'reference' (32 x 32, 256 tokens) or 'reference-1024' (64 x 64, "
-                             "1,024 tokens) or any of tomerge.backbones.timm_dit.DIT_PRESETS (default: %(default)s)")
-    parser.add_argument("--image-size", type=int, default=None,
-                        help="override the preset's image side (a multiple of 32: Fashion-MNIST is upsampled to it)")
-    parser.add_argument("--patch-size", type=int, default=None, help="override the preset's patch side")
-    parser.add_argument("--hidden-size", type=int, default=None, help="override the preset's width")
-    parser.add_argument("--depth", type=int, default=None, help="override the preset's depth")
-    parser.add_argument("--num-heads", type=int, default=None, help="override the preset's heads")
-    parser.add_argument("--max-steps", type=int, default=200_000, help="optimizer steps in total (default: %(default)s)")
-    parser.add_argument("--batch-size", type=int, default=32, help="(default: %(default)s)")
-    parser.add_argument("--lr", type=float, default=3e-4, help="AdamW learning rate (default: %(default)s)")
-    parser.add_argument("--weight-decay", type=float, default=0.0, help="(default: %(default)s)")
-    parser.add_argument("--warmup-steps", type=int, default=200, help="linear LR warm-up (default: %(default)s)")
-    parser.add_argument("--grad-clip", type=float, default=1.0, help="gradient-norm clip, 0 = off (default: %(default)s)")
-    parser.add_argument("--ema-decay", type=float, default=0.999, help="EMA decay (warmed up) (default: %(default)s)")
-    parser.add_argument("--t-sampling", choices=("logit-normal", "uniform"), default="logit-normal",
-                        help="training time distribution (default: %(default)s)")
-    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads (default: %(default)s)")
-    parser.add_argument("--accelerator", default="auto", choices=("auto", "cpu", "gpu"),
-                        help="Lightning accelerator: a GPU when one is present (default: %(default)s)")
-    parser.add_argument("--init-from", default=None, metavar="SAFETENSORS",
-                        help="warm-start model and EMA from exported weights (e.g. the committed reference "
-                             "model) when there is no checkpoint to resume; the optimizer starts fresh")
-    parser.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
-    parser.add_argument("--limit-images", type=int, default=None, help="use only the first N training images (smoke tests)")
-    parser.add_argument("--ckpt-minutes", type=float, default=5.0,
-                        help="save a checkpoint every this many minutes of training (default: %(default)s)")
-    parser.add_argument("--ckpt-every-steps", type=int, default=0,
-                        help="save every N steps instead of by time (0 = by time) (default: %(default)s)")
-    parser.add_argument("--export-every", type=int, default=500,
-                        help=f"write the EMA weights to OUT_DIR/{EMA_EXPORT_NAME} every N steps, 0 = off (default: %(default)s)")
-    parser.add_argument("--resume", nargs="?", const="last", default=None, metavar="CKPT",
-                        help="continue from CKPT, or from OUT_DIR/last.ckpt when given without a value (a fresh start if it does not exist)")
-    parser.add_argument("--export", default=None, metavar="PATH",
-                        help="do not train: write the EMA weights of the checkpoint (--resume CKPT or OUT_DIR/last.ckpt) to PATH (.safetensors) plus PATH.json")
-    parser.add_argument("--wandb", choices=("auto", "online", "offline", "disabled"), default="auto",
-                        help="W&B mode; auto = online with an API key, else offline (default: %(default)s)")
-    parser.add_argument("--wandb-project", default="tomerge-reference", help="(default: %(default)s)")
-    parser.add_argument("--log-every", type=int, default=50, help="log a line every N steps (default: %(default)s)")
-    parser.add_argument("--progress-refresh", type=int, default=10,
-                        help="progress-bar refresh every N steps, 0 = no bar (default: %(default)s)")
-    return parser
+@dataclasses.dataclass(frozen=True)
+class TrainingOptions:
+    """How :func:`train` trains: the optimizer, the time distribution, checkpoints, exports and logging (each a
+    ``tomerge train-reference`` flag of the same name, these its defaults).
+
+    Args:
+        max_steps: optimizer steps in total (a resumed run counts the steps done before).
+        batch_size: images per step.
+        lr, weight_decay: AdamW's, after ``warmup_steps`` steps of linear warm-up.
+        grad_clip: the gradient-norm clip; 0: none.
+        ema_decay: the EMA's decay (warmed up: ``min(ema_decay, (1 + n) / (10 + n))`` at step ``n``).
+        t_sampling: ``"logit-normal"`` or ``"uniform"``.
+        accelerator: Lightning's: ``"auto"`` (a GPU when one is present), ``"cpu"`` or ``"gpu"``.
+        init_from: exported weights (safetensors) that model and EMA start from when there is no checkpoint to
+            resume; the optimizer starts fresh.
+        seed: the seed of the initial weights, the data order and each step's noise.
+        ckpt_minutes: a checkpoint every this many minutes of training ...
+        ckpt_every_steps: ... or, when > 0, every this many steps.
+        export_every: the EMA weights to ``OUT_DIR/{EMA_EXPORT_NAME}`` every this many steps; 0: at the end only.
+        log_every: a plain log line (and a logged loss) every this many steps.
+        progress_refresh: the progress bar refreshes every this many steps; 0: no bar.
+    """
+
+    max_steps: int = 200_000
+    batch_size: int = 32
+    lr: float = 3e-4
+    weight_decay: float = 0.0
+    warmup_steps: int = 200
+    grad_clip: float = 1.0
+    ema_decay: float = 0.999
+    t_sampling: str = "logit-normal"
+    accelerator: str = "auto"
+    init_from: str | None = None
+    seed: int = 0
+    ckpt_minutes: float = 5.0
+    ckpt_every_steps: int = 0
+    export_every: int = 500
+    log_every: int = 50
+    progress_refresh: int = 10
 
 
-def _config_from_args(args: argparse.Namespace) -> DiTConfig:
+def reference_dit_config(preset: str, **overrides: Any) -> DiTConfig:
+    """The DiT to train: ``DiTConfig.preset(preset, **overrides)`` (fields of :class:`DiTConfig`: ``input_size``,
+    ``patch_size``, ``hidden_size``, ...), which must take square 1-channel images (Fashion-MNIST).
+
+    Example:
+        >>> reference_dit_config("reference-1024", depth=2).image_hw
+        (64, 64)
+        >>> reference_dit_config("reference", in_channels=3)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+            ...
+        ValueError: the reference model trains on square 1-channel Fashion-MNIST images; the config has ...
+    """
     from tomerge.backbones.timm_dit import DiTConfig
 
-    overrides = {k: v for k, v in (("input_size", args.image_size), ("patch_size", args.patch_size),
-                                   ("hidden_size", args.hidden_size), ("depth", args.depth),
-                                   ("num_heads", args.num_heads)) if v is not None}
-    config = DiTConfig.preset(args.preset, **overrides)
+    config = DiTConfig.preset(preset, **overrides)
     h, w = config.image_hw
     if h != w or config.in_channels != 1:
         raise ValueError(f"the reference model trains on square 1-channel Fashion-MNIST images; the config has "
@@ -264,11 +265,15 @@ def _write_export(ema: DiT, steps: int, loss: float, path: Path, hparams: dict, 
     return info
 
 
-def _resolve_checkpoint(args: argparse.Namespace) -> Path | None:
-    if args.resume in (None, "last"):
-        last = Path(args.out_dir) / "last.ckpt"
+
+def checkpoint_to_resume(out_dir: str | os.PathLike, resume: str | os.PathLike | None) -> Path | None:
+    """The checkpoint a run in ``out_dir`` continues from: for ``resume`` ``None`` or ``"last"``
+    ``OUT_DIR/last.ckpt`` when it exists (``None``, a fresh start, when not); else the file ``resume`` names,
+    which must exist."""
+    if resume in (None, "last"):
+        last = Path(out_dir) / "last.ckpt"
         return last if last.is_file() else None
-    path = Path(args.resume)
+    path = Path(resume)
     if not path.is_file():
         raise FileNotFoundError(f"--resume checkpoint {path} does not exist")
     return path
@@ -335,95 +340,70 @@ def _checkpoint_steps(ckpt: Path) -> int:
     return int(torch.load(ckpt, map_location="cpu", weights_only=True, mmap=True)["global_step"])
 
 
-# ------------------------------------------------------------------------------------------- run
-def _wandb_logger(args: argparse.Namespace, out_dir: Path, config: DiTConfig):
-    if args.wandb == "disabled":
-        return None
-    mode = args.wandb
-    if mode == "auto":
-        mode = os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
-    os.environ["WANDB_MODE"] = mode
-    from pytorch_lightning.loggers import WandbLogger
 
-    logger = WandbLogger(project=args.wandb_project, save_dir=str(out_dir), offline=(mode == "offline"),
-                         name=f"reference-{_dt.datetime.now():%Y%m%d-%H%M%S}")
-    logger.experiment.config.update({"dit": config.to_dict(), **{k: v for k, v in vars(args).items()
-                                                                 if isinstance(v, (int, float, str, bool, type(None)))}},
-                                    allow_val_change=True)
-    return logger
+# ------------------------------------------------------------------------------------------- train
+def train(config: DiTConfig, dataset: FashionMNIST, data_root: str | os.PathLike, out_dir: str | os.PathLike,
+          options: TrainingOptions = TrainingOptions(), resume: str | os.PathLike | None = None,
+          wandb_logger: Callable[[Path, DiTConfig], Any] | None = None) -> None:
+    """Trains a DiT of ``config`` on ``dataset`` (Fashion-MNIST read from ``data_root``, which the checkpoints
+    and exports record) as the module docstring says, writing checkpoints, logs (``OUT_DIR/csv``) and EMA
+    exports to ``out_dir``.
 
-
-def run(args: argparse.Namespace) -> int:
-    """Train (or, with ``--export``, export) as described in the module docstring. Returns 0."""
-    import torch
-
-    torch.set_num_threads(max(1, args.threads))
-    out_dir = Path(args.out_dir)
-    if args.export:
-        ckpt = _resolve_checkpoint(argparse.Namespace(**{**vars(args), "resume": args.resume or "last"}))
-        if ckpt is None:
-            raise FileNotFoundError(f"no checkpoint to export: {out_dir / 'last.ckpt'} does not exist")
-        info = export_checkpoint(ckpt, args.export)
-        print(f"exported EMA weights of {ckpt} (step {info['steps']}, loss {info['final_loss']}) to {args.export}")
-        return 0
-
+    Args:
+        resume: the checkpoint to continue from (:func:`checkpoint_to_resume`; ``"last"``: ``OUT_DIR/last.ckpt``
+            when it exists); ``None``: a fresh start (from ``options.init_from`` when given).
+        wandb_logger: called with ``(out_dir, config)`` once the model is built, a W&B Lightning logger or
+            ``None``; a run it returns is finished (``wandb.finish()``) when training ends.
+    """
     import pytorch_lightning as pl
     from pytorch_lightning.callbacks import ModelCheckpoint, TQDMProgressBar
     from pytorch_lightning.loggers import CSVLogger
     from torch.utils.data import DataLoader
 
-    from tomerge.experiments.sources.data import DEFAULT_FASHION_MNIST_ROOT, FashionMNIST
-
-    with user_input():
-        config = _config_from_args(args)
-        data_root = args.data_root or DEFAULT_FASHION_MNIST_ROOT
-        size = config.image_hw[0]
-        dataset = FashionMNIST(data_root, split="train", limit=args.limit_images, size=size,
-                               root_hint="pass --data-root DIR")
-        if len(dataset) < args.batch_size:
-            raise ValueError(f"{len(dataset)} images are fewer than --batch-size {args.batch_size}")
-    pl.seed_everything(args.seed, workers=True)
-    ckpt = _resolve_checkpoint(args)
+    out_dir = Path(out_dir)
+    pl.seed_everything(options.seed, workers=True)
+    ckpt = checkpoint_to_resume(out_dir, resume)
     done = _checkpoint_steps(ckpt) if ckpt is not None else 0
-    sampler = EpochPermutations(len(dataset), args.batch_size, seed=args.seed, start_batch=done)
+    sampler = EpochPermutations(len(dataset), options.batch_size, seed=options.seed, start_batch=done)
     loader = DataLoader(dataset, batch_sampler=sampler, num_workers=0)
     out_dir.mkdir(parents=True, exist_ok=True)
+    size = config.image_hw[0]
     shown = "28x28 padded to 32x32" if size == 32 else f"28x28 upsampled to {28 * size // 32} and padded to {size}x{size}"
     data = f"Fashion-MNIST train ({len(dataset)} images, {shown}) from {data_root}"
-    module = build_module(config, lr=args.lr, weight_decay=args.weight_decay, warmup_steps=args.warmup_steps,
-                          ema_decay=args.ema_decay, t_sampling=args.t_sampling, data=data, seed=args.seed)
+    module = build_module(config, lr=options.lr, weight_decay=options.weight_decay, warmup_steps=options.warmup_steps,
+                          ema_decay=options.ema_decay, t_sampling=options.t_sampling, data=data, seed=options.seed)
 
-    trigger = ({"every_n_train_steps": args.ckpt_every_steps} if args.ckpt_every_steps > 0
-               else {"train_time_interval": _dt.timedelta(minutes=args.ckpt_minutes)})
+    trigger = ({"every_n_train_steps": options.ckpt_every_steps} if options.ckpt_every_steps > 0
+               else {"train_time_interval": _dt.timedelta(minutes=options.ckpt_minutes)})
     # enable_version_counter=False: a run resumed in a copied or moved folder overwrites last.ckpt,
-    # which --resume reads, instead of writing last-v1.ckpt beside it
+    # which resume="last" reads, instead of writing last-v1.ckpt beside it
     periodic = ModelCheckpoint(dirpath=out_dir, filename="step{step:07d}", auto_insert_metric_name=False,
                                save_last=True, save_top_k=1, enable_version_counter=False, **trigger)
     cls = _module_class()
-    callbacks = [periodic, cls.LogLine(args.log_every),
-                 cls.ExportEMA(out_dir / EMA_EXPORT_NAME, args.export_every, data)]
-    if args.progress_refresh > 0:
-        callbacks.append(TQDMProgressBar(refresh_rate=args.progress_refresh))
+    callbacks = [periodic, cls.LogLine(options.log_every),
+                 cls.ExportEMA(out_dir / EMA_EXPORT_NAME, options.export_every, data)]
+    if options.progress_refresh > 0:
+        callbacks.append(TQDMProgressBar(refresh_rate=options.progress_refresh))
     loggers = [CSVLogger(str(out_dir), name="csv")]
-    wb = _wandb_logger(args, out_dir, config)
+    wb = wandb_logger(out_dir, config) if wandb_logger is not None else None
     if wb is not None:
         loggers.append(wb)
 
     trainer = pl.Trainer(
-        accelerator=args.accelerator, devices=1, precision="32-true", max_steps=args.max_steps, max_epochs=-1,
-        logger=loggers, callbacks=callbacks, log_every_n_steps=max(1, args.log_every),
-        gradient_clip_val=args.grad_clip or None, enable_progress_bar=args.progress_refresh > 0,
+        accelerator=options.accelerator, devices=1, precision="32-true", max_steps=options.max_steps, max_epochs=-1,
+        logger=loggers, callbacks=callbacks, log_every_n_steps=max(1, options.log_every),
+        gradient_clip_val=options.grad_clip or None, enable_progress_bar=options.progress_refresh > 0,
         default_root_dir=str(out_dir), num_sanity_val_steps=0, enable_model_summary=True,
     )
     if ckpt is not None:
         print(f"resuming from {ckpt} (step {done}; the data order continues where it stopped)", flush=True)
-    elif args.init_from:
+    elif options.init_from:
         from tomerge.backbones.timm_dit import load_dit
 
-        weights = load_dit(args.init_from, config=config).state_dict()
+        weights = load_dit(options.init_from, config=config).state_dict()
         module.model.load_state_dict(weights)
         module.ema.load_state_dict(weights)
-        print(f"warm start from {args.init_from} (fresh optimizer)", flush=True)
+        print(f"warm start from {options.init_from} (fresh optimizer)", flush=True)
     import warnings
 
     # EpochPermutations resumes the data order from the checkpoint's step itself (start_batch), which
@@ -438,21 +418,3 @@ def run(args: argparse.Namespace) -> int:
             import wandb
 
             wandb.finish()
-    return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m tomerge.experiments.sources.training",
-        description=__doc__.split("\n\n")[0],
-        epilog="example: python -m tomerge.experiments.sources.training --out-dir checkpoints/reference --resume",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    from tomerge.experiments.errors import module_main
-
-    module_main("train-reference", main)
