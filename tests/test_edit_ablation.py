@@ -20,7 +20,7 @@ from pipeline_ablation import offline  # noqa: F401 (a fixture)
 from tomerge.experiments.runs.ablation import run_ablation
 from tomerge.experiments.config.load import load_config
 from tomerge.experiments.config.schema import ConfigError
-from tomerge.experiments.sources.models import Item
+from tomerge.experiments.sources.items import Item
 
 pytest.importorskip("transformers", reason="the text pipelines of diffusers import transformers")
 

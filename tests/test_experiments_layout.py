@@ -32,12 +32,27 @@ def is_module(name: str) -> bool:
     return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
 
 
-def imported_modules(path: Path) -> set[str]:
-    """The modules of ``tomerge.experiments`` that ``path`` imports (names relative to the package)."""
+def import_statements(tree: ast.AST, typing_only: bool) -> list[ast.stmt]:
+    """Every import statement of ``tree``; those under ``if TYPE_CHECKING:`` only when ``typing_only``."""
+    found, todo = [], [tree]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            found.append(node)
+        elif not typing_only and isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
+            todo += node.orelse
+        else:
+            todo += ast.iter_child_nodes(node)
+    return found
+
+
+def imported_modules(path: Path, typing_only: bool = True) -> set[str]:
+    """The modules of ``tomerge.experiments`` that ``path`` imports (names relative to the package); with
+    ``typing_only=False`` without the imports for annotations only (``if TYPE_CHECKING:``)."""
     name = module_name(path)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in import_statements(ast.parse(path.read_text()), typing_only):
         if isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package.split(".") if package else []
@@ -58,6 +73,7 @@ def imported_modules(path: Path) -> set[str]:
 
 SOURCES = sorted(ROOT.rglob("*.py"))
 GRAPH = {module_name(p): imported_modules(p) for p in SOURCES}
+RUNTIME_GRAPH = {module_name(p): imported_modules(p, typing_only=False) for p in SOURCES}
 
 
 def stage(module: str) -> str:
@@ -74,7 +90,7 @@ def test_a_module_imports_only_from_its_stage_and_the_ones_before():
     assert late == []
 
 
-def test_no_import_circle():
+def test_no_import_circle_at_run_time():
     done: set[str] = set()
 
     def visit(module: str, path: tuple[str, ...]) -> None:
@@ -83,11 +99,11 @@ def test_no_import_circle():
             pytest.fail(f"import circle: {cycle}")
         if module in done:
             return
-        for target in sorted(GRAPH.get(module, ())):
+        for target in sorted(RUNTIME_GRAPH.get(module, ())):
             visit(target, (*path, module))
         done.add(module)
 
-    for module in sorted(GRAPH):
+    for module in sorted(RUNTIME_GRAPH):
         visit(module, ())
 
 
@@ -108,3 +124,11 @@ def test_a_folder_that_was_a_module_answers_its_old_names(package, owner, name):
     assert getattr(old, name) is getattr(importlib.import_module(f"tomerge.experiments.{owner}"), name)
     with pytest.raises(AttributeError, match=f"tomerge.experiments.{package}' has no attribute 'no_such_name'"):
         old.no_such_name  # noqa: B018
+
+
+MAX_LINES = 450  # a module a reader takes in at once
+
+
+def test_no_module_is_longer_than_max_lines():
+    lengths = {module_name(p): len(p.read_text().splitlines()) for p in SOURCES}
+    assert {m: n for m, n in lengths.items() if n > MAX_LINES} == {}

@@ -66,7 +66,7 @@ def save_images(folder: Path, run: str, images: torch.Tensor, prompts: list[str]
     """A run's images as ``tomerge ablate`` writes them: ``images/<run>/`` PNGs and their ``prompts.jsonl``
     (class ``labels[i]`` of item ``i``, all 0 by default)."""
     from tomerge.experiments.generation.generate import save_image, write_index
-    from tomerge.experiments.sources.models import Item
+    from tomerge.experiments.sources.items import Item
 
     out = folder / "images" / run
     out.mkdir(parents=True)

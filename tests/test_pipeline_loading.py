@@ -12,7 +12,8 @@ import torch
 import local_pipelines
 import tomerge
 from tomerge.experiments.sources.devices import place_pipeline
-from tomerge.experiments.sources.models import Item, ModelSpec
+from tomerge.experiments.sources.items import Item
+from tomerge.experiments.sources.models import ModelSpec
 from tomerge.experiments.sources.pipelines import PipelineSource
 
 pytestmark = pytest.mark.filterwarnings("ignore:__array__ implementation:DeprecationWarning")

@@ -49,7 +49,8 @@ from ..generation.distributed import DEFAULT_TIMEOUT_S, RESUME, generate_distrib
 from ..generation.files import output_complete
 from ..generation.generate import GenerateSpec, generate_local, item_output, lock_output, prepare
 from ..sources.items import class_items, prompt_items, read_class_file
-from ..sources.models import REFERENCE_CHECKPOINT, Item, ModelSpec
+from ..sources.items import Item
+from ..sources.models import REFERENCE_CHECKPOINT, ModelSpec
 from ..sources.prompt_sets import PromptSet
 
 __all__ = ["add_arguments", "run", "main"]

@@ -18,7 +18,8 @@ from typing import Any
 from .. import moved_names
 from ..errors import ConfigError, UsageError, UserError, did_you_mean  # noqa: F401 (config.UsageError)
 from ..sources.items import class_items, prompt_items
-from ..sources.models import REFERENCE_CHECKPOINT, Item, ModelSpec
+from ..sources.items import Item
+from ..sources.models import REFERENCE_CHECKPOINT, ModelSpec
 from .grid import entry_problems
 
 CONFIG_DIR = Path(__file__).parents[1] / "configs"

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import RankFailedError, UserError
-from ..sources.models import Item
+from ..sources.items import Item
 from .generate import GenerateSpec, make_batches, process_batch, shard
 
 __all__ = ["DEFAULT_TIMEOUT_S", "RESUME", "generate_distributed"]

@@ -30,7 +30,8 @@ import tomerge
 
 from .. import moved_names
 from ..errors import UsageError
-from ..sources.models import Item, ModelSpec
+from ..sources.items import Item
+from ..sources.models import ModelSpec
 from .files import append_line, atomic_path, lock_folder, output_complete, remove_temp_files, \
     repair_jsonl_tail, write_text_atomic
 

@@ -1,4 +1,4 @@
-"""Items: the images a run makes, in order, each an :class:`~tomerge.experiments.sources.models.Item` (its index,
+"""Items: the images a run makes, in order, each an :class:`Item` (its index,
 noise seed and condition). Item ``i`` gets the seed ``seed + i``; a class list gives each class ``per_class``
 times in a row (:func:`class_items`, the reference DiT), a prompt set each prompt ``images_per_prompt`` times
 in a row (:func:`prompt_items`, pipelines; an editing pipeline's item also names its prompt's input image).
@@ -8,18 +8,55 @@ in a row (:func:`prompt_items`, pipelines; an editing pipeline's item also names
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .models import Item
-
 if TYPE_CHECKING:
     from .prompt_sets import PromptSet
 
-__all__ = ["read_class_file", "class_items", "prompt_items"]
+__all__ = ["Item", "read_class_file", "class_items", "prompt_items"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Item:
+    """One image to produce: its global index, noise seed, and its condition (class label or prompt, and for
+    editing pipelines the path of its input image).
+
+    Example:
+        >>> Item(7, 107, label=3).filename, Item(7, 107, prompt="a cat").filename
+        ('00007_class3_seed107.png', '00007_seed107.png')
+    """
+
+    index: int
+    seed: int
+    label: int | None = None
+    prompt: str | None = None
+    image: str | None = None
+
+    @property
+    def filename(self) -> str:
+        if self.label is not None:
+            return f"{self.index:05d}_class{self.label}_seed{self.seed}.png"
+        return f"{self.index:05d}_seed{self.seed}.png"
+
+    @property
+    def video_dirname(self) -> str:
+        """The folder of a video item's frames (``frame_000.png``, ...): the file name without ``.png``.
+
+        Example:
+            >>> Item(7, 107, prompt="a cat").video_dirname
+            '00007_seed107'
+        """
+        return self.filename.removesuffix(".png")
+
+    def output_name(self, video: bool = False) -> str:
+        """What the item is written as in a run's image folder: :attr:`filename` (a PNG), or for a video
+        :attr:`video_dirname` (a folder of one PNG per frame)."""
+        return self.video_dirname if video else self.filename
 
 
 def read_class_file(path: str | os.PathLike) -> list[int]:

@@ -48,6 +48,7 @@ from . import devices
 # The model-source API in one import: `sources.models.NAME` (and `sources.NAME`) answers each name below.
 from .call_arguments import (CALL_DEFAULTS, RESERVED_CALL_ARGS, SAME_CALL_ARGS, VIDEO_CALL_ARGS, check_call,
                              takes_image, unknown_call_arguments, video_length_arg)
+from .items import Item
 from .devices import DTYPE_NAMES, OFFLOAD_MODES, place_pipeline, torch_dtype
 from .pipelines import PipelineSource
 from .reference_model import (BUNDLED_REFERENCE_NAMES, BUNDLED_REFERENCES, REFERENCE_CHECKPOINT, ReferenceSource,
@@ -68,44 +69,6 @@ def __getattr__(name: str) -> Any:
 
 # Keys of the model mapping of earlier versions -> where they are now (under model.).
 MOVED_MODEL_KEYS = {"checkpoint": "reference"}
-
-
-@dataclasses.dataclass(frozen=True)
-class Item:
-    """One image to produce: its global index, noise seed, and its condition (class label or prompt, and for
-    editing pipelines the path of its input image).
-
-    Example:
-        >>> Item(7, 107, label=3).filename, Item(7, 107, prompt="a cat").filename
-        ('00007_class3_seed107.png', '00007_seed107.png')
-    """
-
-    index: int
-    seed: int
-    label: int | None = None
-    prompt: str | None = None
-    image: str | None = None
-
-    @property
-    def filename(self) -> str:
-        if self.label is not None:
-            return f"{self.index:05d}_class{self.label}_seed{self.seed}.png"
-        return f"{self.index:05d}_seed{self.seed}.png"
-
-    @property
-    def video_dirname(self) -> str:
-        """The folder of a video item's frames (``frame_000.png``, ...): the file name without ``.png``.
-
-        Example:
-            >>> Item(7, 107, prompt="a cat").video_dirname
-            '00007_seed107'
-        """
-        return self.filename.removesuffix(".png")
-
-    def output_name(self, video: bool = False) -> str:
-        """What the item is written as in a run's image folder: :attr:`filename` (a PNG), or for a video
-        :attr:`video_dirname` (a folder of one PNG per frame)."""
-        return self.video_dirname if video else self.filename
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,7 +6,8 @@ item, with the family's call defaults (``call_arguments.CALL_DEFAULTS``) under `
 produce images ``[B, 3, H, W]``, video pipelines videos ``[B, T, 3, H, W]``.
 
 Example:
-    >>> from tomerge.experiments.sources.models import Item, ModelSpec
+    >>> from tomerge.experiments.sources.items import Item
+    >>> from tomerge.experiments.sources.models import ModelSpec
     >>> source = PipelineSource(ModelSpec(kind="pipeline", path="/models/sd3-medium"))   # doctest: +SKIP
     >>> images = source.generate([Item(0, 0, prompt="a red fox in snow")])              # doctest: +SKIP
 """
@@ -26,7 +27,8 @@ from .devices import cpu_generator, place_pipeline, torch_dtype
 if TYPE_CHECKING:
     from torch import Tensor, nn
 
-# Item and ModelSpec (tomerge.experiments.sources.models) are named in annotations only: models imports this module.
+    from .items import Item
+    from .models import ModelSpec  # for annotations only: models imports this module
 
 __all__ = ["PipelineSource"]
 

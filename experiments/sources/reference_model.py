@@ -5,7 +5,8 @@ DiT checkpoint with tomerge's Euler sampler (:mod:`tomerge.experiments.sources.s
 class labels.
 
 Example:
-    >>> from tomerge.experiments.sources.models import Item, ModelSpec
+    >>> from tomerge.experiments.sources.items import Item
+    >>> from tomerge.experiments.sources.models import ModelSpec
     >>> source = ReferenceSource(ModelSpec(call={"num_steps": 2}))      # doctest: +SKIP
     >>> images = source.generate([Item(0, 0, label=3)])                 # doctest: +SKIP
 """
@@ -22,7 +23,8 @@ from .devices import cpu_generator, torch_dtype
 if TYPE_CHECKING:
     from torch import Tensor, nn
 
-# Item and ModelSpec (tomerge.experiments.sources.models) are named in annotations only: models imports this module.
+    from .items import Item
+    from .models import ModelSpec  # for annotations only: models imports this module
 
 __all__ = ["BUNDLED_REFERENCES", "REFERENCE_CHECKPOINT", "BUNDLED_REFERENCE_NAMES", "reference_checkpoint",
            "ReferenceSource"]
