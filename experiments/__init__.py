@@ -1,13 +1,17 @@
 """The experiment layer: what `tomerge` runs, measures and draws. One stage per folder; a module imports only
-from the stages before it (and from `errors` and `plugins`), which ``tests/test_layout.py`` checks:
+from its own stage and the stages before it, and no module is longer than 450 lines, which
+``tests/test_experiments_layout.py`` checks (docs/experiments.md, "Layout: which module owns what"):
 
 =============== ==========================================================================================
 ``errors``      every user-facing error class and how the command line reports them
 ``plugins``     ``--plugin MODULE_OR_FILE`` and ``plugins:`` in a config: one-file strategies and backbones
 ``sources/``    what a run draws from: items (prompts or classes -> seeds), prompt sets, Fashion-MNIST, the
-                reference DiT, its sampler and trainer, diffusers pipelines, the backbone coverage table
-``config/``     the ablation config: schema, loading, ``--set`` overrides, validation (no side effects)
+                reference DiT, its sampler and trainer, diffusers pipelines, local metric weights, the
+                backbone coverage table
+``config/``     the ablation config: schema (plain dataclasses), loading with ``--set`` overrides (it imports
+                the ``plugins:`` the config names: its grid names their strategies), validation
 ``generation/`` images and videos for a list of items, in one process or with Lightning DDP; their files
+                (written and read) and the pictures drawn from them
 ``measure/``    one timer, one FLOP counter, quality metrics and feature extractors, the one table of
                 result columns (what each number is called and which way is better)
 ``runs/``       the run folder (written and read), and what fills run folders: the ablation and the search

@@ -1,2 +1,2 @@
-"""The run folder, written and read (`records`), and what
-fills run folders: the ablation grid (`ablation`) and the search (`search`)."""
+"""The run folder, written and read (`records`), and what fills run folders: the ablation grid (`ablation`)
+and the search (`search`)."""
