@@ -228,11 +228,13 @@ def check_flops(model: nn.Module, family: Family, label: str) -> float:
 
 def check_permutation_is_exact(model: nn.Module, inputs: dict, shuffle: Callable[[dict, Tensor], dict] | None,
                                N: int, **options) -> None:
+    """Merged with :class:`Permute` the model gives its plain output, up to the rounding of float32 sums taken in
+    another order (1.6e-5 seen on one CPU; the control's positions off by a permutation are over 1e-3 away)."""
     before = run(model, inputs)
     with tomerge.merging(model, Permute(), ratio=0.5, **ALL_SUBLAYERS, **options) as handle:
         out = run(model, inputs)
         assert handle.state.records and all(set(r.sublayers) >= {"attn", "mlp"} for r in handle.state.records)
-    torch.testing.assert_close(out, before, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(out, before, rtol=1e-4, atol=5e-5)
     if shuffle is not None:  # control: positions matter, so a permutation without the RoPE gather is far off
         perm = torch.randperm(N, generator=_seed(3))
         assert (run(model, shuffle(inputs, perm)) - before).abs().max() > 1e-3
