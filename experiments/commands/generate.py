@@ -48,8 +48,7 @@ from ..errors import RankFailedError, UsageError, module_main, user_input
 from ..generation.distributed import DEFAULT_TIMEOUT_S, RESUME, generate_distributed
 from ..generation.files import output_complete
 from ..generation.generate import GenerateSpec, generate_local, item_output, lock_output, prepare
-from ..sources.items import class_items, prompt_items, read_class_file
-from ..sources.items import Item
+from ..sources.items import Item, class_items, prompt_items, read_class_file
 from ..sources.models import REFERENCE_CHECKPOINT, ModelSpec
 from ..sources.prompt_sets import PromptSet
 

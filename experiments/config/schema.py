@@ -17,8 +17,7 @@ from typing import Any
 
 from .. import moved_names
 from ..errors import ConfigError, UsageError, UserError, did_you_mean  # noqa: F401 (config.UsageError)
-from ..sources.items import class_items, prompt_items
-from ..sources.items import Item
+from ..sources.items import Item, class_items, prompt_items
 from ..sources.models import REFERENCE_CHECKPOINT, ModelSpec
 from .grid import entry_problems
 
