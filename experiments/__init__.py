@@ -76,10 +76,17 @@ if not any(isinstance(finder, _MovedModules) for finder in sys.meta_path):
     sys.meta_path.append(_MovedModules())
 
 
+def new_spelling(name: str, owner: str) -> str:
+    """``name`` in its owner, relative to this package: ``owner.name``, or ``owner.new_name`` for an owner given
+    as ``"owner:new_name"``."""
+    owner, _, renamed = owner.partition(":")
+    return f"{owner}.{renamed or name}"
+
+
 def moved_names(module: str, moved: dict[str, str]) -> Callable[[str], Any]:
     """A module ``__getattr__`` for the names that left ``module``: ``moved`` maps each to the module that owns
-    it now (under ``tomerge.experiments``), and asking ``module`` for one raises an ``AttributeError`` naming
-    its new spelling.
+    it now (under ``tomerge.experiments``; ``"module:new_name"`` where it was renamed too), and asking
+    ``module`` for one raises an ``AttributeError`` naming its new spelling.
 
     Example (in ``measure/metrics.py``)::
 
@@ -88,7 +95,7 @@ def moved_names(module: str, moved: dict[str, str]) -> Callable[[str], Any]:
 
     def __getattr__(name: str) -> Any:
         if name in moved:
-            raise AttributeError(f"{module}.{name} is {__name__}.{moved[name]}.{name}", name=name)
+            raise AttributeError(f"{module}.{name} is {__name__}.{new_spelling(name, moved[name])}", name=name)
         raise AttributeError(f"module {module!r} has no attribute {name!r}", name=name)
 
     __getattr__.moved = moved  # type: ignore[attr-defined]  # read by forward_names
@@ -107,7 +114,7 @@ def forward_names(package: str, module: str) -> Callable[[str], Any]:
                 return vars(owner)[name]
             moved = getattr(vars(owner).get("__getattr__"), "moved", {})
             if name in moved:
-                raise AttributeError(f"{package}.{name} is {__name__}.{moved[name]}.{name}", name=name)
+                raise AttributeError(f"{package}.{name} is {__name__}.{new_spelling(name, moved[name])}", name=name)
         raise AttributeError(f"module {package!r} has no attribute {name!r}", name=name)
 
     return __getattr__

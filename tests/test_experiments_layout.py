@@ -132,3 +132,14 @@ MAX_LINES = 450  # a module a reader takes in at once
 def test_no_module_is_longer_than_max_lines():
     lengths = {module_name(p): len(p.read_text().splitlines()) for p in SOURCES}
     assert {m: n for m, n in lengths.items() if n > MAX_LINES} == {}
+
+
+@pytest.mark.parametrize("module, name, spelling", [
+    ("runs.ablation", "main", "commands.ablate.main"), ("runs.ablation", "measure", "runs.ablation.measure_run"),
+    ("generation.generate", "build_items", "sources.items.class_items"),
+    ("sources.coverage", "run", "commands.backbones.run")])
+def test_a_name_that_left_its_module_names_its_new_spelling(module, name, spelling):
+    old = importlib.import_module(f"tomerge.experiments.{module}")
+    message = f"tomerge.experiments.{module}.{name} is tomerge.experiments.{spelling}"
+    with pytest.raises(AttributeError, match=f"^{re.escape(message)}$"):
+        getattr(old, name)

@@ -47,7 +47,7 @@ __all__ = ["GenerateSpec", "SETTINGS_FILE", "INDEX_FILE", "LOG_FILE", "make_batc
 __getattr__ = moved_names(__name__, {
     **dict.fromkeys(["GenerateModule", "generate_distributed", "DEFAULT_TIMEOUT_S", "RESUME", "LOST_RANK"],
                     "generation.distributed"),
-    "read_class_file": "sources.items",
+    "read_class_file": "sources.items", "build_items": "sources.items:class_items",
     **dict.fromkeys(["add_arguments", "run", "main"], "commands.generate"),
 })
 

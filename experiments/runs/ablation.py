@@ -35,6 +35,7 @@ from typing import Any
 
 import tomerge
 
+from .. import moved_names
 from ..config.grid import valid_ratios
 from ..config.schema import AblationConfig, ConfigError, RunSpec
 from ..generation.files import image_files, output_complete
@@ -47,6 +48,11 @@ from ..measure.timing import overhead_ratio, speed_columns, time_baseline_and_me
 # run_ablation is the grid; measure_run, speed_row and match_flop_speedups measure one run of it, and
 # `tomerge bench --config` times a grid with them (without images or quality metrics).
 __all__ = ["run_ablation", "measure_run", "speed_row", "match_flop_speedups"]
+
+__getattr__ = moved_names(__name__, {
+    "measure": "runs.ablation:measure_run",
+    **dict.fromkeys(["add_arguments", "command_overrides", "run", "main"], "commands.ablate"),
+})
 
 
 def _merging(source: Any, run: RunSpec):
