@@ -40,3 +40,14 @@ def test_samples_are_separated_from_noise_by_simple_statistics(generated):
     # A threshold halfway between the two populations separates every sample from every noise image.
     assert bg_samples.min() > 0.8 > bg_noise.max()
     assert rough_samples.max() < rough_noise.min()
+
+
+def test_the_1024_token_reference_loads_and_samples_in_two_steps():
+    """The second bundled model (docs/reference-model.md): the same network at 64 x 64, 32 x 32 = 1,024 tokens."""
+    from tomerge.experiments.sources.reference_model import BUNDLED_REFERENCES
+
+    model = load_dit(BUNDLED_REFERENCES["bundled-1024"])
+    assert model.config.image_hw == (64, 64) and model.config.grid_hw == (32, 32) and model.config.num_classes == 10
+    assert model.config.hidden_size == 192 and model.config.depth == 6  # the reference-1024 preset
+    images = sample(model, torch.tensor([0, 7]), num_steps=2, cfg_scale=2.0, generator=torch.Generator().manual_seed(0))
+    assert images.shape == (2, 1, 64, 64) and torch.isfinite(images).all()
