@@ -102,19 +102,22 @@ def moved_names(module: str, moved: dict[str, str]) -> Callable[[str], Any]:
     return __getattr__
 
 
-def forward_names(package: str, module: str) -> Callable[[str], Any]:
+def forward_names(package: str, *modules: str) -> Callable[[str], Any]:
     """A module ``__getattr__`` for ``package``, a folder that was a module: the names of the old module are
-    answered from ``module`` (its owner now), imported when first asked; a name that left ``module``
-    (:func:`moved_names`) raises an ``AttributeError`` naming its new spelling."""
+    answered from ``modules`` (their owners now, asked in order), imported when first asked; a name that left
+    them (:func:`moved_names`) raises an ``AttributeError`` naming its new spelling."""
 
     def __getattr__(name: str) -> Any:
         if not name.startswith("__"):
-            owner = importlib.import_module(module)
-            if name in vars(owner):
-                return vars(owner)[name]
-            moved = getattr(vars(owner).get("__getattr__"), "moved", {})
-            if name in moved:
-                raise AttributeError(f"{package}.{name} is {__name__}.{new_spelling(name, moved[name])}", name=name)
+            owners = [vars(importlib.import_module(module)) for module in modules]
+            for owner in owners:
+                if name in owner:
+                    return owner[name]
+            for owner in owners:
+                moved = getattr(owner.get("__getattr__"), "moved", {})
+                if name in moved:
+                    raise AttributeError(f"{package}.{name} is {__name__}.{new_spelling(name, moved[name])}",
+                                         name=name)
         raise AttributeError(f"module {package!r} has no attribute {name!r}", name=name)
 
     return __getattr__
