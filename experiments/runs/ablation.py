@@ -41,9 +41,9 @@ from ..config.schema import AblationConfig, ConfigError, RunSpec
 from ..generation.files import image_files, output_complete
 from ..generation.distributed import generate_distributed
 from ..generation.generate import INDEX_FILE, GenerateSpec, generate_local, item_output, prepare
-from .records import RunFolder, environment
-from ..sources.items import Item
 from ..measure.timing import overhead_ratio, speed_columns, time_baseline_and_merged
+from ..sources.items import Item
+from .records import RunFolder, environment
 
 # run_ablation is the grid; measure_run, speed_row and match_flop_speedups measure one run of it, and
 # `tomerge bench --config` times a grid with them (without images or quality metrics).
