@@ -1,0 +1,36 @@
+"""scripts/one_call_flops.py: one denoiser call's counted FLOPs under a strategy, planning included."""
+
+from __future__ import annotations
+
+import re
+import runpy
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).parents[1] / "scripts" / "one_call_flops.py"
+
+
+def flop_ideal(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, *args: str) -> tuple[float, float]:
+    """(unmerged GFLOP, FLOP-ideal speed-up) as the script prints them."""
+    monkeypatch.setattr(sys, "argv", [str(SCRIPT), *args])
+    runpy.run_path(str(SCRIPT), run_name="__main__")
+    out = capsys.readouterr().out
+    unmerged = float(re.search(r"unmerged ([\d.]+) GFLOP", out).group(1))
+    return unmerged, float(re.search(r"FLOP-ideal ([\d.]+)x", out).group(1))
+
+
+def test_one_global_tile_pays_for_its_selection(capsys, monkeypatch):
+    """Facility location's greedy selection compares every candidate with every token of its tile: one tile of
+    all 256 tokens costs 16x the similarities of 16 tiles of 16, so at the same ratio it saves fewer FLOPs."""
+    unmerged, tiled = flop_ideal(capsys, monkeypatch, "facility_location", "ratio=0.5", "num_tiles=16")
+    same_unmerged, global_ = flop_ideal(capsys, monkeypatch, "facility_location", "ratio=0.5", "num_tiles=1")
+    assert unmerged == same_unmerged
+    assert tiled > 1.0
+    assert global_ < tiled - 0.3
+
+
+def test_options_are_checked(capsys, monkeypatch):
+    with pytest.raises(ValueError, match="ratio"):
+        flop_ideal(capsys, monkeypatch, "tomesd", "ratio=1.5")
