@@ -10,10 +10,10 @@ from __future__ import annotations
 import argparse
 
 import torch
-import yaml
 
 import tomerge
 from tomerge.backbones.timm_dit import load_dit
+from tomerge.experiments.config.load import parse_override
 from tomerge.experiments.measure.flops import count_flops
 from tomerge.experiments.sources.reference_model import reference_checkpoint
 
@@ -24,11 +24,14 @@ def main() -> None:
     parser.add_argument("strategy")
     parser.add_argument("options", nargs="*", help="KEY=VALUE (YAML values), ratio included")
     args = parser.parse_args()
-    options = {k: yaml.safe_load(v) for k, v in (o.split("=", 1) for o in args.options)}
+    try:
+        options = dict(parse_override(text) for text in args.options)
+    except ValueError as err:
+        parser.error(str(err))
     model = load_dit(reference_checkpoint(args.reference)).eval()
-    size = model.x_embedder.img_size  # (H, W) of the model's input
-    x = torch.randn(2, model.in_channels, *size, generator=torch.Generator().manual_seed(0))  # [2, C, H, W]
-    t, y = torch.full((2,), 0.5), torch.tensor([3, model.num_classes])  # mid-trajectory; a label and the null label
+    config = model.config
+    x = torch.randn(2, config.in_channels, *config.image_hw, generator=torch.Generator().manual_seed(0))  # [2, C, H, W]
+    t, y = torch.full((2,), 0.5), torch.tensor([3, config.num_classes])  # mid-trajectory; a label and the null label
 
     def call() -> None:
         with torch.no_grad():
