@@ -91,9 +91,10 @@ class CachedDetail(Schedule):
         try:
             inner = make_schedule(self.merge, None if isinstance(self.merge, Schedule) else self.ratio,
                                   dict(self.merge_options))
-        except (KeyError, TypeError, ValueError) as err:  # KeyError: an unknown name
+        except (KeyError, TypeError, ValueError) as err:  # KeyError: an unknown name (its message is its one argument)
             name = self.merge if isinstance(self.merge, str) else type(self.merge).__name__
-            raise ValueError(f"{what}: merge={name!r}: {err}") from err
+            message = err.args[0] if isinstance(err, KeyError) and err.args else err
+            raise ValueError(f"{what}: merge={name!r}: {message}") from err
         if inner.caches_blocks:
             raise ValueError(f"{what}: merge={inner.name!r} is a caching schedule; merge names a merging strategy "
                              "or schedule (compose the other way round: block_cache(merge='cached_detail'))")
@@ -116,7 +117,7 @@ class CachedDetail(Schedule):
         last_full = where.step - (where.step - (self.warmup - 1)) % self.refresh_every
         # one plan per layer from the first merged step to the next full step: the reference stays comparable
         return dataclasses.replace(inner, cache_detail="merged_change", cache_weight=None,
-                                   cache_key=(self.name, where.layer, last_full))
+                                   cache_key=((self.name, where.layer), last_full))
 
     def strategies(self) -> tuple[MergeStrategy, ...]:
         return self._inner.strategies()

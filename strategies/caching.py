@@ -144,8 +144,9 @@ def _inner_schedule(merge: Any, ratio: float | None, options: dict[str, Any], wh
                          f"got {merge!r}")
     try:
         inner = make_schedule(merge, None if isinstance(merge, Schedule) else ratio, options)
-    except (TypeError, ValueError) as err:
-        raise ValueError(f"{what}: merge={merge if isinstance(merge, str) else type(merge).__name__!r}: {err}") \
+    except (KeyError, TypeError, ValueError) as err:  # KeyError: an unknown name (its message is its one argument)
+        message = err.args[0] if isinstance(err, KeyError) and err.args else err
+        raise ValueError(f"{what}: merge={merge if isinstance(merge, str) else type(merge).__name__!r}: {message}") \
             from err
     if inner.caches_blocks:
         raise ValueError(f"{what}: merge={inner.name!r} is itself a caching schedule; merge names a merging "

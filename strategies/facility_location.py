@@ -83,6 +83,9 @@ class FacilityLocation(MergeStrategy):
         mask_selected: never pick a chosen destination again (the authors' code does not mask).
         shared_destinations: select on batch element 0 and share the destinations (as the authors do).
         unmerge_matrix: ``"transpose"`` (``U = A^T``) or ``"pinv"`` (``U = pinv(W)`` per tile).
+        max_tile_tokens: the most tokens a tile may hold: a tile of ``s`` tokens keeps ``s x s`` float32
+            similarities per sample and the greedy selection passes over them once per destination, so one global
+            tile at video sizes (32k tokens: 4 GiB per sample, 16k passes) is refused with its cost.
         ratio: default ratio when applied without one (planning uses ``ctx.ratio``).
 
     Example:
@@ -100,6 +103,7 @@ class FacilityLocation(MergeStrategy):
     mask_selected: bool = True
     shared_destinations: bool = False
     unmerge_matrix: str = "transpose"
+    max_tile_tokens: int = 4096
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -114,6 +118,7 @@ class FacilityLocation(MergeStrategy):
         check_bool(self.mask_selected, "mask_selected", what)
         check_bool(self.shared_destinations, "shared_destinations", what)
         check_choice(self.unmerge_matrix, "unmerge_matrix", what, UNMERGES)
+        check_int(self.max_tile_tokens, "max_tile_tokens", what, low=1)
 
     # ------------------------------------------------------------------ layout
     def tile_side(self, grid: Grid) -> int:
@@ -143,6 +148,14 @@ class FacilityLocation(MergeStrategy):
         frames, H, W = grid_frames(grid)
         N = frames * H * W
         depth = self.tile_frames
+        side = self.stripe_length(grid) if self.locality == "stripes" else depth * self.tile_side(grid) ** 2
+        if side > self.max_tile_tokens:
+            tiles = N / side
+            raise ValueError(
+                f"facility_location: tiles of {side} tokens on grid {tuple(grid)} (about {tiles:.3g} tiles): their "
+                f"similarities take {tiles * side * side * 4 / 2**30:.2f} GiB per sample in float32 and the greedy "
+                f"selection passes over them once per destination; use more tiles (num_tiles, tile_size, "
+                f"tile_frames) or raise max_tile_tokens (now {self.max_tile_tokens})")
         groups = -(-frames // depth)  # groups of `depth` frames, the last one possibly shorter
         g = torch.arange(groups, device=device)
         if self.locality == "stripes":

@@ -7,8 +7,8 @@ terms, on a cached step of block ``l``:
 
 * the attention's merge points return what their module returned on the last fresh step (``Decision.reuse_outputs``;
   a joint attention's text tokens included);
-* the feed-forward runs on the ``k`` **fresh** tokens :class:`FreshTokens` selects (an exact selection: a soft plan
-  whose merge rows are one-hot, so every fresh token is computed from its own input), the other tokens take their
+* the feed-forward runs on the ``k`` **fresh** tokens :class:`FreshTokens` selects (an exact selection,
+  :meth:`~tomerge.MergePlan.selection`: row gathers, so every fresh token is computed from its own input), the other tokens take their
   cached output (``Decision.cache_weight = 0``), and the combined output becomes the cache
   (``Decision.cache_outputs``), as the authors' ``update_cache`` writes the fresh tokens into it.
 
@@ -111,17 +111,10 @@ class FreshTokens(MergeStrategy):
         return self.score(ctx, N).topk(keep, dim=1).indices  # [B, k]
 
     def merge_matrix(self, x: Tensor, dst: Tensor, ctx: MergeContext) -> MergePlan:
-        """The selection as a soft plan: merge row ``m`` is one-hot at token ``dst[m]``; unmerging puts each
-        output back at its token and 0 at the others."""
-        N = x.shape[1]
-        select = (dst.unsqueeze(-1) == torch.arange(N, device=dst.device)).to(x.dtype)  # [B, k, N] one-hot rows
-        return MergePlan.soft(select, select.transpose(1, 2), dst=dst, num_tokens=N)
-
-    def merged_tokens(self, plan: MergePlan, ctx: MergeContext) -> Tensor:
-        """``[B, N]`` bool: the tokens not selected (they take the cached output, and their streak grows)."""
-        if plan.is_identity:
-            return torch.zeros(plan.dst.shape, dtype=torch.bool, device=plan.dst.device)
-        return plan.unmerge_weights[:, 0].sum(-1) == 0  # [B, 1, N, k] -> [B, N]
+        """The selection (:meth:`MergePlan.selection`): merging takes the rows ``dst``, unmerging puts each output
+        back at its token and 0 at the others; its merged tokens are those not selected (they take the cached
+        output, and their streak grows)."""
+        return MergePlan.selection(dst, num_tokens=x.shape[1])
 
 
 def window_best(score: Tensor, grid: tuple[int, ...], window: int) -> Tensor:

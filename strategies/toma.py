@@ -11,14 +11,14 @@ its kind (see *Block position* below):
 * **Merge steps.** Only steps with ``s % merge_every == 0`` merge (label ``"merge"``); the others run
   unmerged (label ``"skip_step"``). The authors' Flux run merges every 3rd step.
 * **Reuse.** A plan (destinations and merge/unmerge matrices) is cached under
-  ``Decision.cache_key = ("toma", kind, group, s // recompute_every)`` with
+  ``Decision.cache_key = (("toma", kind, group), s // recompute_every)`` (scope, window) with
   ``group = (i - skip_first) // group_size`` (``group_size=None``: one group per block kind, ``group = 0``,
   as the authors' Flux scheduler shares one plan per block type): it is computed by the first call of a
   group in a window of ``recompute_every`` steps and reused by every later call with the same key (the
   other blocks of the group, the later merge steps of the window).
 * **Destinations refreshed less often** (``destinations_every=d``, a multiple of ``recompute_every=e``; the
-  paper's separate intervals): destinations are kept under ``Decision.destinations_key = ("toma", kind,
-  group, "destinations", s // d)``; a call whose plan is not cached but whose destinations are recomputes
+  paper's separate intervals): destinations are kept under ``Decision.destinations_key = (("toma", kind,
+  group, "destinations"), s // d)``; a call whose plan is not cached but whose destinations are recomputes
   only the merge matrices from them. ``None``: destinations are recomputed with the matrices (``d = e``).
   The state keeps plans per call index (the n-th model call of a step), so with split guidance each
   branch reuses its own plans and the result equals batched guidance. Groups are runs of ``group_size``
@@ -35,7 +35,8 @@ the first kind of a multi-kind model; for Flux's single-stream blocks it is only
 core provides ``kind_index`` (a schedule is frozen and stateless, so it cannot count blocks itself).
 
 Facility-location options are forwarded under their own names (``locality``, ``num_tiles``,
-``tile_size``, ``tile_frames``, ``temperature``, ``mask_selected``, ``shared_destinations``, ``unmerge_matrix``) and
+``tile_size``, ``tile_frames``, ``temperature``, ``mask_selected``, ``shared_destinations``, ``unmerge_matrix``,
+``max_tile_tokens``) and
 validated by building the strategy once in ``__post_init__``. On a ``(T, H, W)`` video grid the tiles are
 per frame by default, ``tile_frames`` frames deep otherwise (docs/strategies.md, "3-D (video) token grids");
 the schedule's rules do not depend on the grid.
@@ -50,7 +51,7 @@ Example:
     ...  for t, l in [(0, 0), (1, 1), (2, 1)]]
     ['skip_block', 'skip_step', 'merge']
     >>> s.decide(Where(step=2, num_steps=10, progress=2 / 9, layer=2, num_layers=4)).cache_key
-    ('toma', 'block', 0, 0)
+    (('toma', 'block', 0), 0)
 """
 
 from __future__ import annotations
@@ -98,7 +99,8 @@ class ToMA(Schedule):
         sublayers: where the plan is applied (default attention and MLP).
         kind_sublayers: ``((block_kind, sublayers), ...)`` overriding ``sublayers`` for those block kinds
             (the authors' Flux run merges only the attention of double-stream blocks: ``(("double", ("attn",)),)``).
-        locality, num_tiles, tile_size, tile_frames, temperature, mask_selected, shared_destinations, unmerge_matrix:
+        locality, num_tiles, tile_size, tile_frames, temperature, mask_selected, shared_destinations, unmerge_matrix,
+        max_tile_tokens:
             :class:`~tomerge.strategies.facility_location.FacilityLocation` options.
 
     Example:
@@ -124,6 +126,7 @@ class ToMA(Schedule):
     mask_selected: bool = True
     shared_destinations: bool = False
     unmerge_matrix: str = "transpose"
+    max_tile_tokens: int = 4096
 
     _facility: FacilityLocation = dataclasses.field(init=False, repr=False, compare=False)
     _sublayers: frozenset[str] = dataclasses.field(init=False, repr=False, compare=False)
@@ -154,7 +157,8 @@ class ToMA(Schedule):
         set_(self, "_facility", FacilityLocation(  # validates the forwarded options ("facility_location: ...")
             locality=self.locality, num_tiles=self.num_tiles, tile_size=self.tile_size, tile_frames=self.tile_frames,
             temperature=self.temperature, mask_selected=self.mask_selected,
-            shared_destinations=self.shared_destinations, unmerge_matrix=self.unmerge_matrix))
+            shared_destinations=self.shared_destinations, unmerge_matrix=self.unmerge_matrix,
+            max_tile_tokens=self.max_tile_tokens))
 
     @property
     def facility(self) -> FacilityLocation:
@@ -166,8 +170,8 @@ class ToMA(Schedule):
         ``group_size`` is ``None``."""
         return 0 if self.group_size is None else (kind_position(where) - self.skip_first) // self.group_size
 
-    def cache_key(self, where: Where) -> Hashable:
-        """``("toma", kind, group, step // recompute_every)`` for a merged block call.
+    def cache_key(self, where: Where) -> tuple[Hashable, int]:
+        """``(("toma", kind, group), step // recompute_every)`` (scope, window) for a merged block call.
 
         Args:
             where: a block call that merges (its block is not among the first ``skip_first``).
@@ -175,14 +179,14 @@ class ToMA(Schedule):
         Returns:
             The key the plan of this call is cached under.
         """
-        return ("toma", where.block_kind, self.group(where), where.step // self.recompute_every)
+        return ("toma", where.block_kind, self.group(where)), where.step // self.recompute_every
 
-    def destinations_key(self, where: Where) -> Hashable | None:
-        """``("toma", kind, group, "destinations", step // destinations_every)``, or ``None`` when destinations
+    def destinations_key(self, where: Where) -> tuple[Hashable, int] | None:
+        """``(("toma", kind, group, "destinations"), step // destinations_every)``, or ``None`` when destinations
         are recomputed with the matrices."""
         if self.destinations_every is None:
             return None
-        return ("toma", where.block_kind, self.group(where), "destinations", where.step // self.destinations_every)
+        return ("toma", where.block_kind, self.group(where), "destinations"), where.step // self.destinations_every
 
     # ------------------------------------------------------------------ Schedule
     def decide(self, where: Where) -> Decision:

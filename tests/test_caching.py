@@ -73,7 +73,7 @@ def test_the_block_calls_that_run_take_the_inner_schedules_decisions():
     s = FORA(merge="toma", ratio=0.4, merge_options={"num_tiles": 4, "skip_first": 1})
     merged, skipped, reused = s.decide(where(3, layer=2)), s.decide(where(3, layer=0)), s.decide(where(4, layer=2))
     assert (merged.label, merged.ratio, merged.block_cache, merged.cache_key) == ("merge", 0.4, "store",
-                                                                                  ("toma", "block", 0, 3))
+                                                                                  (("toma", "block", 0), 3))
     assert (skipped.label, skipped.strategy, skipped.block_cache) == ("skip_block", None, "store")
     assert (reused.label, reused.strategy) == ("reuse", None)
     assert s.strategies() == s.inner.strategies() and FORA().strategies() == ()
@@ -90,6 +90,7 @@ def test_the_block_calls_that_run_take_the_inner_schedules_decisions():
     ("fora", dict(merge="taylorseer"), "is itself a caching schedule"),
     ("fora", dict(merge="tomesd", ratio=0.5, merge_options={"use_rnd": False}), "fora: merge='tomesd': unknown opt"),
     ("fora", dict(merge="tomesd", ratio=1.5), "fora: merge='tomesd': ratio must be"),
+    ("fora", dict(merge="nope"), "^fora: merge='nope': unknown strategy 'nope'; registered: "),
     ("first_block_cache", dict(threshold=-0.1), "threshold must be a finite number >= 0"),
     ("first_block_cache", dict(accumulate=1), "accumulate must be True or False"),
 ])

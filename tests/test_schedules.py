@@ -231,7 +231,7 @@ def test_toma_shares_keys_within_groups_of_consecutive_blocks_of_one_kind():
         if w.kind_index < 1:
             assert d.cache_key is None
             continue
-        assert d.cache_key == ("toma", w.block_kind, (w.kind_index - 1) // 2, w.step // 5)
+        assert d.cache_key == (("toma", w.block_kind, (w.kind_index - 1) // 2), w.step // 5)
     step0 = {w.layer: s.decide(w).cache_key for w in flux_like(num_steps=10) if w.step == 0}
     assert step0[0] is None and step0[4] is None  # kind_index 0 of each kind is skipped
     assert step0[1] == step0[2] != step0[3]  # joint blocks 1..3: groups (1, 2), (3)
@@ -428,7 +428,7 @@ def test_toma_shares_one_plan_per_block_kind_by_default():
     s = ToMA(skip_first=1, recompute_every=2)
     for w in flux_like(num_steps=6):
         d = s.decide(w)
-        assert d.cache_key == (None if w.kind_index < 1 else ("toma", w.block_kind, 0, w.step // 2))
+        assert d.cache_key == (None if w.kind_index < 1 else (("toma", w.block_kind, 0), w.step // 2))
 
 
 def test_toma_destination_keys_change_every_d_steps_and_d_is_a_multiple_of_e():

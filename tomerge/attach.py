@@ -27,7 +27,7 @@ from .text_bias import bias_text_keys
 
 _HANDLE_ATTR = "_tomerge_handle"
 _CONSTANT_OPTIONS = ("merge_attn", "merge_crossattn", "merge_mlp", "merge_from", "merge_until")  # Constant's options
-_STATE_OPTIONS = ("seed", "num_steps", "text_labels")
+_STATE_OPTIONS = ("seed", "num_steps", "text_labels", "memory_budget")
 
 
 def recorded_needs(adapter: type[BackboneAdapter], kinds: Iterable[str]) -> frozenset[str]:
@@ -192,6 +192,8 @@ class MergeHandle:
         self._blocks_with_grid = 0
 
     def _model_post(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if self.state.clock.step <= 1:
+            self.state.check_memory()
         if self._blocks_with_grid == 0 and not self._warned_nothing:
             self._warned_nothing = True
             warnings.warn(
@@ -234,8 +236,9 @@ class MergeHandle:
             call = self.state.call
             if call is None or call.decision.block_cache is None:
                 return forward(*args, **kwargs)
-            if call.reused is not None:
-                return block.output_of(tuple(None if r is None else x + r for x, r in zip(call.streams, call.reused)))
+            if call.reused is not None:  # a float32 forecast is added in float32, then rounded once
+                return block.output_of(tuple(None if r is None else (x + r).to(x.dtype)
+                                             for x, r in zip(call.streams, call.reused)))
             output = forward(*args, **kwargs)
             call.store_residual(block.output_streams(output))
             return output
@@ -317,8 +320,9 @@ def apply(target: Any, strategy: str | MergeStrategy | Schedule = "tomesd", *, r
         backbone: adapter name; found from the model's classes when ``None``.
         **options: strategy options, the adapter's options, ``merge_attn`` / ``merge_crossattn`` /
             ``merge_mlp`` and ``merge_from`` / ``merge_until`` (see :class:`~tomerge.schedule.Constant`),
-            ``seed`` (per-(step, layer) generators), ``num_steps`` and ``text_labels`` (see
-            :meth:`MergeHandle.set_text_labels`). Unknown names raise.
+            ``seed`` (per-(step, layer) generators), ``num_steps``, ``text_labels`` (see
+            :meth:`MergeHandle.set_text_labels`) and ``memory_budget`` (GiB the kept caches may reach before
+            a warning, :meth:`~tomerge.state.MergeState.check_memory`). Unknown names raise.
 
     Returns:
         A :class:`MergeHandle`; ``handle.remove()`` or :func:`remove` undoes everything.
@@ -354,7 +358,8 @@ def apply(target: Any, strategy: str | MergeStrategy | Schedule = "tomesd", *, r
         timesteps=_scheduler_timesteps(scheduler, adapter) if scheduler is not None else None,
         t_max=adapter.t_max,
     )
-    state = MergeState(schedule, num_layers=len(blocks), seed=state_opts.get("seed", 0), clock=clock)
+    state = MergeState(schedule, num_layers=len(blocks), seed=state_opts.get("seed", 0), clock=clock,
+                       memory_budget=state_opts.get("memory_budget"))
     handle = MergeHandle(model, adapter, schedule, state)
     try:
         handle._attach(blocks)
@@ -461,11 +466,18 @@ class _ForwardPatch:
 
 def _scheduler_timesteps(scheduler: Any, adapter: BackboneAdapter):
     """The pipeline scheduler's current timesteps in the units of the adapter's call timesteps
-    (:meth:`BackboneAdapter.scheduler_timesteps`), read at every call (pipelines set them per run)."""
+    (:meth:`BackboneAdapter.scheduler_timesteps`), float32 on the host: copied from the device once per timestep
+    tensor the scheduler sets (pipelines set a new one per run), not at every call."""
+    copied: dict[str, Any] = {}
 
     def timesteps():
         t = getattr(scheduler, "timesteps", None)
-        return t if t is None else adapter.scheduler_timesteps(t)
+        if t is None:
+            return None
+        if copied.get("source") is not t or copied.get("version") != t._version:
+            converted = adapter.scheduler_timesteps(t)
+            copied.update(source=t, version=t._version, host=None if converted is None else converted.float().cpu())
+        return copied["host"]
     return timesteps
 
 

@@ -4,15 +4,23 @@ A plan says how the ``N`` image tokens of a block map onto ``M <= N`` slots, and
 (``[B, N, C] -> [B, M, C]``) and the unmerge (``[B, M, C'] -> [B, N, C']``). It has two forms:
 
 * **hard**: ``assign [B, N]`` gives the slot of every token; a slot holds the plain mean of its
-  tokens and unmerging copies the slot back to all of them. It runs as index operations
-  (gather / scatter-add) or as batched matmuls with the equivalent dense matrices; both give the
-  same result to rounding.
+  tokens and unmerging copies the slot back to all of them. It runs as index operations (an
+  ``index_add_`` of rows, accumulated in float32 for half-precision inputs, and a row gather): no
+  matrix product, on every device. ``backend="dense"`` runs the equivalent one-hot matmuls instead
+  (for comparison; both give the same result to rounding).
+* **selection**: ``dst [B, M]`` are kept, the other tokens dropped: merging takes the kept rows,
+  unmerging puts each slot back at its token and 0 at the others (token skipping: ToCa's fresh
+  tokens), as a row gather and an ``index_copy_``.
 * **soft**: a merge matrix ``W`` (rows sum to 1) and an unmerge matrix ``U``, applied with matmuls.
   They may be *tiled* (block diagonal): tokens are split into ``T`` groups of ``s`` and slots into
   ``T`` groups of ``d``, so ``W`` is ``[B, T, d, s]`` and costs ``B*M*s*C`` instead of ``B*M*N*C``.
 
 Every plan also knows ``dst [B, M]``, the token position that represents each slot (a merged token
 takes its destination's positional encoding), ``sizes [B, M]`` and ``num_removed``.
+
+A plan is plain data: nothing derived is memoised on it, so a plan kept across model calls (a schedule's
+cached plan) holds only the tensors it was built from, never one computed while it ran (docs/compile.md,
+"CUDA graphs").
 
 Example:
     >>> import torch
@@ -33,8 +41,11 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-Backend = Literal["index", "dense", "auto"]
-BACKENDS = ("index", "dense", "auto")
+Backend = Literal["index", "dense"]
+BACKENDS = ("index", "dense")
+#: Slot sums (and the block cache's Taylor terms, :mod:`tomerge.state`) accumulate in this dtype at least: a
+#: half-precision sum of many tokens, or a difference of half-precision residuals, is mostly rounding.
+ACCUMULATE = torch.float32
 
 
 @dataclass(frozen=True, eq=False)
@@ -52,7 +63,8 @@ class MergePlan:
     merge_weights: Tensor | None = None  # [B, T, d, s] (soft plans)
     unmerge_weights: Tensor | None = None  # [B, T, s, d] (soft plans)
     tile_tokens: Tensor | None = None  # [T, s] long token positions per tile, N marks padding
-    backend: Backend = "auto"
+    selects: bool = False  # a selection: dst are kept, the other tokens dropped
+    backend: Backend = "index"
 
     # ------------------------------------------------------------------ constructors
     @classmethod
@@ -62,7 +74,7 @@ class MergePlan:
         return cls(num_tokens, num_tokens, dst=positions)
 
     @classmethod
-    def hard(cls, assign: Tensor, dst: Tensor, backend: Backend = "auto") -> MergePlan:
+    def hard(cls, assign: Tensor, dst: Tensor, backend: Backend = "index") -> MergePlan:
         """A hard plan from ``assign [B, N]`` (slot per token) and ``dst [B, M]`` (token per slot).
 
         Every slot must be used; ``assign[b, dst[b, m]] == m`` is expected (the representative
@@ -113,9 +125,18 @@ class MergePlan:
                    unmerge_weights=unmerge_weights, tile_tokens=tile_tokens, backend="dense")
 
     @classmethod
+    def selection(cls, dst: Tensor, num_tokens: int, backend: Backend = "index") -> MergePlan:
+        """The plan that keeps the tokens ``dst [B, M]`` (distinct positions) and drops the others: ``merge`` takes
+        their rows, ``unmerge`` puts slot ``m`` back at token ``dst[b, m]`` and 0 at every token not kept."""
+        if dst.dim() != 2:
+            raise ValueError(f"a selection wants dst [B, M]; got {tuple(dst.shape)}")
+        _check_backend(backend)
+        return cls(num_tokens, dst.shape[1], dst=dst, selects=True, backend=backend)
+
+    @classmethod
     def from_matching(
         cls, dst: Tensor, unmerged: Tensor, merged: Tensor, merged_into: Tensor, num_tokens: int,
-        backend: Backend = "auto",
+        backend: Backend = "index",
     ) -> MergePlan:
         """A hard plan from a bipartite matching.
 
@@ -143,7 +164,7 @@ class MergePlan:
     # ------------------------------------------------------------------ properties
     @property
     def is_identity(self) -> bool:
-        return self.assign is None and self.merge_weights is None
+        return self.assign is None and self.merge_weights is None and not self.selects
 
     @property
     def is_soft(self) -> bool:
@@ -160,11 +181,16 @@ class MergePlan:
 
     @property
     def slot_of_token(self) -> Tensor:
-        """``[B, N]`` slot of every token (for soft plans: the slot with the largest unmerge weight)."""
+        """``[B, N]`` slot of every token (for soft plans: the slot with the largest unmerge weight; for a
+        selection: ``M`` for the tokens not kept, which have no slot)."""
         if self.is_identity:
             return self.dst
         if self.assign is not None:
             return self.assign
+        if self.selects:
+            B, M = self.dst.shape
+            slots = torch.full((B, self.num_tokens), M, dtype=torch.long, device=self.dst.device)
+            return slots.scatter_(1, self.dst, torch.arange(M, device=self.dst.device).expand(B, M))  # [B, N]
         B, T, s, d = self.unmerge_weights.shape
         local = self.unmerge_weights.argmax(-1)  # [B, T, s], slot inside the tile
         slots = local + torch.arange(T, device=local.device).view(1, T, 1) * d  # [B, T, s]
@@ -172,9 +198,13 @@ class MergePlan:
 
     def merged_tokens(self) -> Tensor:
         """``[B, N]`` bool: tokens whose slot holds more than one token, destinations included (all False for
-        the identity plan). Soft plans count each token in the slot of its largest unmerge weight."""
+        the identity plan). Soft plans count each token in the slot of its largest unmerge weight; a selection
+        counts the tokens it drops."""
         if self.is_identity:
             return torch.zeros(self.dst.shape, dtype=torch.bool, device=self.dst.device)
+        if self.selects:
+            kept = torch.zeros(self.dst.shape[0], self.num_tokens, dtype=torch.bool, device=self.dst.device)
+            return ~kept.scatter_(1, self.dst, True)  # [B, N]
         slot = self.slot_of_token  # [B, N]
         counts = torch.zeros(slot.shape[0], self.num_slots, dtype=torch.long, device=slot.device)
         counts.scatter_add_(1, slot, torch.ones_like(slot))  # [B, M] tokens per slot
@@ -182,7 +212,10 @@ class MergePlan:
 
     @property
     def sizes(self) -> Tensor:
-        """``[B, M]`` tokens per slot (for soft plans: the summed unmerge weight of each slot)."""
+        """``[B, M]`` tokens per slot, float32 (for soft plans: the summed unmerge weight of each slot; a
+        selection's slots hold one token each)."""
+        if self.selects:
+            return torch.ones(self.dst.shape, device=self.dst.device)
         if not self.is_soft:
             assign = self.slot_of_token
             counts = torch.zeros(self.batch_size, self.num_slots, device=self.dst.device)
@@ -200,24 +233,30 @@ class MergePlan:
             xt = self._tile(x)  # [B, T, s, C]
             y = self._soft_weights(x)[0] @ xt  # [B, T, d, C]
             return y.flatten(1, 2)  # [B, M, C]
-        if self._use_dense(x):
+        if self.backend == "dense":
             W, _ = self._hard_dense(x.dtype)
             return W @ x
-        # Sum rows into slots with index_add_ over whole rows (a [B*N] index, never a [B, N, C] one), then
-        # scale in place: one [B, M, C] allocation, the same additions in the same order as scatter_add_.
+        if self.selects:
+            return take_rows(x, self._batched(self.dst, x.shape[0]))  # [B, M, C]
+        # Sum rows into slots with index_add_ over whole rows (a [B*N] index, never a [B, N, C] one), in float32
+        # for half-precision inputs, then scale in place by the float32 inverse sizes: one [B, M, C] allocation.
         B, N, C = x.shape
         M = self.num_slots
-        summed = x.new_zeros(B, M, C)  # [B, M, C]
-        if x.is_contiguous():
-            summed.view(B * M, C).index_add_(0, self._flat_assign(B), x.view(B * N, C))
+        dtype = torch.promote_types(x.dtype, ACCUMULATE)
+        source = x.to(dtype)  # x itself in float32 and float64
+        summed = source.new_zeros(B, M, C)  # [B, M, C]
+        if source.is_contiguous():
+            summed.view(B * M, C).index_add_(0, batch_rows(self.assign, B, M), source.view(B * N, C))
         else:  # e.g. the image part of a joint [text, image] sequence: rows are contiguous per sample
             assign = self._batched(self.assign, B)
             for b in range(B):
-                summed[b].index_add_(0, assign[b], x[b])
-        return summed.mul_(self._inverse_sizes(B, x.dtype))
+                summed[b].index_add_(0, assign[b], source[b])
+        inverse = self.sizes.reciprocal().unsqueeze(-1).to(dtype)  # [B or 1, M, 1]
+        return summed.mul_(self._batched(inverse, B)).to(x.dtype)
 
     def unmerge(self, y: Tensor) -> Tensor:
-        """``[B, M, C'] -> [B, N, C']``: every token receives its slot's value."""
+        """``[B, M, C'] -> [B, N, C']``: every token receives its slot's value (a selection: 0 for the tokens
+        it dropped)."""
         y = self._check_input(y, self.num_slots, "unmerge")
         if self.is_identity:
             return y
@@ -225,13 +264,22 @@ class MergePlan:
             B, T, s, d = self.unmerge_weights.shape
             yt = y.view(y.shape[0], T, d, y.shape[-1])  # [B, T, d, C]
             return self._untile(self._soft_weights(y)[1] @ yt)  # [B, N, C]
-        if self._use_dense(y):
+        if self.backend == "dense":
             _, U = self._hard_dense(y.dtype)
             return U @ y
         B, M, C = y.shape
         N = self.num_tokens
+        if self.selects:
+            out = y.new_zeros(B, N, C)  # [B, N, C]
+            if y.is_contiguous():
+                out.view(B * N, C).index_copy_(0, batch_rows(self.dst, B, N), y.view(B * M, C))
+            else:
+                dst = self._batched(self.dst, B)
+                for b in range(B):
+                    out[b].index_copy_(0, dst[b], y[b])
+            return out
         if y.is_contiguous():  # row gather with a [B*N] index (no [B, N, C] index tensor)
-            return y.view(B * M, C).index_select(0, self._flat_assign(B)).view(B, N, C)
+            return y.view(B * M, C).index_select(0, batch_rows(self.assign, B, M)).view(B, N, C)
         out = y.new_empty(B, N, C)  # [B, N, C]
         assign = self._batched(self.assign, B)
         for b in range(B):  # e.g. the image part of a joint sequence: rows are contiguous per sample
@@ -261,16 +309,28 @@ class MergePlan:
             device = _device_of(args, kwargs)
             return t if device is None else t.to(device)
 
-        return replace(self, dst=move(self.dst), assign=move(self.assign),
-                       merge_weights=move(self.merge_weights), unmerge_weights=move(self.unmerge_weights),
-                       tile_tokens=move(self.tile_tokens))
+        return self._map(move)
+
+    def detached_copy(self) -> MergePlan:
+        """The same plan on copies of its tensors: what a plan kept across model calls holds, so that it aliases
+        no tensor computed inside a (compiled, CUDA-graphed) block call (docs/compile.md, "CUDA graphs")."""
+        return self._map(lambda t: None if t is None else t.detach().clone())
+
+    def tensors(self) -> tuple[Tensor, ...]:
+        """Every tensor the plan holds (for memory accounting)."""
+        return tuple(t for t in (self.dst, self.assign, self.merge_weights, self.unmerge_weights, self.tile_tokens)
+                     if t is not None)
 
     def with_backend(self, backend: Backend) -> MergePlan:
-        """The same hard plan executed with another backend (soft plans are always dense)."""
+        """The same hard plan or selection executed with another backend (soft plans are always matmuls)."""
         _check_backend(backend)
         return self if self.is_soft else replace(self, backend=backend)
 
     # ------------------------------------------------------------------ internals
+    def _map(self, fn) -> MergePlan:
+        return replace(self, dst=fn(self.dst), assign=fn(self.assign), merge_weights=fn(self.merge_weights),
+                       unmerge_weights=fn(self.unmerge_weights), tile_tokens=fn(self.tile_tokens))
+
     def _check_input(self, x: Tensor, length: int, what: str) -> Tensor:
         batch_ok = x.dim() == 3 and (x.shape[0] == self.batch_size or self.batch_size == 1)
         if not batch_ok or x.shape[1] != length:
@@ -284,65 +344,30 @@ class MergePlan:
     def _batched(t: Tensor, batch: int) -> Tensor:
         return t.expand(batch, *t.shape[1:]) if t.shape[0] != batch else t
 
-    def _use_dense(self, x: Tensor) -> bool:
-        if self.backend == "auto":
-            # Index ops are measured faster on CPU (docs/benchmarks.md); dense on CUDA follows ToMA's argument
-            # (matmuls, no scatter) and is not yet measured here (experiments/bench/gpu.sh times both).
-            return x.device.type == "cuda"
-        return self.backend == "dense"
-
-    def _cache(self) -> dict:
-        """Per-plan memo of derived tensors (a plan is immutable, so they never go stale)."""
-        cache = self.__dict__.get("_memo")
-        if cache is None:
-            cache = {}
-            object.__setattr__(self, "_memo", cache)
-        return cache
-
-    def _inverse_sizes(self, batch: int, dtype: torch.dtype) -> Tensor:
-        cache = self._cache()
-        if ("inv_sizes", dtype) not in cache:
-            inv = cache.get(("inv_sizes", torch.float32))
-            if inv is None:
-                inv = self.sizes.reciprocal().unsqueeze(-1)  # [B, M, 1]
-                cache[("inv_sizes", torch.float32)] = inv
-            cache[("inv_sizes", dtype)] = inv.to(dtype)
-        return self._batched(cache[("inv_sizes", dtype)], batch)
-
-    def _flat_assign(self, batch: int) -> Tensor:
-        """``[B*N]`` slot of every token in the flattened ``[B*M]`` slot rows (built once per batch size)."""
-        cache = self._cache()
-        key = ("flat_assign", batch)
-        if key not in cache:
-            cache[key] = batch_rows(self.assign, batch, self.num_slots)  # [B*N]
-        return cache[key]
-
     def _soft_weights(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        """``W`` and ``U`` in ``x``'s dtype, cast once per plan.
+        """``W`` and ``U`` in ``x``'s dtype.
 
         On CPU, entries below the smallest normal float32 (``1.2e-38``; softmax at a low temperature makes
-        many) are stored as 0 in this execution copy: subnormal operands slow CPU matmuls down several
-        times, and such a weight moves no sum by a single ulp. ``merge_weights`` itself is left untouched.
+        many) are 0 in this execution copy: subnormal operands slow CPU matmuls down several times, and such a
+        weight moves no sum by a single ulp. ``merge_weights`` itself is left untouched.
         """
-        cache = self._cache()
-        key = ("soft", x.dtype, x.device.type)
-        if key not in cache:
-            pair = []
-            for w in (self.merge_weights, self.unmerge_weights):
-                w = w.to(x.dtype)
-                if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16, torch.float64):
-                    w = w.masked_fill(w.abs() < torch.finfo(torch.float32).tiny, 0)
-                pair.append(w)
-            cache[key] = (pair[0], pair[1])
-        return cache[key]
+        pair = []
+        for w in (self.merge_weights, self.unmerge_weights):
+            w = w.to(x.dtype)
+            if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16, torch.float64):
+                w = w.masked_fill(w.abs() < torch.finfo(torch.float32).tiny, 0)
+            pair.append(w)
+        return pair[0], pair[1]
 
     def _hard_dense(self, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        cache = self._cache()
-        if ("dense", dtype) not in cache:
-            U = torch.nn.functional.one_hot(self.slot_of_token, self.num_slots).to(dtype)  # [B, N, M]
-            W = (U / U.sum(1, keepdim=True)).transpose(1, 2)  # [B, M, N], rows sum to 1
-            cache[("dense", dtype)] = (W.contiguous(), U)
-        return cache[("dense", dtype)]
+        """The one-hot matrices of a hard plan or selection, ``W [B, M, N]`` and ``U [B, N, M]`` (built per call:
+        ``backend="dense"`` is for comparison, never memoised)."""
+        if self.selects:
+            W = torch.nn.functional.one_hot(self.dst, self.num_tokens).to(dtype)  # [B, M, N]
+            return W, W.transpose(1, 2)
+        U = torch.nn.functional.one_hot(self.slot_of_token, self.num_slots).to(dtype)  # [B, N, M]
+        W = (U / U.sum(1, keepdim=True)).transpose(1, 2)  # [B, M, N], rows sum to 1
+        return W.contiguous(), U
 
     def _tile(self, x: Tensor) -> Tensor:
         """``[B, N, C] -> [B, T, s, C]`` by ``tile_tokens`` (zero rows for padding)."""
@@ -350,7 +375,7 @@ class MergePlan:
         if self.tile_tokens is None:
             return x.unsqueeze(1)  # [B, 1, N, C]
         positions, padding = self._tile_index()
-        xt = self._take(x, positions, "tile_rows")  # [B, T*s, C], one copy (no padded copy of x first)
+        xt = take_rows(x, positions)  # [B, T*s, C], one copy (no padded copy of x first)
         if padding is not None:
             xt.masked_fill_(padding.view(1, -1, 1), 0)  # padding rows are zero
         return xt.view(x.shape[0], T, s, x.shape[2])
@@ -358,13 +383,10 @@ class MergePlan:
     def _tile_index(self) -> tuple[Tensor, Tensor | None]:
         """``[T*s]`` token of every tile member (padding clamped to a real token) and the ``[T*s]`` padding
         mask (``None`` without padding: every token is in exactly one tile, so ``T*s == N`` means none)."""
-        cache = self._cache()
-        if "tile_index" not in cache:
-            flat = self.tile_tokens.flatten()  # [T*s]
-            padded = flat.numel() > self.num_tokens
-            cache["tile_index"] = ((flat.clamp(max=self.num_tokens - 1), flat == self.num_tokens) if padded
-                                   else (flat, None))
-        return cache["tile_index"]
+        flat = self.tile_tokens.flatten()  # [T*s]
+        if flat.numel() > self.num_tokens:
+            return flat.clamp(max=self.num_tokens - 1), flat == self.num_tokens
+        return flat, None
 
     def _untile(self, xt: Tensor) -> Tensor:
         """``[B, T, s, C] -> [B, N, C]``, the inverse of :meth:`_tile` (padding rows dropped)."""
@@ -372,26 +394,10 @@ class MergePlan:
         flat = xt.reshape(B, T * s, C)  # [B, T*s, C]
         if self.tile_tokens is None:
             return flat
-        cache = self._cache()
-        inverse = cache.get("inverse_tiles")
-        if inverse is None:
-            positions = self.tile_tokens.flatten()
-            inverse = torch.empty(self.num_tokens + 1, dtype=torch.long, device=positions.device)
-            inverse[positions] = torch.arange(positions.numel(), device=positions.device)
-            inverse = inverse[: self.num_tokens]  # [N] position of each token in the tile layout
-            cache["inverse_tiles"] = inverse
-        return self._take(flat, inverse, "untile_rows")  # [B, N, C]
-
-    def _take(self, x: Tensor, index: Tensor, name: str) -> Tensor:
-        """:func:`take_rows` with the batch-offset row index cached per plan and batch size."""
-        B, N, C = x.shape
-        if not x.is_contiguous():
-            return take_rows(x, index)
-        cache = self._cache()
-        rows = cache.get((name, B))
-        if rows is None:
-            rows = cache[(name, B)] = batch_rows(index, B, N)  # [B*K]
-        return x.view(B * N, C).index_select(0, rows).view(B, -1, C)
+        positions = self.tile_tokens.flatten()  # [T*s]
+        inverse = torch.empty(self.num_tokens + 1, dtype=torch.long, device=positions.device)
+        inverse[positions] = torch.arange(positions.numel(), device=positions.device)
+        return take_rows(flat, inverse[: self.num_tokens])  # [B, N, C]: each token from its tile position
 
 
 def take_rows(x: Tensor, index: Tensor) -> Tensor:

@@ -53,11 +53,15 @@ class Decision:
         strategy: the strategy to plan with, or ``None`` to run the block unmerged.
         ratio: the ratio to ask the strategy for.
         sublayers: where the plan is applied: a subset of ``{"attn", "crossattn", "mlp"}``.
-        cache_key: plans are cached under this key and reused by later calls with the same key
-            (``None``: plan once per block call, shared by its sublayers).
-        destinations_key: destinations are kept under this key and reused by later calls with the same key
-            whose plan is not cached: only the merge matrix is recomputed (``strategy.plan(x, ctx,
-            destinations=...)``; ToMA's separate refresh intervals). ``None``: destinations are not kept.
+        cache_key: ``(scope, window)``: the plan is cached under this key and reused by later calls with the same
+            key (``None``: plan once per block call, shared by its sublayers). The state keeps one plan per scope
+            (and call index): a plan of a new window replaces the scope's earlier one, so a schedule's windows
+            must only grow along a trajectory (e.g. ``step // recompute_every``) and its memory stays bounded by
+            its scopes, whatever the step count.
+        destinations_key: ``(scope, window)``: destinations are kept under this key and reused by later calls
+            with the same key whose plan is not cached: only the merge matrix is recomputed (``strategy.plan(x,
+            ctx, destinations=...)``; ToMA's separate refresh intervals); one per scope, as ``cache_key``.
+            ``None``: destinations are not kept.
         label: a short name for records and figures (e.g. the phase).
         reset_streaks: clear the merge streaks (``ctx.streak``) of this call index (the n-th model call of the
             step) before the block runs, so the next merge decision starts counting from 0 (SDTM's protected
@@ -116,6 +120,10 @@ class Decision:
     streak_key: Hashable | None = None
 
     def __post_init__(self) -> None:
+        for name in ("cache_key", "destinations_key"):
+            key = getattr(self, name)
+            if key is not None and not (isinstance(key, tuple) and len(key) == 2):
+                raise ValueError(f"Decision.{name} must be a (scope, window) pair or None, got {key!r}")
         if self.block_cache not in BLOCK_CACHE:
             raise ValueError(f"Decision.block_cache must be one of {BLOCK_CACHE}, got {self.block_cache!r}")
         if isinstance(self.forecast_order, bool) or not isinstance(self.forecast_order, int) or self.forecast_order < 0:

@@ -4,19 +4,27 @@ One object per :func:`tomerge.apply`, never module attributes: the trajectory cl
 distinct timestep values), the block call in progress, cached plans and destinations, merge streaks,
 received attention, the feature cache, the block cache (kept residuals and the change signal of adaptive
 caching), random generators, and a record of every decision.
+
+What is kept across calls is copied out of the block call by eager code (:meth:`MergeState.end_block`), so it
+never aliases a tensor computed inside a compiled block, which CUDA graphs overwrite at their next replay; it is
+bounded by the model, not by the step count (one plan per cache scope, one residual per block and call index;
+docs/compile.md, "CUDA graphs").
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Hashable
+import warnings
+from collections.abc import Callable, Hashable, Iterator
 from typing import Any
 
 import torch
 from torch import Tensor
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from .context import Grid, MergeContext
+from . import plan as _plan
 from .plan import MergePlan
 from .schedule import SKIP, Decision, Schedule, Where, check_attention_runs_before_its_merge
 
@@ -29,9 +37,12 @@ class TrajectoryClock:
     new trajectory. When the pipeline's scheduler is known (``timesteps``), the step is the
     position of the timestep in its schedule and the step count is exact.
 
+    Each call reads its timestep on the host once (the one host read of a model call); ``timesteps`` is
+    expected to return a host copy that it refreshes only when the scheduler sets new timesteps.
+
     Args:
         num_steps: the number of denoising steps, when known in advance.
-        timesteps: a callable returning the scheduler's timestep tensor (or ``None``).
+        timesteps: a callable returning the scheduler's timesteps on the host (or ``None``).
         t_max: the largest timestep value (progress ``1 - t / t_max`` when the step count is unknown).
     """
 
@@ -55,7 +66,7 @@ class TrajectoryClock:
         new_trajectory = self.current is None or t > self.current
         schedule = self.timesteps() if self.timesteps is not None else None
         if schedule is not None and len(schedule) > 0:
-            self.step = int((schedule.float().cpu() - t).abs().argmin())
+            self.step = int((schedule - t).abs().argmin())
             self.num_steps = len(schedule)
         else:
             self.step = 0 if new_trajectory else self.step + 1
@@ -85,11 +96,25 @@ class KeptResidual:
 
     ``terms[0]`` is the residual (block output minus block input, per stream); ``terms[i]`` its ``i``-th finite
     difference over the last storing calls, each difference divided by the step distance of the last two stores
-    (TaylorSeer's approximation of the ``i``-th derivative in steps).
+    (TaylorSeer's approximation of the ``i``-th derivative in steps). With ``order > 0`` every term is float32 (at
+    least): a difference of half-precision residuals would be mostly their rounding.
     """
 
     step: int
     terms: list[Streams]
+    order: int = 0
+
+    @staticmethod
+    def residual(inputs: Streams, outputs: Streams, order: int) -> Streams:
+        """``outputs - inputs`` per stream (``None`` where the block returned no tensor), computed eagerly: a new
+        tensor that aliases nothing of the block call; in float32 (at least) for Taylor terms (``order > 0``),
+        where the difference of two half-precision values is exact."""
+        def minus(y: Tensor, x: Tensor) -> Tensor:
+            if order == 0:
+                return (y - x).detach()
+            dtype = torch.promote_types(y.dtype, _plan.ACCUMULATE)
+            return y.detach().to(dtype) - x.detach().to(dtype)
+        return tuple(None if y is None else minus(y, x) for x, y in zip(inputs, outputs))
 
     def updated(self, step: int, residual: Streams, order: int) -> KeptResidual:
         """The cache after a store of ``residual`` at ``step``, with differences up to ``order`` (as many as
@@ -100,7 +125,11 @@ class KeptResidual:
             for previous in self.terms[:order]:
                 terms.append(tuple(None if new is None else (new - old) / distance
                                    for new, old in zip(terms[-1], previous)))
-        return KeptResidual(step, terms)
+        return KeptResidual(step, terms, order)
+
+    def capacity(self) -> int:
+        """The bytes of this cache once all ``order + 1`` terms are kept."""
+        return (self.order + 1) * sum(_bytes(t) for t in self.terms[0] if t is not None)
 
     def fits(self, streams: Streams) -> bool:
         """Whether the kept residual has the shapes of a block call's ``streams``."""
@@ -109,7 +138,7 @@ class KeptResidual:
 
     def forecast(self, step: int) -> Streams:
         """The residual at ``step``: ``sum_i terms[i] * k^i / i!`` with ``k = step - self.step`` (the kept
-        residual itself with one term)."""
+        residual itself with one term), in the terms' dtype."""
         if len(self.terms) == 1:
             return self.terms[0]
         k = step - self.step
@@ -153,12 +182,17 @@ class ChangeSignal:
 
 def relative_l1(x: Tensor, reference: Tensor | None) -> float:
     """``mean|x - reference| / mean|reference|`` (``inf`` without a reference of ``x``'s shape, or for a zero
-    one)."""
+    one): the means in float32 (at least), their quotient in float64 on the device, read on the host once."""
     if reference is None or reference.shape != x.shape:
         return math.inf
     dtype = torch.promote_types(x.dtype, torch.float32)  # bf16 / fp16 residuals are compared in float32
-    scale = float(reference.to(dtype).abs().mean())
-    return float((x.to(dtype) - reference.to(dtype)).abs().mean()) / scale if scale > 0 else math.inf
+    scale = reference.to(dtype).abs().mean().double()
+    change = (x.to(dtype) - reference.to(dtype)).abs().mean().double() / scale
+    return float(torch.where(scale > 0, change, math.inf))
+
+
+def _bytes(t: Tensor) -> int:
+    return t.untyped_storage().nbytes()
 
 
 def _same_shapes(a: Streams, b: Streams) -> bool:
@@ -196,7 +230,7 @@ class BlockCall:
     streams: Streams | None = None  # the block's input streams, when the decision uses the block cache
     image_stream: int = 0  # the index of the image tokens in streams
     reused: Streams | None = None  # the residual a reusing call adds to its input (kept, or forecast)
-    new_residual: Streams | None = None  # the residual a storing call computed
+    block_outputs: Streams | None = None  # a storing call's output streams (its residual is taken in end_block)
 
     skipped: set[int] = dataclasses.field(default_factory=set)  # point indices whose call in progress reads no image tokens
     input_shapes: dict[int, torch.Size] = dataclasses.field(default_factory=dict)  # point -> image input, for a stored module output
@@ -209,23 +243,21 @@ class BlockCall:
 
     # ------------------------------------------------------------------ the block cache
     def store_residual(self, outputs: Streams) -> None:
-        """Keeps ``outputs - streams`` (per stream; ``None`` where the block returned no tensor) as the residual
-        of this block call (stored for this layer and call index when it ends, :meth:`MergeState.end_block`).
+        """Hands the block's ``outputs`` to :meth:`MergeState.end_block`, which keeps ``outputs - streams`` (per
+        stream; ``None`` where the block returned no tensor) as the residual of this layer and call index.
 
         Raises:
             RuntimeError: an output stream of another shape than its input, or a tensor returned for a stream
                 the block had no input of: the block's residual is not defined.
         """
         assert self.streams is not None  # begin_block kept them for a storing decision
-        residual = []
         for index, (x, y) in enumerate(zip(self.streams, outputs)):
             if y is not None and (x is None or x.shape != y.shape):
                 raise RuntimeError(
                     f"tomerge: the {self.where.block_kind!r} block returned a {tuple(y.shape)} tensor as its output "
                     f"stream {index}, for an input of {None if x is None else tuple(x.shape)}: the block cache keeps "
                     "output minus input, which needs outputs of their inputs' shapes (BlockSpec.outputs)")
-            residual.append(None if y is None else (y - x).detach())
-        self.new_residual = tuple(residual)
+        self.block_outputs = tuple(outputs)
 
     # ------------------------------------------------------------------ the feature cache
     def store_output(self, point: int, output: Tensor) -> None:
@@ -314,24 +346,33 @@ class MergeState:
         seed: base seed of the per-(step, layer) generators.
         clock: the trajectory clock.
         record: keep a :class:`Record` per block call (``records``), up to ``max_records``.
+        memory_budget: GiB the kept tensors (:meth:`kept_bytes`) may reach; over it, the first steps warn once with
+            the estimate (:meth:`check_memory`). ``None``: on CUDA, the device memory free at that point; elsewhere
+            no check.
     """
 
     def __init__(self, schedule: Schedule, num_layers: int, *, seed: int = 0,
-                 clock: TrajectoryClock | None = None, record: bool = True, max_records: int = 100_000) -> None:
+                 clock: TrajectoryClock | None = None, record: bool = True, max_records: int = 100_000,
+                 memory_budget: float | None = None) -> None:
         self.schedule = schedule
         self.num_layers = num_layers
         self.seed = seed
         self.clock = clock or TrajectoryClock()
         self.record = record
         self.max_records = max_records
+        self.memory_budget = memory_budget
+        self._memory_warned = False
         self.records: list[Record] = []
         self.call: BlockCall | None = None
         # Plans, destinations, streaks and cached outputs are kept per call index: the index of the model call
         # among the calls of the current step (split guidance: 0 = first branch, 1 = second; batched guidance:
         # always 0), so split guidance reuses and counts exactly as the batched call does for each sample.
         self.call_index = 0
-        self.plans: dict[Hashable, tuple[MergePlan, Tensor | None]] = {}  # (call index, cache_key) -> (plan, merged)
-        self.destinations: dict[Hashable, tuple[int, Tensor]] = {}  # (call index, destinations_key) -> (N, [B, M] dst)
+        # (call index, scope of Decision.cache_key) -> (window, plan, [B or 1, N] merged): one plan per scope, the
+        # latest window's (windows only grow along a trajectory, so an earlier window's plan is never asked again)
+        self.plans: dict[tuple[int, Hashable], tuple[Hashable, MergePlan, Tensor | None]] = {}
+        # (call index, scope of Decision.destinations_key) -> (window, N, [B, M] dst)
+        self.destinations: dict[tuple[int, Hashable], tuple[Hashable, int, Tensor]] = {}
         # (call index, Decision.streak_key, N) -> [B, N] consecutive merges of each token
         self.streaks: dict[tuple[int, Hashable, int], Tensor] = {}
         # (call index, layer, point or reference_key(point)) -> [B, N, C'] feature cache
@@ -410,14 +451,16 @@ class MergeState:
         if strategy is None or grid is None:
             return call
         if decision.cache_key is not None:
-            cached_plan = self.plans.get((self.call_index, decision.cache_key))
-            if cached_plan is not None and _fits(cached_plan[0].num_tokens, cached_plan[0].dst, block_input):
-                call.plan, call.merged = cached_plan
+            scope, window = decision.cache_key
+            cached = self.plans.get((self.call_index, scope))
+            if cached is not None and cached[0] == window and _fits(cached[1].num_tokens, cached[1].dst, block_input):
+                _, call.plan, call.merged = cached
                 return call
         if decision.destinations_key is not None:
-            kept = self.destinations.get((self.call_index, decision.destinations_key))
-            if kept is not None and _fits(*kept, block_input):
-                call.kept_destinations = kept[1]
+            scope, window = decision.destinations_key
+            kept = self.destinations.get((self.call_index, scope))
+            if kept is not None and kept[0] == window and _fits(kept[1], kept[2], block_input):
+                call.kept_destinations = kept[2]
         if self.keep_streaks:
             call.streak = self._streak(B, N, block_input.device, decision.streak_key)
         ctx = MergeContext(
@@ -458,8 +501,9 @@ class MergeState:
         return plan
 
     def end_block(self) -> None:
-        """Commits what the block call produced (cached plan, kept destinations, streaks, feature cache,
-        received attention) and records its decision. Runs eagerly, after the block."""
+        """Commits what the block call produced (cached plan, kept destinations, streaks, feature cache, block
+        cache, received attention) and records its decision. Runs eagerly, after the block: every tensor kept is
+        a copy made here (:func:`_copy`), or computed here, never one the (compiled) block call returned."""
         call, self.call = self.call, None
         if call is None:
             return
@@ -469,19 +513,21 @@ class MergeState:
             assert plan is not None
             key, dst_key = call.decision.cache_key, call.decision.destinations_key
             if key is not None:
-                self.plans[(self.call_index, key)] = (plan, call.merged)
+                scope, window = key
+                self.plans[(self.call_index, scope)] = (window, plan.detached_copy(), _copy(call.merged))
             if dst_key is not None and call.kept_destinations is None and not plan.is_identity:
-                self.destinations[(self.call_index, dst_key)] = (plan.num_tokens, plan.dst)
+                scope, window = dst_key
+                self.destinations[(self.call_index, scope)] = (window, plan.num_tokens, _copy(plan.dst))
             if call.new_streak is not None:
-                self.streaks[(self.call_index, call.decision.streak_key, plan.num_tokens)] = call.new_streak
+                self.streaks[(self.call_index, call.decision.streak_key, plan.num_tokens)] = _copy(call.new_streak)
             for observe in self.observers:
                 observe(call, plan)
         for index, output in call.new_outputs.items():
             if output is None:
                 self.outputs.pop((self.call_index, layer, index), None)
             else:
-                self.outputs[(self.call_index, layer, index)] = output
-        if call.new_residual is not None:
+                self.outputs[(self.call_index, layer, index)] = _copy(output)
+        if call.block_outputs is not None:
             self._keep_residual(call)
         if call.reused is not None and self.call_index in self.signals:
             self.signals[self.call_index].last_full = False
@@ -501,11 +547,13 @@ class MergeState:
     # ------------------------------------------------------------------ the block cache
     def _keep_residual(self, call: BlockCall) -> None:
         """Stores a storing call's residual (with its Taylor terms) and measures its change when asked."""
-        key, step, residual = (self.call_index, call.where.layer), call.where.step, call.new_residual
-        assert residual is not None
-        kept = self.residuals.get(key)
+        key, step = (self.call_index, call.where.layer), call.where.step
+        assert call.streams is not None and call.block_outputs is not None
         order = call.decision.forecast_order
-        self.residuals[key] = KeptResidual(step, [residual]) if kept is None else kept.updated(step, residual, order)
+        residual = KeptResidual.residual(call.streams, call.block_outputs, order)
+        kept = self.residuals.get(key)
+        self.residuals[key] = (KeptResidual(step, [residual], order) if kept is None
+                               else kept.updated(step, residual, order))
         rule = call.decision.measure_change
         if rule is not None:
             image = residual[call.image_stream]
@@ -514,13 +562,76 @@ class MergeState:
                                    "of adaptive caching is measured on them")
             self.change = self.signals.setdefault(self.call_index, ChangeSignal()).measure(image, rule)
 
+    # ------------------------------------------------------------------ memory
+    def kept_tensors(self) -> Iterator[tuple[str, Tensor]]:
+        """Every tensor kept across model calls, with what keeps it: ``"plans"`` (cached plans and their merged
+        tokens), ``"destinations"``, ``"streaks"``, ``"feature_cache"`` (stored sublayer outputs), ``"attention"``
+        (received attention), ``"block_cache"`` (kept residuals and their Taylor terms), ``"change_signal"``."""
+        for _, plan, merged in self.plans.values():
+            yield from (("plans", t) for t in (*plan.tensors(), merged) if t is not None)
+        for _, _, dst in self.destinations.values():
+            yield "destinations", dst
+        for streak in self.streaks.values():
+            yield "streaks", streak
+        for output in self.outputs.values():
+            yield from (("feature_cache", t) for t in _leaves(output))
+        for received in self.attention_by_size.values():
+            yield "attention", received
+        for kept in self.residuals.values():
+            yield from (("block_cache", t) for term in kept.terms for t in term if t is not None)
+        for signal in self.signals.values():
+            yield from (("change_signal", t) for t in (signal.last, signal.reference) if t is not None)
+
+    def kept_bytes(self, by_kind: bool = False) -> int | dict[str, int]:
+        """The bytes of :meth:`kept_tensors`, each storage counted once (the first kind that keeps it); per kind
+        with ``by_kind``."""
+        seen: set[StorageWeakRef] = set()
+        sizes: dict[str, int] = {}
+        for kind, tensor in self.kept_tensors():
+            storage = StorageWeakRef(tensor.untyped_storage())
+            if storage not in seen:
+                seen.add(storage)
+                sizes[kind] = sizes.get(kind, 0) + _bytes(tensor)
+        return sizes if by_kind else sum(sizes.values())
+
+    def check_memory(self) -> None:
+        """Warns once when the kept tensors, with every block cache's Taylor terms filled up, would exceed the budget
+        (``memory_budget`` GiB; by default on CUDA the device memory still free). The hooks call it after each model
+        call of the first two steps, when every call index has stored once (eagerly; on CUDA it asks the driver)."""
+        if self._memory_warned:
+            return
+        sizes = self.kept_bytes(by_kind=True)
+        kept = sum(sizes.values())
+        growth = sum(r.capacity() for r in self.residuals.values()) - sizes.get("block_cache", 0)
+        projected = kept + max(0, growth)
+        tensors = [t for _, t in self.kept_tensors()]
+        if self.memory_budget is not None:
+            budget, what = self.memory_budget * 2**30, f"memory_budget={self.memory_budget:g} GiB"
+        elif tensors and tensors[0].device.type == "cuda" and torch.cuda.is_available():
+            free = torch.cuda.mem_get_info(tensors[0].device)[0]
+            budget, what = kept + free, f"what is kept plus the {free / 2**30:.2f} GiB free on {tensors[0].device}"
+        else:
+            return
+        if projected <= budget:
+            return
+        self._memory_warned = True
+        parts = ", ".join(f"{kind} {size / 2**30:.2f}" for kind, size in sorted(sizes.items()))
+        orders = {r.order for r in self.residuals.values()}
+        warnings.warn(
+            f"tomerge: schedule {self.schedule.name!r} will keep about {projected / 2**30:.2f} GiB across model calls "
+            f"(now {kept / 2**30:.2f} GiB: {parts}"
+            + (f"; the block cache grows to {max(orders) + 1} Taylor terms" if orders and max(orders) > 0 else "")
+            + f"), more than {what}. Lower the Taylor order (forecast_order), cache fewer blocks, run guidance "
+            "batched rather than as separate calls, use a smaller batch, or set memory_budget=... (GiB) where the "
+            "memory is there", stacklevel=3)
+
     # ------------------------------------------------------------------ per-token statistics
     def store_attention(self, layer: int, received: Tensor) -> None:
         """Keeps ``received [B, N]`` as the layer's latest received attention of its size (moved to the end: the
         newest)."""
         key = (layer, *received.shape[:2])
         self.attention_by_size.pop(key, None)
-        self.attention_by_size[key] = received.detach()
+        self.attention_by_size[key] = _copy(received)
 
     @property
     def attention(self) -> dict[int, Tensor]:
@@ -564,6 +675,25 @@ SCHEDULE_MERGES_AFTER_THE_ATTENTION = (
     "merges the attention with it, not by tomerge.apply")
 
 REUSE_MISSED = "reuse_missed"  # the label of a reuse that found no kept residual (the block ran and stored one)
+
+
+def _copy(kept: Any) -> Any:
+    """A copy of a tensor (or the tensors of a tuple) that the state keeps across model calls, made eagerly: it
+    aliases nothing computed in the block call (a CUDA graph's replay overwrites its outputs)."""
+    if isinstance(kept, Tensor):
+        return kept.detach().clone()
+    if isinstance(kept, tuple) and not isinstance(kept, torch.Size):
+        return tuple(_copy(t) for t in kept)
+    return kept
+
+
+def _leaves(kept: Any) -> Iterator[Tensor]:
+    """The tensors of a feature-cache entry: a tensor, or ``(input shape, module output)`` with tuples inside."""
+    if isinstance(kept, Tensor):
+        yield kept
+    elif isinstance(kept, tuple):
+        for item in kept:
+            yield from _leaves(item)
 
 
 def _fits(num_tokens: int, dst: Tensor, tokens: Tensor) -> bool:
