@@ -208,3 +208,51 @@ def test_flop_matched_entries_are_checked_with_the_grid():
     assert "ratios or flop_speedups" in problems[0]
     assert "grid[1]" in problems[1] and "[0.9]" in problems[1]
     assert "grid[2]" in problems[2] and "window" in problems[2]
+
+
+def test_the_parent_releases_its_model_before_ranks_generate(setup, monkeypatch):
+    """With ``devices > 1`` every rank loads its own model: the process running the grid drops its copy (and on
+    CUDA empties the cache) before the ranks start, so no copy of it sits on cuda:0 beside rank 0's, and loads it
+    again for the FLOPs and timings. The ranks are stood in for by one process generating the same images."""
+    import gc
+    import weakref
+
+    from tomerge.experiments.generation import generate as gen
+    from tomerge.experiments.runs import ablation
+    from tomerge.experiments.sources.models import ModelSpec
+
+    root, overrides = setup
+    parent_models: list[weakref.ref] = []
+    in_ranks = [False]
+    load = ModelSpec.load
+
+    def recording_load(self):
+        source = load(self)
+        if not in_ranks[0]:
+            parent_models.append(weakref.ref(source.denoiser))
+        return source
+
+    alive_at_start: list[int] = []
+
+    def ranks(items, spec, out, devices, accelerator, launcher, progress):
+        gc.collect()
+        alive_at_start.append(sum(ref() is not None for ref in parent_models))
+        assert (devices, accelerator, launcher) == (2, "cpu", "ddp_fork")
+        in_ranks[0] = True
+        try:
+            gen.generate_local(items, spec, out, progress=False)
+        finally:
+            in_ranks[0] = False
+        return True
+
+    monkeypatch.setattr(ModelSpec, "load", recording_load)
+    monkeypatch.setattr(ablation, "generate_distributed", ranks)
+    folder = run_ablation(load_config(None, [*overrides, "name=parent", "devices=2"]), progress=False).path
+    written = rows(folder)
+    assert [r["run"] for r in written] == ["baseline", "tomesd-r0.5-use_rand=False", "ssm-r0.25-round_windows=1",
+                                           "ssm-r0.5-round_windows=1"]
+    assert alive_at_start == [0, 0, 0, 0]  # the baseline and three runs: no parent model alive when ranks start
+    assert len(parent_models) == 5  # loaded at the start (items, FLOP matching) and again after each generation
+    # merging's own FLOPs per image: none unmerged; tomesd's similarity matmuls, a small part of its FLOPs
+    assert written[0]["merge_gflops"] == 0
+    assert 0 < written[1]["merge_gflops"] * 1e9 < written[1]["flops_per_image"] / 10

@@ -60,6 +60,39 @@ def test_e2e_sampling_loop_and_schedules():
     assert forward.ideal == 1.0 and loop.ideal > 2.5
 
 
+def test_e2e_composition_and_merging_flops_columns(tmp_path):
+    """A method with options (``fora:merge=tomesd``: FORA's caching, tomesd merging the blocks that run) runs at the
+    ratio and saves more than either alone over a loop; every row carries merging's own GFLOPs per image (planning,
+    merging, unmerging: tomesd's similarity, none for caching alone) and, on CPU, no peak memory."""
+    out = tmp_path / "e2e.csv"
+    assert bench.main(["--e2e", "--quick", "--widths", "dit", "--tokens", "64", "--steps", "3", "--repeats", "1",
+                       "--strategies", "tomesd", "fora", "fora:merge=tomesd", "--out", str(out)]) == 0
+    loop = {r["method"]: r for r in _rows(out) if r["mode"] == "loop3"}
+    assert {m: float(r["ratio"]) for m, r in loop.items()} == {"tomesd": 0.5, "fora": 0.0, "fora:merge=tomesd": 0.5}
+    ideal = {m: float(r["ideal"]) for m, r in loop.items()}
+    assert ideal["fora:merge=tomesd"] > max(ideal["fora"], ideal["tomesd"]) > 1
+    gflops = {m: float(r["merge_gflops"]) for m, r in loop.items()}
+    assert gflops["fora"] == 0 and 0 < gflops["fora:merge=tomesd"] < gflops["tomesd"]  # fora plans on step 0 only
+    assert gflops["tomesd"] < float(loop["tomesd"]["merged_gflop"]) / 2  # a part of the merged FLOPs (batch 2)
+    assert all(r["peak_memory_mb"] == r["peak_memory_base_mb"] == "" for r in _rows(out))
+    assert "| merge GFLOP/image | base peak MiB | peak MiB |" in out.with_suffix(".md").read_text()
+
+
+@pytest.mark.parametrize("method, message", [
+    ("bogus", "unknown method 'bogus'"), ("fora:interval", "'interval': wanted KEY=VALUE"),
+    ("fora:merge=nope", "fora:merge=nope: fora: merge='nope': unknown strategy 'nope'"),
+    ("tomesd:use_rnd=1", "tomesd:use_rnd=1: unknown option(s) ['use_rnd']"),
+])
+def test_a_bad_method_is_a_one_line_error(method, message, capsys):
+    from tomerge.experiments.cli import main
+
+    with pytest.raises(SystemExit) as exited:  # argparse's usage error, as for any bad argument
+        main(["bench", "--e2e", "--quick", "--strategies", method])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert err.startswith("tomerge bench: error: argument --strategies: ") and message in err
+
+
 def test_kernels_tiny(tmp_path):
     out = tmp_path / "kernels.csv"
     code = bench.main(["--kernels", "--tokens", "256", "--ratios", "0.5", "--channels", "16",
@@ -69,6 +102,11 @@ def test_kernels_tiny(tmp_path):
     assert {r["method"] for r in rows} == {"tomesd package", "tomesd", "facility_location"}
     for r in rows:
         assert float(r["plan_ms"]) > 0 and float(r["merge_unmerge_ms"]) > 0 and int(r["removed"]) > 0
+    gflops = {(r["method"], r["backend"]): float(r["merge_gflops"]) for r in rows}
+    # per image: the similarity matmuls of planning; the dense backend adds its one-hot matmuls (index: gathers)
+    tomesd_plan = gflops[("tomesd", "index")]
+    assert 0 < tomesd_plan < gflops[("tomesd", "dense")] and gflops[("tomesd package", "index")] > 0
+    assert gflops[("tomesd", "dense")] == pytest.approx(tomesd_plan + 2 * 2 * 128 * 256 * 16 / 1e9)
     assert "command: `python -m tomerge.experiments.commands.bench --kernels --tokens 256 " in \
         out.with_suffix(".md").read_text()
 
@@ -299,3 +337,92 @@ def test_a_plugin_strategy_with_needs_runs_end_to_end(tmp_path):
     rows = _rows(out)
     assert [(r["model"], r["method"]) for r in rows] == [("wan", "test_bench_most_attended")]
     assert float(rows[0]["merged_gflop"]) < float(rows[0]["base_gflop"])  # it merged
+
+
+# ---------------------------------------------------------------------- experiments/bench/gpu.sh
+GPU_SCRIPT = __import__("pathlib").Path(__file__).resolve().parents[1] / "experiments" / "bench" / "gpu.sh"
+HEADLINE = ["tomesd", "ssm", "toma", "toma_release", "sdtm_release", "fora", "taylorseer", "first_block_cache",
+            "fora:merge=tomesd"]
+
+
+def _table_rows(text: str, title: str) -> list[list[str]]:
+    """The cells of the first Markdown table after the ``## title`` heading."""
+    section = text.split(f"## {title}\n", 1)[1].split("\n## ", 1)[0]
+    lines = section.split("\n|", 1)[1].split("\n\n", 1)[0].splitlines()  # the header, the alignment, the rows
+    return [[cell.strip() for cell in line.strip("|").split("|")] for line in lines[2:]]
+
+
+def test_the_gpu_script_runs_every_section_on_the_cpu_from_anywhere(tmp_path):
+    """``gpu.sh --cpu-smoke`` from another working directory: every section runs at tiny sizes and lands in one
+    Markdown file under OUT_DIR (relative to the caller), with the machine, the command, the headline table (a
+    row per method and width, eager and compiled) and a row per method in every section's table."""
+    import os
+    import subprocess
+
+    work = tmp_path / "elsewhere"
+    work.mkdir()
+    out = subprocess.run(["bash", str(GPU_SCRIPT), "--cpu-smoke"], cwd=work, capture_output=True, text=True,
+                         timeout=600, env={**os.environ, "OUT_DIR": "bench"})
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    report = (work / "bench" / "benchmarks_gpu.md").read_text()
+    assert "- command: `bash experiments/bench/gpu.sh --cpu-smoke`" in report and "commit `" in report
+    assert "failed" not in report and "(no rows)" not in report
+    headline = _table_rows(report, "Headline")
+    assert [(r[0], r[3]) for r in headline] == [(w, m) for w in ("sd3 (32)", "flux (32)") for m in HEADLINE]
+    assert all(r[2] == "loop3" for r in headline)
+    merge_gflops = {(r[0], r[3]): float(r[7]) for r in headline}
+    assert merge_gflops[("sd3 (32)", "tomesd")] > 0 and merge_gflops[("sd3 (32)", "fora")] == 0  # caching plans nothing
+    compiled = {r[3] for r in headline if r[0] == "sd3 (32)" and r[6] != "-"}
+    assert compiled == {"tomesd", "ssm", "toma", "fora", "fora:merge=tomesd"}
+    eager = _table_rows(report, "End-to-end, eager")
+    assert {(r[0], r[5], r[7]) for r in eager} == {(w, mode, m) for w in ("sd3", "flux")
+                                                 for mode in ("forward", "loop3") for m in HEADLINE}
+    kernels = _table_rows(report, "Kernels: plan, merge and unmerge against the tomesd package")
+    assert {(r[2], r[3]) for r in kernels} == {("tomesd package", "index"), ("facility_location", "dense"),
+                                               *((m, b) for m in ("tomesd", "ssm", "idm") for b in ("index", "dense"))}
+    gflops = {(r[2], r[3]): float(r[8]) for r in kernels}
+    assert gflops[("tomesd", "dense")] > gflops[("tomesd", "index")] > 0  # one-hot matmuls on top of the plan's
+    assert {r[7] for r in _table_rows(report, "SD1.5-width UNet: tomerge's tomesd against the tomesd package")} == \
+        {"tomesd package", "tomesd"}
+    assert {r[7] for r in _table_rows(report, "Video: Wan widths")} == {"tomesd", "ssm", "idm", "facility_location",
+                                                                         "sdtm", "toma"}
+    assert {r[7] for r in _table_rows(report, "Token-wise caching (toca) at DiT width")} == \
+        {"toca", "cached_detail", "fora", "tomesd"}
+    assert {p.name for p in (work / "bench").glob("*.csv")} == {f"{s}.csv" for s in
+                                                               ("e2e", "compiled", "kernels", "unet", "video", "toca")}
+
+
+def test_the_gpu_script_refuses_unknown_and_contradicting_flags(tmp_path):
+    import subprocess
+
+    for args, message in ((["--fast"], "unknown argument --fast"),
+                          (["--quick", "--cpu-smoke"], "give one of --quick and --cpu-smoke")):
+        out = subprocess.run(["bash", str(GPU_SCRIPT), *args], cwd=tmp_path, capture_output=True, text=True,
+                             timeout=60)
+        assert out.returncode == 2 and message in out.stderr and out.stderr.count("\n") == 1, out.stderr
+    if not torch.cuda.is_available():  # --quick and the full run need a GPU: one line saying so
+        out = subprocess.run(["bash", str(GPU_SCRIPT), "--quick"], cwd=tmp_path, capture_output=True, text=True,
+                             timeout=120, env={**__import__("os").environ, "OUT_DIR": str(tmp_path / "b")})
+        assert out.returncode == 1 and out.stderr == ("gpu.sh: no CUDA GPU visible to torch; run it on a GPU machine "
+                                                      "(on a CPU: --cpu-smoke)\n")
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_failed_section_is_reported_and_the_others_still_run(tmp_path, capsys):
+    """The GPU script's driver runs every section even when one fails: the failure is in the Markdown file and
+    the exit code, the other sections' tables are there."""
+    from tomerge.experiments.commands import bench_report
+
+    code = bench_report.main([str(tmp_path), "--command", "bash experiments/bench/gpu.sh --test",
+                              "--section", "broken|Broken|--kernels --strategies fora",
+                              "--section", "kernels|Kernels|--kernels --tokens 16 --ratios 0.5 --channels 8 "
+                                           "--min-run-time 0.01 --strategies ssm"])
+    assert code == 1 and "failed sections: broken" in capsys.readouterr().out
+    report = (tmp_path / "benchmarks_gpu.md").read_text()
+    assert "## Broken\n\n`tomerge bench --kernels --strategies fora`" in report
+    assert "(failed: UsageError: --kernels plans bare tensors with merging strategies; ['fora'] are schedules" in report
+    assert [r[2:4] for r in _table_rows(report, "Kernels")] == [["tomesd package", "index"], ["ssm", "index"],
+                                                                ["ssm", "dense"]]
+    with pytest.raises(SystemExit):
+        bench_report.main([str(tmp_path), "--command", "x", "--section", "no title or arguments"])
+    assert "a section is NAME|TITLE|ARGUMENTS" in capsys.readouterr().err

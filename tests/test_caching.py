@@ -192,7 +192,7 @@ def test_a_reused_block_costs_no_flop_and_the_criterions_first_block_costs_one_b
         assert blocks == [base_blocks[0], 0] and total == base_total - base_blocks[1]
     # The denoiser counter of tomerge ablate sums the same per call.
     with tomerge.merging(dit, "fora", num_steps=STEPS):
-        counted, calls = count_denoiser_flops(dit, lambda: [call(dit, inputs("native_dit", t)) for t in times(STEPS)])
+        counted, calls, _ = count_denoiser_flops(dit, lambda: [call(dit, inputs("native_dit", t)) for t in times(STEPS)])
     assert calls == STEPS and counted == 3 * base_total + 4 * (base_total - sum(base_blocks))
 
 

@@ -1,5 +1,7 @@
 """experiments/measure/flops.py: known answers for attention (every CPU kernel, the manual softmax path, self- and
-joint attention with projections), a merged block at its merged lengths, and errors for unpriced ops."""
+joint attention with projections), a merged block at its merged lengths, merging's own FLOPs counted apart (a
+hard plan's gathers none, a soft plan's and a dense hard plan's matmuls, summed into the total), and errors for
+unpriced ops."""
 
 from __future__ import annotations
 
@@ -12,7 +14,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import tomerge
 from tomerge.backbones.timm_dit import DiT, DiTConfig
-from tomerge.experiments.measure.flops import UnpricedOpError, count_denoiser_flops, count_flops, moves_flops, FlopCounter
+from tomerge.experiments.measure.flops import UnpricedOpError, count_denoiser_flops, \
+    count_flops, count_flops_split, moves_flops, FlopCounter
 
 B, H, NQ, NK, D = 2, 3, 7, 11, 8
 
@@ -82,9 +85,11 @@ def test_a_joint_attention_layer_attends_over_image_and_text_tokens():
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EvenColumns(tomerge.MergeStrategy):
     """Each token of an odd column merges into its left neighbour; index plans, so planning and merging move
-    no FLOPs and a merged block costs exactly its sublayers at the merged length."""
+    no FLOPs and a merged block costs exactly its sublayers at the merged length (``backend="dense"``: plus the
+    one-hot matmuls of merging and unmerging)."""
 
     name = "even_columns_for_flops"
+    backend: str = "index"
 
     def select_destinations(self, x, ctx):
         H, W = ctx.grid
@@ -93,7 +98,7 @@ class EvenColumns(tomerge.MergeStrategy):
     def merge_matrix(self, x, dst, ctx):
         H, W = ctx.grid
         slot = (torch.arange(W) // 2).repeat(H) + torch.arange(H).repeat_interleave(W) * (W // 2)  # [N]
-        return tomerge.MergePlan.hard(slot.expand(x.shape[0], -1), dst, backend="index")
+        return tomerge.MergePlan.hard(slot.expand(x.shape[0], -1), dst, backend=self.backend)
 
 
 def dit_block(rows: int, tokens: int, width: int, heads: int, mlp_ratio: float) -> int:
@@ -132,10 +137,59 @@ def test_the_denoiser_count_sums_its_calls_and_only_those():
         for rows in (1, 3, 5):  # three denoiser calls of different sizes
             denoiser(outside(torch.randn(rows, 8))[:, :8])
 
-    flops, calls = count_denoiser_flops(denoiser, call)
+    flops, calls, _ = count_denoiser_flops(denoiser, call)
     assert calls == 3
+    assert count_denoiser_flops(denoiser, call) == (flops, 3, 0)  # nothing merged
     assert flops == sum(linear(rows, 8, 4) for rows in (1, 3, 5))  # `outside` excluded
     assert not denoiser._forward_hooks and not denoiser._forward_pre_hooks  # hooks removed
+
+
+# ---------------------------------------------------------------------- merging's own FLOPs (merge_gflops)
+def test_a_hard_plan_merges_with_gathers_and_a_soft_plan_pays_its_tile_matmuls():
+    """On bare tensors every FLOP of planning, merging and unmerging is merging's own. A hard plan (``tomesd``)
+    merges and unmerges with index ops: 0 FLOPs (its planning pays the similarity matmul). A soft tiled plan
+    (``facility_location``: ``W [B, T, d, s]``, ``U [B, T, s, d]``, docs/strategies.md) pays
+    ``W @ x_tiles`` and ``U @ y_tiles``, ``2 B T d s C`` each."""
+    from tomerge.contract import make_context
+
+    b, side, c = 2, 8, 16
+    x = torch.randn(b, side * side, c)
+    tomesd = tomerge.get_strategy("tomesd", use_rand=False)
+    ctx = make_context(x, (side, side), 0.5)
+    plan = tomesd.plan(x, ctx)
+    assert not plan.is_soft and plan.num_removed == 32
+    assert count_flops_split(lambda: plan.unmerge(plan.merge(x))) == (0, 0)
+    total, merge = count_flops_split(lambda: tomesd.plan(x, ctx))
+    assert merge == total > 0  # the similarity of the sources to the destinations
+
+    soft = tomerge.get_strategy("facility_location", num_tiles=4)
+    plan = soft.plan(x, ctx)
+    T, d, s = plan.merge_weights.shape[1:]
+    assert plan.is_soft and (T, d, s) == (4, 8, 16)  # 4 tiles of 16 tokens, 8 slots each
+    expected = 2 * b * T * d * s * c + 2 * b * T * s * d * c  # merge + unmerge
+    assert count_flops_split(lambda: plan.unmerge(plan.merge(x))) == (expected, expected) == (65536, 65536)
+
+
+@pytest.mark.parametrize("backend", ["index", "dense"])
+def test_merging_flops_are_counted_apart_and_summed_into_the_total(backend):
+    """A DiT merged by EvenColumns: the model's own FLOPs are those of its sublayers at the merged length, and
+    merging's own (two merges and two unmerges per block) add to them in the total: none with index plans,
+    ``2 B M N C`` per one-hot matmul with dense ones. The unmerged model spends nothing on merging."""
+    config = DiTConfig(input_size=16, patch_size=2, in_channels=1, hidden_size=32, depth=2, num_heads=2,
+                       num_classes=10, class_dropout_prob=0.1, learn_sigma=False)
+    model = DiT(config).eval()
+    x, t, y = torch.randn(B, 1, 16, 16), torch.rand(B), torch.tensor([1, 2])
+    N, M, C = 64, 32, 32
+
+    with torch.no_grad():
+        base_total, base_merge = count_flops_split(lambda: model(x, t, y))
+        with tomerge.merging(model, EvenColumns(backend=backend), ratio=0.5):
+            total, merge = count_flops_split(lambda: model(x, t, y))
+    assert base_merge == 0
+    per_block = 4 * 2 * B * M * N * C if backend == "dense" else 0  # attn and mlp: a merge and an unmerge each
+    assert merge == config.depth * per_block
+    blocks = config.depth * (dit_block(B, N, C, 2, config.mlp_ratio) - dit_block(B, M, C, 2, config.mlp_ratio))
+    assert total == base_total - blocks + merge  # the rest of the model (embeddings, final layer) unchanged
 
 
 @torch.library.custom_op("tomerge_test::my_attention", mutates_args=())

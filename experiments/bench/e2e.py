@@ -10,7 +10,12 @@ sampling loop) is timed with ``torch.utils.benchmark`` for the baseline and for 
 alternating in one process (round after round: baseline, method 1, method 2, ...), median over
 ``--repeats`` rounds after ``--warmup`` untimed ones. FLOPs come from :mod:`tomerge.experiments.measure.flops`
 (every attention kernel priced; plan computation, e.g. similarity matmuls, is counted in the merged FLOPs). Reported: ``speedup = t_base / t_merged``, ``ideal = flops_base / flops_merged``
-and ``efficiency = speedup / ideal`` (the share of the FLOP saving that survives the merge overhead).
+and ``efficiency = speedup / ideal`` (the share of the FLOP saving that survives the merge overhead); merging's
+own FLOPs per image (planning, merging, unmerging: ``merge_gflops``, a part of the merged FLOPs); on CUDA the
+peak memory of each method's timed calls (``torch.cuda.max_memory_allocated``).
+
+A method is a registered strategy or schedule, optionally with options (:func:`method_spec`):
+``fora:merge=tomesd`` is FORA's step-level caching with ``tomesd`` merging the blocks that run, at the ratio.
 
 The models, their widths and inputs: :mod:`tomerge.experiments.bench.models`.
 """
@@ -59,6 +64,9 @@ class E2ERow:
     merged_gflop: float
     base_spread: float | None = None  # (max - min) / median of the timed repeats
     merged_spread: float | None = None
+    merge_gflops: float = 0.0  # planning + merging + unmerging, GFLOP per image (a part of merged_gflop / batch)
+    peak_memory_base_mb: float | None = None  # CUDA: max_memory_allocated over the timed calls (None on CPU)
+    peak_memory_mb: float | None = None
 
     @property
     def spread(self) -> float | None:
@@ -89,9 +97,48 @@ class E2ERow:
 
 
 # ---------------------------------------------------------------------- merging, FLOPs, time
+def method_spec(method: str) -> tuple[str, dict[str, Any]]:
+    """``"NAME"`` or ``"NAME:KEY=VALUE[:KEY=VALUE...]"`` (YAML values) -> the registered name and its options.
+
+    Example:
+        >>> method_spec("fora:merge=tomesd:interval=2")
+        ('fora', {'merge': 'tomesd', 'interval': 2})
+    """
+    from ..config.load import parse_override
+
+    name, *pairs = method.split(":")
+    options = dict(parse_override(pair) for pair in pairs)
+    return name, options
+
+
+def check_method(method: str) -> str:
+    """``method`` if :func:`method_spec` reads it and ``tomerge.apply`` would accept its name and options (the
+    ``tomesd`` package too), else a ``ValueError`` in one line."""
+    if method == TOMESD_PACKAGE:
+        return method
+    name, options = method_spec(method)
+    if name not in tomerge.list_strategies():
+        raise ValueError(f"unknown method {name!r}; choose from {[*tomerge.list_strategies(), TOMESD_PACKAGE]}, "
+                         "optionally with options as NAME:KEY=VALUE (e.g. fora:merge=tomesd)")
+    from tomerge.attach import check_options
+
+    try:
+        check_options(name, ratio=None if options.get("merge") is None and _caches(name) else 0.5, **options)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{method}: {str(err).splitlines()[0]}") from err
+    return method
+
+
+def _caches(name: str) -> bool:
+    from tomerge.experiments.sources.coverage import caches_blocks
+
+    return caches_blocks(name)
+
+
 @contextlib.contextmanager
 def merged(bench: Bench, method: str | None, ratio: float, num_steps: int | None = None):
-    """The model with ``method`` applied (``None``: baseline; ``"tomesd package"``: ``tomesd.apply_patch``)."""
+    """The model with ``method`` applied (``None``: baseline; ``"tomesd package"``: ``tomesd.apply_patch``;
+    ``NAME:KEY=VALUE``: with options, :func:`method_spec`)."""
     if method is None:
         yield
     elif method == TOMESD_PACKAGE:
@@ -103,19 +150,20 @@ def merged(bench: Bench, method: str | None, ratio: float, num_steps: int | None
         finally:
             tomesd.remove_patch(bench.model)
     else:
+        name, options = method_spec(method)
         kw = {"num_steps": num_steps} if num_steps else {}
-        with tomerge.merging(bench.model, method, ratio=method_ratio(method, ratio), **kw):
+        with tomerge.merging(bench.model, name, ratio=method_ratio(method, ratio), **options, **kw):
             yield
 
 
 def method_ratio(method: str | None, ratio: float) -> float | None:
-    """The ratio ``method`` runs at: ``ratio``, except for a caching schedule, which runs at its own defaults
-    without a merging strategy (``None``: it merges nothing; its rows say ratio 0)."""
-    from tomerge.experiments.sources.coverage import caches_blocks
-
-    if method is None or method == TOMESD_PACKAGE or not caches_blocks(method):
+    """The ratio ``method`` runs at: ``ratio``, except for a caching schedule without a ``merge`` option, which
+    runs at its own defaults without a merging strategy (``None``: it merges nothing; its rows say ratio 0).
+    A caching schedule with ``merge`` (``fora:merge=tomesd``) merges the blocks that run at ``ratio``."""
+    if method is None or method == TOMESD_PACKAGE:
         return ratio
-    return None
+    name, options = method_spec(method)
+    return ratio if options.get("merge") is not None or not _caches(name) else None
 
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -123,7 +171,8 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-
 
 def time_compiled(bench: Bench, methods: Sequence[str | None], ratio: float, fn: Callable[[], object],
                   repeats: int, warmup: int, threads: int, num_steps: int | None, clock: str,
-                  mode: str, backend: str = "inductor") -> dict[str | None, tuple[float, float | None]]:
+                  mode: str, backend: str = "inductor",
+                  peaks: dict[str | None, float] | None = None) -> dict[str | None, tuple[float, float | None]]:
     """Median seconds and spread per method, as :func:`~tomerge.experiments.measure.timing.time_setups` gives them for
     eager models, with compiled models: every method gets its own copy of the model, applied once and compiled
     (``torch.compile(copy, mode=mode)``; a new application would have new hooks and recompile), and
@@ -131,7 +180,9 @@ def time_compiled(bench: Bench, methods: Sequence[str | None], ratio: float, fn:
     methods alternate round after round (``time_setups``), each calling its own compiled copy, so slow drifts of
     the machine hit every method alike. Dynamo's recompile limit is raised to hold every method's graphs, and
     dynamo guards on module hooks (``skip_nnmodule_hook_guards=False``): by default it does not, and the
-    copies share their blocks' code with the baseline, so a merged copy would run the baseline's graphs."""
+    copies share their blocks' code with the baseline, so a merged copy would run the baseline's graphs.
+    ``peaks``: as for ``time_setups`` (on CUDA each method's peak includes every compiled copy's weights and
+    CUDA-graph pools, so compare eager peaks)."""
     import copy
 
     import torch
@@ -145,8 +196,8 @@ def time_compiled(bench: Bench, methods: Sequence[str | None], ratio: float, fn:
             for method in methods:
                 bench.model = raw if method is None else copy.deepcopy(raw)
                 applied.enter_context(merged(bench, method, ratio, num_steps))
-                runners[method] = bench.model = torch.compile(bench.model, mode=None if mode == "default" else mode,
-                                                              backend=backend)
+                runners[method] = bench.model = torch.compile(
+                    bench.model, mode=None if mode == "default" or backend != "inductor" else mode, backend=backend)
                 for _ in range(max(1, warmup)):
                     fn()
 
@@ -155,7 +206,7 @@ def time_compiled(bench: Bench, methods: Sequence[str | None], ratio: float, fn:
                 return contextlib.nullcontext()
 
             seconds = time_setups({m: functools.partial(run_compiled, m) for m in methods}, fn, repeats, 0, threads,
-                                  clock)  # compiled above: no warm-up rounds
+                                  clock, peaks=peaks)  # compiled above: no warm-up rounds
         finally:
             bench.model = raw
     torch._dynamo.reset()
@@ -198,7 +249,7 @@ def e2e_benchmark(widths: Sequence[str] = ("sd3", "pixart", "flux", "unet"), tok
                   quick: bool = False, text_tokens: int | None = None, threads: int | None = None,
                   dtype: torch.dtype | None = None, device: str = "cpu", sdpa: str = "default",
                   clock: str = "wall", compile_mode: str | None = None, progress: bool = True,
-                  frames: int | None = None) -> list[E2ERow]:
+                  frames: int | None = None, compile_backend: str = "inductor") -> list[E2ERow]:
     """Baseline vs every method on every (width, N, ratio): one forward, and a ``steps``-step loop if ``steps``.
 
     Args:
@@ -208,7 +259,8 @@ def e2e_benchmark(widths: Sequence[str] = ("sd3", "pixart", "flux", "unet"), tok
         ratios: merge ratios.
         depth: blocks per model (Flux: of each kind).
         batch: ``B``.
-        methods: strategy/schedule names, or ``"tomesd package"`` (UNet only); default :func:`default_methods`.
+        methods: strategy/schedule names, with options as ``NAME:KEY=VALUE`` (:func:`method_spec`), or
+            ``"tomesd package"`` (UNet only); default :func:`default_methods`.
         steps: also time a sampling loop of this many steps (0: forward only).
         repeats, warmup: timed and untimed alternating rounds.
         quick: tiny models (seconds).
@@ -220,6 +272,8 @@ def e2e_benchmark(widths: Sequence[str] = ("sd3", "pixart", "flux", "unet"), tok
         clock: ``"wall"`` or ``"cpu"`` (process CPU time; see :func:`~tomerge.experiments.measure.timing.time_once`); CUDA always uses events.
         compile_mode: time the baseline and every method compiled with inductor in this ``torch.compile`` mode
             (one of :data:`COMPILE_MODES`; see :func:`time_compiled`); ``None``: eager.
+        compile_backend: ``torch.compile``'s backend; another than ``"inductor"`` (``"aot_eager"``: a CPU smoke
+            test of the compiled path in seconds) ignores ``compile_mode``.
         progress: show a progress bar.
         frames: video widths: the frames ``T`` of every token grid (default: see
             :func:`~tomerge.experiments.bench.models.video_grid`).
@@ -230,7 +284,7 @@ def e2e_benchmark(widths: Sequence[str] = ("sd3", "pixart", "flux", "unet"), tok
     import torch
     from tqdm import tqdm
 
-    from ..measure.flops import count_flops
+    from ..measure.flops import count_flops_split
 
     if compile_mode is not None and compile_mode not in COMPILE_MODES:
         raise ValueError(f"compile_mode must be one of {COMPILE_MODES}, got {compile_mode!r}")
@@ -256,32 +310,41 @@ def e2e_benchmark(widths: Sequence[str] = ("sd3", "pixart", "flux", "unet"), tok
                     flops = {}
                     for m in [None, *names]:
                         with merged(bench, m, ratio, num_steps):
-                            flops[m] = count_flops(fn)
+                            flops[m] = count_flops_split(fn)  # (total, merging's own)
+                    peaks: dict[str | None, float] = {}
                     if compile_mode is None:
                         applied = {m: functools.partial(merged, bench, m, ratio, num_steps) for m in [None, *names]}
-                        secs = time_setups(applied, fn, repeats, warmup, threads, clock)
+                        secs = time_setups(applied, fn, repeats, warmup, threads, clock, peaks=peaks)
                     else:
                         secs = time_compiled(bench, [None, *names], ratio, fn, repeats, warmup, threads, num_steps,
-                                             clock, compile_mode)
+                                             clock, compile_mode, backend=compile_backend, peaks=peaks)
                     for m in names:
                         rows.append(E2ERow(width, bench.spec.hidden, bench.spec.heads, depth, N, bench.spec.text_tokens,
                                            batch, mode, method_ratio(m, ratio) or 0.0, m, secs[None][0] * 1e3,
-                                           secs[m][0] * 1e3,
-                                           flops[None] / 1e9, flops[m] / 1e9, secs[None][1], secs[m][1]))
+                                           secs[m][0] * 1e3, flops[None][0] / 1e9, flops[m][0] / 1e9, secs[None][1],
+                                           secs[m][1], flops[m][1] / batch / 1e9, peaks.get(None), peaks.get(m)))
             del bench
     return rows
 
 
 def markdown_table(rows: Sequence[E2ERow]) -> str:
     """One line per row; ``spread`` is the larger timing's (max - min) / median over the repeats, and a
-    row above 10% is marked ``(noisy)``: its speed-up is not reliable."""
+    row above 10% is marked ``(noisy)``: its speed-up is not reliable. Merging's own GFLOPs per image and, on
+    CUDA, the peak memory of the baseline's and the method's timed calls."""
+    from ..measure.columns import COLUMNS
+
     titles = ["model", "C", "depth", "N", "text", "mode", "ratio", "method", "base ms", "merged ms", "speed-up",
-              "ideal", "efficiency", "spread"]
+              "ideal", "efficiency", "spread", COLUMNS["merge_gflops"].table_title, "base peak MiB", "peak MiB"]
     cells = [[r.model, str(r.width), str(r.depth), str(r.tokens), str(r.text_tokens), r.mode, str(r.ratio), r.method,
               f"{r.base_ms:.1f}", f"{r.merged_ms:.1f}", f"{r.speedup:.2f}", f"{r.ideal:.2f}", f"{r.efficiency:.0%}",
-              "-" if r.spread is None else f"{r.spread:.0%}" + (" (noisy)" if r.noisy else "")] for r in rows]
-    numeric = [False, True, True, True, True, False, True, False, True, True, True, True, True, True]
+              "-" if r.spread is None else f"{r.spread:.0%}" + (" (noisy)" if r.noisy else ""),
+              f"{r.merge_gflops:.3g}", _mb(r.peak_memory_base_mb), _mb(r.peak_memory_mb)] for r in rows]
+    numeric = [False, True, True, True, True, False, True, False, True, True, True, True, True, True, True, True, True]
     return format_markdown_table(titles, cells, numeric)
+
+
+def _mb(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f}"
 
 
 def pivot_table(rows: Sequence[E2ERow]) -> str:

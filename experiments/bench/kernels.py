@@ -1,7 +1,9 @@
 """The kernel benchmark (``tomerge bench --kernels``): plan + merge + unmerge of every strategy against the
 ``tomesd`` package's own functions, on bare tensors. Each strategy's hard plans run with both backends (``index``
-gather/scatter, ``dense`` batched matmul); soft plans (facility location) are dense by construction. Times are
-medians of ``torch.utils.benchmark`` blocked runs, with as many threads as torch uses here (CUDA: events).
+gather/scatter, the default on every device; ``dense`` batched one-hot matmuls); soft plans (facility location)
+are dense by construction. Times are medians of ``torch.utils.benchmark`` blocked runs, with as many threads as
+torch uses here (CUDA: events). FLOPs of plan + merge + unmerge per image (``merge_gflops``, counted by
+:mod:`tomerge.experiments.measure.flops` on one call: on bare tensors all of it is merging's own).
 
     tomerge bench --kernels                       # N = 1024, 4096; C = 1536; B = 2; ratio 0.25, 0.5
 """
@@ -19,6 +21,7 @@ from .. import moved_names
 from ..errors import UsageError
 from ..measure.columns import format_markdown_table
 from ..measure.timing import median_ms
+from .e2e import method_spec
 from .e2e import TOMESD_PACKAGE
 
 if TYPE_CHECKING:
@@ -37,6 +40,7 @@ class KernelRow:
     removed: int
     plan_ms: float
     merge_unmerge_ms: float
+    merge_gflops: float = 0.0  # plan + merge + unmerge, GFLOP per image (per sample of the batch)
 
     @property
     def total_ms(self) -> float:
@@ -53,17 +57,30 @@ def _tomesd_row(x: torch.Tensor, grid: tuple[int, int], ratio: float, min_run_ti
     def plan():
         return bipartite_soft_matching_random2d(x, W, H, 2, 2, r, no_rand=True)
 
+    def everything():
+        merge, unmerge = plan()
+        return unmerge(merge(x))
+
     merge, unmerge = plan()
     y = merge(x)
     return KernelRow(TOMESD_PACKAGE, "index", x.shape[1], ratio, x.shape[1] - y.shape[1],
-                     median_ms(plan, min_run_time, clock), median_ms(lambda: unmerge(merge(x)), min_run_time, clock))
+                     median_ms(plan, min_run_time, clock), median_ms(lambda: unmerge(merge(x)), min_run_time, clock),
+                     _gflops_per_image(everything, x.shape[0]))
+
+
+def _gflops_per_image(fn, batch: int) -> float:
+    from ..measure.flops import count_flops
+
+    return count_flops(fn) / batch / 1e9
 
 
 def _strategy_rows(name: str, x: torch.Tensor, grid: tuple[int, int], ratio: float,
                    backends: Sequence[str], min_run_time: float, clock: str = "wall") -> list[KernelRow]:
     from tomerge.contract import make_context
 
-    strategy = tomerge.get_strategy(name, **({"use_rand": False} if name == "tomesd" else {}))
+    strategy_name, options = method_spec(name)
+    strategy = tomerge.get_strategy(strategy_name, **({"use_rand": False} if strategy_name == "tomesd" else {}),
+                                    **options)
     ctx = make_context(x, grid, ratio)
     plan = strategy.plan(x, ctx)
     plan_ms = median_ms(lambda: strategy.plan(x, ctx), min_run_time, clock)
@@ -71,7 +88,8 @@ def _strategy_rows(name: str, x: torch.Tensor, grid: tuple[int, int], ratio: flo
     for backend in (["dense"] if plan.is_soft else backends):
         p = plan.with_backend(backend)
         rows.append(KernelRow(name, backend, x.shape[1], ratio, p.num_removed, plan_ms,
-                              median_ms(lambda: p.unmerge(p.merge(x)), min_run_time, clock)))
+                              median_ms(lambda: p.unmerge(p.merge(x)), min_run_time, clock),
+                              _gflops_per_image(lambda: (strategy.plan(x, ctx), p.unmerge(p.merge(x))), x.shape[0])))
     return rows
 
 
@@ -104,6 +122,10 @@ def kernel_benchmark(tokens: Sequence[int] = (1024, 4096), ratios: Sequence[floa
     dtype = torch.float32 if dtype is None else dtype
     names = strategies or [n for n in tomerge.list_strategies()
                            if issubclass(tomerge.registry.strategy_class(n), MergeStrategy)]
+    schedules = [n for n in names if not issubclass(tomerge.registry.strategy_class(method_spec(n)[0]), MergeStrategy)]
+    if schedules:
+        raise UsageError(f"--kernels plans bare tensors with merging strategies; {schedules} are schedules "
+                         "(time them with --e2e)")
     configs = [(n, r) for n in tokens for r in ratios]
     rows: list[KernelRow] = []
     torch.manual_seed(0)
@@ -121,10 +143,13 @@ def kernel_benchmark(tokens: Sequence[int] = (1024, 4096), ratios: Sequence[floa
 
 
 def markdown_table(rows: Sequence[KernelRow]) -> str:
-    titles = ["N", "ratio", "method", "backend", "removed", "plan ms", "merge+unmerge ms", "total ms"]
+    from ..measure.columns import COLUMNS
+
+    titles = ["N", "ratio", "method", "backend", "removed", "plan ms", "merge+unmerge ms", "total ms",
+              COLUMNS["merge_gflops"].table_title]
     cells = [[str(r.tokens), str(r.ratio), r.method, r.backend, str(r.removed), f"{r.plan_ms:.2f}",
-              f"{r.merge_unmerge_ms:.2f}", f"{r.total_ms:.2f}"] for r in rows]
-    return format_markdown_table(titles, cells, [True, True, False, False, True, True, True, True])
+              f"{r.merge_unmerge_ms:.2f}", f"{r.total_ms:.2f}", f"{r.merge_gflops:.3g}"] for r in rows]
+    return format_markdown_table(titles, cells, [True, True, False, False, True, True, True, True, True])
 
 
 __getattr__ = moved_names(__name__, {

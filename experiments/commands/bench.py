@@ -8,8 +8,9 @@
 
 End-to-end mode (:mod:`tomerge.experiments.bench.e2e`): random-weight diffusers models at SD3-Medium,
 PixArt/DiT-XL and Flux widths with reduced depth, baseline and every strategy/schedule alternating in
-one process; measured speed-up, FLOP-ideal speed-up (:mod:`tomerge.experiments.measure.flops`) and their ratio; on a
-UNet, the ``tomesd`` package's own patch against tomerge's ``tomesd`` at the same ratio.
+one process; measured speed-up, FLOP-ideal speed-up (:mod:`tomerge.experiments.measure.flops`) and their ratio,
+merging's own GFLOPs per image, peak memory on CUDA; on a UNet, the ``tomesd`` package's own patch against
+tomerge's ``tomesd`` at the same ratio. A method may carry options: ``--strategies fora:merge=tomesd``.
 
 Config mode (``--config``): the generation call of a config's model (the bundled reference DiT or a
 diffusers pipeline folder, see docs/experiments.md) on its timing batch, for every run of its grid,
@@ -63,9 +64,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ratios", type=float, nargs="+", default=None,
                         help="merge ratios (default: --e2e 0.5, --kernels 0.25 0.5)")
     parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument("--strategies", nargs="+", default=None,
-                        choices=[*tomerge.list_strategies(), TOMESD_PACKAGE],
-                        help="methods (default: every strategy; --e2e: every strategy and schedule)")
+    parser.add_argument("--strategies", nargs="+", default=None, type=_method, metavar="METHOD",
+                        help="methods: registered strategies and schedules (tomerge.list_strategies()) or 'tomesd "
+                             "package'; --e2e: with options as NAME:KEY=VALUE[:KEY=VALUE], e.g. fora:merge=tomesd "
+                             "(default: every strategy; --e2e: every strategy and schedule)")
     parser.add_argument("--out", type=Path, default=None, help="write the rows as CSV here (and a .md beside it)")
     parser.add_argument("--device", default=None, help="(default: cuda when available, else cpu)")
     parser.add_argument("--dtype", choices=sorted(DTYPE_NAMES), default="fp32")
@@ -99,6 +101,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      choices=COMPILE_MODES, metavar="MODE",
                      help="time baseline and methods compiled with inductor (torch.compile mode, default 'default'; "
                           "GPU: reduce-overhead for CUDA graphs)")
+    e2e.add_argument("--compile-backend", default="inductor", choices=["inductor", "aot_eager", "eager"],
+                     help="--compile: torch.compile's backend; aot_eager or eager ignore the mode (a CPU smoke test "
+                          "of the compiled path in seconds)")
+
+
+def _method(text: str) -> str:
+    from ..bench.e2e import check_method
+
+    try:
+        return check_method(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from err
 
 
 def machine_line() -> str:
@@ -168,9 +182,13 @@ def run(args: argparse.Namespace) -> int:
             ratios=args.ratios or [0.5], depth=args.depth or (1 if quick else 2), batch=args.batch,
             methods=args.strategies, steps=args.steps, repeats=args.repeats or (2 if quick else 3),
             warmup=args.warmup, quick=quick, text_tokens=args.text_tokens, dtype=torch_dtype(args.dtype),
-            device=args.device, sdpa=args.sdpa, clock=args.clock, compile_mode=args.compile_mode, frames=args.frames)
+            device=args.device, sdpa=args.sdpa, clock=args.clock, compile_mode=args.compile_mode, frames=args.frames,
+            compile_backend=args.compile_backend)
         models = "quick (tiny) models" if quick else "full widths"
-        compiled = "eager" if args.compile_mode is None else f"torch.compile (inductor, mode {args.compile_mode})"
+        compiled = ("eager" if args.compile_mode is None else
+                    f"torch.compile (inductor, mode {args.compile_mode}), whole model"
+                    if args.compile_backend == "inductor" else
+                    f"torch.compile (backend {args.compile_backend}), whole model")
         header = (f"End-to-end benchmark, B={args.batch}, {args.dtype}, SDPA {args.sdpa}, {models}, {compiled}, "
                   f"{clock_line(args, kept)} ({machine_line()})")
         table = (f"{e2e_table(rows)}\n\nSpeed-up / FLOP-ideal speed-up (efficiency) per method:\n\n"

@@ -56,6 +56,9 @@ COLUMNS: dict[str, Column] = {c.key: c for c in [
     Column("time_per_image_s", table_title="s/image", better="lower"),
     Column("flops", better="lower"),
     Column("flops_per_image", better="lower"),
+    # merge + unmerge + planning GFLOPs per image (flops.FlopCounter.get_merge_flops), a part of `flops`:
+    # ablate's result rows, bench's tables
+    Column("merge_gflops", table_title="merge GFLOP/image", figure_title="merge GFLOP", figure_format="{:.3g}"),
     Column("denoiser_speedup", better="higher"),
     Column("time_s", better="lower"),
     Column("peak_memory_mb", better="lower"),

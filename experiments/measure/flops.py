@@ -13,19 +13,29 @@ This module imports torch: the command line's modules import it in the functions
 
 Element-wise work (softmax, norms, activations) is not counted: FLOPs here are those of matrix products
 and attention, as in the papers' FLOP figures. A multiply-add counts 2.
+
+Merging's own FLOPs: of the total, the counter also sums apart what runs inside tomerge's planning, merging and
+unmerging (:meth:`FlopCounter.get_merge_flops`, the ``merge_gflops`` column): an op counts there when a frame of
+the Python stack at that op is one of :func:`merge_code` (a strategy's ``plan`` or ``unmerge``,
+``MergeState.plan_for``, ``MergePlan.merge`` / ``unmerge``, the received-attention probe). The hot code is not
+touched (it runs inside compiled graphs); counting runs eagerly, once, so walking the stack per op costs
+nothing that matters. Gathers and scatters (a hard plan's ``index`` backend) count zero FLOPs; a hard plan's
+``dense`` backend and soft plans count their matmuls.
 """
 
 from __future__ import annotations
 
 import re
+import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
-__all__ = ["COUNTER_VERSION", "UnpricedOpError", "FlopCounter", "count_flops", "count_denoiser_flops", "moves_flops"]
+__all__ = ["COUNTER_VERSION", "UnpricedOpError", "FlopCounter", "DenoiserFlops", "count_flops", "count_flops_split",
+           "count_denoiser_flops", "merge_code", "moves_flops"]
 
 # Recorded with every result row (``flop_counter``). Counts of another version follow other rules (version 1
 # priced no attention on CPU): a run folder re-measures such rows and figures refuse them.
@@ -104,12 +114,55 @@ def _extra_formulas() -> dict[Any, Callable[..., int]]:
     return formulas
 
 
+def merge_code() -> frozenset[Any]:
+    """The code objects whose ops count as merging's own FLOPs: ``plan`` and ``unmerge`` of every
+    :class:`~tomerge.MergeStrategy` class defined so far (plugins' included), ``MergeState.plan_for``,
+    ``MergePlan.merge`` / ``unmerge``, and the received-attention probe (``tomerge.probe``: what ``idm``
+    plans from). Ops called from inside them (a strategy's stages, a plan's internals) count too."""
+    from tomerge import probe
+    from tomerge.plan import MergePlan
+    from tomerge.state import MergeState
+    from tomerge.strategy import MergeStrategy
+
+    functions = [MergePlan.merge, MergePlan.unmerge, MergeState.plan_for, probe.received_attention,
+                 probe.received_linear_attention]
+    classes, seen = [MergeStrategy], set()
+    while classes:
+        cls = classes.pop()
+        if cls in seen:
+            continue
+        seen.add(cls)
+        classes.extend(cls.__subclasses__())
+        functions += [cls.__dict__[name] for name in ("plan", "unmerge") if name in cls.__dict__]
+    return frozenset(code for f in functions if (code := getattr(f, "__code__", None)) is not None)
+
+
 class FlopCounter(FlopCounterMode):
     """``FlopCounterMode`` (a context manager; ``get_total_flops()``, ``get_flop_counts()`` by module) with
-    every attention kernel priced, raising :class:`UnpricedOpError` on an op that moves FLOPs unpriced."""
+    every attention kernel priced, raising :class:`UnpricedOpError` on an op that moves FLOPs unpriced;
+    ``get_merge_flops()``: the part of the total spent planning, merging and unmerging (:func:`merge_code`)."""
 
     def __init__(self) -> None:
         super().__init__(display=False, custom_mapping=_extra_formulas())
+        self._merge_code: frozenset[Any] = frozenset()
+        self._merge_flops = 0
+
+    def __enter__(self):
+        self._merge_code = merge_code()  # strategies registered since the last count included
+        self._merge_flops = 0  # cleared on entry, as the total is
+        return super().__enter__()
+
+    def get_merge_flops(self) -> int:
+        """FLOPs of the ops that ran inside tomerge's planning, merging and unmerging (in the total too)."""
+        return self._merge_flops
+
+    def _in_merge_code(self) -> bool:
+        frame = sys._getframe(2)
+        while frame is not None:
+            if frame.f_code in self._merge_code:
+                return True
+            frame = frame.f_back
+        return False
 
     def _count_flops(self, func_packet, out, args, kwargs):
         if func_packet not in self.flop_registry:
@@ -119,19 +172,38 @@ class FlopCounter(FlopCounterMode):
                     f"the FLOP counter has no formula for {name}, which moves FLOPs; counting it as zero would "
                     "overstate every speed-up. Add a formula to tomerge.experiments.measure.flops, or run the model with "
                     "a kernel the counter prices (e.g. under torch.nn.attention.sdpa_kernel)")
+        elif self._merge_code:
+            flops = self.flop_registry[func_packet](*args, **kwargs, out_val=out)
+            if flops and self._in_merge_code():
+                self._merge_flops += flops
         return super()._count_flops(func_packet, out, args, kwargs)
 
 
 def count_flops(fn: Callable[[], object]) -> int:
     """FLOPs of ``fn()``."""
+    return count_flops_split(fn)[0]
+
+
+def count_flops_split(fn: Callable[[], object]) -> tuple[int, int]:
+    """FLOPs of ``fn()`` and the part of them spent planning, merging and unmerging
+    (:meth:`FlopCounter.get_merge_flops`)."""
     counter = FlopCounter()
     with counter:
         fn()
-    return counter.get_total_flops()
+    return counter.get_total_flops(), counter.get_merge_flops()
 
 
-def count_denoiser_flops(denoiser: nn.Module, call: Callable[[], Any]) -> tuple[int, int]:
-    """FLOPs of every denoiser call made by ``call()`` and the number of calls.
+class DenoiserFlops(NamedTuple):
+    """What :func:`count_denoiser_flops` counts."""
+
+    flops: int  # every denoiser call made, merging's own included
+    calls: int  # denoiser calls
+    merge_flops: int  # of ``flops``, those spent planning, merging and unmerging
+
+
+def count_denoiser_flops(denoiser: nn.Module, call: Callable[[], Any]) -> DenoiserFlops:
+    """FLOPs of every denoiser call made by ``call()``, the number of calls, and the part of the FLOPs spent
+    planning, merging and unmerging (:meth:`FlopCounter.get_merge_flops`).
 
     The counter is entered around each call of ``denoiser`` (forward hooks), so text encoders and the VAE
     are not counted and a schedule's per-step changes are.
@@ -139,7 +211,7 @@ def count_denoiser_flops(denoiser: nn.Module, call: Callable[[], Any]) -> tuple[
     from .timing import DenoiserProbe
 
     counter = FlopCounter()
-    depth, total = [0], [0]
+    depth, total, merge = [0], [0], [0]
 
     def enter(module: nn.Module, args: tuple) -> None:
         if depth[0] == 0:
@@ -151,6 +223,7 @@ def count_denoiser_flops(denoiser: nn.Module, call: Callable[[], Any]) -> tuple[
         if depth[0] == 0:
             counter.__exit__(None, None, None)
             total[0] += counter.get_total_flops()
+            merge[0] += counter.get_merge_flops()
 
     handles = [denoiser.register_forward_pre_hook(enter), denoiser.register_forward_hook(leave)]
     try:
@@ -161,4 +234,4 @@ def count_denoiser_flops(denoiser: nn.Module, call: Callable[[], Any]) -> tuple[
             handle.remove()
         if depth[0]:
             counter.__exit__(None, None, None)
-    return int(total[0]), probe.calls
+    return DenoiserFlops(int(total[0]), probe.calls, int(merge[0]))

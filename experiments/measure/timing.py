@@ -289,15 +289,24 @@ def time_baseline_and_merged(call: Callable[[], Any], merging: Callable[[], cont
 
 
 def time_setups(setups: Mapping[Setup, Callable[[], contextlib.AbstractContextManager]], fn: Callable[[], object],
-                repeats: int, warmup: int, threads: int,
-                clock: str = "wall") -> dict[Setup, tuple[float, float | None]]:
+                repeats: int, warmup: int, threads: int, clock: str = "wall",
+                peaks: dict[Setup, float] | None = None) -> dict[Setup, tuple[float, float | None]]:
     """Median seconds of ``fn`` (:func:`time_once`) inside each setup's context, the setups alternating round
     after round (:func:`alternating_rounds`), with the spread of the repeats, ``(max - min) / median``
-    (``None`` for one repeat)."""
+    (``None`` for one repeat). ``peaks``: on CUDA, filled with each setup's peak memory in MiB
+    (``torch.cuda.max_memory_allocated`` over its timed rounds' calls, warm-ups included: weights, inputs,
+    activations and what the setup keeps); left empty on CPU."""
     times: dict[Setup, list[float]] = {setup: [] for setup in setups}
 
     def measure(setup: Setup, timed: bool) -> None:
-        seconds = time_once(fn, threads, clock)
+        if peaks is None or not timed:
+            seconds = time_once(fn, threads, clock)
+        else:
+            timing = Timing(peak_memory_mb=peaks.get(setup))
+            with _peak_memory(timing):
+                seconds = time_once(fn, threads, clock)
+            if timing.peak_memory_mb is not None:
+                peaks[setup] = timing.peak_memory_mb
         if timed:
             times[setup].append(seconds)
 

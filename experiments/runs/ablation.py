@@ -67,19 +67,50 @@ def _spec(config: AblationConfig, run: RunSpec | None) -> GenerateSpec:
                         batch_size=config.batch_size, plugins=config.plugins)
 
 
-def produce_images(folder: RunFolder, run_id: str, spec: GenerateSpec, items: Sequence[Item], source: Any,
+class ParentModel:
+    """The model source of the process running the grid, loaded when first asked for (:meth:`get`) and released
+    (:meth:`release`) before generation ranks start (``devices > 1``): every rank loads its own copy on its device,
+    so a copy kept here would sit on ``cuda:0`` beside rank 0's. It is loaded again when the grid next needs it
+    (FLOPs, timings). Hold no other reference to what :meth:`get` returns across a :func:`produce_images` call."""
+
+    def __init__(self, spec: Any) -> None:
+        self.spec = spec
+        self._source: Any = None
+
+    def get(self) -> Any:
+        if self._source is None:
+            self._source = self.spec.load()
+        return self._source
+
+    def release(self) -> None:
+        """Drops this process's model and returns CUDA's cached blocks to the device."""
+        if self._source is None:
+            return
+        self._source = None
+        import gc
+
+        gc.collect()
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
+
+
+def produce_images(folder: RunFolder, run_id: str, spec: GenerateSpec, items: Sequence[Item], model: ParentModel,
                    config: AblationConfig, progress: bool) -> list[Path]:
-    """Writes (or resumes) the run's images; returns their files (videos: frame folders) in item order."""
+    """Writes (or resumes) the run's images; returns their files (videos: frame folders) in item order. With
+    ``config.devices > 1`` the ranks generate, after this process released its model (:class:`ParentModel`)."""
     out = folder.images_dir(run_id)
     if config.devices > 1:
         prepare(out, items, spec)
         on_gpu = config.model.device.startswith("cuda")
         launcher = config.launcher if config.launcher != "auto" else ("ddp_spawn" if on_gpu else "ddp_fork")
+        model.release()
         generate_distributed(items, spec, out, devices=config.devices, accelerator="gpu" if on_gpu else "cpu",
                              launcher=launcher, progress=progress)
     else:
-        generate_local(items, spec, out, source=source, progress=progress)
-    files = [item_output(out, item, source.video) for item in items]
+        generate_local(items, spec, out, source=model.get(), progress=progress)
+    files = [item_output(out, item, config.model.is_video) for item in items]
     missing = [f.name for f in files if not output_complete(f)]
     if missing:
         raise RuntimeError(f"{len(missing)} images of {run_id} were not written (first: {missing[0]})")
@@ -89,8 +120,9 @@ def produce_images(folder: RunFolder, run_id: str, spec: GenerateSpec, items: Se
 def measure_run(source: Any, config: AblationConfig, timing_items: Sequence[Item], run: RunSpec | None,
                 map_steps: bool = True) -> dict[str, Any]:
     """The counted side of one run: FLOPs of the denoiser for ``timing_items`` with the run's merging
-    (``run=None``: the unmerged baseline) as ``flops``, ``flops_per_image`` and ``denoiser_calls_per_image``
-    (:func:`~tomerge.experiments.measure.flops.count_denoiser_flops`); with ``map_steps``, the merge maps of
+    (``run=None``: the unmerged baseline) as ``flops``, ``flops_per_image``, ``denoiser_calls_per_image`` and
+    ``merge_gflops`` (planning, merging and unmerging, GFLOPs per image, a part of ``flops``;
+    :func:`~tomerge.experiments.measure.flops.count_denoiser_flops`); with ``map_steps``, the merge maps of
     its first image at the config's map steps (``maps``: ``[N]`` slots per key, ``grids``: each map's token
     grid); and every block call's decision record (``records``)."""
     from ..measure.flops import count_denoiser_flops
@@ -98,9 +130,9 @@ def measure_run(source: Any, config: AblationConfig, timing_items: Sequence[Item
     call = lambda: source.generate(timing_items)  # noqa: E731
     n = len(timing_items)
     if run is None:
-        flops, calls = count_denoiser_flops(source.denoiser, call)
+        flops, calls, merge_flops = count_denoiser_flops(source.denoiser, call)
         return {"flops": flops, "flops_per_image": flops / n, "denoiser_calls_per_image": calls / n,
-                "maps": {}, "grids": {}, "records": []}
+                "merge_gflops": merge_flops / n / 1e9, "maps": {}, "grids": {}, "records": []}
     maps: dict[str, Any] = {}
     grids: dict[str, tuple[int, ...]] = {}
     with _merging(source, run) as handle:
@@ -113,10 +145,10 @@ def measure_run(source: Any, config: AblationConfig, timing_items: Sequence[Item
                 if block_call.grid is not None:
                     grids[key] = tuple(block_call.grid)  # (H, W) or (T, H, W)
         handle.state.observers.append(keep_map)
-        flops, calls = count_denoiser_flops(source.denoiser, call)
+        flops, calls, merge_flops = count_denoiser_flops(source.denoiser, call)
         records = list(handle.state.records)
-    return {"flops": flops, "flops_per_image": flops / n, "denoiser_calls_per_image": calls / n, "maps": maps,
-            "grids": grids, "records": records}
+    return {"flops": flops, "flops_per_image": flops / n, "denoiser_calls_per_image": calls / n,
+            "merge_gflops": merge_flops / n / 1e9, "maps": maps, "grids": grids, "records": records}
 
 
 def match_flop_speedups(source: Any, config: AblationConfig, runs: Sequence[RunSpec], items: Sequence[Item],
@@ -227,7 +259,8 @@ def run_ablation(config: AblationConfig, progress: bool = True) -> RunFolder:
         folder.close()  # on success, on an error and on Ctrl-C
 
 
-def complete_finished_runs(folder: RunFolder, config: AblationConfig, items: Sequence[Item], source: Any) -> None:
+def complete_finished_runs(folder: RunFolder, config: AblationConfig, items: Sequence[Item],
+                           model: ParentModel) -> None:
     """Regenerates the missing or truncated images of the grid's runs that already have a row (deleted, a
     broken copy): the same seeds give the same images, so the row stays true and figures find them all."""
     cells = {run.run_id: run for run in config.runs()}
@@ -236,46 +269,49 @@ def complete_finished_runs(folder: RunFolder, config: AblationConfig, items: Seq
         if run_id not in cells or ratio is None:
             continue
         out = folder.images_dir(run_id)
-        if (out / INDEX_FILE).is_file() and all(output_complete(item_output(out, i, source.video)) for i in items):
+        video = config.model.is_video
+        if (out / INDEX_FILE).is_file() and all(output_complete(item_output(out, i, video)) for i in items):
             continue
         warnings.warn(f"{out}: images (or their {INDEX_FILE}) missing or truncated; writing them again", stacklevel=2)
         run = dataclasses.replace(cells[run_id], ratio=ratio)  # a FLOP-matched run: the ratio it was run at
-        produce_images(folder, run_id, _spec(config, run), items, source, config, progress=False)
+        produce_images(folder, run_id, _spec(config, run), items, model, config, progress=False)
 
 
 def _run_grid(config: AblationConfig, folder: RunFolder, progress: bool) -> RunFolder:
     from tqdm import tqdm
 
-    source = config.model.load()
+    # The model is fetched from `model` at each use and never held in a local: with devices > 1 it is released
+    # before the ranks generate and loaded again after (ParentModel).
+    model = ParentModel(config.model)
     items = config.items()
-    source.check_items(items)
+    model.get().check_items(items)
     timing_items = items[: config.timing_batch]
     env = environment()
     logger = folder.logger(config, env)
-    prompts = [i.prompt for i in items] if source.conditioning == "prompt" else None
+    prompts = [i.prompt for i in items] if config.model.conditioning == "prompt" else None
 
     # FLOP-matched runs find their ratios first: a target out of reach stops the grid before any image
-    todo = match_flop_speedups(source, config, [r for r in config.runs() if not folder.has(r.run_id)], items[:1])
+    todo = match_flop_speedups(model.get(), config, [r for r in config.runs() if not folder.has(r.run_id)], items[:1])
 
-    baseline_files = produce_images(folder, "baseline", _spec(config, None), items, source, config, progress)
+    baseline_files = produce_images(folder, "baseline", _spec(config, None), items, model, config, progress)
     quality = quality_scorer(folder, config, baseline_files, prompts)
     if not folder.has("baseline"):
-        measured = measure_run(source, config, timing_items, None)
+        measured = measure_run(model.get(), config, timing_items, None)
         row = {"run": "baseline", "strategy": "none", "ratio": 0.0, "options": {},
                **_counts(measured), **quality.score(baseline_files), **env}
         folder.save_grid("baseline", baseline_files)
         folder.append(row)
         logger.row(row, images=baseline_files, prompts=prompts)
-    complete_finished_runs(folder, config, items, source)
+    complete_finished_runs(folder, config, items, model)
 
     for run in tqdm(todo, desc=f"ablate {config.name}", disable=not progress):
-        files = produce_images(folder, run.run_id, _spec(config, run), items, source, config, progress=False)
-        measured = measure_run(source, config, timing_items, run)
+        files = produce_images(folder, run.run_id, _spec(config, run), items, model, config, progress=False)
+        measured = measure_run(model.get(), config, timing_items, run)
         flops_base = folder.baseline_row()["flops"]
         row = {
             "run": run.run_id, "strategy": run.strategy, "ratio": run.ratio, "options": run.options,
             **({} if run.flop_target is None else {"flop_target": run.flop_target}),
-            **speed_row(source, config, timing_items, run),
+            **speed_row(model.get(), config, timing_items, run),
             "flops_base": flops_base, **_counts(measured), "flop_speedup": flops_base / measured["flops"],
             "tokens_removed_mean": _mean_removed(measured["records"]), **quality.score(files), **env,
         }
@@ -293,7 +329,7 @@ def _counts(measured: dict[str, Any]) -> dict[str, float]:
     """The FLOP and call counts of :func:`measure_run` that go into a result row, with the counter's version."""
     from ..measure.flops import COUNTER_VERSION
 
-    return {**{k: measured[k] for k in ("flops", "flops_per_image", "denoiser_calls_per_image")},
+    return {**{k: measured[k] for k in ("flops", "flops_per_image", "denoiser_calls_per_image", "merge_gflops")},
             "flop_counter": COUNTER_VERSION}
 
 
