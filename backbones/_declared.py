@@ -83,6 +83,7 @@ from tomerge.state import MergeState
 from ._context import NO_CONTEXT, ContextTokens
 from ._diffusers import (call_arg, check_ff_chunking, probe_joint_attention, probe_sdpa_attention, probe_self_attention,
                          submodel)
+from ._host import HostFacts
 from .flux import BatchedRotaryTable, gather_rotary, grid_from_ids
 
 Side = Literal["first", "last"]
@@ -244,6 +245,22 @@ class Kind:
 
 
 # ---------------------------------------------------------------------- runtime
+@dataclasses.dataclass(frozen=True)
+class RaggedText:
+    """Per-sample text lengths of a ragged joint sequence (text first), known once per model call
+    (:meth:`DeclaredAdapter.call_text`): ``longest`` read on the host, ``lengths [B]`` on the model's device."""
+
+    longest: int
+    lengths: Tensor
+
+
+def text_lengths(lengths: Tensor) -> int | RaggedText:
+    """One text length when every sample's is the same, else a :class:`RaggedText`. Reads ``lengths [B]`` on the
+    host (one copy): call it once per model call, never inside a block call."""
+    host = lengths.detach().cpu().tolist()
+    return host[0] if len(set(host)) == 1 else RaggedText(max(host), lengths)
+
+
 @dataclasses.dataclass
 class DeclaredCall:
     """The block call in progress, shared by its points: text and target image lengths, the model call's
@@ -268,12 +285,14 @@ class DeclaredCall:
         self.kept.clear()
         self.called.clear()
 
-    def set_text(self, text: int | Tensor) -> None:
-        """The block call's text length: one ``T``, or per-sample lengths ``[B]`` (equal ones count as one ``T``)."""
-        if isinstance(text, Tensor) and bool((text == text[0]).all()):
-            text = int(text[0])
+    def set_text(self, text: int | RaggedText | Tensor) -> None:
+        """The block call's text length: one ``T``, or per-sample lengths (a :class:`RaggedText`, as the adapter
+        resolved them for the model call; equal ones count as one ``T``). A tensor of lengths ``[B]`` is resolved
+        here by :func:`text_lengths`, a host read: adapters resolve it once per model call instead."""
         if isinstance(text, Tensor):
-            self.text, self.lengths = int(text.max()), text
+            text = text_lengths(text)
+        if isinstance(text, RaggedText):
+            self.text, self.lengths = text.longest, text.lengths
         else:
             self.text, self.lengths = int(text), None
 
@@ -806,8 +825,9 @@ class DeclaredAdapter(BackboneAdapter):
         super().__init__(model, options)
         self.grid_size: tuple[int, ...] | None = None
         self.context = NO_CONTEXT  # context tokens in the image stream of the model call in progress
-        self.model_text: int | Tensor | None = None
+        self.model_text: int | RaggedText | None = None
         self._warned_grid = False
+        self._ids_grid = HostFacts(grid_from_ids)  # ids_arg: read once per ids tensor
 
     @classmethod
     def find_model(cls, obj: Any) -> nn.Module | None:
@@ -838,7 +858,7 @@ class DeclaredAdapter(BackboneAdapter):
                                        model_context=lambda: self.context, model_grid=lambda: self.grid_size))
         return specs
 
-    def joint_text(self, length: int) -> int | None:
+    def joint_text(self, length: int) -> int | RaggedText | None:
         """``T`` of a ``joint_input`` block call whose input has ``length`` tokens (see :attr:`joint_context`).
         With ``"rest"`` and no grid for the call, ``0``: the whole input, which is then not merged."""
         if self.joint_context == "text":
@@ -861,12 +881,12 @@ class DeclaredAdapter(BackboneAdapter):
                           f"({self.unknown_grid_reason()}); its blocks are not merged", stacklevel=3)
         return self.call_timestep(args, kwargs)
 
-    def call_text(self, args: tuple, kwargs: dict) -> int | Tensor | None:
+    def call_text(self, args: tuple, kwargs: dict) -> int | RaggedText | None:
         """The text length ``T`` that ``joint_input`` kinds split off their input (default: the length of the
-        model's text argument; ``None``: none), or per-sample lengths ``[B]`` of ragged joint sequences (text
-        first, see :meth:`DeclaredCall.image_part`). Families that add tokens to the text side (AuraFlow's
-        register tokens), join several text inputs (HiDream) or join only the real text tokens (Lumina 2)
-        override it."""
+        model's text argument; ``None``: none), or the per-sample lengths of ragged joint sequences (text first, a
+        :class:`RaggedText`, see :meth:`DeclaredCall.stream`), resolved here, once per model call. Families that
+        add tokens to the text side (AuraFlow's register tokens), join several text inputs (HiDream) or join only
+        the real text tokens (Lumina 2) override it."""
         text = call_arg(args, kwargs, self.text_arg, self.text_index)
         return int(text.shape[1]) if isinstance(text, Tensor) else None
 
@@ -895,7 +915,7 @@ class DeclaredAdapter(BackboneAdapter):
         the patch sizes)."""
         if self.ids_arg is not None:
             ids = call_arg(args, kwargs, *self.ids_arg)
-            return grid_from_ids(ids) if ids is not None else None
+            return self._ids_grid(ids) if ids is not None else None
         sample = call_arg(args, kwargs, self.latent_arg, self.latent_index)
         patch = self.patch()
         if sample.dim() == 4 and len(patch) == 1:

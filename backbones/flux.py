@@ -25,9 +25,10 @@ Facts from the installed diffusers (0.42.1, ``models/transformers/transformer_fl
   batched table is passed as a :class:`BatchedRotaryTable` that turns that leading new axis into the
   batch axis (any other use raises). The processor and the attention backend are untouched.
 * Grid: the packed latent has ``H x W`` tokens (``H = height / 16`` of the image); ``img_ids [N, 3]`` hold
-  ``(0, row, col)`` of every image token in raster order. The adapter reads ``(H, W)`` from them on every
-  model call (:func:`split_ids`); ids that are not one raster grid are not merged, with a warning. The
-  timestep comes from each call, in ``[0, 1]`` (``t_max = 1``).
+  ``(0, row, col)`` of every image token in raster order. The adapter reads ``(H, W)`` from them on the host
+  (:func:`split_ids`), once per ``img_ids`` tensor: one device-to-host copy when a model call passes ids it has
+  not seen (pipelines pass the same tensor every step); ids that are not one raster grid are not merged, with a
+  warning. The timestep comes from each call, in ``[0, 1]`` (``t_max = 1``).
 * Reference images (``FluxKontextPipeline``): the latent tokens of the input image follow the generated
   image's in the image stream, ``[B, N + R, C]``, with ids ``(1, row, col)``. The target is the run of tokens
   with the smallest first id; the others are context tokens (:mod:`tomerge.backbones._context`): every
@@ -67,6 +68,7 @@ from tomerge.state import MergeState
 
 from ._context import NO_CONTEXT, ContextTokens
 from ._diffusers import call_arg, probe_joint_attention, submodel
+from ._host import HostFacts
 
 
 # ---------------------------------------------------------------------- call arguments
@@ -338,7 +340,8 @@ def grid_from_ids(img_ids: Tensor) -> tuple[int, int] | None:
     """The ``(H, W)`` grid of packed-latent ids ``[N, 3]`` (``(0, row, col)``), or ``None``.
 
     ``None`` unless the ids enumerate one ``H x W`` grid of integer positions in raster order (any
-    offset), which is how Flux pipelines build them.
+    offset), which is how Flux pipelines build them. Runs on the host: ids on a GPU are copied once (the adapters
+    call it through :class:`~tomerge.backbones._host.HostFacts`, once per ids tensor).
 
     Example:
         >>> rows, cols = torch.meshgrid(torch.arange(2), torch.arange(3), indexing="ij")
@@ -348,6 +351,7 @@ def grid_from_ids(img_ids: Tensor) -> tuple[int, int] | None:
     ids = img_ids[0] if img_ids.dim() == 3 else img_ids  # [N, 3] (3D is diffusers' deprecated form)
     if ids.dim() != 2 or ids.shape[1] < 3 or ids.shape[0] == 0:
         return None
+    ids = ids.detach().cpu()  # the reads below are host work
     pos = ids[:, 1:3].round().long()  # [N, 2] (row, col)
     lo, hi = pos.min(0).values, pos.max(0).values  # [2], [2]
     r0, c0, r1, c1 = torch.cat([lo, hi]).tolist()
@@ -367,6 +371,8 @@ def split_ids(img_ids: Tensor) -> tuple[tuple[int, int] | None, ContextTokens]:
     The target is the generated image: the tokens whose first id ``t`` is the smallest (0 in every FLUX
     pipeline; reference images have ``t = 1`` in Kontext, ``10, 20, ...`` in FLUX.2), which must be one
     contiguous run forming a raster grid (:func:`grid_from_ids`). The tokens before and after it are context.
+    Runs on the host: ids on a GPU are copied once (the adapters cache the result per ids tensor,
+    :class:`~tomerge.backbones._host.HostFacts`).
 
     Example:
         >>> target = torch.tensor([[0, r, c] for r in range(2) for c in range(3)])
@@ -377,6 +383,7 @@ def split_ids(img_ids: Tensor) -> tuple[tuple[int, int] | None, ContextTokens]:
     ids = img_ids[0] if img_ids.dim() == 3 else img_ids  # [L, 3 or 4]
     if ids.dim() != 2 or ids.shape[0] == 0:
         return None, NO_CONTEXT
+    ids = ids.detach().cpu()  # one device-to-host copy; the rest is host work
     first = ids[:, 0]
     target = (first == first.min()).nonzero().flatten()  # [N] positions of the target's tokens
     start, stop = int(target[0]), int(target[-1]) + 1
@@ -405,6 +412,7 @@ class FluxAdapter(BackboneAdapter):
         self.grid_size: tuple[int, int] | None = None
         self.context = NO_CONTEXT  # reference-image tokens of the model call in progress
         self._warned_ids = False
+        self._layout = HostFacts(split_ids)  # read once per img_ids tensor (pipelines pass the same one every step)
 
     @classmethod
     def find_model(cls, obj: Any) -> nn.Module | None:
@@ -444,7 +452,7 @@ class FluxAdapter(BackboneAdapter):
     def on_model_call(self, args: tuple, kwargs: dict) -> Tensor | float | None:
         x = call_arg(args, kwargs, "hidden_states", 0)  # [B, N, C_in] packed latent
         img_ids = call_arg(args, kwargs, "img_ids", 4)
-        self.grid_size, self.context = split_ids(img_ids) if img_ids is not None else (None, NO_CONTEXT)
+        self.grid_size, self.context = self._layout(img_ids) if img_ids is not None else (None, NO_CONTEXT)
         if self.grid_size is None and not self._warned_ids:
             self._warned_ids = True
             warnings.warn(

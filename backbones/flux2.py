@@ -14,8 +14,9 @@ Facts from the installed diffusers (0.42.1, ``models/transformers/transformer_fl
   points: ``attn`` (``"attn"``: the image part of the normalised joint sequence, RoPE rows gathered; attention
   and MLP both run merged) and ``attn.to_out`` (``"mlp"``: the image part of ``cat([attn, mlp])``). With both
   on, ``attn`` keeps its output merged and ``to_out`` unmerges once; ``"mlp"`` alone merges only ``to_out``.
-* Grid: ``img_ids [B, N, 4]`` hold ``(t, h, w, l)``; the grid ``(H, W)`` is read from the ``h, w`` columns on
-  every call (raster order). The pipeline calls the model with ``timestep / 1000`` (``t_max = 1``).
+* Grid: ``img_ids [B, N, 4]`` hold ``(t, h, w, l)``; the grid ``(H, W)`` is read from the ``h, w`` columns
+  (raster order) on the host, once per ``img_ids`` tensor (:class:`~tomerge.backbones._host.HostFacts`). The
+  pipeline calls the model with ``timestep / 1000`` (``t_max = 1``).
 * Reference images (``Flux2Pipeline(image=...)``, klein): their latent tokens follow the generated image's in
   the image stream, with ids of other ``t`` (10, 20, ...); klein's KV-cache "extract" call puts them first.
   The target is the run of tokens with the smallest ``t`` (:func:`~tomerge.backbones.flux.split_ids`), the
@@ -26,11 +27,14 @@ Facts from the installed diffusers (0.42.1, ``models/transformers/transformer_fl
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
+
+from torch import nn
 
 from ._context import NO_CONTEXT, ContextTokens
 from ._declared import DeclaredAdapter, Kind, Rope, Site
 from ._diffusers import call_arg
+from ._host import HostFacts
 from .flux import split_ids
 
 _DOUBLE_ROPE = Rope("image_rotary_emb", 3, "rows")  # Flux2Attention.forward(hidden, encoder, mask, rope)
@@ -56,9 +60,13 @@ class Flux2Adapter(DeclaredAdapter):
         ), joint_input="first"),
     )
 
+    def __init__(self, model: nn.Module, options: Any) -> None:
+        super().__init__(model, options)
+        self._layout = HostFacts(split_ids)  # read once per img_ids tensor
+
     def call_layout(self, args: tuple, kwargs: dict) -> tuple[tuple[int, ...] | None, ContextTokens]:
         img_ids = call_arg(args, kwargs, "img_ids", 3)
-        return split_ids(img_ids) if img_ids is not None else (None, NO_CONTEXT)
+        return self._layout(img_ids) if img_ids is not None else (None, NO_CONTEXT)
 
     def unknown_grid_reason(self) -> str:
         return "its img_ids hold no raster-ordered H x W grid of the generated image"

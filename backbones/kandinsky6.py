@@ -40,14 +40,15 @@ Facts from the installed diffusers (0.42.1, ``models/transformers/transformer_ka
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from ._context import NO_CONTEXT, ContextTokens
 from ._declared import Kind, Rope, Site
 from ._diffusers import call_arg
+from ._host import HostFacts
 from .kandinsky5 import Kandinsky5Adapter
 
 # Kandinsky6Attention(hidden_states, encoder_hidden_states, attn_mask, rotary_emb, rope_q, rope_kv)
@@ -72,10 +73,15 @@ class Kandinsky6Adapter(Kandinsky5Adapter):
         ), arg="vis", outputs=("vis", "aud")),
     )
 
+    def __init__(self, model: nn.Module, options: Any) -> None:
+        super().__init__(model, options)
+        self._reference_frames = HostFacts(self.reference_frames)  # read once per type-ids tensor and frame count
+
     def call_layout(self, args: tuple, kwargs: dict) -> tuple[tuple[int, ...] | None, ContextTokens]:
         latent = call_arg(args, kwargs, "hidden_states", 0)  # [B, F, H, W, C]
         frames, rows, cols = (int(size) // int(p) for size, p in zip(latent.shape[1:4], self.model.config.patch_size))
-        reference = self.reference_frames(call_arg(args, kwargs, "visual_token_type_ids", 7), frames)
+        token_types = call_arg(args, kwargs, "visual_token_type_ids", 7)  # [B, F] or None
+        reference = 0 if token_types is None else self._reference_frames(token_types, frames)
         if reference is None:
             return None, NO_CONTEXT
         context = ContextTokens(after=reference * rows * cols) if reference else NO_CONTEXT
@@ -85,10 +91,11 @@ class Kandinsky6Adapter(Kandinsky5Adapter):
     def reference_frames(token_types: Tensor | None, frames: int) -> int | None:
         """The reference frames at the end of the call's ``frames`` patchified frames: the trailing frames whose
         ``visual_token_type_ids [B, F]`` are not 0, the same in every sample; ``None`` when the type ids mark
-        other frames (not one target grid followed by context)."""
+        other frames (not one target grid followed by context). Runs on the host (the adapter reads the type ids
+        once per tensor)."""
         if token_types is None:
             return 0
-        marked = token_types != 0  # [B, F]
+        marked = token_types.detach().cpu() != 0  # [B, F]
         count = int(marked[0].sum())
         trailing = torch.arange(frames, device=marked.device) >= frames - count  # [F]: the last `count` frames
         if count >= frames or not torch.equal(marked, trailing.expand_as(marked)):

@@ -9,7 +9,8 @@ Facts from the installed diffusers (0.42.1, ``models/transformers/transformer_lu
   ``feed_forward``. The model runs ``context_refiner`` on the caption alone (not merged), ``noise_refiner`` on
   the image tokens alone (kind ``"refiner"``), then ``layers`` (kind ``"joint"``) on the joint sequence.
 * The joint sequence of sample ``b`` is ``[caption_b, image, padding]``: only the caption's real tokens
-  (``encoder_attention_mask.sum()``) precede the image, and shorter samples are padded at the end to the longest;
+  (``encoder_attention_mask.sum()``, read on the host once per mask tensor, before the first block) precede the
+  image, and shorter samples are padded at the end to the longest;
   the key mask is passed only when the lengths differ. Merge points, on the image part: ``attn`` (``"attn"``;
   the image rows of the rotary table gathered per slot, the caption and padding rows kept, the key mask
   likewise) and ``feed_forward`` (``"mlp"``). With per-sample caption lengths the image part starts at another
@@ -26,12 +27,13 @@ text-key bias takes one text length for the batch; Lumina 2's captions start the
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
-from torch import Tensor
+from torch import nn
 
-from ._declared import DeclaredAdapter, Kind, Rope, Site
+from ._declared import DeclaredAdapter, Kind, RaggedText, Rope, Site
 from ._diffusers import call_arg
+from ._host import HostFacts
 
 _ROPE = Rope("image_rotary_emb", 3, "batched")  # [B, L, d/2] complex, caption rows first, by keyword
 
@@ -55,9 +57,19 @@ class Lumina2Adapter(DeclaredAdapter):
         ), joint_input="first"),
     )
 
-    def call_text(self, args: tuple, kwargs: dict) -> Tensor:
-        """The per-sample caption lengths ``[B]`` (the real tokens of ``encoder_attention_mask``)."""
-        return call_arg(args, kwargs, "encoder_attention_mask", 3).sum(dim=1)
+    def __init__(self, model: nn.Module, options: Any) -> None:
+        super().__init__(model, options)
+        # the caption lengths on the host, read once per mask tensor (the pipeline passes the same one every step)
+        self._lengths = HostFacts(lambda mask: mask.sum(dim=1).tolist())
+
+    def call_text(self, args: tuple, kwargs: dict) -> int | RaggedText:
+        """The caption length (the real tokens of ``encoder_attention_mask [B, L]``), or per-sample lengths when
+        they differ: read on the host once per mask tensor, before the first block."""
+        mask = call_arg(args, kwargs, "encoder_attention_mask", 3)  # [B, L]
+        lengths = self._lengths(mask)
+        if len(set(lengths)) == 1:
+            return lengths[0]
+        return RaggedText(max(lengths), mask.sum(dim=1))  # [B] on the model's device
 
     def call_timestep(self, args: tuple, kwargs: dict) -> Tensor | float | None:
         t = super().call_timestep(args, kwargs)

@@ -17,8 +17,9 @@ Facts from the installed diffusers (0.42.1, ``models/transformers/transformer_qw
   on cached steps (``kv_cache_mode="cached"``) the blocks get the target alone, with the cached prefix keys.
 * ``QwenImage21FlexAttnProcessor`` passes a flex ``BlockMask`` built for the unmerged sequence: a merged call
   raises (use the default ``QwenImage21AttnProcessor``).
-* Grid: ``img_shapes[0][-1] = (1, h, w)``, the target (samples share one layout); condition images are part
-  of the prefix and are not merged. The pipeline calls the model with ``timestep / 1000`` (``t_max = 1``).
+* Grid: ``img_shapes[0][-1] = (1, h, w)``, the target (samples share one layout; ``img_mask`` must end with its
+  slots, read on the host once per mask tensor); condition images are part of the prefix and are not merged. The
+  pipeline calls the model with ``timestep / 1000`` (``t_max = 1``).
 * Received attention (``idm``, the ``sdtm`` schedules): the prompt's queries never see the target, so the probe
   reads the target's queries (``Site(probe="sdpa", probe_queries="image")``): at most 64 strided target queries'
   softmax over every key (prefix and target, with ``key_valid``), from the processor's SDPA call of the target
@@ -30,10 +31,13 @@ Facts from the installed diffusers (0.42.1, ``models/transformers/transformer_qw
 from __future__ import annotations
 
 import math
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
+
+from torch import nn
 
 from ._declared import DeclaredAdapter, Kind, Rope, Site
 from ._diffusers import call_arg
+from ._host import HostFacts
 
 
 class QwenImage21Adapter(DeclaredAdapter):
@@ -54,6 +58,11 @@ class QwenImage21Adapter(DeclaredAdapter):
         ), joint_input="first"),
     )
 
+    def __init__(self, model: nn.Module, options: Any) -> None:
+        super().__init__(model, options)
+        # whether the first sample's img_mask ends with `slots` image slots: read once per mask tensor and count
+        self._ends_with_image = HostFacts(lambda mask, slots: bool(mask[0, -slots:].all()))
+
     def call_grid(self, args: tuple, kwargs: dict) -> tuple[int, ...] | None:
         shapes = call_arg(args, kwargs, "img_shapes", 3)
         img_mask = call_arg(args, kwargs, "img_mask", 4)  # [B, S] bool: True at image slots (2 x 2 tokens each)
@@ -61,7 +70,7 @@ class QwenImage21Adapter(DeclaredAdapter):
             return None
         frames, h, w = shapes[0][-1]  # the target image, last
         slots = math.prod((frames, h, w)) // 4
-        if int(frames) != 1 or slots == 0 or not bool(img_mask[0, -slots:].all()):
+        if int(frames) != 1 or slots == 0 or not self._ends_with_image(img_mask, slots):
             return None
         return int(h), int(w)
 

@@ -22,3 +22,8 @@ def pytest_configure(config) -> None:
         "tie_sensitive: compares discrete choices (argmax, sorts, greedy picks) or batched/compiled results "
         "exactly; .ci/run reruns these with other kernel rounding (ATEN_CPU_CAPABILITY=default, 2 threads)",
     )
+    config.addinivalue_line(
+        "markers",
+        "fake_cuda: runs real-size models on fake CUDA tensors (FakeTensorMode) as the GPU's stand-in: device, "
+        "dtype and shape errors, host reads, the bytes tomerge keeps (tests/fake_cuda)",
+    )

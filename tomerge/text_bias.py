@@ -91,10 +91,11 @@ class _TextKeyBias(TorchFunctionMode):
                 f"tomerge text-key bias: expected a joint self-attention over {T} text + image tokens with batch "
                 f"{self.bias.shape[0]}, got query {tuple(q.shape)} and key {tuple(k.shape)}")
         self.calls += 1
+        span = slice(0, T) if self.text_first else slice(Lk - T, Lk)  # the text keys: one contiguous run
         text = torch.zeros(Lk, dtype=torch.bool, device=q.device)
-        text[slice(0, T) if self.text_first else slice(Lk - T, Lk)] = True  # [Lk]
+        text[span] = True  # [Lk]
         full = self.bias.new_zeros(B, Lk)
-        full[:, text] = self.bias.to(full.device)  # [B, Lk]
+        full[:, span] = self.bias.to(full.device)  # [B, Lk]: a slice, not a boolean mask (a host sync on CUDA)
         return key_bias_attention(bias=full, query_mask=~text, **call)
 
 
