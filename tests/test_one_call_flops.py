@@ -34,3 +34,15 @@ def test_one_global_tile_pays_for_its_selection(capsys, monkeypatch):
 def test_options_are_checked(capsys, monkeypatch):
     with pytest.raises(ValueError, match="ratio"):
         flop_ideal(capsys, monkeypatch, "tomesd", "ratio=1.5")
+
+
+def test_a_sampling_count_of_a_constant_strategy_is_its_one_call_count(capsys, monkeypatch):
+    """``--steps``: every call of a fixed-ratio strategy costs the same, so a 3-step sampling's FLOP-ideal is one
+    call's; a schedule whose calls differ (``toca``'s fresh and cached steps) is counted over them; --steps 0 is
+    refused."""
+    one = flop_ideal(capsys, monkeypatch, "tomesd", "ratio=0.5", "use_rand=false")
+    assert flop_ideal(capsys, monkeypatch, "--steps", "3", "tomesd", "ratio=0.5", "use_rand=false")[1] == one[1] > 1
+    _, sampled = flop_ideal(capsys, monkeypatch, "--steps", "3", "toca")
+    assert 1 < sampled
+    with pytest.raises(SystemExit):
+        flop_ideal(capsys, monkeypatch, "--steps", "0", "toca")
