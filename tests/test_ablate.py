@@ -256,3 +256,51 @@ def test_the_parent_releases_its_model_before_ranks_generate(setup, monkeypatch)
     # merging's own FLOPs per image: none unmerged; tomesd's similarity matmuls, a small part of its FLOPs
     assert written[0]["merge_gflops"] == 0
     assert 0 < written[1]["merge_gflops"] * 1e9 < written[1]["flops_per_image"] / 10
+
+
+def test_a_run_folders_config_yaml_loads_back_as_the_config_that_made_it(setup):
+    """``tomerge ablate --config runs/NAME/config.yaml`` reads the saved config (its ``model`` is written as
+    ``{kind, path, ...}``), gets the config the folder was made with, and resumes that folder."""
+    root, overrides = setup
+    overrides = [*overrides, "name=roundtrip", "wandb=disabled", "model.call.cfg_scale=1.5",
+                 "grid=[{strategy: tomesd, ratios: [0.5], options: {use_rand: false}}]"]
+    original = load_config(None, overrides)
+    folder = run_ablation(original, progress=False).path
+    saved = folder / "config.yaml"
+    assert "kind: reference" in saved.read_text()  # the saved form, not the one a user writes
+    loaded = load_config(saved, check_inputs=True)  # what `tomerge ablate --config` calls
+    assert loaded == original
+    assert loaded.model.path == str(root / "tiny.safetensors") and loaded.model.call["cfg_scale"] == 1.5
+    before = (folder / "results.jsonl").read_text()
+    run_ablation(loaded, progress=False)  # the same folder, the same config: resumes, nothing to run
+    assert (folder / "results.jsonl").read_text() == before
+
+
+@pytest.mark.parametrize("saved", sorted(Path(__file__).parents[1].glob("docs/runs/*/config.yaml")),
+                         ids=lambda p: p.parent.name)
+def test_the_committed_run_folders_configs_load(saved):
+    import yaml
+
+    config = load_config(saved)
+    raw = yaml.safe_load(saved.read_text())
+    assert config.to_dict()["model"] == raw["model"] and config.name == raw["name"]
+    assert [e["strategy"] for e in config.grid] == [e["strategy"] for e in raw["grid"]]
+
+
+def test_the_saved_model_form_is_checked_and_a_set_source_replaces_it():
+    from tomerge.experiments.config.load import apply_override
+    from tomerge.experiments.sources.models import ModelSpec
+
+    saved = {"kind": "reference", "path": "bundled-1024", "dtype": "fp32", "device": "cpu", "offload": None,
+             "call": {"num_steps": 20}}
+    assert ModelSpec.parse(saved) == (ModelSpec(path="bundled-1024", call={"num_steps": 20}), [])
+    assert ModelSpec.parse({**saved, "path": None})[0] == ModelSpec(call={"num_steps": 20})
+    assert ModelSpec.parse({**saved, "kind": "unet"})[1] == ["model.kind must be reference or pipeline, got 'unet'"]
+    assert "keep one" in ModelSpec.parse({**saved, "reference": "bundled"})[1][0]
+    values = {"model": dict(saved)}
+    apply_override(values, "model.reference", "bundled")  # the source named anew: kind and path go
+    assert values["model"] == {"dtype": "fp32", "device": "cpu", "offload": None, "call": {"num_steps": 20},
+                               "reference": "bundled"}
+    values = {"model": dict(saved)}
+    apply_override(values, "model.pipeline", "/m/sd3")  # another source: the reference's settings go
+    assert values["model"] == {"pipeline": "/m/sd3"}

@@ -68,8 +68,10 @@ def apply_override(values: dict[str, Any], key: str, value: Any, option: str | N
     if parents == ["model"] and last in ("reference", "pipeline"):
         model = values.get("model")
         other = "pipeline" if last == "reference" else "reference"
-        if model == other or (isinstance(model, dict) and other in model):
+        if model == other or (isinstance(model, dict) and (other in model or model.get("kind") == other)):
             values["model"] = {}  # another model source: its call arguments do not carry over
+        elif isinstance(model, dict) and "kind" in model:  # a run folder's config.yaml: the source named anew
+            values["model"] = {k: v for k, v in model.items() if k not in ("kind", "path")}
     node = values
     for part in parents:
         child = node.get(part)

@@ -192,6 +192,10 @@ it is a call argument, model.call.num_steps")
             return None, [f"model must be `reference` or a mapping, got {value!r}"]
         value = dict(value)
         problems = []
+        if "kind" in value:  # the form a run folder's config.yaml holds (to_dict): read back as what it means
+            value, problems = cls._from_saved(value)
+            if problems:
+                return None, problems
         kinds = [k for k in ("reference", "pipeline") if k in value]
         if len(kinds) != 1:
             problems.append("model needs exactly one of `reference: CHECKPOINT` or `pipeline: FOLDER`, "
@@ -234,6 +238,26 @@ it is a call argument, model.call.num_steps")
                 pass
         return None, problems
 
+    @staticmethod
+    def _from_saved(value: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+        """``{kind, path, ...}`` (:meth:`to_dict`, what a run folder's ``config.yaml`` holds) as the mapping a
+        user writes (``{reference: PATH}`` or ``{pipeline: PATH}``, the other keys as they are), so that
+        ``tomerge ablate --config runs/NAME/config.yaml`` reads the config the folder was made with.
+
+        Example:
+            >>> ModelSpec._from_saved({"kind": "reference", "path": None, "call": {"num_steps": 8}})
+            ({'call': {'num_steps': 8}, 'reference': 'bundled'}, [])
+        """
+        value = dict(value)
+        kind, path = value.pop("kind"), value.pop("path", None)
+        if {"reference", "pipeline"} & set(value):
+            return value, ["model: `kind`/`path` (a run folder's config.yaml) and `reference:`/`pipeline:` both "
+                           "name the source; keep one"]
+        if kind not in ("reference", "pipeline"):
+            return value, [f"model.kind must be reference or pipeline, got {kind!r}"]
+        value[kind] = "bundled" if kind == "reference" and path is None else path
+        return value, []
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
@@ -261,7 +285,8 @@ it is a call argument, model.call.num_steps")
         """
         values: dict[str, Any] = {self.kind: self.path if self.path is not None else "bundled"}
         defaults = ModelSpec()
-        values.update({k: getattr(self, k) for k in ("dtype", "device") if getattr(self, k) != getattr(defaults, k)})
+        values.update({k: getattr(self, k) for k in ("dtype", "device", "offload")
+                       if getattr(self, k) != getattr(defaults, k)})
         if self.call:
             values["call"] = dict(self.call)
         return values
