@@ -11,16 +11,29 @@ kernel, ``linear``, ``einsum``) and that no formula prices, so a new kernel cann
 
 This module imports torch: the command line's modules import it in the functions that count.
 
-Element-wise work (softmax, norms, activations) is not counted: FLOPs here are those of matrix products
-and attention, as in the papers' FLOP figures. A multiply-add counts 2.
+What it counts (its scope): matrix products (``mm``, ``bmm``, ``addmm``, ``baddbmm``, ``addbmm``, ``mv``,
+``addmv``, ``dot``, ``vdot``, ``addr``, ``_int_mm``, ``_scaled_mm``; ``linear``, ``matmul`` and ``einsum``
+through the products they run), convolutions, and attention kernels at their two products, query-key and
+weights-value (``4 B H N_q N_k d``; the fused kernels' softmax is not priced); a multiply-add counts 2, as
+in the papers' FLOP figures. What it leaves out, at zero: every element-wise op (softmax, norms, activations,
+adaLN modulation and gates, residual adds, bias adds, a cached residual's reuse and its Taylor forecast),
+copies and reshapes, and the ops that move or choose tokens: gathers, ``index_select``, scatters,
+``scatter_reduce`` / ``index_add``, sorts, ``argsort``, ``topk``, ``argmax``, cumulative sums. The omission
+**favours merging**: merging adds exactly such ops (sorting and matching tokens by a similarity's argmax,
+gathering them and scattering them back), which cost time but no counted FLOPs beyond the matmuls of its
+planning; caching skips whole blocks and so removes element-wise work too, which the count does not credit.
+A FLOP-ideal speed-up is thus an upper bound that flatters merging more than caching; the measured speed-up
+(``measured/ideal``) is what pays for the rest.
 
 Merging's own FLOPs: of the total, the counter also sums apart what runs inside tomerge's planning, merging and
 unmerging (:meth:`FlopCounter.get_merge_flops`, the ``merge_gflops`` column): an op counts there when a frame of
 the Python stack at that op is one of :func:`merge_code` (a strategy's ``plan`` or ``unmerge``,
 ``MergeState.plan_for``, ``MergePlan.merge`` / ``unmerge``, the received-attention probe). The hot code is not
 touched (it runs inside compiled graphs); counting runs eagerly, once, so walking the stack per op costs
-nothing that matters. Gathers and scatters (a hard plan's ``index`` backend) count zero FLOPs; a hard plan's
-``dense`` backend and soft plans count their matmuls.
+nothing that matters. ``merge_gflops`` is therefore only the matrix-product part of merging: the similarity
+matrices of planning (e.g. ToMe's ``a @ b^T``), soft plans' merge and unmerge matmuls, a hard plan's ``dense``
+backend; the rest of planning (norms of the similarity, argmax, sorts, ``topk``) and a hard plan's gathers and
+scatters (its ``index`` backend) count zero.
 """
 
 from __future__ import annotations
