@@ -63,6 +63,9 @@ def test_search_runs_trials_as_runs_finds_the_front_and_rescores_it_held_out(set
     assert {r.run_id for r in result.front} == expected  # the non-dominated set, computed here by hand
     table = (folder / "search" / "front.md").read_text()
     assert all(run_id in table for run_id in expected) and "held out" in table
+    assert table.startswith("tiny_search: sampler: random sampling (random), seed 3")
+    trials_md = (folder / "search" / "trials.md").read_text()  # every trial, committable
+    assert trials_md.count("| complete |") == 5 and all(run.run_id in trials_md for run, _ in result.trials)
     for suffix in ("png", "pdf"):
         assert (folder / "search" / f"front.{suffix}").stat().st_size > 0
 
@@ -159,3 +162,94 @@ def test_the_command_line_is_the_commands_module():
     assert out.startswith("usage: tomerge search [-h] --config CONFIG") and search_module.__doc__.strip() in out
     with pytest.raises(AttributeError, match=r"runs\.search\.main is tomerge\.experiments\.commands\.search\.main"):
         search_module.main  # noqa: B018
+
+
+# ------------------------------------------------------------------------------------------ the sampler (#41)
+@pytest.mark.parametrize("trials, population, plan", [
+    (10, 8, "1 generation and 2 trials of the next"),  # the floor: fewer than 2 generations (warned)
+    (16, 8, "2 generations"),
+    (40, 8, "5 generations"),
+    (60, 12, "5 generations"),  # experiments/configs/search.yaml
+    (61, 12, "5 generations and 1 trial of the next"),
+    (100, 20, "5 generations"),
+    (1000, 50, "20 generations"),  # the cap, Optuna's default: more generations, not a larger population
+])
+def test_nsga2_population_is_a_fifth_of_the_budget_within_8_and_50(trials, population, plan):
+    assert search_module.nsga2_population(trials) == population
+    space = search_module.SearchSpace.parse({**SPACE, "sampler": "nsga2", "trials": trials}, load_config(None))
+    assert space.population == population
+    assert f"population {population}, {trials} trials: {plan}" in space.plan()
+    assert (space.warning is not None) == (trials < 16)
+
+
+def test_population_can_be_given_for_nsga2_only_and_a_short_budget_is_warned():
+    config = load_config(None)
+    space = search_module.SearchSpace.parse({**SPACE, "sampler": "nsga2", "trials": 30, "population": 10}, config)
+    assert space.population == 10 and space.warning is None and "3 generations" in space.plan()
+    short = search_module.SearchSpace.parse({**SPACE, "sampler": "nsga2", "trials": 19, "population": 10}, config)
+    assert "runs 1 full generation(s): the front is random draws" in short.warning
+    assert search_module.SearchSpace.parse({**SPACE, "sampler": "tpe"}, config).population is None
+    with pytest.raises(ConfigError, match="search.population is NSGA-II's"):
+        search_module.SearchSpace.parse({**SPACE, "sampler": "tpe", "population": 10}, config)
+    with pytest.raises(ConfigError, match="search.population must be an integer >= 2"):
+        search_module.SearchSpace.parse({**SPACE, "sampler": "nsga2", "population": 1}, config)
+
+
+def test_the_shipped_search_space_validates_and_searches_caching_around_attention_only_merging():
+    from tomerge.experiments.config.schema import CONFIG_DIR
+
+    config, space = load_search(CONFIG_DIR / "search.yaml", [], check_inputs=False)
+    assert (space.sampler, space.trials, space.population) == ("nsga2", 60, 12) and space.warning is None
+    names = [e.strategy for e in space.entries]
+    assert "cached_detail" in names
+    around = {}
+    for entry in space.entries:
+        options = dict(entry.options)
+        if "merge" in options and entry.strategy != "cached_detail":
+            assert options["merge_options"].values == ({"merge_mlp": False},)  # attention only, fixed
+            around[entry.strategy] = options["merge"].values
+    assert set(around) == {"block_cache", "fora", "taylorseer", "first_block_cache"}
+    detail = dict(space.entries[names.index("cached_detail")].options)
+    assert detail["detail"].values == ("merged_change", "slot_offset")
+
+
+def test_an_nsga2_search_breeds_every_parameter_names_its_generations_and_lists_every_trial(setup):
+    root, path = setup
+    config, space = load_search(path, ["name=evolving", "search.sampler=nsga2", "search.trials=3",
+                                       "search.population=2"])
+    result = run_search(config, space, progress=False, held_out=False)
+    out = root / "runs" / "evolving" / "search"
+    # generation 0 holds the population's 2 trials, generation 1 the third (bred from them)
+    assert "population 2; 3 completed trials: 1 full generation " in result.sampler
+    assert result.sampler.endswith("partial: generation 1: 1 trial")
+    assert (out / "front.md").read_text().startswith(f"evolving: {result.sampler}\n")
+    lines = (out / "trials.md").read_text().splitlines()
+    assert lines[0] == result.sampler
+    assert lines[2].startswith("| trial | state | generation | run | strategy | ratio | options | flops | psnr |")
+    table = [[c.strip() for c in line.strip("|").split("|")] for line in lines[4:]]
+    assert [r[:3] for r in table] == [["0", "complete", "0"], ["1", "complete", "0"], ["2", "complete", "1"]]
+    assert [r[3].strip("`") for r in table] == [run.run_id for run, _ in result.trials]
+    assert [float(r[7]) for r in table] == [pytest.approx(v[0], rel=1e-5) for _, v in result.trials]
+    import optuna
+    from optuna.storages import JournalStorage
+    from optuna.storages.journal import JournalFileBackend
+
+    study = optuna.load_study(study_name="evolving", storage=JournalStorage(JournalFileBackend(
+        str(out / "study.journal"))))
+    for trial in study.trials:  # every entry's ratio and ssm's round_windows, whichever entry was chosen
+        assert {"entry", "0:tomesd.ratio", "1:ssm.ratio", "1:ssm.round_windows"} == set(trial.params)
+    with pytest.raises(search_module.UsageError, match="population 2, this config gives 3"):
+        run_search(*load_search(path, ["name=evolving", "search.sampler=nsga2", "search.trials=4",
+                                       "search.population=3"]), progress=False, held_out=False)
+
+
+def test_dry_run_checks_the_space_prints_the_plan_and_runs_nothing(setup, capsys):
+    from tomerge.experiments.commands import search as command
+
+    root, path = setup
+    assert command.main(["--config", str(path), "--set", "name=dry", "--set", "search.sampler=nsga2",
+                         "--set", "search.trials=10", "--dry-run"]) == 0
+    out, err = capsys.readouterr()
+    assert "NSGA-II (nsga2), population 8, 10 trials: 1 generation and 2 trials of the next" in out
+    assert err.startswith("warning: search.trials=10 with nsga2's population of 8")
+    assert not (root / "runs" / "dry").exists()

@@ -4,6 +4,7 @@ search itself is :func:`tomerge.experiments.runs.search.run_search`."""
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -22,6 +23,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="W&B mode (default: offline unless an API key is configured)")
     parser.add_argument("--out-dir", type=Path, default=None, help="parent folder of run folders (default runs/)")
     parser.add_argument("--no-held-out", action="store_true", help="do not re-score the front on search.held_out")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="check the config and the whole space, print the sampler's plan, run nothing")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -30,9 +33,17 @@ def run(args: argparse.Namespace) -> int:
     with user_input():
         config, space = load_search(args.config, command_overrides(args),
                                     plugins=list(getattr(args, "plugins", None) or []))
+    print(f"search {config.name}: {space.plan()}; {len(space.entries)} space entries")
+    if space.warning:
+        print(f"warning: {space.warning}", file=sys.stderr)
+    if args.dry_run:
+        print("the config and every space entry are valid (--dry-run: nothing run)")
+        return 0
     result = run_search(config, space, held_out=not args.no_held_out)
     print()
-    print(f"{len(result.trials)} trials; the Pareto front of {', '.join(space.objectives)}:")
+    print(result.sampler)
+    print(f"{len(result.trials)} trials (every trial: {result.folder}/search/trials.md); the Pareto front of "
+          f"{', '.join(space.objectives)}:")
     print(front_table(result.front, result.front_rows, result.held_out_rows, space))
     print(f"front: {result.folder}/search/front.md, front.png/.pdf; rerun it: tomerge ablate --config "
           f"{result.folder}/search/front.yaml")

@@ -6,6 +6,7 @@ A search config is an ablation config (model, items, metrics, timing; ``grid:`` 
     search:
       trials: 40                      # trials in all (a resumed search runs the missing ones)
       sampler: nsga2                  # nsga2 (NSGA-II), tpe (multi-objective TPE) or random
+      population: 8                   # nsga2 only; default nsga2_population(trials), see below
       seed: 0
       objectives: [flops, fd_effnetlite0]   # result-row columns; each is minimised or maximised as
                                             # records.BETTER says (psnr: maximised)
@@ -25,6 +26,12 @@ the same values (its finished images are reused). After the trials: the Pareto f
 as a table (``search/front.md``, with the held-out columns when they are run), a figure (``search/front.png`` and ``.pdf``), a config that reruns the
 front (``search/front.yaml``, ``tomerge ablate --config``), and the front re-scored on the held-out items
 (``search/held_out.yaml``, run as the folder ``NAME_held_out``; its table is printed beside the search's).
+Every trial is listed in ``search/trials.md`` (:mod:`~tomerge.experiments.runs.search_output`).
+
+The sampler evolves: NSGA-II's population is :func:`nsga2_population` of the budget, so it runs about five
+generations; under NSGA-II every trial draws every entry's parameters (NSGA-II breeds only those every trial
+has); a budget under two generations is warned about (:attr:`SearchSpace.warning`); the outputs name the
+sampler, its population and the generations run (docs/experiments.md, "Search").
 
 Example:
     tomerge search --config experiments/configs/search.yaml --set search.trials=10
@@ -38,24 +45,39 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import yaml
 
 from .. import moved_names
 from ..errors import UsageError, did_you_mean
 from ..config.grid import entry_problems
 from ..config.load import load_config_sections
 from ..config.schema import AblationConfig, ConfigError, RunSpec
-from .records import BETTER, format_value
+from .records import BETTER
+from .search_output import (SAMPLER_NAMES, front_table, generations_text, grid_of,
+                            rows_of, sampler_summary, trials_table, write_front)
 
 # optuna, torch and the model are imported where they are used: `--help` needs none.
 
 __all__ = ["SearchSpace", "SpaceEntry", "Dimension", "run_search", "load_search"]
 
 SAMPLERS = ("nsga2", "tpe", "random")
-SEARCH_KEYS = ("trials", "sampler", "seed", "objectives", "space", "held_out")
+SEARCH_KEYS = ("trials", "sampler", "population", "seed", "objectives", "space", "held_out")
 ENTRY_KEYS = ("strategy", "ratio", "options")
 HELD_OUT_KEYS = ("seed", "classes", "per_class", "prompts", "num_prompts", "prompt_offset", "images_per_prompt")
 RATIO_STEP = 0.01  # ratios are searched on this grid, so run ids stay short and repeats reuse a run
+NSGA2_GENERATIONS = 5  # NSGA-II's default population is the budget over this, so a budget runs ~5 generations
+NSGA2_MIN_POPULATION = 8  # a smaller population crosses too few parents to explore a space of many entries
+NSGA2_MAX_POPULATION = 50  # Optuna's default: a larger budget runs more generations, not a larger population
+
+
+def nsga2_population(trials: int) -> int:
+    """NSGA-II's population for a budget of ``trials``: ``trials // 5`` within [8, 50], so a budget runs
+    about five generations (generation 0 is random draws; each later one is bred from the best so far).
+
+    Example:
+        >>> [nsga2_population(t) for t in (10, 40, 60, 100, 400)]
+        [8, 8, 12, 20, 50]
+    """
+    return min(NSGA2_MAX_POPULATION, max(NSGA2_MIN_POPULATION, trials // NSGA2_GENERATIONS))
 
 
 # ------------------------------------------------------------------------------------------ the space
@@ -142,6 +164,25 @@ class SearchSpace:
     objectives: tuple[str, ...]
     entries: tuple[SpaceEntry, ...]
     held_out: dict[str, Any]
+    population: int | None = None  # NSGA-II's population (None for tpe and random)
+
+    @property
+    def warning(self) -> str | None:
+        """One line when the budget runs fewer than two NSGA-II generations (the front would be random
+        draws), else ``None``."""
+        if self.sampler != "nsga2" or self.trials >= 2 * self.population:
+            return None
+        return (f"search.trials={self.trials} with nsga2's population of {self.population} runs "
+                f"{self.trials // self.population} full generation(s): the front is random draws, not evolved; "
+                f"give search.trials >= {2 * self.population} (about {NSGA2_GENERATIONS} generations: "
+                f"{NSGA2_GENERATIONS * self.population}) or search.sampler: tpe")
+
+    def plan(self) -> str:
+        """The sampler and what the budget will run, in words (before any trial)."""
+        if self.sampler != "nsga2":
+            return f"{SAMPLER_NAMES[self.sampler]}, {self.trials} trials"
+        return (f"{SAMPLER_NAMES['nsga2']}, population {self.population}, {self.trials} trials: "
+                f"{generations_text(self.trials, self.population)}")
 
     @property
     def directions(self) -> list[str]:
@@ -158,8 +199,16 @@ class SearchSpace:
         problems = [f"unknown key 'search.{k}'{did_you_mean(str(k), SEARCH_KEYS) or f'; valid: {SEARCH_KEYS}'}"
                     for k in raw if k not in SEARCH_KEYS]
         trials, sampler, seed = raw.get("trials", 20), raw.get("sampler", "nsga2"), raw.get("seed", 0)
+        population = raw.get("population")
         if isinstance(trials, bool) or not isinstance(trials, int) or trials < 1:
             problems.append(f"search.trials must be an integer >= 1, got {trials!r}")
+        if population is not None and sampler != "nsga2":
+            problems.append(f"search.population is NSGA-II's (sampler: nsga2); sampler {sampler!r} has none")
+        elif population is not None and (isinstance(population, bool) or not isinstance(population, int)
+                                         or population < 2):
+            problems.append(f"search.population must be an integer >= 2, got {population!r}")
+        elif sampler == "nsga2" and population is None and not problems:
+            population = nsga2_population(trials)
         if sampler not in SAMPLERS:
             problems.append(f"search.sampler must be one of {SAMPLERS}, got {sampler!r}{did_you_mean(str(sampler), SAMPLERS)}")
         if isinstance(seed, bool) or not isinstance(seed, int):
@@ -190,12 +239,17 @@ class SearchSpace:
         problems += _held_out_problems(held_out, config)
         if problems:
             raise ConfigError(problems)
-        return cls(trials, sampler, seed, tuple(objectives), tuple(entries), dict(held_out))
+        return cls(trials, sampler, seed, tuple(objectives), tuple(entries), dict(held_out),
+                   population if sampler == "nsga2" else None)
 
     def suggest(self, trial: Any) -> RunSpec:
-        """The run of one trial: which entry, then its ratio and options (parameters named per entry)."""
+        """The run of one trial: which entry, then its ratio and options (named per entry). NSGA-II draws every
+        entry's and uses the chosen one's: it breeds only what every trial has, and draws the rest at random."""
         labels = [f"{i}:{e.strategy}" for i, e in enumerate(self.entries)]
         label = trial.suggest_categorical("entry", labels)
+        if self.sampler == "nsga2":
+            runs = [entry.suggest(trial, other) for entry, other in zip(self.entries, labels)]
+            return runs[labels.index(label)]
         return self.entries[labels.index(label)].suggest(trial, label)
 
     def held_out_config(self, config: AblationConfig, runs: Sequence[RunSpec]) -> AblationConfig:
@@ -266,11 +320,6 @@ def _held_out_problems(held_out: Any, config: AblationConfig) -> list[str]:
     return problems
 
 
-def grid_of(runs: Sequence[RunSpec]) -> tuple[dict[str, Any], ...]:
-    """Grid entries that rerun ``runs`` (one entry per run: options differ from run to run)."""
-    return tuple({"strategy": r.strategy, "ratios": [r.ratio], "options": dict(r.options)} for r in runs)
-
-
 def load_search(path: Path, overrides: list[str], plugins: list[str] | None = None,
                 check_inputs: bool = True) -> tuple[AblationConfig, SearchSpace]:
     """The ablation config and the parsed ``search:`` section of a search config (every problem at once)."""
@@ -292,13 +341,14 @@ class SearchResult:
     front: list[RunSpec]
     front_rows: list[dict[str, Any]]
     held_out_rows: list[dict[str, Any]] | None
+    sampler: str = ""  # sampler_summary(): the sampler, its population, the generations run
 
 
 def _sampler(space: SearchSpace):
     import optuna
 
     if space.sampler == "nsga2":
-        return optuna.samplers.NSGAIISampler(seed=space.seed)
+        return optuna.samplers.NSGAIISampler(population_size=space.population, seed=space.seed)
     if space.sampler == "tpe":
         return optuna.samplers.TPESampler(seed=space.seed, multivariate=True, group=True)
     return optuna.samplers.RandomSampler(seed=space.seed)
@@ -338,7 +388,7 @@ def run_search(config: AblationConfig, space: SearchSpace, progress: bool = True
     from optuna.trial import TrialState
     from tqdm import tqdm
 
-    from ..generation.files import lock_folder
+    from ..generation.files import lock_folder, write_text_atomic
 
     out = Path(config.out_dir) / config.name / "search"
     out.mkdir(parents=True, exist_ok=True)
@@ -349,6 +399,13 @@ def run_search(config: AblationConfig, space: SearchSpace, progress: bool = True
                                     directions=space.directions, sampler=_sampler(space))
         if [d.name.lower() for d in study.directions] != space.directions:
             raise UsageError(f"{out} holds a search with other objectives; use another name (--set name=...)")
+        saved = study.user_attrs.get("population")
+        if space.sampler == "nsga2" and saved is not None and saved != space.population:
+            raise UsageError(f"{out} holds an nsga2 search with population {saved}, this config gives "
+                             f"{space.population} (search.trials={space.trials}): --set search.population={saved} "
+                             "to go on with it, or use another name (--set name=...)")
+        if space.sampler == "nsga2" and saved is None:
+            study.set_user_attr("population", space.population)
         for stopped in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
             study.tell(stopped.number, state=TrialState.FAIL)  # stopped with its process: the same values again
             study.enqueue_trial(stopped.params, skip_if_exists=False)
@@ -371,77 +428,19 @@ def run_search(config: AblationConfig, space: SearchSpace, progress: bool = True
         completed = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
         trials = [(_run_spec(t), tuple(t.values)) for t in completed]
         front = list({(r := _run_spec(t)).run_id: r for t in study.best_trials}.values())
+        summary = sampler_summary(study, space)
         write_front(study, space, config, front, out)
-    front_rows = _rows_of(config, front)
+        write_text_atomic(out / "trials.md", trials_table(study, space, summary))
+    front_rows = rows_of(config, front)
     held_out_rows = None
     if held_out and space.held_out:
         from .ablation import run_ablation
 
         folder = run_ablation(space.held_out_config(config, front), progress=progress)
         held_out_rows = [r for r in folder.rows if r["run"] != "baseline"]
-    from ..generation.files import write_text_atomic
-
-    write_text_atomic(out / "front.md", front_table(front, front_rows, held_out_rows, space))
-    return SearchResult(out.parent, trials, front, front_rows, held_out_rows)
-
-
-def _rows_of(config: AblationConfig, runs: Sequence[RunSpec]) -> list[dict[str, Any]]:
-    from .records import RunFolder
-
-    folder = RunFolder.open(dataclasses.replace(config, grid=grid_of(runs)))
-    try:
-        last = {r["run"]: r for r in folder.rows}
-        return [last[r.run_id] for r in runs]
-    finally:
-        folder.close()
-
-
-def front_table(front: Sequence[RunSpec], rows: Sequence[dict[str, Any]],
-                held_out_rows: Sequence[dict[str, Any]] | None, space: SearchSpace) -> str:
-    """The front as a markdown table: each objective on the searched items and, when given, held out."""
-    held = {r["run"]: r for r in held_out_rows or []}
-    titles = [f"{c} ({BETTER[c]} is better)" for c in space.objectives]
-    header = ["run", *titles, *([f"{t}, held out" for t in titles] if held_out_rows is not None else [])]
-    lines = ["| " + " | ".join(header) + " |", "|---" + "|---:" * (len(header) - 1) + "|"]
-    for run, row in sorted(zip(front, rows), key=lambda pair: pair[1][space.objectives[0]]):
-        cells = [run.run_id, *(format_value(row.get(c)) for c in space.objectives)]
-        if held_out_rows is not None:
-            cells += [format_value(held.get(run.run_id, {}).get(c)) for c in space.objectives]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
-
-
-def write_front(study: Any, space: SearchSpace, config: AblationConfig, front: Sequence[RunSpec], out: Path) -> None:
-    """``front.yaml`` (an ablation config of the front's runs), ``held_out.yaml`` (the same runs on the held-out
-    items) and ``front.png`` / ``front.pdf`` (Optuna's Pareto-front plot of the first two objectives)."""
-    from ..generation.files import write_text_atomic
-
-    def dump(c: AblationConfig) -> str:  # a config file that `tomerge ablate --config` reads
-        return yaml.safe_dump({**c.to_dict(), "model": c.model.to_config()}, sort_keys=False)
-
-    front_config = dataclasses.replace(config, name=f"{config.name}_front", grid=grid_of(front))
-    write_text_atomic(out / "front.yaml", dump(front_config))
-    if space.held_out:
-        write_text_atomic(out / "held_out.yaml", dump(space.held_out_config(config, front)))
-    if len(space.objectives) >= 2:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        import optuna.visualization.matplotlib as ovm
-
-        import warnings
-
-        import optuna
-
-        names = list(space.objectives[:2])
-        with warnings.catch_warnings():  # Optuna marks its matplotlib plots experimental
-            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-            axes = ovm.plot_pareto_front(study, targets=lambda t: tuple(t.values[:2]), target_names=names)
-        axes.set_title(f"{config.name}: {len(study.trials)} trials, {len(front)} on the front")
-        for suffix in ("png", "pdf"):
-            axes.figure.savefig(out / f"front.{suffix}", bbox_inches="tight")
-        plt.close(axes.figure)
+    write_text_atomic(out / "front.md", f"{config.name}: {summary}\n\n"
+                      + front_table(front, front_rows, held_out_rows, space))
+    return SearchResult(out.parent, trials, front, front_rows, held_out_rows, summary)
 
 
 __getattr__ = moved_names(__name__, {"add_arguments": "commands.search", "run": "commands.search",
