@@ -43,6 +43,23 @@ def test_ablation_writes_every_run_resumes_and_logs_to_wandb_offline(setup):
         assert (folder / "maps" / f"{r['run']}.safetensors").exists()
         assert r["versions"]["torch"] and "git_commit" in r
     assert written[0]["psnr"] == 100.0  # the baseline against itself
+    for r in written[1:]:  # 95% intervals around every quality value; one timing repeat: no speed-up interval
+        for key in ("psnr", "ssim", "feat_cos_dist", "fd_effnetlite0", "fd_effnetlite0_ref"):
+            assert r[f"{key}_lo"] <= r[key] <= r[f"{key}_hi"], key
+        assert len(r["per_image"]["psnr"]) == 4 and r["speedup_lo"] is None and len(r["time_rounds_s"]) == 1
+        assert sum(r["per_image"]["psnr"]) / 4 == pytest.approx(r["psnr"])
+    assert "] |" in (folder / "table.md").read_text()  # value [lo, hi] cells
+    from safetensors.torch import load_file
+    from tomerge.experiments.runs.comparison import compare_runs
+
+    features = load_file(folder / "features.safetensors")
+    assert {f"run/{r['run']}" for r in written[1:]} | {"baseline", "reference"} == set(features)
+    done, skipped, n = compare_runs(folder, "ssm-r0.25-round_windows=1", "ssm-r0.5-round_windows=1")
+    assert [c.metric for c in done] == ["psnr", "ssim", "feat_cos_dist", "fd_effnetlite0", "fd_effnetlite0_ref"]
+    assert not skipped and n == 4
+    psnr = done[0]
+    assert psnr.a == pytest.approx(written[2]["psnr"]) and psnr.b == pytest.approx(written[3]["psnr"])
+    assert psnr.lo <= psnr.difference <= psnr.hi
     table = (folder / "table.md").read_text()
     assert all(r["run"] in table for r in written)
 
@@ -94,6 +111,34 @@ def test_rows_of_another_flop_counter_are_measured_again_reusing_their_images(se
 
 def _history_keys(record: dict) -> list[str]:
     return list(record["history"].get("item", {}))  # {"key": value, ...} per logged step
+
+
+def test_rows_written_before_intervals_get_them_on_resume_and_untimed_ones_are_named(setup):
+    """A folder whose rows have no intervals (written before they were recorded): on resume each run's images are
+    scored again and a row with the same values, its intervals and its features is appended; runs timed
+    without rounds are named in a warning that says how to time them again."""
+    root, overrides = setup
+    overrides = [*overrides, "name=no_intervals", "repeats=2",
+                 "grid=[{strategy: tomesd, ratios: [0.5], options: {use_rand: false}}]"]
+    folder = run_ablation(load_config(None, overrides), progress=False).path
+    first = rows(folder)
+    assert first[1]["speedup_lo"] is not None
+    old = [{k: v for k, v in r.items() if not k.endswith(("_lo", "_hi")) and k not in ("per_image", "time_rounds_s",
+                                                                                       "time_rounds_base_s")}
+           for r in first]
+    (folder / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in old))
+    (folder / "features.safetensors").unlink()
+    with pytest.warns(UserWarning, match=r"1 rows were timed before speed-up intervals.*tomesd-r0.5.*delete their lines"):
+        run_ablation(load_config(None, overrides), progress=False)
+    again = rows(folder)
+    assert [r["run"] for r in again] == ["baseline", "tomesd-r0.5-use_rand=False"] * 2
+    for before, after in zip(first, again[2:]):  # the same seeds, the same images: the same intervals
+        assert {k: v for k, v in after.items() if k.endswith(("_lo", "_hi")) and not k.startswith("speedup")} == \
+            {k: v for k, v in before.items() if k.endswith(("_lo", "_hi")) and not k.startswith("speedup")}
+        assert after["per_image"] == before["per_image"] and after.get("speedup_lo") is None
+    from safetensors.torch import load_file
+
+    assert "run/tomesd-r0.5-use_rand=False" in load_file(folder / "features.safetensors")
 
 
 def test_changed_config_in_the_same_folder_is_refused(setup):

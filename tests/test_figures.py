@@ -77,6 +77,11 @@ def save_images(folder: Path, run: str, images: torch.Tensor, prompts: list[str]
     write_index(out, items)
 
 
+def speedup_interval(speedup: float, sb: float | None, sm: float | None) -> dict[str, float]:
+    """A synthetic speed-up interval from the spreads (none for one repeat): ``[s (1 - sb), s (1 + sm)]``."""
+    return {} if sb is None else {"speedup_lo": speedup * (1 - sb), "speedup_hi": speedup * (1 + sm)}
+
+
 def make_run_folder(root: Path, name: str = "synthetic", prompts: list[str] | None = None,
                     labels: list[int] | None = None, spreads: dict | None = None, speed_scale: float = 1.0,
                     psnr_shift: float = 0.0, runs: list[tuple] = RUNS, row_keys: dict | None = None,
@@ -111,7 +116,7 @@ def make_run_folder(root: Path, name: str = "synthetic", prompts: list[str] | No
         rows.append({"run": run, "strategy": strategy, "ratio": ratio, "options": options, "time_base_s": 1.0,
                      "time_spread_base": sb, "time_spread": sm, "timing_spread": spread,
                      "timing_noisy": spread is not None and spread > NOISY, "timing_repeats": 1 if sb is None else 3,
-                     "time_s": 1 / speedup, "speedup": speedup, "flops_base": 1000, "flops": 600, "flop_counter": COUNTER_VERSION,
+                     "time_s": 1 / speedup, "speedup": speedup, **speedup_interval(speedup, sb, sm), "flops_base": 1000, "flops": 600, "flop_counter": COUNTER_VERSION,
                      "flop_speedup": 1000 / 600, "overhead_ratio": speedup / (1000 / 600), "peak_memory_mb": None,
                      "tokens_removed_mean": 0.4, "psnr": psnr, "ssim": psnr / 40, "fd_effnetlite0": fd,
                      "fd_effnetlite0_ref": fd + 100, "n_images": N_IMAGES, "versions": {}, "git_commit": None,
@@ -183,11 +188,14 @@ def test_figures_from_synthetic_run_folder(tmp_path):
     tex = (out / "ablation.tex").read_text()
     for run, _, ratio, _, speedup, p, f in RUNS:
         line = next(ln for ln in md if ln.startswith(f"| {run} |"))
-        cells = [c.strip().strip("*") for c in line.strip("|").split("|")]
-        assert cells[:3] == [run, f"{ratio:g}", f"{speedup:.2f}"]
+        cells = [c.strip().replace("**", "") for c in line.strip("|").split("|")]
+        sb, sm = SPREADS.get(run, (0.01, 0.01))
+        bounds = "" if sb is None else f" [{speedup * (1 - sb):.2f}, {speedup * (1 + sm):.2f}]"  # its interval
+        assert cells[:3] == [run, f"{ratio:g}", f"{speedup:.2f}{bounds}"]
         assert f"{p:.2f}" in cells and f"{f:.2f}" in cells and f"{p / 40:.3f}" in cells
         tex_line = next(ln for ln in tex.splitlines() if ln.startswith(run.replace("_", r"\_") + " &"))
         assert f"{p:.2f}" in tex_line and f"{f:.2f}" in tex_line
+        assert not bounds or f"{{\\scriptsize{bounds}}}" in tex_line
     assert sum(ln.startswith("| baseline |") for ln in md) == 1
     assert len([ln for ln in md if ln.startswith("| ")]) == len(RUNS) + 2  # header, baseline, runs
     assert "**1.70**" in "\n".join(md) and "**36.00**" in "\n".join(md) and "**1.00**" in "\n".join(md)
@@ -378,7 +386,7 @@ def test_one_line_per_method_through_its_ratios(tmp_path):
     assert names[:len(CROWDED_LEGEND)] == CROWDED_LEGEND and "run folder" not in names
     markers = [h.get_marker() for h in handles[:len(CROWDED_LEGEND)]]
     assert markers == [pareto.MARKERS[n.split(" (")[0] in second_variants] for n in CROWDED_LEGEND]
-    # FLOP-ideal axis: timing does not move the points, so no bars and nothing hollow
+    # FLOP-ideal axis: counted, not timed, so no bars (these rows have no quality intervals) and nothing hollow
     fig, _ = pareto.pareto_plot([a, b], "psnr", x_key="flop_speedup")
     assert not fig.axes[0].containers
     faces = [c.get_facecolor()[0] for c in fig.axes[0].collections if c.get_gid() != "pareto-front-points"]
@@ -465,24 +473,28 @@ def test_the_bundled_references_are_named_by_their_token_counts():
                                        for name, (h, w) in grids.items()}
 
 
-def test_error_bars_show_the_timing_range(tmp_path):
-    (a,) = _folders(tmp_path, ("a", {}))
+def test_error_bars_show_the_rows_intervals(tmp_path):
+    psnr_iv = {"ssm-r0.5": (29.0, 30.5), "idm-r0.5": (24.0, 26.0)}  # PSNR 30 and 25
+    (a,) = _folders(tmp_path, ("a", {"row_keys": {run: {"psnr_lo": lo, "psnr_hi": hi}
+                                                  for run, (lo, hi) in psnr_iv.items()}}))
     fig, _ = pareto.pareto_plot([a], "psnr")
     ax = fig.axes[0]
-    bars = sorted(tuple(round(float(v), 9) for v in (seg[0][0], seg[1][0], seg[0][1]))
-                  for c in ax.containers for seg in c.lines[2][0].get_segments())
-    expected = []
+    x_bars = sorted(tuple(round(float(v), 9) for v in (seg[0][0], seg[1][0], seg[0][1]))
+                    for c in ax.containers if c.has_xerr for seg in c.lines[2][0].get_segments())
+    y_bars = sorted(tuple(round(float(v), 9) for v in (seg[0][0], seg[0][1], seg[1][1]))
+                    for c in ax.containers if c.has_yerr for seg in c.lines[2][-1].get_segments())
+    expected_x = []
     for run, _, _, _, s, psnr, _ in RUNS:
         sb, sm = SPREADS.get(run, (0.01, 0.01))
-        if sb is not None:
-            expected.append((round(s * (1 - sb / 2) / (1 + sm / 2), 9), round(s * (1 + sb / 2) / (1 - sm / 2), 9),
-                             psnr))
-    assert bars == sorted(expected) and len(bars) == len(RUNS) - 1  # toma: one repeat, no bar
+        if sb is not None:  # the synthetic interval of make_run_folder: [s (1 - sb), s (1 + sm)]
+            expected_x.append((round(s * (1 - sb), 9), round(s * (1 + sm), 9), psnr))
+    assert x_bars == sorted(expected_x) and len(x_bars) == len(RUNS) - 1  # toma: one repeat, no bar
+    assert y_bars == sorted([(1.40, 29.0, 30.5), (1.20, 24.0, 26.0)])
     assert ax.get_xlabel() == "measured speed-up (x)"
     legend, _ = _legend(fig)
-    assert any("s(1 - sb/2)/(1 + sm/2)" in t and "s(1 + sb/2)/(1 - sm/2)" in t for t in legend)
-    assert pareto.timing_interval({"speedup": 1.5, "time_spread_base": 0.1, "time_spread": 2.5})[1] == float("inf")
-    assert pareto.timing_interval({"speedup": 1.5}) is None
+    assert any(t.startswith("bars: 95% intervals") for t in legend)
+    assert pareto.row_interval({"speedup": 1.5, "speedup_lo": 1.2, "speedup_hi": float("inf")}, "speedup") is None
+    assert pareto.row_interval({"speedup": 1.5}, "speedup") is None
 
 
 def test_grid_shows_one_image_per_class(tmp_path):

@@ -171,8 +171,8 @@ def test_clip_score_from_a_local_clip_folder_and_wandb_captions(tmp_path):
     from tomerge.experiments.measure.metrics import clip_score
 
     files = [folder / "images" / "baseline" / f for f in ("00000_seed5.png", "00001_seed6.png")]
-    assert written[0]["clip_score"] == pytest.approx(clip_score(load_image_files(files), PROMPTS,
-                                                                local_pipelines.clip_folder()), rel=1e-5)
+    assert written[0]["clip_score"] == pytest.approx(float(clip_score(load_image_files(files), PROMPTS,
+                                                                      local_pipelines.clip_folder()).mean()), rel=1e-5)
     media = list((folder / "wandb").rglob("*.png"))
     assert media  # images logged to the offline W&B run
     captions = set()

@@ -8,8 +8,9 @@ the strategy; the marker is the run folder when several are drawn (one folder: t
 strategy, so that methods of one run each stay apart); the line style tells apart the option values of one
 strategy. The Pareto front of all merged runs is a thick translucent line
 under its points, which are outlined. The baseline is a dotted line at speed-up 1 (metrics against the
-baseline's images) or a star (metrics against real images). On the measured speed-up axis a bar per run shows
-the speed-up range its timing repeats allow (:func:`timing_interval`) and runs with noisy timing are hollow.
+baseline's images) or a star (metrics against real images). Bars are the 95% intervals of the rows
+(:func:`row_interval`: the metric's bootstrap over the images, the measured speed-up's over the timing rounds) and
+runs with noisy timing are hollow.
 The title names the model (:attr:`~tomerge.experiments.sources.models.ModelSpec.display_name` of each folder's
 ``config.yaml``), the metric and the number of images. No text is drawn inside the axes, and no two texts of
 the figure overlap (tests/test_figures.py checks the extent of every text).
@@ -18,7 +19,6 @@ the figure overlap (tests/test_figures.py checks the extent of every text).
 from __future__ import annotations
 
 import dataclasses
-import math
 import textwrap
 import warnings
 from collections import defaultdict
@@ -26,11 +26,12 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from ..measure.intervals import interval_keys
 from ..sources.models import ModelSpec
 from .canvas import METRICS, X_AXES, is_finite_number, metric_name, new_figure, save_figure
 from .run_data import RunData
 
-__all__ = ["pareto_front", "timing_interval", "varying_options", "method_name", "ratio_note", "Method", "methods",
+__all__ = ["pareto_front", "row_interval", "varying_options", "method_name", "ratio_note", "Method", "methods",
            "model_name", "pareto_title", "pareto_plot", "pareto_figure"]
 
 MARKERS = "osD^vP*Xh<>p"
@@ -57,28 +58,18 @@ def pareto_front(points: Sequence[tuple[float, float]], higher_y: bool = True) -
     return sorted(front, key=lambda i: (points[i][0], i))
 
 
-def timing_interval(row: dict[str, Any]) -> tuple[float, float] | None:
-    """The range of the measured speed-up ``s = t_base / t_merged`` that the timing repeats allow, or
-    ``None`` when the row has no spreads (one repeat, or a row from before they were recorded).
-
-    With ``sb`` and ``sm`` the spreads ``(max - min) / median`` of the baseline and merged repeats
-    (``time_spread_base``, ``time_spread``), each time is taken within ``median * (1 -+ spread / 2)``
-    and the ratio at its extremes (slowest baseline over fastest merged, and the reverse):
-    ``[s (1 - sb/2) / (1 + sm/2), s (1 + sb/2) / (1 - sm/2)]``; the upper end is infinite when ``sm >= 2``.
+def row_interval(row: dict[str, Any], key: str) -> tuple[float, float] | None:
+    """A row's 95% interval of ``key`` (``<key>_lo``, ``<key>_hi``; ``measure.intervals``), or ``None`` when it has
+    none (one timing round, FID, a row written before intervals were recorded).
 
     Example:
-        >>> lo, hi = timing_interval({"speedup": 2.0, "time_spread_base": 0.1, "time_spread": 0.2})
-        >>> round(lo, 4), round(hi, 4)
-        (1.7273, 2.3333)
-        >>> timing_interval({"speedup": 2.0, "time_spread_base": None, "time_spread": None}) is None
+        >>> row_interval({"speedup": 2.0, "speedup_lo": 1.8, "speedup_hi": 2.3}, "speedup")
+        (1.8, 2.3)
+        >>> row_interval({"speedup": 2.0}, "speedup") is None
         True
     """
-    s, sb, sm = row.get("speedup"), row.get("time_spread_base"), row.get("time_spread")
-    if not (is_finite_number(s) and is_finite_number(sb) and is_finite_number(sm)):
-        return None
-    lo = s * (1 - sb / 2) / (1 + sm / 2)
-    hi = s * (1 + sb / 2) / (1 - sm / 2) if sm < 2 else math.inf
-    return max(lo, 0.0), hi
+    lo, hi = (row.get(k) for k in interval_keys(key))
+    return (float(lo), float(hi)) if is_finite_number(lo) and is_finite_number(hi) else None
 
 
 # ------------------------------------------------------------------------------------------ methods
@@ -203,15 +194,12 @@ def pareto_plot(runs: Sequence[RunData], metric: str, x_key: str = "speedup") ->
     it shows) and the ``folder/run`` ids on the Pareto front.
 
     Each method's line has the gid ``folder/method name``, each run's point ``folder/run``, the front's band
-    ``pareto-front`` and its rings ``pareto-front-points``. On the measured speed-up axis a run's bar is
-    ``timing_interval``: ``[s (1 - sb/2) / (1 + sm/2), s (1 + sb/2) / (1 - sm/2)]``, ``sb``, ``sm`` the
-    baseline's and the merged run's ``(max - min) / median`` (rows without spreads get none).
+    ``pareto-front`` and its rings ``pareto-front-points``. A run's bars (gid ``folder/run``) are its 95% intervals
+    of ``x_key`` and ``metric`` (:func:`row_interval`; none where the row has none).
     """
     label, higher, paired = METRICS[metric]
     drawn = methods(runs, keep=lambda r: is_finite_number(r.get(x_key)) and is_finite_number(r.get(metric)))
     points = [(m, r) for m in drawn for r in m.rows]
-    intervals = {(m.folder, r["run"]): timing_interval(r) for m, r in points} if x_key == "speedup" else {}
-    finite_hi = [iv[1] for iv in intervals.values() if iv and math.isfinite(iv[1])] + [r[x_key] for _, r in points]
     fig = new_figure(7.5, 4.6)
     ax = fig.add_subplot()
     bars, hollow = False, False
@@ -219,10 +207,11 @@ def pareto_plot(runs: Sequence[RunData], metric: str, x_key: str = "speedup") ->
         ax.plot([r[x_key] for r in m.rows], [r[metric] for r in m.rows], color=m.colour, linestyle=m.linestyle,
                 linewidth=1.3, zorder=2, gid=f"{m.folder}/{m.name}")
         for r in m.rows:
-            x, y, iv = r[x_key], r[metric], intervals.get((m.folder, r["run"]))
-            if iv:
-                lo, hi = iv[0], iv[1] if math.isfinite(iv[1]) else max(finite_hi) * 1.1  # unbounded: to the edge
-                ax.errorbar([x], [y], xerr=[[x - lo], [hi - x]], fmt="none", ecolor=m.colour, elinewidth=1,
+            x, y = r[x_key], r[metric]
+            x_iv, y_iv = row_interval(r, x_key), row_interval(r, metric)
+            if x_iv or y_iv:
+                ax.errorbar([x], [y], xerr=x_iv and [[x - x_iv[0]], [x_iv[1] - x]],
+                            yerr=y_iv and [[y - y_iv[0]], [y_iv[1] - y]], fmt="none", ecolor=m.colour, elinewidth=1,
                             capsize=2.5, zorder=2.5, gid=f"{m.folder}/{r['run']}")
                 bars = True
             noisy = x_key == "speedup" and bool(r.get("timing_noisy"))
@@ -297,13 +286,11 @@ def _legend(ax, runs: Sequence[RunData], drawn: Sequence[Method], front: bool, s
         entry(Line2D([], [], linestyle="none", markersize=11, **BASELINE_STAR), "baseline (unmerged)")
     else:
         entry(Line2D([], [], color="gray", linestyle=":", linewidth=1.2), "baseline (speed-up 1)")
-    if bars or hollow:
-        header("timing repeats")
     if bars:
         entry(Line2D([], [], color="0.3", linewidth=1, marker="|", markersize=7),
-              "bar: s(1 - sb/2)/(1 + sm/2)\n  to s(1 + sb/2)/(1 - sm/2),\n  s = t_base / t_run,\n"
-              "  sb, sm: (max - min)/median\n  of the baseline's and the\n  run's repeats")
+              "bars: 95% intervals\n  (quality: bootstrap over\n  the images; speed-up:\n  over the timing rounds)")
     if hollow:
+        header("timing repeats")
         entry(Line2D([], [], linestyle="none", marker="o", markersize=6.5, markerfacecolor="white",
                      markeredgecolor="0.3", markeredgewidth=1.3),
               f"hollow: noisy timing\n  (repeats differ > {NOISY_SPREAD:.0%})")

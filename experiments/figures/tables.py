@@ -1,5 +1,6 @@
 """The ablation table of run folders (``OUT/ablation.md``, and ``OUT/ablation.tex`` with booktabs): one row per
-run, a column for each of :data:`COLUMNS` some row has, the best merged value per column in bold."""
+run, a column for each of :data:`COLUMNS` some row has, each value with its 95% interval where the row has one,
+the best merged value per column in bold."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any
 
 from ..measure.columns import figure_columns, format_markdown_table
 from .canvas import is_finite_number
+from .pareto import row_interval
 from .run_data import RunData
 
 __all__ = ["COLUMNS", "ablation_table"]
@@ -40,7 +42,8 @@ def _caption(keys: set[str]) -> str:
         parts.append("FD-EffNetLite0: Fr\\'echet distance of EfficientNet-Lite0 features to the baseline images")
     if "fd_effnetlite0_ref" in keys:
         parts.append("FD-EffNetLite0 vs ref: the same distance to real images")
-    return ". ".join(parts) + ". Best merged value in bold."
+    return ". ".join(parts) + (". Brackets: 95\\% intervals (quality: bootstrap over the images, paired with the "
+                               "baseline's; speed-up: over the timing rounds). Best merged value in bold.")
 
 
 def ablation_table(runs: Sequence[RunData], latex: bool = False) -> str:
@@ -62,6 +65,10 @@ def ablation_table(runs: Sequence[RunData], latex: bool = False) -> str:
             text = _cell(r.get(key), fmt, latex)
             if key in best and r["run"] != "baseline" and r.get(key) == best[key]:
                 text = f"\\textbf{{{text}}}" if latex else f"**{text}**"
+            interval = row_interval(r, key)
+            if interval is not None and r.get(key) is not None:
+                bounds = f"[{_cell(interval[0], fmt, latex)}, {_cell(interval[1], fmt, latex)}]"
+                text += f" {{\\scriptsize {bounds}}}" if latex else f" {bounds}"
             cells.append(text)
         body.append((r["run"] == "baseline", cells))
     if not latex:

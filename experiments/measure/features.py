@@ -7,7 +7,7 @@ feature sets.
 - :func:`dino_embeddings`: DINO CLS embeddings from a local DINO/DINOv2 folder (``metrics.dino_model``);
   :func:`load_clip`: a local CLIP folder's model and processor (``metrics.clip_model``).
 - :func:`frechet_distance`: the Frechet distance of Gaussians fitted to two feature sets (float64, exact);
-  :func:`cosine_distance`: ``1 - cos`` of paired features.
+  :class:`ResampledFrechet`: the same of bootstrap resamples, from Gram matrices; :func:`cosine_distance`: ``1 - cos`` of paired features.
 - :func:`check_images`, :func:`check_pair`, :func:`to_rgb`, :func:`to_uint8`: the checks and conversions of
   image batches (float ``[B, C, H, W]`` in ``[-1, 1]``, C = 1 or 3) that the models and the metrics share.
 
@@ -37,7 +37,7 @@ from ..sources.weights import EFFNET_INSTALL, EFFNET_LITE0_SHA256, check_dino_mo
     require_path
 
 __all__ = ["check_images", "check_pair", "to_rgb", "to_uint8", "FeatureExtractor", "frechet_distance",
-           "cosine_distance", "load_clip", "dino_embeddings"]
+           "ResampledFrechet", "cosine_distance", "load_clip", "dino_embeddings"]
 
 
 # ---------------------------------------------------------------- checks and conversions
@@ -234,6 +234,71 @@ def frechet_distance(feats_a: Tensor | np.ndarray, feats_b: Tensor | np.ndarray,
         raise ValueError(f"method must be 'auto' or 'sqrtm', got {method!r}")
     diff = mu_a - mu_b
     return max(float(diff @ diff) + tr_a + tr_b - 2.0 * tr_cross, 0.0)
+
+
+class ResampledFrechet:
+    """:func:`frechet_distance` of index resamples of a feature set ``x``, against ``y`` resampled with the same
+    indices (``paired``: images of the same seeds) or kept whole (a fixed reference set): the bootstrap of
+    ``measure.intervals``, which needs thousands of distances per run.
+
+    Every term is a function of Gram matrices computed once (float64), so a resample of ``k`` rows costs a
+    ``k x k`` SVD or eigen-solve whatever the feature width D and the reference size: with ``C`` the ``k x k``
+    centring matrix, ``tr S_x = tr(C G_xx C) / (k - 1)``; paired, the non-zero ``sqrt eig(S_x S_y)`` are the
+    singular values of ``C K_xy C / (k - 1)`` (``K_xy = X Y^T``); against a fixed set, those of ``C F / sqrt(k - 1)``
+    where ``F F^T = X M X^T`` (``F``: ``n x n``, from one SVD) and ``M`` is the reference's scatter over ``m - 1``.
+    ``distance(np.arange(n))`` equals ``frechet_distance(x, y)`` up to rounding (tests/test_intervals.py).
+
+    Example:
+        >>> import numpy as np
+        >>> x = np.random.default_rng(0).normal(size=(30, 8))
+        >>> fd = ResampledFrechet(x, x + 1.0, paired=True)
+        >>> round(fd.distance(np.arange(30)), 6), round(frechet_distance(x, x + 1.0), 6)
+        (8.0, 8.0)
+    """
+
+    def __init__(self, x: Tensor | np.ndarray, y: Tensor | np.ndarray, paired: bool) -> None:
+        x, y = _as_features(x, "x"), _as_features(y, "y")
+        if x.shape[1] != y.shape[1]:
+            raise ValueError(f"feature dimensions differ: {x.shape[1]} and {y.shape[1]}")
+        if paired and x.shape[0] != y.shape[0]:
+            raise ValueError(f"paired sets need the same rows: {x.shape[0]} and {y.shape[0]}")
+        self.paired = paired
+        self.g_xx = x @ x.T  # [n, n]
+        if paired:
+            self.g_yy, self.k_xy = y @ y.T, x @ y.T  # [n, n] each
+        else:
+            mu_y = y.mean(axis=0)
+            yc = y - mu_y  # [m, D]
+            self.x_mu_y = x @ mu_y  # [n]
+            self.mu_y_sq = float(mu_y @ mu_y)
+            self.tr_y = float((yc * yc).sum() / (y.shape[0] - 1))
+            u, sv, _ = np.linalg.svd(x @ yc.T / math.sqrt(y.shape[0] - 1), full_matrices=False)
+            self.f_m = u * sv  # [n, min(n, m)], F F^T = X M X^T
+
+    def distance(self, idx: np.ndarray) -> float:
+        """The distance of the rows ``idx`` (repeats allowed, at least 2) of ``x`` (and of a paired ``y``)."""
+        idx = np.asarray(idx, dtype=np.intp)
+        k = idx.size
+        sub = np.ix_(idx, idx)
+        g_xx = self.g_xx[sub]  # [k, k]
+        tr_x = (np.trace(g_xx) - g_xx.sum() / k) / (k - 1)  # tr(C G C) = tr G - 1^T G 1 / k
+        if self.paired:
+            g_yy, k_xy = self.g_yy[sub], self.k_xy[sub]
+            tr_y = (np.trace(g_yy) - g_yy.sum() / k) / (k - 1)
+            mean_sq = (g_xx.sum() - 2.0 * k_xy.sum() + g_yy.sum()) / k**2  # ||mu_x - mu_y||^2
+            cross = np.linalg.svd(_centred(k_xy), compute_uv=False).sum() / (k - 1)
+        else:
+            tr_y = self.tr_y
+            mean_sq = g_xx.sum() / k**2 - 2.0 * self.x_mu_y[idx].mean() + self.mu_y_sq
+            f = self.f_m[idx]  # [k, r]
+            cross = np.linalg.svd(f - f.mean(axis=0), compute_uv=False).sum() / math.sqrt(k - 1)
+        return max(float(mean_sq + tr_x + tr_y - 2.0 * cross), 0.0)
+
+
+def _centred(g: np.ndarray) -> np.ndarray:
+    """``C g C`` for a square ``g`` and the centring matrix ``C = I - 1 1^T / k``."""
+    g = g - g.mean(axis=0, keepdims=True)
+    return g - g.mean(axis=1, keepdims=True)
 
 
 def cosine_distance(a: Tensor, b: Tensor) -> Tensor:

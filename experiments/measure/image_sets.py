@@ -13,14 +13,17 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from ..generation.files import expand_videos, load_image_files
 from ..sources.weights import check_dino_model, require_path
-from .features import FeatureExtractor, check_pair, cosine_distance, dino_embeddings, frechet_distance, to_rgb, \
-    to_uint8
+from .features import FeatureExtractor, ResampledFrechet, check_pair, cosine_distance, dino_embeddings, \
+    frechet_distance, to_rgb, to_uint8
+from .intervals import quality_intervals
 from .metrics import clip_score, psnr, ssim, ssim_kernel
 
 __all__ = ["ImageSetQuality"]
@@ -112,26 +115,34 @@ class ImageSetQuality:
                 metric.update(to_rgb(to_uint8(chunk)).to(self.device), real=True)  # [b, 3, H, W] uint8
         return metric
 
-    def score(self, files: Sequence[Path]) -> dict[str, float | list[float]]:
-        """The quality numbers of one set (same items, same order as the baseline): ``psnr``, ``ssim``
-        (means; PSNR capped at 100 dB), ``feat_cos_dist`` (mean EfficientNet-Lite0 feature cosine
-        distance to the paired baseline image), ``fd_effnetlite0`` (vs the baseline set), with a
-        reference set ``fd_effnetlite0_ref`` and ``fd_effnetlite0_ref_baseline``, ``clip_score``,
-        ``fid``, ``dino_dist`` (mean DINO CLS cosine distance to the paired baseline image), ``n_images``.
+    def score(self, files: Sequence[Path]) -> dict[str, Any]:
+        """The quality numbers of one set (same items, same order as the baseline); see :meth:`score_features`."""
+        return self.score_features(files)[0]
+
+    def score_features(self, files: Sequence[Path]) -> tuple[dict[str, Any], Tensor]:
+        """The quality numbers of one set (same items, same order as the baseline), and its EfficientNet-Lite0
+        features ``[N (* T), 1280]`` (a comparison of two runs resamples them: ``measure.intervals``).
+
+        The numbers: ``psnr``, ``ssim`` (means; PSNR capped at 100 dB), ``feat_cos_dist`` (mean
+        EfficientNet-Lite0 feature cosine distance to the paired baseline image), ``fd_effnetlite0`` (vs the
+        baseline set), with a reference set ``fd_effnetlite0_ref`` and ``fd_effnetlite0_ref_baseline``,
+        ``clip_score``, ``fid``, ``dino_dist`` (mean DINO CLS cosine distance to the paired baseline image),
+        ``n_images``; the 95% interval of each but FID and the baseline's own FD, ``<metric>_lo`` /
+        ``<metric>_hi`` (:func:`~tomerge.experiments.measure.intervals.quality_intervals`); ``per_image``, each
+        per-image metric's values in item order (what a paired comparison of two runs resamples).
 
         Videos: the means are over every frame of every video (equal frame counts: the mean of the
         per-video means), ``psnr_per_frame`` / ``ssim_per_frame`` (and ``dino_dist_per_frame``) are the
         means over videos of frame ``t`` (one value per frame index), the distances and scores treat
-        frames as images;
-        ``n_images`` counts videos, ``n_frames`` frames and ``frames_per_video`` is ``T``."""
+        frames as images; the intervals resample videos (all their frames together), ``per_image`` holds each
+        video's mean; ``n_images`` counts videos, ``n_frames`` frames and ``frames_per_video`` is ``T``."""
         files = list(files)
         if len(files) != len(self.baseline_files):
             raise ValueError(f"{len(files)} images against {len(self.baseline_files)} baseline images")
         frames, per_video = expand_videos(files)
         if per_video != self.frames_per_video:
             raise ValueError(f"{per_video} frames per video against the baseline's {self.frames_per_video}")
-        psnrs, ssims, feats, dinos = [], [], [], []
-        clip_sum = 0.0
+        psnrs, ssims, feats, dinos, clips = [], [], [], [], []
         if self._fid is not None:
             self._fid.reset()  # keeps the reference features
         for start, chunk in self._chunks(frames):  # chunk: [b, C, H, W], b frames (or images)
@@ -144,36 +155,45 @@ class ImageSetQuality:
                 dinos.append(self._dino(chunk))  # [b, D]
             if self.clip_model is not None:
                 prompts = list(self.prompts[start:start + chunk.shape[0]])
-                clip_sum += clip_score(chunk, prompts, self.clip_model, device=self.device) * len(prompts)
+                clips.append(clip_score(chunk, prompts, self.clip_model, device=self.device))  # [b]
             if self._fid is not None:
                 with torch.no_grad():
                     self._fid.update(to_rgb(to_uint8(chunk)).to(self.device), real=False)
         n = len(frames)
-        psnr_all, ssim_all = torch.cat(psnrs), torch.cat(ssims)  # [n]
         f_run = torch.cat(feats)  # [n, 1280]
-        out: dict[str, float | list[float]] = {
-            "psnr": float(psnr_all.sum()) / n, "ssim": float(ssim_all.sum()) / n,
-            "feat_cos_dist": float((1 - torch.nn.functional.cosine_similarity(
-                self.baseline_features, f_run, dim=1)).clamp_min(0).mean())}  # rounding: 1 - cos >= 0
+        per_frame = {  # [n] each
+            "psnr": torch.cat(psnrs), "ssim": torch.cat(ssims),
+            "feat_cos_dist": (1 - torch.nn.functional.cosine_similarity(
+                self.baseline_features, f_run, dim=1)).clamp_min(0)}  # rounding: 1 - cos >= 0
+        if self.dino_model is not None:
+            per_frame["dino_dist"] = cosine_distance(self.baseline_dino, torch.cat(dinos))
+        if self.clip_model is not None:
+            per_frame["clip_score"] = torch.cat(clips)
+        out: dict[str, Any] = {key: float(values.mean()) for key, values in per_frame.items()}
+        out["psnr"], out["ssim"] = float(per_frame["psnr"].sum()) / n, float(per_frame["ssim"].sum()) / n
         if per_video is not None:
             # [n] = [videos * T] in video-major order -> [videos, T] -> mean over videos: [T]
-            out["psnr_per_frame"] = psnr_all.view(-1, per_video).mean(0).tolist()
-            out["ssim_per_frame"] = ssim_all.view(-1, per_video).mean(0).tolist()
-        if self.dino_model is not None:
-            dino_all = cosine_distance(self.baseline_dino, torch.cat(dinos))  # [n]
-            out["dino_dist"] = float(dino_all.mean())
-            if per_video is not None:
-                out["dino_dist_per_frame"] = dino_all.view(-1, per_video).mean(0).tolist()
+            for key in ("psnr", "ssim", "dino_dist"):
+                if key in per_frame:
+                    out[f"{key}_per_frame"] = per_frame[key].view(-1, per_video).mean(0).tolist()
+        fd: dict[str, ResampledFrechet] = {}
         if n >= 2:
             out["fd_effnetlite0"] = frechet_distance(self.baseline_features, f_run)
+            fd["fd_effnetlite0"] = ResampledFrechet(f_run, self.baseline_features, paired=True)
         if self.reference_features is not None:
             out["fd_effnetlite0_ref"] = frechet_distance(f_run, self.reference_features)
             out["fd_effnetlite0_ref_baseline"] = frechet_distance(self.baseline_features, self.reference_features)
-        if self.clip_model is not None:
-            out["clip_score"] = clip_sum / n
+            fd["fd_effnetlite0_ref"] = ResampledFrechet(f_run, self.reference_features, paired=False)
         if self._fid is not None:
             out["fid"] = float(self._fid.compute())
+        # per item: [n] -> [videos, T] -> each video's mean, [videos]
+        per_item = {k: (v if per_video is None else v.view(-1, per_video).mean(1)).double().numpy()
+                    for k, v in per_frame.items()}
+        groups = None if per_video is None else [np.arange(i * per_video, (i + 1) * per_video) for i in range(len(files))]
+        if len(files) >= 2:
+            out.update(quality_intervals(per_item, fd, groups))
+        out["per_image"] = {k: v.tolist() for k, v in per_item.items()}
         out["n_images"] = float(len(files))
         if per_video is not None:
             out["n_frames"], out["frames_per_video"] = float(n), float(per_video)
-        return out
+        return out, f_run

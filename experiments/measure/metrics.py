@@ -169,8 +169,8 @@ def fid(images_a: Tensor, images_b: Tensor, inception_weights: str | os.PathLike
 
 
 def clip_score(images: Tensor, prompts: str | Sequence[str], clip_model_path: str | os.PathLike | None,
-               batch_size: int = 32, device: str | torch.device = "cpu") -> float:
-    """Mean CLIP score ``max(100 cos(E_image, E_text), 0)`` (Hessel et al. 2021, as torchmetrics defines
+               batch_size: int = 32, device: str | torch.device = "cpu") -> Tensor:
+    """CLIP scores ``max(100 cos(E_image, E_text), 0)`` per image (Hessel et al. 2021, as torchmetrics defines
     it) from a local CLIP model folder.
 
     The embeddings are ``CLIPModel``'s projected and normalised ``image_embeds`` / ``text_embeds``;
@@ -186,7 +186,7 @@ def clip_score(images: Tensor, prompts: str | Sequence[str], clip_model_path: st
         device: where CLIP runs.
 
     Returns:
-        The mean CLIP score over the images.
+        ``[N]`` float64 tensor of the images' CLIP scores (their mean is the set's CLIP score).
 
     Example:
         >>> clip_score(x, "a photo of a cat", clip_model_path="/models/clip-vit-base-patch16")  # doctest: +SKIP
@@ -206,7 +206,7 @@ def clip_score(images: Tensor, prompts: str | Sequence[str], clip_model_path: st
             out = model(**inputs)
             cos = (out.image_embeds * out.text_embeds).sum(-1)  # [b]; both are unit vectors
             scores.append((100 * cos).clamp_min(0).float().cpu())
-    return float(torch.cat(scores).mean())
+    return torch.cat(scores).double()
 
 
 def dino_distance(images_a: Tensor, images_b: Tensor, dino_model_path: str | os.PathLike | None,
@@ -294,7 +294,7 @@ def compute_quality(baseline_images: Tensor, merged_images: Tensor, reference_im
     if fid_weights is not None and reference_images is not None:
         out["fid"] = fid(reference_images, merged_images, fid_weights, batch_size=batch_size, device=device)
     if clip_model_path is not None and prompts is not None:
-        out["clip_score"] = clip_score(merged_images, prompts, clip_model_path, device=device)
+        out["clip_score"] = float(clip_score(merged_images, prompts, clip_model_path, device=device).mean())
     if dino_model_path is not None:
         out["dino_dist"] = float(dino_distance(baseline_images, merged_images, dino_model_path, batch_size=batch_size,
                                                device=device).mean())

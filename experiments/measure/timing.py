@@ -42,7 +42,8 @@ NOISY_SPREAD = 0.10
 #: The columns of a result row that a timing measures (:func:`speed_columns`, and ``overhead_ratio``): they
 #: differ between two runs of the same code, every other column of a row does not.
 MEASURED_COLUMNS = frozenset({
-    "time_base_s", "time_s", "speedup", "time_per_image_s", "time_per_image_base_s",
+    "time_base_s", "time_s", "speedup", "speedup_lo", "speedup_hi", "time_rounds_base_s", "time_rounds_s",
+    "time_per_image_s", "time_per_image_base_s",
     "denoiser_time_base_s", "denoiser_time_s", "denoiser_speedup",
     "time_spread_base", "time_spread", "timing_spread", "timing_noisy",
     "peak_memory_base_mb", "peak_memory_mb", "overhead_ratio",
@@ -317,11 +318,17 @@ def time_setups(setups: Mapping[Setup, Callable[[], contextlib.AbstractContextMa
 # ------------------------------------------------------------------------------------ a row's columns
 def speed_columns(base: Timing, merged: Timing, items: int, repeats: int) -> dict[str, Any]:
     """The measured columns of a run's result row from its two timings of a call generating ``items`` items:
-    medians, speed-ups, per image, denoiser time, spreads (``timing_noisy`` above :data:`NOISY_SPREAD`),
-    peak memory."""
+    medians, speed-ups with the speed-up's 95% interval over the paired rounds (``speedup_lo`` / ``speedup_hi``,
+    :func:`~tomerge.experiments.measure.intervals.speedup_interval`; ``None`` for one round) and the rounds' times,
+    per image, denoiser time, spreads (``timing_noisy`` above :data:`NOISY_SPREAD`), peak memory."""
+    from .intervals import speedup_interval
+
     spread = None if base.spread is None else max(base.spread, merged.spread)
+    interval = speedup_interval(base.wall, merged.wall)
     return {
         "time_base_s": base.median, "time_s": merged.median, "speedup": base.median / merged.median,
+        "speedup_lo": None if interval is None else interval[0], "speedup_hi": None if interval is None else interval[1],
+        "time_rounds_base_s": list(base.wall), "time_rounds_s": list(merged.wall),
         "time_per_image_s": merged.median / items, "time_per_image_base_s": base.median / items,
         "denoiser_time_base_s": base.denoiser_median, "denoiser_time_s": merged.denoiser_median,
         "denoiser_speedup": base.denoiser_median / merged.denoiser_median,

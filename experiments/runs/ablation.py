@@ -31,7 +31,7 @@ import dataclasses
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import tomerge
 
@@ -43,7 +43,10 @@ from ..generation.distributed import generate_distributed
 from ..generation.generate import INDEX_FILE, GenerateSpec, generate_local, item_output, prepare
 from ..measure.timing import overhead_ratio, speed_columns, time_baseline_and_merged
 from ..sources.items import Item
-from .records import RunFolder, environment
+from .records import RESULTS, RunFolder, environment, last_rows
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 # run_ablation is the grid; measure_run, speed_row and match_flop_speedups measure one run of it, and
 # `tomerge bench --config` times a grid with them (without images or quality metrics).
@@ -277,6 +280,40 @@ def complete_finished_runs(folder: RunFolder, config: AblationConfig, items: Seq
         produce_images(folder, run_id, _spec(config, run), items, model, config, progress=False)
 
 
+def keep_features(folder: RunFolder, run_id: str, features: Tensor) -> None:
+    """The run's EfficientNet-Lite0 features ``[N (* T), 1280]`` in ``features.safetensors`` (``run/<id>``), beside
+    the baseline's: what ``tomerge compare`` resamples for a paired FD difference."""
+    cached = folder.load_tensors("features") or {}
+    cached[f"run/{run_id}"] = features
+    folder.save_tensors("features", cached)
+
+
+def add_missing_intervals(folder: RunFolder, config: AblationConfig, items: Sequence[Item], quality: Any) -> None:
+    """Rows written before quality intervals were recorded get them: the run's images are scored again and the
+    row, with its intervals, per-image values and features added, is appended (the last row of a run is the
+    one read). A row without a speed-up interval (timed before it was recorded, or with one repeat) keeps none:
+    a warning says which and that deleting their lines re-times them."""
+    untimed = []
+    for row in last_rows(folder.rows):
+        run_id = row["run"]
+        if run_id != "baseline" and row.get("speedup") is not None and row.get("speedup_lo") is None \
+                and row.get("timing_repeats", 0) > 1:
+            untimed.append(run_id)
+        if "psnr_lo" in row or len(items) < 2:
+            continue
+        files = [item_output(folder.images_dir(run_id), item, config.model.is_video) for item in items]
+        if not all(output_complete(f) for f in files):
+            continue  # complete_finished_runs rewrites the images of the grid's runs; a run left out of it stays
+        scores, features = quality.score_features(files)
+        if run_id != "baseline":
+            keep_features(folder, run_id, features)
+        folder.append({**row, **scores})
+    if untimed:
+        warnings.warn(f"{folder.path}: {len(untimed)} rows were timed before speed-up intervals were recorded "
+                      f"({', '.join(untimed[:3])}{', ...' if len(untimed) > 3 else ''}); delete their lines in "
+                      f"{RESULTS} to time them again", stacklevel=2)
+
+
 def _run_grid(config: AblationConfig, folder: RunFolder, progress: bool) -> RunFolder:
     from tqdm import tqdm
 
@@ -298,22 +335,25 @@ def _run_grid(config: AblationConfig, folder: RunFolder, progress: bool) -> RunF
     if not folder.has("baseline"):
         measured = measure_run(model.get(), config, timing_items, None)
         row = {"run": "baseline", "strategy": "none", "ratio": 0.0, "options": {},
-               **_counts(measured), **quality.score(baseline_files), **env}
+               **_counts(measured), **quality.score(baseline_files), **env}  # its intervals: zero width
         folder.save_grid("baseline", baseline_files)
         folder.append(row)
         logger.row(row, images=baseline_files, prompts=prompts)
     complete_finished_runs(folder, config, items, model)
+    add_missing_intervals(folder, config, items, quality)
 
     for run in tqdm(todo, desc=f"ablate {config.name}", disable=not progress):
         files = produce_images(folder, run.run_id, _spec(config, run), items, model, config, progress=False)
         measured = measure_run(model.get(), config, timing_items, run)
+        scores, features = quality.score_features(files)
+        keep_features(folder, run.run_id, features)
         flops_base = folder.baseline_row()["flops"]
         row = {
             "run": run.run_id, "strategy": run.strategy, "ratio": run.ratio, "options": run.options,
             **({} if run.flop_target is None else {"flop_target": run.flop_target}),
             **speed_row(model.get(), config, timing_items, run),
             "flops_base": flops_base, **_counts(measured), "flop_speedup": flops_base / measured["flops"],
-            "tokens_removed_mean": _mean_removed(measured["records"]), **quality.score(files), **env,
+            "tokens_removed_mean": _mean_removed(measured["records"]), **scores, **env,
         }
         row["overhead_ratio"] = overhead_ratio(row["speedup"], row["flop_speedup"])
         folder.save_grid(run.run_id, files)

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from ..measure.columns import BETTER, format_markdown_table, table_columns
+from ..measure.intervals import interval_keys
 from ..errors import UsageError
 from ..config.schema import AblationConfig
 from ..generation.files import DamagedFileError, FolderLock, append_line, load_image_files, load_video, lock_folder, \
@@ -291,7 +292,22 @@ def format_value(value: Any) -> str:
 def _cell(row: dict[str, Any], key: str) -> str:
     if key == "timing_spread" and row.get(key) is not None:
         return f"{100 * row[key]:.0f}%" + (" (noisy)" if row.get("timing_noisy") else "")
-    return format_value(row.get(key))
+    return format_with_interval(row, key)
+
+
+def format_with_interval(row: dict[str, Any], key: str) -> str:
+    """A row's value as tables print it, followed by its 95% interval ``[lo, hi]`` when the row has one
+    (``measure.intervals``).
+
+    Example:
+        >>> format_with_interval({"psnr": 31.234, "psnr_lo": 30.51, "psnr_hi": 31.9}, "psnr")
+        '31.2 [30.5, 31.9]'
+    """
+    lo, hi = interval_keys(key)
+    text = format_value(row.get(key))
+    if row.get(key) is None or row.get(lo) is None or row.get(hi) is None:
+        return text
+    return f"{text} [{format_value(float(row[lo]))}, {format_value(float(row[hi]))}]"
 
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:
@@ -300,6 +316,9 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
     columns = [(k, t) for k, t in TABLE_COLUMNS if k in ("run", "ratio") or any(r.get(k) is not None for r in rows)]
     cells = [[_cell(row, k) for k, _ in columns] for row in rows]
     lines = [format_markdown_table([title for _, title in columns], cells, [k != "run" for k, _ in columns])]
+    if any(r.get(interval_keys(k)[0]) is not None for r in rows for k, _ in columns):
+        lines.append("\n[lo, hi]: the 95% interval (quality: a bootstrap over the images, paired with the baseline's "
+                     "images of the same seeds; speed-up: over the paired timing rounds; docs/experiments.md).")
     if any(r.get("timing_noisy") for r in rows):
         lines.append("\n(noisy): the timing repeats of that run disagree by more than 10%; its speed-up is not "
                      "reliable (rerun with more `repeats` on a quiet machine).")
@@ -374,7 +393,8 @@ class WandbLogger:
             return
         import wandb
 
-        columns = [k for k, _ in TABLE_COLUMNS]
+        columns = [k for key, _ in TABLE_COLUMNS
+                   for k in (key, *interval_keys(key)) if k == key or any(k in r for r in folder.rows)]
         table = wandb.Table(columns=columns, data=[[r.get(k) for k in columns] for r in folder.rows])
         self.run.log({"ablation": table})
         self.run.summary.update({f"{r['run']}/{k}": r.get(k) for r in folder.rows for k in columns[2:]})

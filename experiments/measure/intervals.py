@@ -1,0 +1,189 @@
+"""The uncertainty of every measured number: 95% intervals of a run's quality metrics and speed-up, and the
+paired comparison of two runs of one folder.
+
+* Quality (:func:`quality_intervals`): a bootstrap over the run's items (images, or videos with all their
+  frames), with ``scipy.stats.bootstrap`` (BCa, :data:`RESAMPLES` resamples, seed :data:`SEED`, so a row is
+  reproducible). Every metric is paired with the baseline's image of the same seed: a per-image metric (PSNR,
+  SSIM, feature cosine and DINO distances to the baseline image, the CLIP score) is resampled as per-item
+  values; FD against the baseline resamples the pairs (the same indices in both sets); FD against the real
+  reference images resamples the run's items and keeps the reference whole. FID (torchmetrics' Inception) has
+  no interval.
+* Speed-up (:func:`speedup_interval`): baseline and merged calls alternate round after round
+  (``timing.alternating_rounds``), so each round gives a paired ratio; the interval is Student's t on the log
+  ratios (``scipy.stats.ttest_1samp``), exponentiated: the geometric-mean speed-up's interval. It needs at least
+  two timed rounds (``repeats``); with a few it is wide, which is what a few repeats support.
+* Comparisons (:func:`compare`): the difference of a metric between two runs of one folder, bootstrapped over
+  the same items (the same seeds), and whether its interval excludes 0.
+
+A zero-width interval is reported as such when every resample gives the same value (a constant difference).
+The row keys are ``<metric>_lo`` / ``<metric>_hi`` (:func:`interval_keys`); the per-item values a comparison
+needs are the row's ``per_image`` and the folder's ``features.safetensors`` (``run/<id>``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from .features import ResampledFrechet
+
+__all__ = ["CONFIDENCE", "RESAMPLES", "SEED", "PER_IMAGE", "FD_METRICS", "bootstrap_interval", "mean_interval",
+           "quality_intervals", "speedup_interval", "interval_keys", "Comparison", "compare"]
+
+CONFIDENCE = 0.95
+RESAMPLES = 2000
+SEED = 0
+#: Metrics with one value per item, each paired with the baseline image of the same seed.
+PER_IMAGE = ("psnr", "ssim", "feat_cos_dist", "dino_dist", "clip_score")
+#: Set-level metrics with a resampled interval: FD vs the baseline (pairs) and vs the real reference images.
+FD_METRICS = ("fd_effnetlite0", "fd_effnetlite0_ref")
+
+
+def interval_keys(metric: str) -> tuple[str, str]:
+    """The row keys of a metric's interval.
+
+    Example:
+        >>> interval_keys("psnr")
+        ('psnr_lo', 'psnr_hi')
+    """
+    return f"{metric}_lo", f"{metric}_hi"
+
+
+def bootstrap_interval(statistic: Callable[[np.ndarray], float], units: int) -> tuple[float, float]:
+    """The :data:`CONFIDENCE` BCa bootstrap interval of ``statistic(idx)``, a number computed from the units
+    ``idx`` (indices into ``range(units)``, drawn with replacement). Where BCa is undefined (resamples tying with
+    the estimate: every one gives ``v``, or an FD of identical sets) the percentile interval: ``(v, v)`` when every
+    resample gives ``v``.
+
+    Example:
+        >>> bootstrap_interval(lambda idx: 2.0, 10)
+        (2.0, 2.0)
+    """
+    if units < 2:
+        raise ValueError(f"an interval needs at least 2 items, got {units}")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # scipy's DegenerateDataWarning for a constant statistic: handled below
+        from scipy import stats
+
+        res = stats.bootstrap((np.arange(units),), lambda idx: statistic(idx), vectorized=False,
+                              n_resamples=RESAMPLES, confidence_level=CONFIDENCE, method="BCa",
+                              random_state=np.random.default_rng(SEED))
+    lo, hi = float(res.confidence_interval.low), float(res.confidence_interval.high)
+    if math.isfinite(lo) and math.isfinite(hi):
+        return lo, hi
+    values = res.bootstrap_distribution  # BCa undefined: most resamples tie with the estimate (an FD of 0)
+    tail = (1 - CONFIDENCE) / 2
+    return float(np.quantile(values, tail)), float(np.quantile(values, 1 - tail))
+
+
+def mean_interval(values: Sequence[float] | np.ndarray) -> tuple[float, float]:
+    """The interval of the mean of per-item values.
+
+    Example:
+        >>> mean_interval([1.5, 1.5, 1.5])
+        (1.5, 1.5)
+    """
+    v = np.asarray(values, dtype=np.float64)
+    return bootstrap_interval(lambda idx: float(v[idx].mean()), v.size)
+
+
+def _frames(groups: Sequence[np.ndarray] | None, idx: np.ndarray) -> np.ndarray:
+    """The feature rows of the units ``idx``: the units themselves, or every frame of each video."""
+    return idx if groups is None else np.concatenate([groups[i] for i in idx])
+
+
+def quality_intervals(per_item: Mapping[str, np.ndarray], fd: Mapping[str, ResampledFrechet],
+                      groups: Sequence[np.ndarray] | None = None) -> dict[str, float]:
+    """``<metric>_lo`` / ``<metric>_hi`` of a run's quality metrics.
+
+    Args:
+        per_item: per-item values (videos: each video's mean over its frames) of the :data:`PER_IMAGE` metrics.
+        fd: the run's :class:`~tomerge.experiments.measure.features.ResampledFrechet` per FD metric.
+        groups: videos: the feature rows (frames) of each video; ``None``: one row per item.
+    """
+    out: dict[str, float] = {}
+    for key, values in per_item.items():
+        out.update(zip(interval_keys(key), mean_interval(values)))
+    units = len(groups) if groups is not None else next(iter(per_item.values())).size
+    for key, resampled in fd.items():
+        out.update(zip(interval_keys(key), bootstrap_interval(lambda idx: resampled.distance(_frames(groups, idx)),
+                                                              units)))
+    return out
+
+
+def speedup_interval(base: Sequence[float], merged: Sequence[float]) -> tuple[float, float] | None:
+    """The interval of the speed-up from paired timing rounds (``base[r] / merged[r]``); ``None`` with fewer than
+    two rounds.
+
+    Example:
+        >>> speedup_interval([2.0, 4.0], [1.0, 2.0])
+        (2.0, 2.0)
+        >>> speedup_interval([2.0], [1.0]) is None
+        True
+    """
+    if len(base) != len(merged):
+        raise ValueError(f"{len(base)} baseline rounds against {len(merged)} merged rounds")
+    if len(base) < 2:
+        return None
+    logs = np.log(np.asarray(base, dtype=np.float64) / np.asarray(merged, dtype=np.float64))
+    if np.ptp(logs) == 0:
+        return float(np.exp(logs[0])), float(np.exp(logs[0]))
+    from scipy import stats
+
+    ci = stats.ttest_1samp(logs, 0.0).confidence_interval(CONFIDENCE)
+    return float(np.exp(ci.low)), float(np.exp(ci.high))
+
+
+@dataclasses.dataclass(frozen=True)
+class Comparison:
+    """A metric of run ``a`` minus the same metric of run ``b``, over the same items, with its interval."""
+
+    metric: str
+    a: float
+    b: float
+    lo: float
+    hi: float
+
+    @property
+    def difference(self) -> float:
+        return self.a - self.b
+
+    @property
+    def differ(self) -> bool:
+        """The interval of the difference excludes 0."""
+        return self.lo > 0 or self.hi < 0
+
+
+def compare(metric: str, per_item_a: np.ndarray | None = None, per_item_b: np.ndarray | None = None,
+            fd_a: ResampledFrechet | None = None, fd_b: ResampledFrechet | None = None,
+            groups: Sequence[np.ndarray] | None = None) -> Comparison:
+    """Run ``a`` against run ``b`` on ``metric``: per-item values (paired by item) or, for an FD metric, the two
+    runs' :class:`~tomerge.experiments.measure.features.ResampledFrechet` (each run against the baseline or the
+    reference), resampled with the same items.
+
+    Example:
+        >>> c = compare("psnr", np.array([30.0, 31.0, 29.0]), np.array([29.0, 30.0, 28.0]))
+        >>> c.difference, (c.lo, c.hi), c.differ
+        (1.0, (1.0, 1.0), True)
+    """
+    if per_item_a is not None and per_item_b is not None:
+        a, b = np.asarray(per_item_a, dtype=np.float64), np.asarray(per_item_b, dtype=np.float64)
+        if a.shape != b.shape:
+            raise ValueError(f"{metric}: {a.size} items against {b.size}")
+        d = a - b
+        lo, hi = mean_interval(d)
+        return Comparison(metric, float(a.mean()), float(b.mean()), lo, hi)
+    if fd_a is None or fd_b is None:
+        raise ValueError(f"{metric}: give both runs' per-item values or both runs' FD resamplers")
+    units = len(groups) if groups is not None else fd_a.g_xx.shape[0]
+    everything = np.arange(units)
+    lo, hi = bootstrap_interval(lambda idx: fd_a.distance(_frames(groups, idx)) - fd_b.distance(_frames(groups, idx)),
+                                units)
+    return Comparison(metric, fd_a.distance(_frames(groups, everything)), fd_b.distance(_frames(groups, everything)),
+                      lo, hi)

@@ -1,0 +1,93 @@
+"""Whether two runs of one run folder differ: every quality metric of run ``a`` minus run ``b`` over the same
+items (the same seeds), with its 95% interval (:func:`~tomerge.experiments.measure.intervals.compare`), read from
+the folder's rows (``per_image``) and ``features.safetensors`` (``run/<id>``, ``baseline``, ``reference``).
+
+A difference whose interval excludes 0 is reported as one; otherwise it is "not resolved" at the folder's number
+of images. ``tomerge compare`` prints the table; ``docs/claims.md`` cites it for its verdicts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from ..errors import UsageError, did_you_mean
+from ..measure.columns import COLUMNS, format_markdown_table
+from ..measure.intervals import FD_METRICS, PER_IMAGE, Comparison, compare
+from .records import format_value, last_rows, read_rows
+
+__all__ = ["compare_runs", "comparison_table"]
+
+
+def _features(path: Path) -> dict[str, Any]:
+    file = path / "features.safetensors"
+    if not file.exists():
+        return {}
+    from safetensors.torch import load_file
+
+    return load_file(file)
+
+
+def compare_runs(folder: Path, run_a: str, run_b: str,
+                 metrics: Sequence[str] | None = None) -> tuple[list[Comparison], list[str], int]:
+    """Run ``run_a`` against ``run_b`` on each metric both rows have (``metrics``: only these); returns the
+    comparisons, a line for each metric that could not be compared, saying why, and the number of items."""
+    rows = {r["run"]: r for r in last_rows(read_rows(folder))}
+    for run in (run_a, run_b):
+        if run not in rows:
+            raise UsageError(f"{folder}: no run {run!r}{did_you_mean(run, list(rows))}")
+    a, b = rows[run_a], rows[run_b]
+    if a.get("n_images") != b.get("n_images"):
+        raise UsageError(f"{run_a} has {a.get('n_images')} images and {run_b} {b.get('n_images')}: "
+                         "a paired comparison needs the same items")
+    wanted = list(metrics) if metrics is not None else [k for k in (*PER_IMAGE, *FD_METRICS) if k in a and k in b]
+    per_video = a.get("frames_per_video")
+    units = int(a["n_images"])
+    groups = None
+    if per_video:
+        import numpy as np
+
+        t = int(per_video)
+        groups = [np.arange(i * t, (i + 1) * t) for i in range(units)]  # each video's frames
+    features = _features(folder) if any(m in FD_METRICS for m in wanted) else {}
+    done, skipped = [], []
+    for metric in wanted:
+        if metric in PER_IMAGE:
+            va, vb = (r.get("per_image", {}).get(metric) for r in (a, b))
+            if va is None or vb is None:
+                skipped.append(f"{metric}: a row without per-image values (written before intervals were recorded; "
+                               "`tomerge ablate` on the folder adds them)")
+                continue
+            done.append(compare(metric, va, vb))
+        elif metric in FD_METRICS:
+            from ..measure.features import ResampledFrechet
+
+            sets = [features.get("baseline" if run == "baseline" else f"run/{run}") for run in (run_a, run_b)]
+            other = features.get("baseline" if metric == "fd_effnetlite0" else "reference")
+            if any(f is None for f in (*sets, other)):
+                skipped.append(f"{metric}: features.safetensors lacks a run's or the comparison set's features "
+                               "(`tomerge ablate` on the folder adds them while its images are there)")
+                continue
+            paired = metric == "fd_effnetlite0"
+            fd_a, fd_b = (ResampledFrechet(f, other, paired=paired) for f in sets)
+            done.append(compare(metric, fd_a=fd_a, fd_b=fd_b, groups=groups))
+        else:
+            skipped.append(f"{metric}: no interval (one of {', '.join((*PER_IMAGE, *FD_METRICS))})")
+    return done, skipped, units
+
+
+def comparison_table(comparisons: Sequence[Comparison], run_a: str, run_b: str, n_images: int) -> str:
+    """The comparisons as a Markdown table: each metric's two values, their difference, its 95% interval and the
+    verdict (``a higher`` / ``a lower`` where the interval excludes 0, else ``not resolved at n images``)."""
+    rows = []
+    for c in comparisons:
+        verdict = f"not resolved at {n_images} images" if not c.differ else \
+            f"{run_a} {'higher' if c.difference > 0 else 'lower'}"
+        better = COLUMNS[c.metric].better if c.metric in COLUMNS else None
+        if c.differ and better is not None:
+            verdict += " (better)" if (c.difference > 0) == (better == "higher") else " (worse)"
+        rows.append([c.metric, format_value(c.a), format_value(c.b), format_value(c.difference),
+                     f"[{format_value(c.lo)}, {format_value(c.hi)}]", verdict])
+    return format_markdown_table(["metric", run_a, run_b, "difference", "95% interval", "verdict"], rows,
+                                 [False, True, True, True, True, False])
