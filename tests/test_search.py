@@ -71,6 +71,11 @@ def test_search_runs_trials_as_runs_finds_the_front_and_rescores_it_held_out(set
 
     held = {r["run"]: r for r in rows(root / "runs" / "tiny_search_held_out")}
     assert set(held) == expected | {"baseline"}
+    from tomerge.experiments.runs.records import format_value
+
+    for run_id in expected:  # held-out PSNR with its interval, as the held-out row has them
+        r = held[run_id]
+        assert f"| {format_value(r['psnr'])} [{format_value(r['psnr_lo'])}, {format_value(r['psnr_hi'])}] |" in table
     assert result.held_out_rows and all(r["run"] in expected for r in result.held_out_rows)
     saved = yaml.safe_load((root / "runs" / "tiny_search_held_out" / "config.yaml").read_text())
     assert saved["seed"] == 500

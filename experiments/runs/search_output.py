@@ -102,17 +102,25 @@ def rows_of(config: AblationConfig, runs: Sequence[RunSpec]) -> list[dict[str, A
 
 def front_table(front: Sequence[RunSpec], rows: Sequence[dict[str, Any]],
                 held_out_rows: Sequence[dict[str, Any]] | None, space: SearchSpace) -> str:
-    """The front as a markdown table: each objective on the searched items and, when given, held out."""
+    """The front as a markdown table: each objective on the searched items and, when given, held out (with
+    its 95% interval where the row has one)."""
     held = {r["run"]: r for r in held_out_rows or []}
     titles = [f"{c} ({BETTER[c]} is better)" for c in space.objectives]
     header = ["run", *titles, *([f"{t}, held out" for t in titles] if held_out_rows is not None else [])]
     lines = ["| " + " | ".join(header) + " |", "|---" + "|---:" * (len(header) - 1) + "|"]
     for run, row in sorted(zip(front, rows), key=lambda pair: pair[1][space.objectives[0]]):
-        cells = [run.run_id, *(format_value(row.get(c)) for c in space.objectives)]
+        cells = [run.run_id, *(_with_interval(row, c) for c in space.objectives)]
         if held_out_rows is not None:
-            cells += [format_value(held.get(run.run_id, {}).get(c)) for c in space.objectives]
+            cells += [_with_interval(held.get(run.run_id, {}), c) for c in space.objectives]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _with_interval(row: dict[str, Any], column: str) -> str:
+    """A value with its 95% interval where the row has one (``value [lo, hi]``), else the value."""
+    lo, hi = row.get(f"{column}_lo"), row.get(f"{column}_hi")
+    interval = f" [{format_value(lo)}, {format_value(hi)}]" if lo is not None and hi is not None else ""
+    return format_value(row.get(column)) + interval
 
 
 def write_front(study: Any, space: SearchSpace, config: AblationConfig, front: Sequence[RunSpec], out: Path) -> None:
