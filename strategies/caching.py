@@ -10,12 +10,15 @@ forecast of order ``k`` from the finite differences of the last stores (TaylorSe
 (``MergeState.begin_block``/``end_block``, the wrapped block ``forward`` of :mod:`tomerge.attach`), so the
 FLOP counter sees a skipped block cost nothing and every block that runs cost what it costs.
 
-* ``block_cache`` (:class:`BlockCache`): step-level reuse, FORA-style: every block runs on the first
-  ``warmup`` steps and then every ``interval`` steps counted from the last warmup step; the steps in between
-  reuse. Presets: ``fora`` (:class:`FORA`), ``taylorseer`` (:class:`TaylorSeer`).
+* ``block_cache`` (:class:`BlockCache`): step-level reuse: every block runs on the first ``warmup`` steps and then
+  every ``interval`` steps, counted from the last warmup step (``count="up"``) or from the last step down
+  (``count="down"``); the steps in between reuse. Presets: ``fora`` (:class:`FORA`, counted down as FORA's code
+  counts), ``taylorseer`` (:class:`TaylorSeer`).
 * ``first_block_cache`` (:class:`FirstBlockCache`): adaptive: the first block always runs and measures the
   relative L1 change of its residual (``Where.change``); the other blocks reuse while the change is below
-  ``threshold``.
+  ``threshold``; in TeaCache's mode (``accumulate``) the last step runs in full.
+
+Each preset's docstring names the authors' file and line it follows.
 
 References:
     * FORA: P. Selvaraju, T. Ding, T. Chen, I. Zharkov, L. Liang, "FORA: Fast-Forward Caching in Diffusion
@@ -30,7 +33,8 @@ Deviations from the authors' code (all documented in docs/schedules.md): the cac
 so a reused residual carries the gates of the step it was computed at, where FORA and TaylorSeer cache the
 attention and MLP outputs and gate them with the current step's gates; TaylorSeer forecasts those sublayer
 outputs, here the block residual. FirstBlockCache reuses one residual of all the later blocks together; here
-every later block reuses its own, whose sum is that residual.
+every later block reuses its own, whose sum is that residual. TeaCache measures the first block's modulated input
+(rescaled per model) and skips the first block too; here the first block's residual is measured and it always runs.
 
 Example:
     >>> from tomerge.schedule import Where
@@ -53,6 +57,7 @@ from tomerge.schedule import Decision, Schedule, Where
 from tomerge.strategy import MergeStrategy
 
 COMPUTE, REUSE, FORECAST = "compute", "reuse", "forecast"  # labels: an unmerged block that runs, a skipped one
+COUNTS = ("up", "down")  # BlockCache.count: the full steps counted from the first steps or from the last one
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -161,52 +166,76 @@ def _inner_schedule(merge: Any, ratio: float | None, options: dict[str, Any], wh
 class BlockCache(CachingSchedule):
     """Step-level reuse of every block's residual, FORA-style (see the module docstring).
 
-    Every block runs on the steps ``t < warmup`` and ``t = warmup - 1 + k * interval``; on the others every block
-    is skipped and returns its input plus its kept residual (forecast with ``forecast_order``). ``interval=1``
-    runs every block on every step: the model's own output, bit for bit (with ``merge=None``).
+    Every block runs on the steps ``t < warmup`` and, with ``count="up"``, on ``t = warmup - 1 + k * interval``;
+    with ``count="down"`` on the steps whose index counted from the last step down, ``S - 1 - t``, is a multiple
+    of ``interval`` (FORA's rule, so the last step always runs; it needs the step count ``S``). On the others every
+    block is skipped and returns its input plus its kept residual (forecast with ``forecast_order``).
+    ``interval=1`` runs every block on every step: the model's own output, bit for bit (with ``merge=None``).
 
     Args:
         interval: the steps from one full step to the next (FORA's ``N``, TaylorSeer's ``interval``).
+        count: ``"up"``: the full steps are counted from the last warm-up step (TaylorSeer); ``"down"``: from the
+            last step (FORA).
         merge, merge_options, ratio, warmup, forecast_order: see :class:`CachingSchedule`.
 
     Example:
-        >>> [BlockCache(interval=4, warmup=2).is_full(t) for t in range(7)]
+        >>> [BlockCache(interval=4, warmup=2).is_full(t, 7) for t in range(7)]
         [True, True, False, False, False, True, False]
+        >>> [BlockCache(interval=3, count="down").is_full(t, 7) for t in range(7)]
+        [True, False, False, True, False, False, True]
     """
 
     name: ClassVar[str] = "block_cache"
 
     interval: int = 3
+    count: str = "up"
 
     def __post_init__(self) -> None:
         check_int(self.interval, "interval", self.name, low=1)
+        if self.count not in COUNTS:
+            raise ValueError(f"{self.name}: count must be one of {COUNTS}, got {self.count!r}")
         super().__post_init__()
 
-    def is_full(self, step: int) -> bool:
-        """Whether every block runs on ``step``."""
-        return step < self.warmup or (step - (self.warmup - 1)) % self.interval == 0
+    def is_full(self, step: int, num_steps: int | None) -> bool:
+        """Whether every block runs on ``step`` (0: the first denoising step) of ``num_steps``."""
+        if step < self.warmup:
+            return True
+        if self.count == "up":
+            return (step - (self.warmup - 1)) % self.interval == 0
+        if not num_steps:
+            raise ValueError(f"{self.name}: count='down' counts the steps from the last one, so it needs the step "
+                             "count: on a bare model pass num_steps= to tomerge.apply")
+        return (num_steps - 1 - step) % self.interval == 0
 
     def decide(self, where: Where) -> Decision:
         """The inner schedule's decision, storing the residual, on full steps; a reuse on the others."""
-        return self.computed(where) if self.is_full(where.step) else self.reused()
+        return self.computed(where) if self.is_full(where.step, where.num_steps) else self.reused()
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class FORA(BlockCache):
-    """``fora``: FORA's static caching, with the interval of its README's sampling example ("caching frequency 3",
-    https://github.com/prathebaselva/FORA): every block runs on steps ``t % 3 == 0``."""
+    """``fora``: FORA's static caching as its code runs it (https://github.com/prathebaselva/FORA at ``acde628``,
+    ``src/models.py`` lines 139-143: ``step == numstep - 1 or step % cache_threshold == 0``, with ``step`` counting
+    down, ``src/diffusion/gaussian_diffusion.py`` lines 517 and 551): the first step and every step whose countdown
+    index is a multiple of 3 (its README's "caching frequency 3"), so the last step too; 20 steps: 0, 1, 4, 7, 10,
+    13, 16, 19. Deviations (docs/schedules.md): the residual is cached, not the attention and MLP outputs gated
+    anew; the rule runs at the sampler's step count (the README's runs 250 DDPM steps)."""
 
     name: ClassVar[str] = "fora"
 
     interval: int = 3
+    count: str = "down"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TaylorSeer(BlockCache):
-    """``taylorseer``: TaylorSeer on DiT as its authors recommend (``TaylorSeer-DiT.md``: ``interval=4,
-    max_order=4``, 50 DDIM steps; ``cache_init.py``: the first 2 steps full, ``first_enhance = 2``): every block
-    runs on steps 0, 1, 5, 9, ...; the steps in between forecast each residual with its Taylor expansion of
-    order 4 in steps. (Their FLUX code uses ``interval=6, max_order=1``, ``first_enhance = 3``.)"""
+    """``taylorseer``: TaylorSeer on DiT as its authors recommend (https://github.com/Shenyi-Z/TaylorSeer at
+    ``288776d``: ``TaylorSeer-DiT.md`` line 25, ``interval=4, max_order=4``, 50 DDIM steps;
+    ``TaylorSeer-DiT/cache_functions/cache_init.py`` line 21, ``first_enhance = 2``; ``cal_type.py`` lines 6-17: the
+    first 2 steps full, then a full step after every ``interval - 1`` forecast ones): every block runs on steps 0,
+    1, 5, 9, ...; the steps in between forecast each residual with its Taylor expansion of order 4 in steps. (Their
+    FLUX code uses ``interval=6, max_order=1``, ``first_enhance = 3``.) Deviation (docs/schedules.md): the block's
+    residual is forecast, not the attention and MLP outputs gated anew."""
 
     name: ClassVar[str] = "taylorseer"
 
@@ -228,10 +257,17 @@ class FirstBlockCache(CachingSchedule):
     the step is past ``warmup``; otherwise they run (with ``merge``). ``threshold=0`` runs every block: the
     model's own output, bit for bit (with ``merge=None``).
 
+    The authors' code: ``accumulate=False`` follows ParaAttention (``src/para_attn/first_block_cache/utils.py`` at
+    ``4de137c``: lines 270-286, the change from the reference, no step forced; lines 362-375, the reference replaced
+    only by a call that runs every block); ``accumulate=True`` follows TeaCache, which also runs the last step in
+    full (``TeaCache4FLUX/teacache_flux.py`` lines 109-111 at ``7c10efc``: ``if self.cnt == 0 or self.cnt ==
+    self.num_steps-1: should_calc = True``), so it needs the step count. Deviations (docs/schedules.md): every later
+    block reuses its own residual, where ParaAttention reuses one of them all; TeaCache measures the first block's
+    modulated input, rescaled by a polynomial fitted per model, and skips the first block too.
+
     The default threshold is ParaAttention's for FLUX.1 (``doc/fastest_flux.md``: ``residual_diff_threshold=0.08``,
     "the default value for FLUX models"; 0.06 for HunyuanVideo). TeaCache's thresholds (FLUX: 0.25, 0.4, 0.6, 0.8)
-    apply to its own signal, a polynomial rescaling fitted per model of the change of the first block's
-    modulated input, and do not carry over.
+    apply to its own signal and do not carry over.
 
     Args:
         threshold: the largest change at which the later blocks are still skipped (exclusive), ``>= 0``.
@@ -250,10 +286,17 @@ class FirstBlockCache(CachingSchedule):
         super().__post_init__()
 
     def decide(self, where: Where) -> Decision:
-        """The first block: runs and measures; a later one: a reuse while ``where.change < threshold``."""
+        """The first block: runs and measures; a later one: a reuse while ``where.change < threshold``, except on
+        the last step with ``accumulate`` (TeaCache computes it)."""
         if where.layer == 0:
             return dataclasses.replace(self.computed(where),
                                        measure_change="accumulated" if self.accumulate else "since_full")
         if where.step < self.warmup or where.change is None or not where.change < self.threshold:
             return self.computed(where)
+        if self.accumulate:
+            if not where.num_steps:
+                raise ValueError(f"{self.name}: accumulate=True runs the last step in full, as TeaCache does, so it "
+                                 "needs the step count: on a bare model pass num_steps= to tomerge.apply")
+            if where.step == where.num_steps - 1:
+                return self.computed(where)
         return self.reused()

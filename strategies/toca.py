@@ -2,7 +2,7 @@
 
 ToCa caches every sublayer's output at full length on its **fresh steps** and, on the steps in between, recomputes
 only a scored fraction of the tokens of each block's feed-forward, taking the cached output for the others; the
-attention is not computed there at all (its module factor is 0 in the authors' final DiT scheduler). In tomerge's
+attention is not computed there at all (its module factor is 0 in the authors' DiT schedulers). In tomerge's
 terms, on a cached step of block ``l``:
 
 * the attention's merge points return what their module returned on the last fresh step (``Decision.reuse_outputs``;
@@ -12,11 +12,14 @@ terms, on a cached step of block ``l``:
   cached output (``Decision.cache_weight = 0``), and the combined output becomes the cache
   (``Decision.cache_outputs``), as the authors' ``update_cache`` writes the fresh tokens into it.
 
-The fresh fraction of block ``l`` (of ``L``) at denoising step ``t`` (of ``S``), from the authors' ``"ToCa"`` ratio
-scheduler with their counting of steps (``s = S - 1 - t``, from the last step down):
-``fresh_ratio * (1 + 0.8 - 1.6 l / (L - 1)) * (1 + 0.4 - 0.8 s / S) * (1 + 0.6 * 2.5)``; more tokens early in
-depth and late in the trajectory, the attention's share moved to the feed-forward. Fresh steps are the first step
-and those with ``s % interval == 0``.
+The authors count steps down, ``s = S - 1 - t``. Fresh steps (``cal_type.py`` with ``force_scheduler.py``): the first
+step, then every ``s`` with ``s % n == 0``, where the last fresh step ``s'`` set ``n = round(3 / (1 + 0.4 - 0.8 s' /
+S))``, or ``n = 2`` for ``int(0.2 S) <= s' < int(0.4 S)``; 20 steps: ``t = 0, 4, 7, 10, 13, 15, 17, 19``. The fresh
+fraction of block ``l`` (of ``L``) at a cached step (``fresh_ratio_scheduler.py``, ``"ToCa-ddim50"``):
+``fresh_ratio * (1 - 0.2 + 0.4 l / (L - 1)) * (1 + 2 - 4 s / S) * (1 + 0.6 * 2.5)``, clamped to [0, 1]; more
+tokens late in depth and in the trajectory, the attention's share moved to the feed-forward; 0 in the first
+quarter, where a cached step reuses both sublayers. The recipe's fractions of ``S`` scale with the sampler's step
+count, its intervals stay in steps (docs/schedules.md, "toca").
 
 :class:`FreshTokens` scores token ``i`` by the attention it received on the last fresh step (``ctx.received_attention``,
 L2-normalised over the tokens: ToCa's ``s1``), plus ``staleness_weight * streak_i / interval`` (``s3``: the steps
@@ -26,23 +29,27 @@ and keeps the ``k`` best. Used alone it is token skipping: the tokens it does no
 (output 0).
 
 Reference: C. Zou, X. Liu, T. Liu, S. Huang, L. Zhang, "Accelerating Diffusion Transformers with Token-wise Feature
-Caching", ICLR 2025, arXiv:2410.05317 (code: https://github.com/Shenyi-Z/ToCa, ``DiT-ToCa``). The defaults are its
-DiT settings (``fresh_ratio=0.07``, ``fresh_threshold=4``, ``soft_fresh_weight=0.25``, ``ratio_scheduler="ToCa"``,
-bonus 0.6 on 2 x 2 cells). Deviations (docs/schedules.md): the attention's received attention is tomerge's probe
-(averaged over heads and up to 64 strided queries, where ToCa sums the full map over queries: the same ranking up to
-the probe's sampling); the cache holds the sublayer outputs before the block's gates, so the current step's gates
-apply, as in ToCa; ``k = N - int(N * (1 - fraction))`` rounds the fresh count up where ToCa rounds it down.
+Caching", ICLR 2025, arXiv:2410.05317 (code: https://github.com/Shenyi-Z/ToCa at ``e84096f``, ``DiT-ToCa`` as of
+``d0ef7e1``: ``cache_functions/cal_type.py`` lines 5-20, ``force_init.py`` lines 9-12, ``force_scheduler.py`` lines
+6-19, ``fresh_ratio_scheduler.py`` lines 40-56, ``cache_cutfresh.py`` lines 17-25, ``score_evaluate.py`` line 66).
+The defaults are its DiT DDIM-50 recipe (README: ``--fresh-threshold 3 --fresh-ratio 0.07 --ratio-scheduler
+ToCa-ddim50 --soft-fresh-weight 0.25``; bonus 0.6 on 2 x 2 cells). Deviations (docs/schedules.md): the received
+attention is tomerge's probe (averaged over heads and up to 64 strided queries, where ToCa sums the full map over
+queries: the same ranking up to the probe's sampling); the cache holds the sublayer outputs before the block's
+gates, so the current step's gates apply, as in ToCa; ``k = N - int(N * (1 - fraction))`` rounds the fresh count up
+where ToCa rounds it down; the depth is ``l / (L - 1)`` where ToCa divides by 27.
 
 Example:
     >>> from tomerge.schedule import Where
     >>> s = ToCa()
     >>> [s.is_fresh(t, 20) for t in range(8)]
-    [True, False, False, True, False, False, False, True]
+    [True, False, False, False, True, False, False, True]
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, ClassVar
 
 import torch
@@ -55,7 +62,8 @@ from tomerge.plan import MergePlan
 from tomerge.schedule import Decision, Schedule, Where
 from tomerge.strategy import MergeStrategy
 
-FRESH, CACHED = "fresh", "toca"  # labels: a fresh step's block calls, a cached step's
+# labels: a fresh step's block calls, a cached step's, a cached step's with no fresh token
+FRESH, CACHED, REUSED = "fresh", "toca", "toca_reuse"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -135,23 +143,40 @@ def window_best(score: Tensor, grid: tuple[int, ...], window: int) -> Tensor:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ToCa(Schedule):
-    """``toca``: token-wise feature caching with the authors' DiT defaults (see the module docstring).
+    """``toca``: token-wise feature caching with the authors' DiT DDIM-50 recipe (see the module docstring).
+
+    Steps are counted as ToCa counts them, ``s = S - 1 - t`` from the last step down. Fresh steps: the first, then
+    every step with ``s % n == 0``, where ``n`` is the interval that ToCa's ``force_scheduler`` set at the last
+    fresh step ``s'``: ``round(interval / (1 + w - 2 w s' / S))`` (``w = interval_weight``, in float32 as the
+    authors' ``torch.round`` computes it), or ``sensitive_interval`` where ``int(sensitive_from * S) <= s' <
+    int(sensitive_until * S)``. Every fraction of ``S`` in the rule scales with the sampler's step count; the
+    intervals are in steps (docs/schedules.md, "toca").
 
     Args:
-        interval: steps from one fresh step to the next (ToCa's ``fresh_threshold``).
+        interval: the base interval between fresh steps (ToCa's ``fresh_threshold``; DDIM-50: 3).
+        interval_weight: the spread of the interval over the steps (``force_scheduler``'s ``linear_step_weight``):
+            longer early, shorter late; 0: every ``interval``-th step counted down.
+        sensitive_from, sensitive_until: the steps ``s`` (fractions of ``S``, counted down) where the interval is
+            ``sensitive_interval`` (``force_scheduler``: 0.2 to 0.4, 2).
+        sensitive_interval: the interval there; ``None``: no such steps.
         fresh_ratio: the base fraction of tokens recomputed on a cached step (before the factors).
-        layer_weight, step_weight: the spread of the layer and step factors (``1 + w - 2 w x`` over depth and steps).
+        layer_weight, step_weight: the spread of the layer and step factors (``1 + w - 2 w x`` over depth and the
+            countdown; DDIM-50: -0.2 and 2.0; a negative fraction is 0, as ToCa clamps it).
         mlp_factor: the feed-forward's module factor (ToCa: ``1 + 0.6 * 2.5``: the attention's share moved to it).
-        staleness_weight, window, window_bonus: :class:`FreshTokens`'s score.
+        staleness_weight, window, window_bonus: :class:`FreshTokens`'s score (the staleness divided by ``interval``).
         ratio: ``None`` or 0 (the fresh fraction sets how many tokens run).
     """
 
     name: ClassVar[str] = "toca"
 
-    interval: int = 4
+    interval: int = 3
+    interval_weight: float = 0.4
+    sensitive_from: float = 0.2
+    sensitive_until: float = 0.4
+    sensitive_interval: int | None = 2
     fresh_ratio: float = 0.07
-    layer_weight: float = 0.8
-    step_weight: float = 0.4
+    layer_weight: float = -0.2
+    step_weight: float = 2.0
     mlp_factor: float = 2.5
     staleness_weight: float = 0.25
     window: int = 2
@@ -163,9 +188,16 @@ class ToCa(Schedule):
     def __post_init__(self) -> None:
         what = self.name
         check_int(self.interval, "interval", what, low=1)
+        check_number(self.interval_weight, "interval_weight", what, low=0, high=0.99,
+                     note="at 1 or more an interval can round to 0")
+        check_number(self.sensitive_from, "sensitive_from", what, low=0, high=1, note="a fraction of the steps")
+        check_number(self.sensitive_until, "sensitive_until", what, low=self.sensitive_from, high=1,
+                     note="a fraction of the steps, not before sensitive_from")
+        if self.sensitive_interval is not None:
+            check_int(self.sensitive_interval, "sensitive_interval", what, low=1)
         check_number(self.fresh_ratio, "fresh_ratio", what, low=0, high=1, low_open=True)
-        check_number(self.layer_weight, "layer_weight", what, low=0, high=1)
-        check_number(self.step_weight, "step_weight", what, low=0, high=1)
+        check_number(self.layer_weight, "layer_weight", what, low=-1, high=1)
+        check_number(self.step_weight, "step_weight", what, low=0)
         check_number(self.mlp_factor, "mlp_factor", what, low=0)
         if self.ratio not in (None, 0, 0.0):
             raise ValueError(f"{what}: ratio={self.ratio!r}: toca takes no merging ratio (fresh_ratio sets how many "
@@ -176,37 +208,58 @@ class ToCa(Schedule):
 
     @property
     def reused_sublayers(self) -> frozenset[str]:
-        return frozenset({"attn"})
+        return frozenset({"attn", "mlp"})
+
+    def fresh_interval(self, countdown: int, num_steps: int) -> int:
+        """The interval ToCa's ``force_scheduler`` sets at the fresh step ``countdown`` (counted from the last
+        step down) of ``num_steps``."""
+        lo, hi = int(num_steps * self.sensitive_from), int(num_steps * self.sensitive_until)
+        if self.sensitive_interval is not None and lo <= countdown < hi:
+            return self.sensitive_interval
+        w = self.interval_weight
+        factor = torch.tensor(1 + w - 2 * w * countdown / num_steps)  # float32, as the authors' torch.tensor
+        return max(1, int(torch.round(self.interval / factor)))
+
+    def fresh_steps(self, num_steps: int) -> frozenset[int]:
+        """The fresh steps ``t`` (0: the first denoising step) of a ``num_steps``-step trajectory."""
+        return _fresh_steps(self, num_steps)
 
     def is_fresh(self, step: int, num_steps: int | None) -> bool:
-        """Whether ``step`` (0: the first denoising step) computes every token and refreshes the cache: the first
-        step and those whose count from the last step down is a multiple of ``interval`` (ToCa's
-        ``global_force_fresh``); without a step count, every ``interval``-th step from the first."""
+        """Whether ``step`` (0: the first denoising step) computes every token and refreshes the cache. Past the
+        first step it needs the step count (the rule counts from the last step)."""
         if step == 0:
             return True
-        countdown = (num_steps - 1 - step) if num_steps else step
-        return countdown % self.interval == 0
+        if not num_steps:
+            raise ValueError(f"{self.name}: its fresh steps are counted from the last step, so it needs the step "
+                             "count: on a bare model pass num_steps= to tomerge.apply")
+        return step in self.fresh_steps(num_steps)
 
     def fresh_fraction(self, where: Where) -> float:
-        """The fraction of the feed-forward's tokens recomputed in this block call (at most 1)."""
+        """The fraction of the feed-forward's tokens recomputed in this block call, in [0, 1]."""
         num_steps = where.num_steps or 1
         countdown = num_steps - 1 - where.step if where.num_steps else 0
         depth = where.layer / (where.num_layers - 1) if where.num_layers > 1 else 0.0
         layer_factor = 1 + self.layer_weight - 2 * self.layer_weight * depth
         step_factor = 1 + self.step_weight - 2 * self.step_weight * countdown / num_steps
-        return min(1.0, self.fresh_ratio * layer_factor * step_factor * (1 + 0.6 * self.mlp_factor))
+        return min(1.0, max(0.0, self.fresh_ratio * layer_factor * step_factor * (1 + 0.6 * self.mlp_factor)))
 
     def decide(self, where: Where) -> Decision:
         """A fresh step: every sublayer at full length, stored, the staleness reset; a cached step: the attention
-        reused, the feed-forward on the fresh tokens, the rest from the cache."""
+        reused, the feed-forward on the fresh tokens, the rest from the cache; a cached step whose fraction is 0:
+        both sublayers reused, every token's staleness grown by 1."""
         key = (self.name, where.layer)
         if self.is_fresh(where.step, where.num_steps):
             # strategy at ratio 0: the block runs unmerged and its received attention is recorded
             return Decision(self._select, 0.0, frozenset({"mlp"}), label=FRESH, reset_streaks=True,
                             cache_outputs=frozenset({"attn", "mlp"}), streak_key=key)
-        ratio = 1.0 - self.fresh_fraction(where)
-        return Decision(self._select, ratio, frozenset({"mlp"}), label=CACHED, cache_outputs=frozenset({"mlp"}),
-                        cache_weight=0.0, reuse_outputs=frozenset({"attn"}), streak_key=key)
+        fraction = self.fresh_fraction(where)
+        if fraction == 0.0:
+            # No token is fresh: the feed-forward's cache is its output at the last fresh step (the fraction only
+            # grows along the trajectory, so no cached step since then changed it).
+            return Decision(None, label=REUSED, reuse_outputs=frozenset({"attn", "mlp"}), streak_key=key)
+        return Decision(self._select, 1.0 - fraction, frozenset({"mlp"}), label=CACHED,
+                        cache_outputs=frozenset({"mlp"}), cache_weight=0.0, reuse_outputs=frozenset({"attn"}),
+                        streak_key=key)
 
     def strategies(self) -> tuple[MergeStrategy, ...]:
         return (self._select,)
@@ -214,3 +267,14 @@ class ToCa(Schedule):
     def to_dict(self) -> dict[str, Any]:
         """The schedule's name and options (the built strategy is derived, not logged)."""
         return {k: v for k, v in super().to_dict().items() if not k.startswith("_")}
+
+
+@functools.lru_cache(maxsize=256)
+def _fresh_steps(schedule: ToCa, num_steps: int) -> frozenset[int]:
+    """ToCa's fresh steps (``cal_type`` with ``force_scheduler``), walked from the first step ``s = S - 1`` down."""
+    fresh, interval = [], schedule.interval
+    for countdown in range(num_steps - 1, -1, -1):
+        if countdown == num_steps - 1 or countdown % interval == 0:
+            fresh.append(num_steps - 1 - countdown)
+            interval = schedule.fresh_interval(countdown, num_steps)
+    return frozenset(fresh)

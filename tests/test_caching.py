@@ -1,9 +1,10 @@
 """The caching schedules (``strategies/caching.py``, docs/schedules.md "Caching") through the real hooks.
 
-On the tiny native DiT of ``test_compile`` (float64, 2 blocks, a guidance pair per call) and on diffusers
-families: interval 1 and threshold 0 are the unpatched model bit for bit and ``remove()`` restores it; a
-reused block returns its input plus the residual its block returned at the last full step, exactly, for every
-token stream; the forecast is TaylorSeer's formula, rebuilt here from the captured residuals; the adaptive
+The step rules, written out by hand from the authors' code: FORA's full steps at 20 and 50 steps (counted down),
+TeaCache's last step run in full. On the tiny native DiT of ``test_compile`` (float64, 2 blocks, a guidance pair per
+call) and on diffusers families: interval 1 and threshold 0 are the unpatched model bit for bit and ``remove()``
+restores it; a reused block returns its input plus the residual its block returned at the last full step, exactly,
+for every token stream; the forecast is TaylorSeer's formula, rebuilt here from the captured residuals; the adaptive
 criterion follows the relative L1 changes of the first block's residual, replayed here by hand; a reused
 block costs no FLOP and the criterion's first block costs a whole block (``experiments/measure/flops.py``); a batch
 equals its samples; caching composes with a merging strategy and a merging schedule; compiled trajectories
@@ -36,12 +37,14 @@ def where(step: int, layer: int = 1, change: float | None = None, num_steps: int
 
 # ====================================================================== the rules, as pure functions
 def test_block_cache_runs_every_block_on_the_warmup_steps_then_every_interval_steps():
-    full = {(interval, warmup): [t for t in range(14) if BlockCache(interval=interval, warmup=warmup).is_full(t)]
+    full = {(interval, warmup): [t for t in range(14) if BlockCache(interval=interval, warmup=warmup).is_full(t, 14)]
             for interval, warmup in ((1, 1), (3, 1), (4, 2), (5, 3))}
     assert full[(1, 1)] == list(range(14))
-    assert full[(3, 1)] == [0, 3, 6, 9, 12]  # FORA: t % N == 0
+    assert full[(3, 1)] == [0, 3, 6, 9, 12]  # counted up: t % N == 0
     assert full[(4, 2)] == [0, 1, 5, 9, 13]  # TaylorSeer-DiT: first_enhance 2, then a full step every 4th
     assert full[(5, 3)] == [0, 1, 2, 7, 12]
+    down = [t for t in range(14) if BlockCache(interval=5, warmup=2, count="down").is_full(t, 14)]
+    assert down == [0, 1, 3, 8, 13]  # the warm-up steps, then 13 - t = 10, 5, 0
     s = BlockCache(interval=3, forecast_order=2)
     stored, reused = s.decide(where(3)), s.decide(where(4))
     assert (stored.block_cache, stored.strategy, stored.forecast_order, stored.label) == ("store", None, 2, "compute")
@@ -49,13 +52,34 @@ def test_block_cache_runs_every_block_on_the_warmup_steps_then_every_interval_st
     assert BlockCache(interval=3).decide(where(4)).label == "reuse"
 
 
+def test_fora_computes_the_steps_fora_computes_at_20_and_50_steps():
+    # FORA's src/models.py lines 139-143: a block computes when step == numstep - 1 or step % N == 0, where
+    # gaussian_diffusion.py passes step = numstep - 1, ..., 0 (counting down). So t = numstep - 1 - step computes
+    # at t = 0 and wherever numstep - 1 - t is a multiple of N, the last step always.
+    # 20 steps, N = 3 (the preset): step = 19 (t=0), then step = 18, 15, 12, 9, 6, 3, 0 -> t = 1, 4, ..., 19
+    assert [t for t in range(20) if FORA().is_full(t, 20)] == [0, 1, 4, 7, 10, 13, 16, 19]  # 8 of 20
+    # 50 steps, N = 3: step = 49 (t=0), then step = 48, 45, ..., 3, 0 -> t = 1, 4, ..., 49
+    assert [t for t in range(50) if FORA().is_full(t, 50)] == [0, 1, 4, 7, 10, 13, 16, 19, 22, 25, 28, 31, 34, 37,
+                                                               40, 43, 46, 49]  # 18 of 50
+    # 20 steps, N = 4: step = 19 (t=0), then step = 16, 12, 8, 4, 0 -> t = 3, 7, 11, 15, 19
+    assert [t for t in range(20) if FORA(interval=4).is_full(t, 20)] == [0, 3, 7, 11, 15, 19]
+    # 50 steps, N = 4: step = 49 (t=0), then step = 48, 44, ..., 4, 0 -> t = 1, 5, ..., 49
+    assert [t for t in range(50) if FORA(interval=4).is_full(t, 50)] == [0] + list(range(1, 50, 4))
+    decisions = [FORA().decide(where(t)).block_cache for t in range(20)]
+    assert decisions[-1] == "store" and decisions.count("store") == 8
+    assert FORA().is_full(0, None)  # the first step needs no step count; a later one does
+    with pytest.raises(ValueError, match="count='down'.*needs the step count"):
+        FORA().is_full(1, None)
+
+
 def test_presets_hold_the_authors_settings():
-    assert (FORA().interval, FORA().warmup, FORA().forecast_order) == (3, 1, 0)
+    assert (FORA().interval, FORA().warmup, FORA().forecast_order, FORA().count) == (3, 1, 0, "down")
+    assert TaylorSeer().count == "up"
     assert (TaylorSeer().interval, TaylorSeer().warmup, TaylorSeer().forecast_order) == (4, 2, 4)
     assert (FirstBlockCache().threshold, FirstBlockCache().accumulate) == (0.08, False)
     assert tomerge.get_strategy("fora", interval=5).to_dict() == {
         "schedule": "fora", "merge": None, "merge_options": {}, "ratio": None, "warmup": 1, "forecast_order": 0,
-        "interval": 5}
+        "interval": 5, "count": "down"}
 
 
 def test_first_block_cache_measures_in_the_first_block_and_reuses_below_the_threshold():
@@ -69,11 +93,32 @@ def test_first_block_cache_measures_in_the_first_block_and_reuses_below_the_thre
     assert FirstBlockCache(threshold=0.0).decide(where(5, change=0.0)).block_cache == "store"
 
 
+def test_teacache_mode_computes_the_last_step_whatever_the_change():
+    # TeaCache (TeaCache4FLUX/teacache_flux.py lines 109-111): should_calc = True when cnt == 0 or cnt ==
+    # num_steps - 1, so the last step runs every block; ParaAttention's get_can_use_cache (first_block_cache/utils.py
+    # lines 270-286) forces no step: its last step reuses when the change is small.
+    tea, para = FirstBlockCache(threshold=0.1, accumulate=True), FirstBlockCache(threshold=0.1)
+    for n in (20, 50):
+        assert tea.decide(where(n - 1, change=0.0, num_steps=n)).block_cache == "store"  # step 19 of 20, 49 of 50
+        assert tea.decide(where(n - 2, change=0.0, num_steps=n)).block_cache == "reuse"
+        assert para.decide(where(n - 1, change=0.0, num_steps=n)).block_cache == "reuse"
+    with pytest.raises(ValueError, match="accumulate=True runs the last step in full.*needs the step count"):
+        tea.decide(Where(step=3, num_steps=None, progress=0.5, layer=1, num_layers=4, change=0.0))
+
+
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_below_the_threshold_only_teacache_mode_runs_the_last_step_through_the_hooks(dit, accumulate):
+    steps = 12  # a threshold no change reaches: every later step reuses, except TeaCache's last one
+    _, _, _, records = run_trajectory(dit, "first_block_cache", steps=steps, threshold=1e6, accumulate=accumulate)
+    assert [r.reused for r in records if r.layer == 1] == [False] + [True] * 10 + [not accumulate]
+
+
 def test_the_block_calls_that_run_take_the_inner_schedules_decisions():
     s = FORA(merge="toma", ratio=0.4, merge_options={"num_tiles": 4, "skip_first": 1})
-    merged, skipped, reused = s.decide(where(3, layer=2)), s.decide(where(3, layer=0)), s.decide(where(4, layer=2))
+    # 20 steps: step 4 is full (19 - 4 = 15 = 5 * 3), step 5 is not
+    merged, skipped, reused = s.decide(where(4, layer=2)), s.decide(where(4, layer=0)), s.decide(where(5, layer=2))
     assert (merged.label, merged.ratio, merged.block_cache, merged.cache_key) == ("merge", 0.4, "store",
-                                                                                  (("toma", "block", 0), 3))
+                                                                                  (("toma", "block", 0), 4))
     assert (skipped.label, skipped.strategy, skipped.block_cache) == ("skip_block", None, "store")
     assert (reused.label, reused.strategy) == ("reuse", None)
     assert s.strategies() == s.inner.strategies() and FORA().strategies() == ()
@@ -241,7 +286,7 @@ def test_first_block_cache_follows_the_relative_l1_change_of_the_first_blocks_re
                 reference = first[s - 1] if not reused[-1] else reference
                 c = change(first[s], reference)
             changes.append(c)
-            reused.append(c < threshold)
+            reused.append(c < threshold and not (accumulate and s == steps - 1))  # TeaCache computes the last step
         return reused, changes
 
     step_changes = sorted(replay(0.0)[1])

@@ -95,7 +95,8 @@ class Decision:
             :attr:`Schedule.reused_sublayers` name them may use it.
         streak_key: the merge streaks (``ctx.streak``) of this call are kept under this key (``None``: one
             streak per token count, shared by every block, as SDTM counts; ToCa counts per block:
-            ``("toca", layer)``).
+            ``("toca", layer)``). With no ``strategy`` (a call that selects no token) every streak of the key
+            grows by 1, as ToCa's counter does on a step with no fresh token.
         measure_change: this call (a ``"store"``) measures how much its residual changed, the ``Where.change``
             of the later block calls of the model call: ``"accumulated"`` (TeaCache's rule) sums the relative L1
             changes from step to step since the last model call that ran every block; ``"since_full"``

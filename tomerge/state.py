@@ -448,6 +448,10 @@ class MergeState:
                     if cached is not None:
                         call.cached_outputs[key] = cached
         strategy = decision.strategy
+        if strategy is None and decision.streak_key is not None and self.keep_streaks:
+            # a call that selects no token: every token's streak of this key grows by 1 (ToCa's counter)
+            streak = self._streak(B, N, block_input.device, decision.streak_key)
+            self.streaks[(self.call_index, decision.streak_key, N)] = streak + 1
         if strategy is None or grid is None:
             return call
         if decision.cache_key is not None:
