@@ -2,7 +2,7 @@
 
 Fashion-MNIST images have black left and right borders, so what a sampler leaves there is noise: this
 prints, for every run of an ablation folder, the pixel standard deviation of the ``width``-pixel left and
-right borders (pixel values in [0, 1]) over all of the run's images.
+right borders (pixel values in [0, 1]) over all of the run's images, with its 95% interval over the images.
 
     python3 scripts/border_noise.py runs/claims_headline [--width 3]
 """
@@ -16,13 +16,23 @@ import numpy as np
 from PIL import Image
 
 
-def border_std(files: list[Path], width: int) -> float:
-    """Standard deviation of the pixels in the ``width`` leftmost and rightmost columns of every image."""
-    borders = []
+def borders(files: list[Path], width: int) -> np.ndarray:
+    """The ``width`` leftmost and rightmost pixel columns of every image, ``[N, H, 2 * width]`` in [0, 1]."""
+    out = []
     for f in files:
         pixels = np.asarray(Image.open(f).convert("L"), dtype=np.float64) / 255.0  # [H, W]
-        borders.append(np.concatenate([pixels[:, :width], pixels[:, -width:]], axis=1))  # [H, 2 * width]
-    return float(np.std(np.stack(borders)))
+        out.append(np.concatenate([pixels[:, :width], pixels[:, -width:]], axis=1))  # [H, 2 * width]
+    return np.stack(out)
+
+
+def border_std(files: list[Path], width: int) -> tuple[float, float, float]:
+    """Standard deviation of the border pixels of all images, with its 95% interval from a bootstrap over the
+    images (``measure.intervals``)."""
+    from tomerge.experiments.measure.intervals import bootstrap_interval
+
+    b = borders(files, width)
+    lo, hi = bootstrap_interval(lambda idx: float(np.std(b[idx])), len(files))
+    return float(np.std(b)), lo, hi
 
 
 def main() -> None:
@@ -33,11 +43,12 @@ def main() -> None:
     runs = sorted(p for p in (args.folder / "images").iterdir() if p.is_dir())
     if not runs:
         raise SystemExit(f"no image folders under {args.folder / 'images'}")
-    print(f"| run | images | border std (width {args.width}) |\n|---|---|---|")
+    print(f"| run | images | border std (width {args.width}) [95% interval] |\n|---|---|---|")
     for run in runs:
         files = sorted(run.glob("*.png"))
         if files:
-            print(f"| {run.name} | {len(files)} | {border_std(files, args.width):.3f} |")
+            std, lo, hi = border_std(files, args.width)
+            print(f"| {run.name} | {len(files)} | {std:.3f} [{lo:.3f}, {hi:.3f}] |")
 
 
 if __name__ == "__main__":

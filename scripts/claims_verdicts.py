@@ -1,0 +1,119 @@
+"""The paired comparisons behind docs/claims.md's verdicts: for each claims run folder, the pairs of runs a verdict
+compares, each metric's difference with its 95% interval (``tomerge compare``), written as
+``docs/runs/<folder>/verdicts.md``.
+
+    python3 scripts/claims_verdicts.py runs [--suffix _1024] [--out docs/runs]
+
+A verdict says "holds" / "not reproduced" only where the interval of the difference it rests on excludes 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from tomerge.experiments.runs.comparison import compare_runs, comparison_table
+
+ORDER = "round_windows=1"
+SDTM, REVERSED = "sdtm-flops{b}-" + ORDER, "sdtm-flops{b}-order=detail_first-" + ORDER
+SSM_ALONE, IDM_ALONE = SDTM + "-switch=1.0", REVERSED + "-switch=1.0"
+CD = "cached_detail-flops{b}-merge=tomesd-merge_options={{'use_rand':False,'merge_mlp':True}}-refresh_every={r}"
+CURVE = "sdtm-r0.3-curve={c}"
+MATCHED = "sdtm-flops1.6x-curve={c}-round_windows=1"
+FL = "facility_location-r0.5-{o}"
+
+# folder -> [(what the pair tests, run a, run b)]
+PAIRS: dict[str, list[tuple[str, str, str]]] = {
+    "claims_sdtm_order": [
+        *[(f"SDTM's order against the reversed order at {b}", SDTM.format(b=b), REVERSED.format(b=b))
+          for b in ("1.3x", "1.5x")],
+        *[(f"SDTM against SSM alone at {b}", SDTM.format(b=b), SSM_ALONE.format(b=b)) for b in ("1.3x", "1.5x")],
+        *[(f"SDTM against IDM alone at {b}", SDTM.format(b=b), IDM_ALONE.format(b=b)) for b in ("1.3x", "1.5x")],
+    ],
+    "claims_headline": [
+        ("ssm against tomesd at 1.27x / 1.22x", "ssm-r0.2", "tomesd-r0.35-use_rand=False"),
+        ("sdtm against tomesd at 1.45x / 1.47x", "sdtm-r0.5", "tomesd-r0.65-use_rand=False"),
+        ("toma against facility_location at 2.14x / 2.12x", "toma-r0.5-num_tiles=16",
+         "facility_location-r0.5-num_tiles=16"),
+        ("ssm against facility_location at 1.71x / 1.66x", "ssm-r0.5", "facility_location-r0.35-num_tiles=16"),
+    ],
+    "claims_sdtm_curve": [
+        ("cosine 0.2 against linear 0.4 (both 1.31x)", CURVE.format(c="cosine-deviation=0.2"),
+         CURVE.format(c="linear-deviation=0.4")),
+        ("linear 0.3 (1.29x) against the constant ratio (1.20x)", CURVE.format(c="linear-deviation=0.3"),
+         CURVE.format(c="constant")),
+        ("cosine 0.2 (1.31x) against the constant ratio (1.20x)", CURVE.format(c="cosine-deviation=0.2"),
+         CURVE.format(c="constant")),
+    ],
+    "claims_sdtm_curve_matched": [
+        *[(f"{c.replace('-deviation=', ' ')} against the constant ratio at 1.6x", MATCHED.format(c=c),
+           MATCHED.format(c="constant"))
+          for c in ("cosine-deviation=0.2", "cosine-deviation=0.3", "cosine-deviation=0.4", "linear-deviation=0.2",
+                    "linear-deviation=0.3", "linear-deviation=0.4")],
+        *[(f"cosine 0.2 against {c.replace('-deviation=', ' ')} at 1.6x", MATCHED.format(c="cosine-deviation=0.2"),
+           MATCHED.format(c=c)) for c in ("linear-deviation=0.2", "linear-deviation=0.3", "linear-deviation=0.4")],
+    ],
+    "claims_toma_locality": [
+        ("16 tiles against 16 stripes", FL.format(o="num_tiles=16"), FL.format(o="locality=stripes-num_tiles=16")),
+        ("16 tiles against one global selection", FL.format(o="num_tiles=16"), FL.format(o="num_tiles=1")),
+        ("64 tiles against 16 tiles", FL.format(o="num_tiles=64"), FL.format(o="num_tiles=16")),
+        ("64 tiles against 4 tiles", FL.format(o="num_tiles=64"), FL.format(o="num_tiles=4")),
+        ("transpose against pseudo-inverse unmerge", FL.format(o="num_tiles=16"),
+         FL.format(o="num_tiles=16-unmerge_matrix=pinv")),
+    ],
+    "claims_own": [
+        ("cached_detail against first_block_cache at 1.5x", CD.format(b="1.5x", r=3),
+         "first_block_cache-r0-threshold=0.08"),
+        ("cached_detail against sdtm_release at 1.5x", CD.format(b="1.5x", r=3), "sdtm_release-flops1.5x"),
+        ("cached_detail against tomesd at 1.5x", CD.format(b="1.5x", r=3),
+         "tomesd-flops1.5x-merge_mlp=True-use_rand=False"),
+        ("cached_detail against block_cache interval 2 at 2x", CD.format(b="2x", r=3), "block_cache-r0-interval=2"),
+        ("cached_detail at 2x against sdtm_release ratio 0.3 (the sub-target)", CD.format(b="2x", r=3),
+         "sdtm_release-r0.3"),
+        ("cached_detail against block_cache interval 3, order 1 at 3x", CD.format(b="3x", r=10),
+         "block_cache-r0-forecast_order=1-interval=3"),
+        ("toca (DDIM-50 recipe) against fora", "toca-r0", "fora-r0"),
+    ],
+    "claims_mlp_noise": [
+        ("ssm on attention only against the MLP only (1.27x / 1.25x)", "ssm-r0.5-merge_mlp=False",
+         "ssm-r0.5-merge_attn=False"),
+        ("the MLP merged in the first half against every step", "ssm-r0.5-merge_attn=False-merge_until=0.49",
+         "ssm-r0.5-merge_attn=False"),
+        ("the MLP merged in the first half against the second half", "ssm-r0.5-merge_attn=False-merge_until=0.49",
+         "ssm-r0.5-merge_attn=False-merge_from=0.5"),
+        ("tomesd on attention against attention and MLP", "tomesd-r0.5-use_rand=False",
+         "tomesd-r0.5-merge_mlp=True-use_rand=False"),
+    ],
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("runs", type=Path, help="the folder holding the claims run folders (runs/)")
+    parser.add_argument("--suffix", default="", help="the run folders' name suffix (_1024 for the 1,024-token runs)")
+    parser.add_argument("--out", type=Path, default=Path("docs/runs"), help="where verdicts.md files go")
+    args = parser.parse_args()
+    for name, pairs in PAIRS.items():
+        folder = args.runs / f"{name}{args.suffix}"
+        if not (folder / "results.jsonl").exists():
+            print(f"{folder}: no results.jsonl, skipped")
+            continue
+        lines = [f"# Paired comparisons of {folder.name}", "",
+                 f"`python3 scripts/claims_verdicts.py {args.runs} --suffix '{args.suffix}'` (`tomerge compare` on each "
+                 "pair): each metric's difference over the same images and seeds, with its 95% bootstrap interval.", ""]
+        for what, a, b in pairs:
+            try:
+                done, skipped, n = compare_runs(folder, a, b)
+            except Exception as err:  # a run missing from a partial folder
+                lines += [f"## {what}", "", f"not compared: {err}", ""]
+                continue
+            lines += [f"## {what}", "", f"`{a}` against `{b}`", "", comparison_table(done, "a", "b", n), ""]
+            lines += [f"not compared: {s}" for s in skipped]
+        out = args.out / folder.name / "verdicts.md"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text("\n".join(lines).rstrip() + "\n")
+        print(out)
+
+
+if __name__ == "__main__":
+    main()
