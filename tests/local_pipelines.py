@@ -1109,3 +1109,25 @@ def _build_ltx2():
 
 
 _BUILDERS.update({"hunyuan_dit": _build_hunyuan_dit, "skyreels_v2": _build_skyreels_v2, "ltx2": _build_ltx2})
+
+
+# ---------------------------------------------------------------------- Wan 2.2 A14B: two experts
+# | ``wan22`` | WanPipeline with ``transformer`` (high noise) and ``transformer_2`` (low noise), ``boundary_ratio=0.875`` | 9 frames of 64 x 64 | as ``wan`` | as ``wan`` |
+CALL_DEFAULTS["wan22"] = {**CURRENT_CALL_DEFAULTS["wan"], "num_inference_steps": 8}
+
+
+def _build_wan22():
+    """Wan 2.2 A14B's layout: ``wan``'s components and a second transformer of another seed, switched at
+    ``boundary_ratio * 1000`` (0.875, Wan2.2-T2V-A14B's): of 8 steps (FlowMatchEuler, shift 3: timesteps 1000,
+    947.5, 882.8, 800.8, 693.8, 548.0, 338.0, 8.9) the first 3 (t >= 875) run ``transformer``, the last 5
+    ``transformer_2``."""
+    from diffusers import WanPipeline, WanTransformer3DModel
+
+    wan = _build_wan()
+    _seeded(7)
+    transformer_2 = WanTransformer3DModel(**dict(wan.transformer.config)).eval()
+    return WanPipeline(tokenizer=wan.tokenizer, text_encoder=wan.text_encoder, vae=wan.vae, scheduler=wan.scheduler,
+                       transformer=wan.transformer, transformer_2=transformer_2, boundary_ratio=0.875)
+
+
+_BUILDERS.update({"wan22": _build_wan22})
