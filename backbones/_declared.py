@@ -223,6 +223,9 @@ class Kind:
             call's grid), every token of the stream beyond the grid (FramePack's and Helios's history latents):
             the block call's :class:`~tomerge.backbones._context.ContextTokens`; ``None``: those of the model call
             (:meth:`DeclaredAdapter.call_layout`).
+        uncached: why the block cache cannot run on these blocks (their output is no new value of their inputs,
+            which ``outputs`` cannot declare): caching schedules that skip whole blocks are refused at ``apply``
+            with it (:meth:`~tomerge.adapter.BackboneAdapter.uncached_kinds`); ``None``: they run.
     """
 
     name: str
@@ -238,6 +241,7 @@ class Kind:
     outputs: tuple[str, ...] | None = None
     batch_dim: Literal[0, 1] = 0
     context: Side | None = None
+    uncached: str | None = None
 
     def __post_init__(self) -> None:
         if self.context is not None and any(site.tokens == "conv" for site in self.sites):
@@ -944,6 +948,11 @@ class DeclaredAdapter(BackboneAdapter):
         ``"attn"`` sites, e.g. one inside that attention, record nothing themselves)."""
         return frozenset(kind.name for kind in cls.kinds
                          if any(site.sublayer == "attn" and cls.probes_site(site) for site in kind.sites))
+
+    @classmethod
+    def uncached_kinds(cls) -> dict[str, str]:
+        """Read from :attr:`kinds` (``Kind.uncached``)."""
+        return {kind.name: kind.uncached for kind in cls.kinds if kind.uncached is not None}
 
     @classmethod
     def kind_summaries(cls) -> tuple[KindSummary, ...]:

@@ -1,6 +1,7 @@
 """apply/remove guarantees, option validation, the trajectory clock and registries."""
 
 import dataclasses
+import re
 import types
 
 import pytest
@@ -184,9 +185,13 @@ def test_warns_when_no_block_is_merged_as_on_sdxl_with_max_downsample_1():
         down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"), up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
         cross_attention_dim=32, attention_head_dim=8).eval()
     inputs = unet_inputs()
-    with tomerge.merging(sdxl_like, "tomesd", ratio=0.5, max_downsample=1):
-        with pytest.warns(UserWarning, match="no block of this UNet2DConditionModel call was merged"):
-            forward(sdxl_like, inputs)
+    with tomerge.merging(sdxl_like, "tomesd", ratio=0.5, max_downsample=1) as handle:
+        messages = tomerge_warnings(lambda: (forward(sdxl_like, inputs), forward(sdxl_like, inputs)))
+        messages += tomerge_warnings(handle.remove)
+    assert messages == [  # once, at the first call: it is known then
+        "tomerge: no block of this UNet2DConditionModel call was merged or reused: no block with a token grid: none "
+        f"is mergeable with the 'unet' adapter's options {handle.adapter.options} at this input size; change the "
+        "adapter's options (e.g. max_downsample) or the input size"]
     with tomerge.merging(sdxl_like, "tomesd", ratio=0.5, max_downsample=2) as handle:
         forward(sdxl_like, inputs)
         assert handle.stats["tokens_removed"] > 0
@@ -261,3 +266,147 @@ def test_capabilities_are_properties_an_option_may_not_hide_but_a_constant_may_s
     assert Constant().batch_independent is False and SSM().batch_independent is True
     assert ToMeSD().generator_policy == "fork_global" and ToMeSD(rng="per_step_layer").generator_policy == "per_step_layer"
     assert SSM().generator_policy == "per_step_layer"
+
+
+# ====================================================================== handle.stats and the warning of a handle that did nothing
+# On the tiny native DiT of test_compile: 2 blocks, one guidance pair per model call (batch 2), 8 x 8 = 64 tokens.
+NATIVE_STEPS = 5
+
+
+@pytest.fixture(scope="module")
+def dit():
+    from test_compile import build
+
+    return build("native_dit")
+
+
+def sample(model, steps: int = NATIVE_STEPS, batch_of_step=lambda step: 2, same_t: bool = False) -> None:
+    """One trajectory of ``steps`` model calls (the times of test_compile), each step's batch ``batch_of_step``."""
+    from test_compile import call, inputs, times
+
+    for step, t in enumerate(times(steps)):
+        kwargs = inputs("native_dit", times(steps)[0] if same_t else t)
+        call(model, {k: v[:batch_of_step(step)] for k, v in kwargs.items()})
+
+
+def tomerge_warnings(run) -> list[str]:
+    """The messages of the warnings tomerge gives while ``run()`` runs."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run()
+    return [str(w.message) for w in caught if str(w.message).startswith("tomerge:")]
+
+
+@pytest.mark.parametrize("schedule, options, expected", [
+    # 5 steps x 2 blocks = 10 block calls; full steps 0, 2, 4 (count up from the warm-up step 0), reused 1, 3
+    ("block_cache", dict(interval=2), dict(merged_calls=0, reused_calls=4, computed_calls=6, forecast_calls=0)),
+    # the same with tomesd on the blocks that run: 64 tokens, 32 removed in each of the 6
+    ("block_cache", dict(interval=2, merge="tomesd", ratio=0.5, merge_options=dict(use_rand=False)),
+     dict(merged_calls=6, reused_calls=4, computed_calls=0, forecast_calls=0, tokens=6 * 64, tokens_removed=6 * 32)),
+    # warm-up steps 0 and 1, full step 1 + 4 = 5 is past the end: steps 2, 3, 4 forecast
+    ("taylorseer", {}, dict(merged_calls=0, reused_calls=6, computed_calls=4, forecast_calls=6)),
+    # the first block runs at every step, the second reuses from step 1 on (any change is below 1e9)
+    ("first_block_cache", dict(threshold=1e9), dict(merged_calls=0, reused_calls=4, computed_calls=6)),
+    ("tomesd", dict(ratio=0.5, use_rand=False), dict(merged_calls=10, reused_calls=0, computed_calls=0,
+                                                    tokens=10 * 64, tokens_removed=10 * 32)),
+])
+def test_stats_count_what_the_block_calls_did(dit, schedule, options, expected):
+    with tomerge.merging(dit, schedule, num_steps=NATIVE_STEPS, **options) as handle:
+        messages = tomerge_warnings(lambda: sample(dit))
+        stats = handle.stats
+    assert messages == []  # it merged or reused: nothing to warn about
+    expected = {"model_calls": 5, "block_calls": 10, "sublayer_reused_calls": 0, "reuse_missed_calls": 0,
+                "tokens": 0, "tokens_removed": 0, "forecast_calls": 0, "step": 4, "num_steps": 5, **expected}
+    assert stats == expected
+
+
+def test_a_cache_that_reuses_only_at_the_last_step_is_not_warned_about(dit):
+    """Warm-up 4 of 5 steps: steps 0-3 run every block, step 4 reuses; the check waits for the trajectory's end."""
+    with tomerge.merging(dit, "block_cache", interval=2, warmup=4, num_steps=NATIVE_STEPS) as handle:
+        messages = tomerge_warnings(lambda: sample(dit))
+        assert (handle.stats["reused_calls"], handle.stats["computed_calls"]) == (2, 8)
+    assert messages == []
+
+
+def sample_twice(model, schedule, options, **sample_options) -> tuple[list[str], list[str], dict]:
+    """The tomerge warnings of two trajectories (given while they run, and at remove()) and the stats."""
+    def run():
+        handle = tomerge.apply(model, schedule, **options)
+        try:
+            during.extend(tomerge_warnings(lambda: (sample(model, **sample_options), sample(model, **sample_options))))
+        finally:
+            stats.update(handle.stats)
+            at_remove.extend(tomerge_warnings(handle.remove))
+    during, at_remove, stats = [], [], {}
+    run()
+    return during, at_remove, stats
+
+
+@pytest.mark.parametrize("schedule, options, sample_options, when, reason", [
+    ("first_block_cache", dict(threshold=1e-9, num_steps=5), {}, "during",
+     r"reused nothing in 10 block calls: the threshold was never crossed: the first block's residual changed by at "
+     r"least \S+ per step, not below threshold=1e-09; raise the threshold"),
+    ("block_cache", dict(warmup=5, num_steps=5), {}, "during",
+     r"reused nothing in 10 block calls: the step count leaves no reuse step: no step of the 5 seen \(of "
+     r"num_steps=5\) was one its warmup and interval reuse; run more steps or lower the warmup or interval"),
+    ("taylorseer", dict(num_steps=2), dict(steps=2), "during", r"reused nothing in 4 block calls: the step count leaves no reuse step"),
+    ("tomesd", dict(ratio=0.5, merge_from=0.9, merge_until=0.95, num_steps=5), {}, "during",
+     r"merged nothing in 10 block calls: the schedule decided no merge in any block call of the 5 steps seen; check "
+     r"its step options \(merge_from/merge_until"),
+    ("tomesd", dict(ratio=0.01, num_steps=5), {}, "during",
+     r"merged nothing in 10 block calls: the strategy removed no token in the 10 block calls it was asked to merge "
+     r"\(too few tokens for the ratio\); raise the ratio"),
+    ("block_cache", dict(interval=2, num_steps=5), dict(batch_of_step=lambda step: 2 - step % 2), "during",
+     r"reused nothing in 10 block calls: each of its 4 reuses found no kept residual of its input's shape \(the batch "
+     r"or size changed between steps\)"),
+    ("fora", dict(num_steps=5), dict(same_t=True), "at_remove",
+     r"reused nothing in 20 block calls: all 10 model calls were at one step \(their timestep never changed"),
+])
+def test_a_handle_that_merged_or_reused_nothing_warns_once_with_the_reason(dit, schedule, options, sample_options,
+                                                                           when, reason):
+    """Each reason once over two trajectories: when the clock reaches the last step of the first (while the pipeline
+    runs; its 5 steps x 2 blocks = 10 block calls), or at remove() where the clock never got there."""
+    during, at_remove, stats = sample_twice(dit, schedule, options, **sample_options)
+    messages = during + at_remove
+    assert len(messages) == 1 and len({"during": during, "at_remove": at_remove}[when]) == 1, messages
+    what = "strategy" if schedule == "tomesd" else "schedule"
+    assert re.fullmatch(rf"tomerge: {what} '{schedule}' on this DiT {reason}.*", messages[0]), messages[0]
+    assert stats["merged_calls"] == stats["reused_calls"] == 0
+
+
+def test_a_pipeline_that_bypasses_the_hooked_module_is_named(dit):
+    from test_compile import inputs
+
+    kwargs = inputs("native_dit", 0.5)
+    with tomerge.merging(dit, "fora", num_steps=5) as handle:  # the blocks run, the model's hooks do not
+        with torch.no_grad():
+            messages = tomerge_warnings(lambda: [dit.forward(**kwargs) for _ in range(3)])
+        assert messages == [] and handle.stats["block_calls"] == 6 and handle.stats["model_calls"] == 0
+        messages = tomerge_warnings(handle.remove)
+    assert len(messages) == 1 and messages[0].startswith(
+        "tomerge: schedule 'fora' on this DiT reused nothing in 6 block calls: a pipeline bypassed the hooked module: "
+        "its blocks ran outside a call of it (model.forward(...) called directly"), messages
+
+    def skip_the_blocks(*args, **kwargs):
+        return kwargs["x"]
+    dit.forward = skip_the_blocks  # the model's hooks run, its blocks do not
+    try:
+        with tomerge.merging(dit, "tomesd", ratio=0.5) as handle:
+            messages = tomerge_warnings(lambda: [dit(**kwargs) for _ in range(2)])
+            messages += tomerge_warnings(handle.remove)
+    finally:
+        del dit.forward
+    assert messages == ["tomerge: strategy 'tomesd' on this DiT merged nothing in 0 block calls: the model ran 2 "
+                        "times but none of its 2 hooked blocks did (the pipeline or a graph compiled before apply "
+                        "bypassed them); apply to the module the pipeline runs (e.g. transformer_2 too), and compile "
+                        "after apply"]
+
+
+def test_a_handle_that_saw_no_call_or_merges_at_ratio_zero_warns_nothing(dit):
+    assert tomerge_warnings(lambda: tomerge.apply(dit, "fora").remove()) == []
+    with tomerge.merging(dit, "tomesd", ratio=0.0, num_steps=NATIVE_STEPS) as handle:
+        messages = tomerge_warnings(lambda: sample(dit))
+        assert handle.stats["computed_calls"] == 10
+    assert messages == []

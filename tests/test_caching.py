@@ -556,3 +556,18 @@ def test_blocks_that_return_a_tuple_reuse_each_declared_stream_exactly(name):
         outs, _ = cached_run(schedule)
         assert torch.equal(outs[0], base[0]) and all(torch.isfinite(o).all() for o in outs), schedule
     assert all(torch.equal(a, b) for a, b in zip(run(case, model, calls), base))
+
+
+def test_step_level_caching_is_refused_at_apply_where_blocks_cannot_be_skipped():
+    """Wan VACE's control blocks return a new hint, no residual: the schedules that skip whole blocks are refused by
+    apply with the reason `tomerge backbones` lists; toca, which skips no whole block, attaches."""
+    from test_backbones_video_wan_like import build_wan_vace
+
+    model = build_wan_vace()
+    for schedule in ("block_cache", "fora", "taylorseer", "first_block_cache"):
+        with pytest.raises(NotImplementedError, match=rf"^schedule '{schedule}' skips whole block calls \(block cache\): "
+                                                      r"backbone 'wan_vace' cannot skip its 'vace' blocks: they return "
+                                                      r"a new hint beside the control tokens.*; use a merging strategy"):
+            tomerge.apply(model, schedule, num_steps=4)
+        assert "_tomerge_handle" not in model.__dict__ and all("forward" not in b.__dict__ for b in model.vace_blocks)
+    tomerge.apply(model, "toca", num_steps=4).remove()

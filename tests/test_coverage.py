@@ -3,8 +3,10 @@
 The committed page docs/backbones/coverage.md is what the command prints (for the diffusers it names), and every
 class it lists as merged is still merged, by the same backbone, with at least its strategies. The strategies
 column is checked against ``tomerge.apply`` itself: every merged class is built on the meta device from its
-default config (no weights are allocated) and each registered strategy is applied; it attaches exactly when the
-table lists it, and the blocks the adapter finds are the block kinds and sublayers the table shows.
+default config (no weights are allocated) and each registered strategy, caching schedule and a sample of the
+compositions is applied; it attaches exactly when the table lists it, else raises the reason the table gives, and the
+blocks the adapter finds are the block kinds and sublayers the table shows. A few classes' listings are written out by
+hand, `wan_vace`'s refused caching included.
 """
 
 from __future__ import annotations
@@ -21,8 +23,8 @@ import torch
 import tomerge
 from tomerge.experiments import cli
 from tomerge.registry import backbone_class
-from tomerge.experiments.sources.coverage import (NOT_DECLARED, NOT_MERGED, PAGE, REGENERATE, coverage, default_ratio, markdown,
-                                          model_classes)
+from tomerge.experiments.sources.coverage import (NOT_DECLARED, NOT_MERGED, PAGE, REGENERATE, composition, coverage,
+                                                 default_ratio, markdown, model_classes, refused_groups)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -52,7 +54,7 @@ def page_merged(page: str) -> dict[str, tuple[str, set[str]]]:
     rows = {}
     for line in section.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) == 7 and cells[0].startswith("`"):
+        if len(cells) == 9 and cells[0].startswith("`"):
             rows[cells[0].strip("`")] = (cells[1].strip("`"), set(cells[3].split(", ")) - {""})
     return rows
 
@@ -106,18 +108,80 @@ def test_strategies_listed_are_exactly_those_apply_attaches(table, backbone):
             model = model_classes()[row.model_class]()
     except (TypeError, ValueError) as err:
         pytest.skip(f"{row.model_class} does not build from its default config ({err}); its family tests build it")
-    for name in table.strategies:
-        if name in row.strategies:
-            handle = tomerge.apply(model, name, ratio=default_ratio(name))
+    refused = dict(row.refused)
+    # every strategy and caching schedule; the compositions of each caching schedule with its first and last strategy
+    compositions = {c: dict(merge=m, ratio=default_ratio(m)) for c in table.caching for m in table.strategies[::10]
+                    if composition(c, m) in table.compositions}
+    cells = [*((name, dict(ratio=default_ratio(name))) for name in (*table.strategies, *table.caching)),
+             *((composition(c, options["merge"]), options) for c, options in compositions.items())]
+    for cell, options in cells:
+        name = cell.split("(", 1)[0]
+        if cell in (*row.strategies, *row.caching, *row.compositions):
+            handle = tomerge.apply(model, name, **options)
             kinds: dict[str, tuple[str, ...]] = {}
             for block in handle._blocks:
                 kinds.setdefault(block.kind, tuple(dict.fromkeys(p.sublayer for p in block.points)))
-            assert kinds == {k.kind: k.sublayers for k in row.kinds}, name
+            assert kinds == {k.kind: k.sublayers for k in row.kinds}, cell
             handle.remove()
         else:
-            with pytest.raises(NotImplementedError, match="cannot record received attention"):
-                tomerge.apply(model, name, ratio=default_ratio(name))
-        assert "_tomerge_handle" not in model.__dict__, name
+            with pytest.raises(NotImplementedError, match=re.escape(refused[cell])):
+                tomerge.apply(model, name, **options)
+        assert "_tomerge_handle" not in model.__dict__, cell
+
+
+#: ``wan_vace``'s reason for the schedules that skip whole blocks, written out.
+VACE_REFUSED = ("backbone 'wan_vace' cannot skip its 'vace' blocks: they return a new hint beside the control tokens, "
+                "not the new value of an input, so a skipped call has no residual to add")
+STEP_LEVEL = ["block_cache", "first_block_cache", "fora", "taylorseer"]
+MERGING = ["cached_detail", "facility_location", "fresh_tokens", "idm", "sdtm", "sdtm_paper", "sdtm_release", "ssm",
+           "toma", "toma_release", "tomesd"]
+
+
+def test_the_listing_of_a_few_classes_is_what_apply_runs_and_refuses(table, capsys):
+    rows = {row.model_class: row for row in table.merged}
+    assert table.caching == ("block_cache", "first_block_cache", "fora", "taylorseer", "toca")
+    assert list(table.strategies) == MERGING
+    every_composition = tuple(f"{c}(merge={m})" for c in STEP_LEVEL for m in MERGING)
+    assert table.compositions == every_composition  # toca takes no merge=
+    for name in ("DiTTransformer2DModel", "FluxTransformer2DModel", "WanTransformer3DModel"):
+        row = rows[name]
+        assert (list(row.strategies), row.caching, row.compositions, row.refused) == \
+            (MERGING, table.caching, every_composition, ()), name
+    vace = rows["WanVACETransformer3DModel"]
+    assert (list(vace.strategies), vace.caching, vace.compositions) == (MERGING, ("toca",), ())
+    assert vace.refused == (*((c, VACE_REFUSED) for c in STEP_LEVEL), *((c, VACE_REFUSED) for c in every_composition))
+    assert refused_groups(vace) == [(", ".join(STEP_LEVEL + [f"{c}(merge=*)" for c in STEP_LEVEL]), VACE_REFUSED)]
+    # the JSON and the text line say the same
+    assert cli.main(["backbones", "--json"]) == 0
+    objects = {o["class"]: o for o in map(json.loads, capsys.readouterr().out.splitlines())}
+    assert objects["WanVACETransformer3DModel"]["caching"] == ["toca"]
+    assert objects["WanVACETransformer3DModel"]["refused"]["fora(merge=tomesd)"] == VACE_REFUSED
+    assert objects["DiTTransformer2DModel"]["compositions"] == list(every_composition)
+    assert objects["DiTTransformer2DModel"]["refused"] == {}
+    assert cli.main(["backbones"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("WanVACETransformer3DModel "))
+    assert "strategies: all  caching: toca  compositions: none" in lines[at]
+    assert lines[at + 1] == (f"    refused block_cache, first_block_cache, fora, taylorseer, block_cache(merge=*), "
+                             f"first_block_cache(merge=*), fora(merge=*), taylorseer(merge=*): {VACE_REFUSED}")
+
+
+def test_a_class_without_a_probe_refuses_what_needs_received_attention_with_the_reason(monkeypatch):
+    """PixArt with its probe taken away: the strategies, caching schedule and compositions that need received
+    attention are refused, each with the reason apply gives."""
+    adapter = backbone_class("pixart")
+    monkeypatch.setattr(adapter, "probed_kinds", classmethod(lambda cls: frozenset()))
+    row = next(row for row in coverage(["pixart"], builtin("tomerge.strategies")).merged)
+    needs = ["fresh_tokens", "idm", "sdtm", "sdtm_paper"]  # sdtm_release: idm(variant="streak"), no attention
+    reason = ("backbone 'pixart' cannot record received attention in its 'ada_norm_single' blocks (no probe is declared for "
+              "their attention: docs/backbones/adding-a-family.md)")
+    assert list(row.strategies) == [m for m in MERGING if m not in needs]
+    assert row.caching == ("block_cache", "first_block_cache", "fora", "taylorseer")
+    assert row.compositions == tuple(f"{c}(merge={m})" for c in STEP_LEVEL for m in MERGING if m not in needs)
+    assert row.refused == (*((m, reason) for m in needs), ("toca", reason),
+                           *((f"{c}(merge={m})", reason) for c in STEP_LEVEL for m in needs))
+    assert refused_groups(row) == [(", ".join([*needs, "toca", *(f"{c}(merge={m})" for c in STEP_LEVEL for m in needs)]),
+                                    reason)]
 
 
 def test_the_command_prints_a_line_json_or_the_page(capsys, table):

@@ -264,6 +264,14 @@ class BackboneAdapter(abc.ABC):
         return frozenset()
 
     @classmethod
+    def uncached_kinds(cls) -> dict[str, str]:
+        """Block kind -> why the block cache (caching schedules that skip whole block calls,
+        :attr:`~tomerge.schedule.Schedule.caches_blocks`) cannot run on its blocks: their output is not the new value
+        of their inputs, so no residual is defined (e.g. Wan VACE's control blocks return a new hint). Read by
+        :func:`tomerge.attach.block_cache_refusal`; the default: none."""
+        return {}
+
+    @classmethod
     def kind_summaries(cls) -> tuple[KindSummary, ...]:
         """What it merges in each block kind, in execution order, for ``tomerge backbones`` (read from the
         class, no model built); the default ``()``: not declared."""

@@ -39,6 +39,41 @@ def recorded_needs(adapter: type[BackboneAdapter], kinds: Iterable[str]) -> froz
     return RECORDED_NEEDS if kinds and kinds <= adapter.probed_kinds() else frozenset()
 
 
+def unrecorded_reason(adapter: type[BackboneAdapter], kinds: Iterable[str]) -> str | None:
+    """Why ``adapter`` records no received attention in a model whose blocks are of ``kinds`` (the block kinds
+    without a probe), or ``None`` where it does (:func:`recorded_needs`)."""
+    kinds = list(dict.fromkeys(kinds))
+    if recorded_needs(adapter, kinds):
+        return None
+    unprobed = [kind for kind in kinds if kind not in adapter.probed_kinds()] or kinds
+    return (f"backbone {adapter.name!r} cannot record received attention in its {', '.join(map(repr, unprobed))} "
+            "blocks (no probe is declared for their attention: docs/backbones/adding-a-family.md)")
+
+
+def block_cache_refusal(adapter: type[BackboneAdapter], kinds: Iterable[str]) -> str | None:
+    """Why the block cache (schedules that skip whole block calls, :attr:`Schedule.caches_blocks`) cannot run on a
+    model of ``adapter`` whose blocks are of ``kinds`` (:meth:`BackboneAdapter.uncached_kinds`), or ``None``. The
+    one rule of :func:`apply` (which refuses such a schedule there) and of the coverage table (``tomerge
+    backbones``)."""
+    uncached = adapter.uncached_kinds()
+    refused = [kind for kind in dict.fromkeys(kinds) if kind in uncached]
+    if not refused:
+        return None
+    return f"backbone {adapter.name!r} cannot skip its {refused[0]!r} blocks: {uncached[refused[0]]}"
+
+
+def refusal(adapter: type[BackboneAdapter], kinds: Iterable[str], schedule: Schedule) -> str | None:
+    """Why :func:`apply` refuses ``schedule`` on a model of ``adapter`` whose blocks are of ``kinds`` (what it needs
+    is not recorded there, :func:`unrecorded_reason`; it skips whole blocks that cannot be skipped,
+    :func:`block_cache_refusal`), or ``None`` where it runs. The coverage table's rule per cell."""
+    kinds = list(kinds)
+    if schedule.needs - recorded_needs(adapter, kinds):
+        return unrecorded_reason(adapter, kinds)
+    if schedule.caches_blocks:
+        return block_cache_refusal(adapter, kinds)
+    return None
+
+
 class MergeHandle:
     """One application of tomerge to a model: its adapter, schedule, state and hooks.
 
@@ -54,27 +89,108 @@ class MergeHandle:
         self._blocks: list[BlockSpec] = []
         self._text_hooks = False  # text-key bias hooks installed (on the first set_text_labels)
         self._blocks_with_grid = 0  # blocks of the current model call the adapter could merge
-        self._warned_nothing = False
+        self._blocks_called = 0  # blocks of the current model call
+        self._warned_nothing = False  # the warning of a handle that merged or reused nothing was given
 
     # ------------------------------------------------------------------ public
     @property
     def stats(self) -> dict[str, Any]:
-        """Counts over the recorded block calls: calls, merged calls, reused calls (block cache), tokens in and
-        removed."""
-        records = self.state.records
-        merged = [r for r in records if r.num_removed > 0]
+        """What the calls since :func:`apply` did (counted as they end, also with ``state.record`` off):
+
+        * ``model_calls``: calls of the hooked model; ``block_calls``: calls of its hooked blocks, each exactly one
+          of ``merged_calls`` (ran with tokens removed), ``reused_calls`` (skipped: its input plus a kept residual,
+          block caching) and ``computed_calls`` (ran with every token);
+        * ``forecast_calls``: of the reused calls, those whose residual was a Taylor forecast (``taylorseer``);
+        * ``sublayer_reused_calls``: calls that ran but returned a sublayer's stored output instead of running it
+          (token-wise caching, ``toca``); ``reuse_missed_calls``: reuses that found no kept residual of the input's
+          shape, so the block ran (and stored one);
+        * ``tokens``, ``tokens_removed``: the tokens of the merged calls and how many of them were removed;
+        * ``step``, ``num_steps``: the step clock now.
+
+        A handle that saw block calls but merged or reused nothing warns once, naming why
+        (:meth:`check_something_happened`)."""
+        counts = self.state.counts
         return {
-            "block_calls": len(records),
-            "merged_calls": len(merged),
-            "reused_calls": sum(r.reused for r in records),
-            "tokens": sum(r.num_tokens for r in merged),
-            "tokens_removed": sum(r.num_removed for r in merged),
+            "model_calls": counts.model_calls,
+            "block_calls": counts.block_calls,
+            "merged_calls": counts.merged_calls,
+            "reused_calls": counts.reused_calls,
+            "computed_calls": counts.computed_calls,
+            "forecast_calls": counts.forecast_calls,
+            "sublayer_reused_calls": counts.sublayer_reused_calls,
+            "reuse_missed_calls": counts.reuse_missed_calls,
+            "tokens": counts.tokens,
+            "tokens_removed": counts.tokens_removed,
             "step": self.state.clock.step,
             "num_steps": self.state.clock.num_steps,
         }
 
+    def check_something_happened(self) -> None:
+        """Warns once (one line: the reason and what to do) when the handle saw calls but its schedule, which merges
+        at a ratio > 0 or caches, merged or reused nothing in any of them. The hooks call it when the clock reaches
+        the last step of a trajectory, when a new trajectory starts and at :meth:`remove` (the context's exit), so a
+        cache that reuses only late in a trajectory is judged on the whole of it; a model call none of whose blocks
+        has a token grid warns at once (:meth:`_model_post`)."""
+        if self._warned_nothing:
+            return
+        reason = self._nothing_reason()
+        if reason is not None:
+            self._warn_nothing(reason)
+
+    def _warn_nothing(self, reason: str) -> None:
+        self._warned_nothing = True
+        what = (f"strategy {self.schedule.strategy.name!r}" if isinstance(self.schedule, Constant)
+                else f"schedule {self.schedule.name!r}")
+        warnings.warn(f"tomerge: {what} on this {type(self.model).__name__} {reason}", stacklevel=3)
+
+    def _nothing_reason(self) -> str | None:
+        """Why the handle merged (at a ratio > 0) or reused nothing, with what to do; ``None`` when it did what its
+        schedule asks for, or saw no call at all."""
+        counts, schedule = self.state.counts, self.schedule
+        wants_merge = _merges_at_a_ratio(schedule) and counts.merged_calls == 0
+        wants_reuse = _caches(schedule) and counts.reused_calls == 0 and counts.sublayer_reused_calls == 0
+        if not (wants_merge or wants_reuse) or counts.model_calls + counts.block_calls == 0:
+            return None
+        what = " or ".join(w for w, wanted in (("merged", wants_merge), ("reused", wants_reuse)) if wanted)
+        done = f"{what} nothing in {counts.block_calls} block calls"
+        if counts.block_calls == 0:
+            return (f"{done}: the model ran {counts.model_calls} times but none of its {len(self._blocks)} hooked "
+                    "blocks did (the pipeline or a graph compiled before apply bypassed them); apply to the module the "
+                    "pipeline runs (e.g. transformer_2 too), and compile after apply")
+        if counts.model_calls == 0:
+            return (f"{done}: a pipeline bypassed the hooked module: its blocks ran outside a call of it "
+                    "(model.forward(...) called directly, or a pipeline that runs the blocks itself), so neither the "
+                    "token grid nor the step was read; call the model itself, model(...)")
+        if counts.grid_calls == 0:
+            return (f"{done}: no block with a token grid: none is mergeable with the {self.adapter.name!r} adapter's "
+                    f"options {self.adapter.options} at these input sizes; change the adapter's options (e.g. "
+                    "max_downsample) or the input size")
+        if wants_merge and counts.merge_decisions == 0:
+            return (f"{done}: the schedule decided no merge in any block call of the {counts.most_steps} steps "
+                    f"seen; check its step options (merge_from/merge_until, refresh_every, warmup) against the step "
+                    "count")
+        if wants_merge:
+            return (f"{done}: the strategy removed no token in the {counts.merge_decisions} block calls it was asked "
+                    "to merge (too few tokens for the ratio); raise the ratio or use a larger input")
+        if counts.reuse_missed_calls and counts.reuse_missed_calls == counts.reuse_decisions:
+            return (f"{done}: each of its {counts.reuse_missed_calls} reuses found no kept residual of its input's "
+                    "shape (the batch or size changed between steps); keep them fixed along a trajectory")
+        if counts.changes_measured and counts.reuse_decisions == 0:
+            threshold = getattr(schedule, "threshold", None)
+            return (f"{done}: the threshold was never crossed: the first block's residual changed by at least "
+                    f"{counts.smallest_change:.3g} per step, not below threshold={threshold}; raise the threshold")
+        if counts.most_steps <= 1 and counts.model_calls > 1:
+            return (f"{done}: all {counts.model_calls} model calls were at one step (their timestep never changed, "
+                    "and the step clock counts a step per new timestep); pass the model the scheduler's timestep")
+        return (f"{done}: the step count leaves no reuse step: no step of the {counts.most_steps} seen (of "
+                f"num_steps={self.state.clock.num_steps}) was one its warmup and interval reuse; run more steps or "
+                "lower the warmup or interval")
+
     def remove(self) -> None:
-        """Removes every hook; the model computes exactly what it did before :func:`apply`."""
+        """Removes every hook; the model computes exactly what it did before :func:`apply`. Warns when the handle
+        saw calls but merged or reused nothing (:meth:`check_something_happened`)."""
+        if self._hooks:
+            self.check_something_happened()
         try:
             for hook in self._hooks:
                 hook.remove()
@@ -129,6 +245,12 @@ class MergeHandle:
     # ------------------------------------------------------------------ hooks
     def _attach(self, blocks: list[BlockSpec]) -> None:
         self._blocks = blocks
+        if self.schedule.caches_blocks:
+            reason = block_cache_refusal(type(self.adapter), (block.kind for block in blocks))
+            if reason is not None:
+                raise NotImplementedError(
+                    f"schedule {self.schedule.name!r} skips whole block calls (block cache): {reason}; use a merging "
+                    "strategy, or a caching schedule that skips no whole block (toca)")
         add = self._hooks.append
         add(self.model.register_forward_pre_hook(torch.compiler.disable(self._model_pre), with_kwargs=True))
         add(self.model.register_forward_hook(torch.compiler.disable(self._model_post)))
@@ -161,13 +283,10 @@ class MergeHandle:
         if "received_attention" not in self.state.needs:
             return
         users = ", ".join(sorted({repr(s.name) for s in strategies if "received_attention" in s.needs}))
-        kinds = dict.fromkeys(block.kind for block in blocks)
-        if not recorded_needs(type(self.adapter), kinds):
-            unprobed = [kind for kind in kinds if kind not in type(self.adapter).probed_kinds()]
-            raise NotImplementedError(
-                f"strategy {users} needs received attention: backbone {self.adapter.name!r} cannot record received "
-                f"attention in its {', '.join(map(repr, unprobed))} blocks (no probe is declared for their attention: "
-                "docs/backbones/adding-a-family.md); use a strategy that needs none, e.g. idm(variant='streak') or ssm")
+        reason = unrecorded_reason(type(self.adapter), (block.kind for block in blocks))
+        if reason is not None:
+            raise NotImplementedError(f"strategy {users} needs received attention: {reason}; use a strategy that "
+                                      "needs none, e.g. idm(variant='streak') or ssm")
         for block in blocks:
             hooks: list[Any] = []
             try:
@@ -188,18 +307,29 @@ class MergeHandle:
     # read only the block call they were handed, so compiled graphs are reused across steps and blocks
     # (docs/compile.md).
     def _model_pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        trajectory = self.state.clock.trajectory
         self.state.begin_model_call(self.adapter.on_model_call(args, kwargs))
-        self._blocks_with_grid = 0
+        if trajectory and self.state.clock.trajectory != trajectory:  # the previous trajectory ended
+            self.check_something_happened()
+        self._blocks_with_grid = self._blocks_called = 0
 
     def _model_post(self, module: nn.Module, args: tuple, output: Any) -> None:
-        if self.state.clock.step <= 1:
+        clock = self.state.clock
+        if clock.step <= 1:
             self.state.check_memory()
-        if self._blocks_with_grid == 0 and not self._warned_nothing:
+        if self._warned_nothing:
+            return
+        if self._blocks_called and self._blocks_with_grid == 0 and (_merges_at_a_ratio(self.schedule)
+                                                                    or _caches(self.schedule)):
+            # known now: this call ran every block in full
             self._warned_nothing = True
             warnings.warn(
-                f"tomerge: no block of this {type(self.model).__name__} call was merged: none is mergeable with "
-                f"the {self.adapter.name!r} adapter's options {self.adapter.options} at this input size "
-                "(e.g. max_downsample too small)", stacklevel=2)
+                f"tomerge: no block of this {type(self.model).__name__} call was merged or reused: no block with a "
+                f"token grid: none is mergeable with the {self.adapter.name!r} adapter's options "
+                f"{self.adapter.options} at this input size; change the adapter's options (e.g. max_downsample) or "
+                "the input size", stacklevel=2)
+        elif clock.num_steps is not None and clock.step >= clock.num_steps - 1:  # the last step of a trajectory
+            self.check_something_happened()
 
     def _block_pre(self, block: BlockSpec, kind_index: int):
         @torch.compiler.disable
@@ -212,6 +342,7 @@ class MergeHandle:
                                           streams=block.streams(args, kwargs) if caching else None,
                                           image_stream=block.image_stream if caching else 0)
             self._blocks_with_grid += grid is not None
+            self._blocks_called += 1
             for point in block.points:
                 point.enter_block(call.decision.merges and point.sublayer in call.decision.sublayers)
         return hook
@@ -440,6 +571,18 @@ def merging(target: Any, strategy: str | MergeStrategy | Schedule = "tomesd", **
 
 
 # ---------------------------------------------------------------------- helpers
+def _merges_at_a_ratio(schedule: Schedule) -> bool:
+    """Whether the schedule merges: it has a strategy, its ``ratio`` (where it has one) is not 0, and it reuses no
+    sublayer output (token-wise caching, ``toca``, whose strategy picks the tokens a cached step recomputes: that
+    is its caching, judged by :func:`_caches`)."""
+    return bool(schedule.strategies()) and getattr(schedule, "ratio", None) != 0 and not schedule.reused_sublayers
+
+
+def _caches(schedule: Schedule) -> bool:
+    """Whether the schedule reuses block calls (``caches_blocks``) or sublayer outputs (``reused_sublayers``)."""
+    return schedule.caches_blocks or bool(schedule.reused_sublayers)
+
+
 class _ForwardPatch:
     """A block's ``forward`` replaced by a wrapper (an instance attribute, as diffusers' hooks do); ``remove()``
     puts back what was there, so the module is exactly as before."""

@@ -337,6 +337,55 @@ class Record:
     reused: bool = False  # the block did not run: its input plus a kept residual
 
 
+@dataclasses.dataclass
+class CallCounts:
+    """What the calls of one application did, counted eagerly as each ends (:meth:`MergeState.end_block`), whether
+    or not :class:`Record` s are kept: ``handle.stats`` reads them, and the check of a handle that merged or reused
+    nothing (:meth:`tomerge.attach.MergeHandle.check_something_happened`) reads what the schedule asked for.
+
+    Every block call is exactly one of ``merged_calls`` (ran with tokens removed), ``reused_calls`` (skipped: its
+    input plus a kept or forecast residual) and ``computed_calls`` (ran with every token)."""
+
+    model_calls: int = 0  # calls of the hooked model (its forward hooks ran)
+    block_calls: int = 0
+    merged_calls: int = 0
+    reused_calls: int = 0
+    forecast_calls: int = 0  # of the reused calls, those whose residual was a Taylor forecast (forecast_order > 0)
+    computed_calls: int = 0
+    sublayer_reused_calls: int = 0  # calls that ran but returned a sublayer's stored output instead of running it (toca)
+    reuse_missed_calls: int = 0  # reuses that found no kept residual of the input's shape: the block ran and stored
+    tokens: int = 0  # tokens of the merged calls
+    tokens_removed: int = 0
+    # what the schedule asked for (the reasons of a handle that merged or reused nothing)
+    grid_calls: int = 0  # block calls with a token grid (the schedule decides only those)
+    merge_decisions: int = 0  # block calls whose decision merges at a ratio > 0
+    reuse_decisions: int = 0  # block calls whose decision reuses the block or a sublayer (a missed reuse included)
+    changes_measured: int = 0  # residual changes measured (adaptive caching)
+    smallest_change: float = math.inf  # the smallest of them
+    most_steps: int = 0  # the most distinct steps one trajectory reached
+
+    def count(self, call: BlockCall) -> None:
+        """Counts one ended block call."""
+        decision, plan = call.decision, call.plan
+        self.block_calls += 1
+        self.grid_calls += call.grid is not None
+        self.merge_decisions += decision.merges and decision.ratio > 0
+        self.reuse_missed_calls += decision.label == REUSE_MISSED
+        self.reuse_decisions += (decision.block_cache == "reuse" or bool(decision.reuse_outputs)
+                                 or decision.label == REUSE_MISSED)
+        if call.reused is not None:
+            self.reused_calls += 1
+            self.forecast_calls += decision.forecast_order > 0
+        elif plan is not None and plan.num_removed > 0:
+            self.merged_calls += 1
+            self.tokens += plan.num_tokens
+            self.tokens_removed += plan.num_removed
+        else:
+            self.computed_calls += 1
+        if decision.reuse_outputs and any(isinstance(key, tuple) and key[0] == "module" for key in call.cached_outputs):
+            self.sublayer_reused_calls += 1
+
+
 class MergeState:
     """The state of one application (see the module docstring).
 
@@ -363,6 +412,8 @@ class MergeState:
         self.memory_budget = memory_budget
         self._memory_warned = False
         self.records: list[Record] = []
+        self.counts = CallCounts()
+        self._steps: set[int] = set()  # the distinct steps of the trajectory in progress
         self.call: BlockCall | None = None
         # Plans, destinations, streaks and cached outputs are kept per call index: the index of the model call
         # among the calls of the current step (split guidance: 0 = first branch, 1 = second; batched guidance:
@@ -394,10 +445,13 @@ class MergeState:
     # ------------------------------------------------------------------ model calls
     def begin_model_call(self, timestep: Tensor | float | None) -> None:
         previous = (self.clock.trajectory, self.clock.current)
+        self.counts.model_calls += 1
         if self.clock.observe(timestep):
             for per_trajectory in (self.plans, self.destinations, self.streaks, self.attention_by_size,
-                                   self.outputs, self.residuals, self.signals):
+                                   self.outputs, self.residuals, self.signals, self._steps):
                 per_trajectory.clear()
+        self._steps.add(self.clock.step)
+        self.counts.most_steps = max(self.counts.most_steps, len(self._steps))
         same_step = timestep is not None and previous[1] is not None \
             and (self.clock.trajectory, self.clock.current) == previous
         self.call_index = self.call_index + 1 if same_step else 0
@@ -537,6 +591,7 @@ class MergeState:
             self.signals[self.call_index].last_full = False
         if call.attention is not None:
             self.store_attention(layer, call.attention)
+        self.counts.count(call)
         if self.record and len(self.records) < self.max_records:
             plan = call.plan
             self.records.append(Record(
@@ -565,6 +620,8 @@ class MergeState:
                 raise RuntimeError(f"tomerge: the {call.where.block_kind!r} block returned no image tokens; the change "
                                    "of adaptive caching is measured on them")
             self.change = self.signals.setdefault(self.call_index, ChangeSignal()).measure(image, rule)
+            self.counts.changes_measured += 1
+            self.counts.smallest_change = min(self.counts.smallest_change, self.change)
 
     # ------------------------------------------------------------------ memory
     def kept_tensors(self) -> Iterator[tuple[str, Tensor]]:

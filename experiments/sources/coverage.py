@@ -13,10 +13,13 @@ the table). What the table says about it comes from the adapter's class:
 * the token grid: ``grid_dims`` (2-D ``(H, W)`` or 3-D ``(T, H, W)``);
 * per block kind (``kind_summaries()``): the sublayers of its merge points, the rotary layout gathered for
   merged tokens, how the text (or other context) tokens meet the image tokens;
-* the strategies: every registered strategy and schedule whose ``needs`` the adapter records, i.e. with
-  default options (a strategy at ratio 0.5, a schedule at its own defaults) ``needs`` is empty, or is received
-  attention and every block kind has a probe (``probed_kinds()``): :func:`tomerge.attach.recorded_needs`, the rule
-  :func:`tomerge.apply` refuses by.
+* the strategies, the caching schedules (those that reuse whole block calls or sublayer outputs:
+  :func:`caches_blocks`) and the compositions (a caching schedule that takes ``merge=`` with each merging strategy
+  and schedule): each registered name, at its default options (a strategy at ratio 0.5, a schedule at its own
+  defaults), runs or is refused by :func:`tomerge.attach.refusal`, the rule :func:`tomerge.apply` refuses by (its
+  ``needs`` recorded where every block kind has a probe, :func:`tomerge.attach.recorded_needs`; whole blocks skipped
+  only where the adapter's blocks can be, :func:`tomerge.attach.block_cache_refusal`); a refused cell keeps the
+  reason.
 
 A class no adapter names gets its one-line reason from :data:`NOT_MERGED` (the one table of reasons, by class
 name), else :data:`NOT_DECLARED`. Adapters of models that are no class of this diffusers (``native_dit``,
@@ -37,7 +40,7 @@ if TYPE_CHECKING:
     from tomerge.adapter import KindSummary
 
 __all__ = ["NOT_MERGED", "NOT_DECLARED", "PAGE", "Row", "Coverage", "model_classes", "coverage", "default_ratio",
-           "runnable_strategies", "text_table", "json_lines", "markdown"]
+           "caches_blocks", "composition", "runnable_strategies", "text_table", "json_lines", "markdown"]
 
 __getattr__ = moved_names(__name__, dict.fromkeys(["add_arguments", "run"], "commands.backbones"))
 
@@ -74,11 +77,16 @@ class Row:
         model_class: the class name.
         module: the diffusers module defining it.
         backbone: the registered adapter that merges it, or ``None``.
-        strategies: the registered strategies and schedules that run on it, sorted.
+        strategies: the registered merging strategies and schedules that run on it, sorted.
         grid_dims: 2 or 3 (the adapter's token grid); ``None`` when not merged.
         kinds: what the adapter merges per block kind (empty: merged, but not declared by the adapter).
         probed: the block kinds with a received-attention probe.
         reason: why it is not merged; ``None`` when merged.
+        caching: the registered caching schedules that run on it, sorted.
+        compositions: the compositions that run on it (:func:`composition`: ``fora(merge=tomesd)``), in the order
+            of the caching schedules, then of the strategies.
+        refused: ``(name, reason)`` of every strategy, caching schedule and composition that
+            :func:`tomerge.apply` refuses on it, in that order.
     """
 
     model_class: str
@@ -89,25 +97,30 @@ class Row:
     kinds: tuple[KindSummary, ...] = ()
     probed: frozenset[str] = frozenset()
     reason: str | None = None
+    caching: tuple[str, ...] = ()
+    compositions: tuple[str, ...] = ()
+    refused: tuple[tuple[str, str], ...] = ()
 
     def to_json(self, diffusers_version: str) -> dict[str, Any]:
         """The ``--json`` object of the row."""
         return {"class": self.model_class, "backbone": self.backbone, "strategies": list(self.strategies),
-                "reason": self.reason, "grid_dims": self.grid_dims,
+                "caching": list(self.caching), "compositions": list(self.compositions),
+                "refused": dict(self.refused), "reason": self.reason, "grid_dims": self.grid_dims,
                 "kinds": [{**dataclasses.asdict(k), "probe": k.kind in self.probed} for k in self.kinds],
                 "module": self.module, "diffusers": diffusers_version}
 
 
 @dataclasses.dataclass(frozen=True)
 class Coverage:
-    """The table: one row per model class (sorted by name), the registered strategies, and the adapters of models
-    that are no class of this diffusers (``(backbone, why)``)."""
+    """The table: one row per model class (sorted by name), the registered merging strategies, caching schedules
+    and compositions, and the adapters of models that are no class of this diffusers (``(backbone, why)``)."""
 
     diffusers_version: str
     rows: tuple[Row, ...]
     strategies: tuple[str, ...]
     other_backbones: tuple[tuple[str, str], ...]
-    caching: tuple[str, ...] = ()  # the caching schedules, not claimed per class (CACHING_NOTE)
+    caching: tuple[str, ...] = ()
+    compositions: tuple[str, ...] = ()
 
     @property
     def merged(self) -> tuple[Row, ...]:
@@ -138,42 +151,72 @@ def default_ratio(name: str) -> float | None:
 
 def caches_blocks(name: str) -> bool:
     """Whether the registered strategy or schedule ``name`` is a caching schedule: it skips whole block calls
-    (``Schedule.caches_blocks``), which runs where a family's blocks return one tensor or declare what their tuple
-    holds (``BlockSpec.outputs``), or reuses sublayer outputs (``Schedule.reused_sublayers``, ``toca``), which runs
-    where those sublayers return the image tokens alone. The table does not claim either per family
-    (:data:`CACHING_NOTE`)."""
+    (``Schedule.caches_blocks``: ``block_cache``, ``fora``, ``taylorseer``, ``first_block_cache``) or reuses sublayer
+    outputs (``Schedule.reused_sublayers``: ``toca``)."""
     from tomerge.attach import check_options
 
     schedule = check_options(name, ratio=default_ratio(name))
     return bool(schedule.caches_blocks or schedule.reused_sublayers)
 
 
-CACHING_NOTE = ("The caching schedules ({names}, docs/schedules.md) are not in the table's strategies column: the "
-                "step-level ones run on a family whose blocks return one tensor or declare what their tuple output "
-                "holds (`BlockSpec.outputs`; a block that does not stops the first call with a TypeError naming it), "
-                "which is tested for `native_dit`, `dit`, `sana`, `wan`, `qwenimage` and the families whose blocks "
-                "return two streams, `auraflow`, `bria`, `bria_fibo`, `chroma`, `cogvideox`, `cogview3plus`, "
-                "`cogview4`, `consisid`, `easyanimate`, `flux3`, `glm_image`, `hidream`, `longcat_image`, `mochi`, "
-                "`ovis_image` (`tests/test_caching.py`), and for the video and audio streams of `kandinsky6` and "
-                "`ltx2` (`tests/test_backbones_video_wan_like.py`); `wan_vace`'s control blocks return a new hint "
-                "beside the hidden states, which `outputs` cannot declare, so step-level caching stops there with "
-                "that TypeError; "
-                "`toca` runs where the attention is probed (a joint attention's whole output is reused, text "
-                "included), tested for `native_dit`, `dit`, `pixart`, `sd3`, `lumina2`, `chroma`, `flux2`, `qwenimage`, "
-                "`cogview4`, `wan`, `hunyuan_video` (`tests/test_toca.py`), `ltx` and `cogvideox` "
-                "(`tests/test_video_ablation.py`), `skyreels_v2` and `ltx2` (`tests/test_pipeline_ablation_more_kinds.py`), "
-                "`kandinsky6` and `ltx2` (`tests/test_backbones_video_wan_like.py`).")
+def takes_merge(name: str) -> bool:
+    """Whether the registered caching schedule ``name`` composes with a merging strategy or schedule (``merge=``)."""
+    import dataclasses as _dataclasses
+
+    from tomerge.registry import strategy_class
+
+    return any(f.name == "merge" and f.init for f in _dataclasses.fields(strategy_class(name)))
+
+
+def composition(caching: str, merge: str) -> str:
+    """The name of a composition in the table: ``fora(merge=tomesd)``."""
+    return f"{caching}(merge={merge})"
+
+
+CACHING_NOTE = ("Caching schedules ({names}; docs/schedules.md) and their compositions with a merging strategy "
+                "(`fora(merge=tomesd)`: `merge=` any strategy or merging schedule, at ratio 0.5 or its own default) "
+                "run on a class unless refused below, by the rule `tomerge.apply` refuses by "
+                "(`tomerge.attach.refusal`): what they need recorded (`toca` and a composition with a strategy that "
+                "needs received attention: every block kind probed), and whole blocks skipped (the step-level ones) "
+                "only where the adapter does not declare them unskippable (`wan_vace`'s control blocks return a new "
+                "hint, no residual). A block that returns a tuple its adapter does not declare (`BlockSpec.outputs`) "
+                "stops the first call with a TypeError naming it. Step-level caching is tested for `native_dit`, "
+                "`dit`, `sana`, `wan`, `qwenimage` and the families whose blocks return two streams, `auraflow`, "
+                "`bria`, `bria_fibo`, `chroma`, `cogvideox`, `cogview3plus`, `cogview4`, `consisid`, `easyanimate`, "
+                "`flux3`, `glm_image`, `hidream`, `longcat_image`, `mochi`, `ovis_image` (`tests/test_caching.py`), "
+                "and for the video and audio streams of `kandinsky6` and `ltx2` "
+                "(`tests/test_backbones_video_wan_like.py`); "
+                "`toca` (a joint attention's whole output is reused, text included) for `native_dit`, `dit`, "
+                "`pixart`, `sd3`, `lumina2`, `chroma`, `flux2`, `qwenimage`, `cogview4`, `wan`, `hunyuan_video` "
+                "(`tests/test_toca.py`), `ltx` and `cogvideox` (`tests/test_video_ablation.py`), `skyreels_v2` and "
+                "`ltx2` (`tests/test_pipeline_ablation_more_kinds.py`), `kandinsky6` and `ltx2` "
+                "(`tests/test_backbones_video_wan_like.py`).")
 
 
 def runnable_strategies(adapter: type, strategies: Sequence[str]) -> tuple[str, ...]:
     """The ones of ``strategies`` (registered names) that run on ``adapter`` with their default options (at
-    :func:`default_ratio`): those whose schedule ``needs`` nothing, or received attention where every block kind
-    has a probe."""
-    from tomerge.attach import check_options, recorded_needs
+    :func:`default_ratio`): those :func:`tomerge.attach.refusal` does not refuse."""
+    return tuple(name for name, reason in _cells(adapter, {name: _schedule(name, adapter) for name in strategies})
+                 if reason is None)
 
-    recorded = recorded_needs(adapter, (k.kind for k in adapter.kind_summaries()))
-    return tuple(name for name in strategies
-                 if check_options(name, ratio=default_ratio(name), backbones=[adapter.name]).needs <= recorded)
+
+def _schedule(name: str, adapter: type | None = None, merge: str | None = None):
+    """The schedule ``tomerge.apply`` runs for the registered ``name`` at its defaults (with ``merge=``, at the
+    merging strategy's :func:`default_ratio`)."""
+    from tomerge.attach import check_options
+
+    backbones = None if adapter is None else [adapter.name]
+    if merge is None:
+        return check_options(name, ratio=default_ratio(name), backbones=backbones)
+    return check_options(name, merge=merge, ratio=default_ratio(merge), backbones=backbones)
+
+
+def _cells(adapter: type, schedules: dict[str, Any]) -> list[tuple[str, str | None]]:
+    """``(name, why apply refuses it or None)`` for each named schedule on ``adapter``."""
+    from tomerge.attach import refusal
+
+    kinds = [k.kind for k in adapter.kind_summaries()]
+    return [(name, refusal(adapter, kinds, schedule)) for name, schedule in schedules.items()]
 
 
 def coverage(backbones: Sequence[str] | None = None, strategies: Sequence[str] | None = None) -> Coverage:
@@ -188,6 +231,9 @@ def coverage(backbones: Sequence[str] | None = None, strategies: Sequence[str] |
     everything = sorted(tomerge.list_strategies() if strategies is None else strategies)
     caching = tuple(name for name in everything if caches_blocks(name))
     strategies = tuple(name for name in everything if name not in caching)
+    # the schedules are built once (the adapter's options do not change them): merging, caching, compositions
+    schedules = {name: _schedule(name) for name in (*strategies, *caching)}
+    compositions = {composition(c, m): _schedule(c, merge=m) for c in caching if takes_merge(c) for m in strategies}
     classes = model_classes()
     claimed: dict[str, type] = {}
     others: list[tuple[str, str]] = []
@@ -207,11 +253,16 @@ def coverage(backbones: Sequence[str] | None = None, strategies: Sequence[str] |
         adapter = claimed.get(class_name)
         if adapter is None:
             rows.append(Row(class_name, cls.__module__, reason=NOT_MERGED.get(class_name, NOT_DECLARED)))
-        else:
-            rows.append(Row(class_name, cls.__module__, backbone=adapter.name,
-                            strategies=runnable_strategies(adapter, strategies), grid_dims=adapter.grid_dims,
-                            kinds=adapter.kind_summaries(), probed=adapter.probed_kinds()))
-    return Coverage(diffusers.__version__, tuple(rows), strategies, tuple(others), caching)
+            continue
+        cells = _cells(adapter, {**schedules, **compositions})
+        runs = {name for name, reason in cells if reason is None}
+        rows.append(Row(class_name, cls.__module__, backbone=adapter.name,
+                        strategies=tuple(s for s in strategies if s in runs), grid_dims=adapter.grid_dims,
+                        kinds=adapter.kind_summaries(), probed=adapter.probed_kinds(),
+                        caching=tuple(c for c in caching if c in runs),
+                        compositions=tuple(c for c in compositions if c in runs),
+                        refused=tuple((name, reason) for name, reason in cells if reason is not None)))
+    return Coverage(diffusers.__version__, tuple(rows), strategies, tuple(others), caching, tuple(compositions))
 
 
 # ---------------------------------------------------------------------- output
@@ -229,12 +280,51 @@ def _kind_text(kind: KindSummary) -> str:
     return f"{kind.kind}: {' '.join(kind.sublayers)} ({rope}; {kind.context})"
 
 
+def _caching_text(row: Row, all_caching: tuple[str, ...]) -> str:
+    """``all``, ``none`` or the caching schedules of the row."""
+    return "all" if row.caching == all_caching else ", ".join(row.caching) or "none"
+
+
+def _compositions_text(row: Row, all_compositions: tuple[str, ...]) -> str:
+    """``all``, ``none`` or ``N of M``: how many of the compositions run."""
+    if row.compositions == all_compositions:
+        return "all"
+    return f"{len(row.compositions)} of {len(all_compositions)}" if row.compositions else "none"
+
+
+def refused_groups(row: Row) -> list[tuple[str, str]]:
+    """``(names, reason)`` per distinct reason of the row's refused cells, in order: the names of the refused
+    strategies and caching schedules, then its compositions, ``fora(merge=*)`` where every composition of ``fora``
+    is refused for that reason."""
+    by_reason: dict[str, list[str]] = {}
+    for name, reason in row.refused:
+        by_reason.setdefault(reason, []).append(name)
+    groups = []
+    for reason, names in by_reason.items():
+        plain = [n for n in names if "(" not in n]
+        composed: dict[str, list[str]] = {}
+        for n in names:
+            if "(" in n:
+                composed.setdefault(n.split("(", 1)[0], []).append(n)
+        total = {c: sum(1 for n, _ in row.refused if n.startswith(f"{c}(")) + sum(1 for n in row.compositions
+                                                                               if n.startswith(f"{c}("))
+                 for c in composed}
+        listed = [*plain]
+        for caching, members in composed.items():
+            listed += [composition(caching, "*")] if len(members) == total[caching] else members
+        groups.append((", ".join(listed), reason))
+    return groups
+
+
 def text_table(table: Coverage) -> str:
     """What ``tomerge backbones`` prints: a summary line, then one line per class (merged: backbone, grid,
-    strategies, block kinds; not merged: the reason)."""
+    strategies, caching schedules, compositions, block kinds, then an indented line per reason of its refused
+    cells; not merged: the reason)."""
     lines = [f"{len(table.merged)} of {len(table.rows)} model classes of diffusers {table.diffusers_version} are "
              f"merged by tomerge (all = {len(table.strategies)} strategies and schedules: "
-             f"{', '.join(table.strategies)})"]
+             f"{', '.join(table.strategies)}; caching: all = {', '.join(table.caching)}; compositions: all = each "
+             f"of {', '.join(c for c in table.caching if takes_merge(c))} with merge= each strategy, "
+             f"{len(table.compositions)})"]
     width = max(len(row.model_class) for row in table.rows)
     backbone_width = max([len(row.backbone) for row in table.merged] + [1])
     for row in table.rows:
@@ -243,7 +333,10 @@ def text_table(table: Coverage) -> str:
             continue
         kinds = " | ".join(_kind_text(kind) for kind in row.kinds) or "block kinds not declared"
         lines.append(f"{row.model_class:<{width}}  {row.backbone:<{backbone_width}}  {row.grid_dims}-D  "
-                     f"strategies: {_strategies_text(row, table.strategies)}  {kinds}")
+                     f"strategies: {_strategies_text(row, table.strategies)}  "
+                     f"caching: {_caching_text(row, table.caching)}  "
+                     f"compositions: {_compositions_text(row, table.compositions)}  {kinds}")
+        lines += [f"    refused {names}: {reason}" for names, reason in refused_groups(row)]
     lines += [f"other backbone {name}: {why}" for name, why in table.other_backbones]
     return "\n".join(lines)
 
@@ -280,17 +373,29 @@ def markdown(table: Coverage) -> str:
         f"{', '.join(f'`{s}`' for s in table.strategies)}.",
         "",
         *([CACHING_NOTE.format(names=", ".join(f"`{s}`" for s in table.caching)), ""] if table.caching else []),
+        f"Compositions: each of {', '.join(f'`{c}`' for c in table.caching if takes_merge(c))} with `merge=` each "
+        f"strategy and schedule above ({len(table.compositions)}); the column says how many run (all: every one).",
+        "",
         "## Merged",
         "",
-        "| model class | backbone | grid | strategies | block kinds: sublayers | RoPE | text / context |",
-        "|---|---|---|---|---|---|---|",
+        "| model class | backbone | grid | strategies | caching | compositions | block kinds: sublayers | RoPE | "
+        "text / context |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for row in table.merged:
         kinds = [f"{k.kind}: {', '.join(k.sublayers)}" for k in row.kinds] or ["not declared"]
         ropes = [k.rope or "none" for k in row.kinds] or ["?"]
         contexts = [k.context for k in row.kinds] or ["?"]
         out.append(f"| `{row.model_class}` | `{row.backbone}` | {row.grid_dims}-D | {', '.join(row.strategies)} | "
+                   f"{', '.join(row.caching) or 'none'} | {_compositions_text(row, table.compositions)} | "
                    f"{'<br>'.join(kinds)} | {_per_kind(ropes)} | {_per_kind(contexts)} |")
+    refused = [(row, names, reason) for row in table.merged for names, reason in refused_groups(row)]
+    if refused:
+        out += ["", "## Refused", "", "What `tomerge.apply` refuses on a merged class, with its one-line reason "
+                "(`fora(merge=*)`: every composition of `fora`).", "", "| model class | refused | why |",
+                "|---|---|---|"]
+        out += [f"| `{row.model_class}` | {', '.join(f'`{n}`' for n in names.split(', '))} | {reason} |"
+                for row, names, reason in refused]
     out += ["", "## Not merged", "", "| model class | why not |", "|---|---|"]
     out += [f"| `{row.model_class}` | {row.reason} |" for row in table.rows if row.backbone is None]
     if table.other_backbones:
