@@ -34,8 +34,12 @@ class TrajectoryClock:
 
     Several calls with the same timestep (batched or split classifier-free guidance, skip-layer
     guidance) share a step; a new value advances it; a value noisier than the current one starts a
-    new trajectory. When the pipeline's scheduler is known (``timesteps``), the step is the
-    position of the timestep in its schedule and the step count is exact.
+    new trajectory. When the pipeline's scheduler is known (``timesteps``), the steps are counted over the
+    scheduler's timesteps this model actually runs: step 0 is the position of the trajectory's first timestep
+    in the schedule (an img2img or inpainting call with ``strength < 1`` starts late), and ``num_steps`` counts
+    the schedule's timesteps from there on that lie in ``bounds`` (a two-expert pipeline, Wan 2.2: each
+    transformer runs the timesteps on its side of the boundary). Without a scheduler the step counts the
+    distinct timesteps in call order, from 0 at each trajectory's first call.
 
     Each call reads its timestep on the host once (the one host read of a model call); ``timesteps`` is
     expected to return a host copy that it refreshes only when the scheduler sets new timesteps.
@@ -44,17 +48,31 @@ class TrajectoryClock:
         num_steps: the number of denoising steps, when known in advance.
         timesteps: a callable returning the scheduler's timesteps on the host (or ``None``).
         t_max: the largest timestep value (progress ``1 - t / t_max`` when the step count is unknown).
+        bounds: ``(low, high)``: the model runs the scheduler's timesteps ``low <= t < high`` (in call units) and
+            the others go to another model; ``None``: all of them.
+
+    Example:
+        >>> import torch
+        >>> clock = TrajectoryClock(timesteps=lambda: torch.tensor([900., 700., 500., 300., 100.]))
+        >>> for t in (500., 300., 100.):                 # strength 0.6: the pipeline runs the last 3 of 5
+        ...     _ = clock.observe(t)
+        ...     print(clock.step, clock.num_steps)
+        0 3
+        1 3
+        2 3
     """
 
     def __init__(self, num_steps: int | None = None, timesteps: Callable[[], Tensor | None] | None = None,
-                 t_max: float = 1000.0) -> None:
+                 t_max: float = 1000.0, bounds: tuple[float, float] | None = None) -> None:
         self.num_steps_given = num_steps
         self.timesteps = timesteps
         self.t_max = t_max
+        self.bounds = bounds
         self.step = 0
         self.num_steps = num_steps
         self.current: float | None = None
         self.trajectory = 0
+        self.first = 0  # the position in the schedule of the trajectory's first timestep
 
     def observe(self, timestep: Tensor | float | None) -> bool:
         """Updates the step from a call's timestep; returns True when a new trajectory starts."""
@@ -66,8 +84,14 @@ class TrajectoryClock:
         new_trajectory = self.current is None or t > self.current
         schedule = self.timesteps() if self.timesteps is not None else None
         if schedule is not None and len(schedule) > 0:
-            self.step = int((schedule - t).abs().argmin())
-            self.num_steps = len(schedule)
+            index = int((schedule - t).abs().argmin())
+            if new_trajectory:
+                self.first = index
+            runs = schedule[self.first:]
+            if self.bounds is not None:
+                runs = runs[(runs >= self.bounds[0]) & (runs < self.bounds[1])]
+            self.step = max(0, index - self.first)
+            self.num_steps = max(1, len(runs))
         else:
             self.step = 0 if new_trajectory else self.step + 1
         self.current = t
@@ -103,6 +127,7 @@ class KeptResidual:
     step: int
     terms: list[Streams]
     order: int = 0
+    inputs: tuple[torch.Size | None, ...] = ()  # the input streams' shapes at the last store (): those of terms[0]
 
     @staticmethod
     def residual(inputs: Streams, outputs: Streams, order: int) -> Streams:
@@ -116,7 +141,8 @@ class KeptResidual:
             return y.detach().to(dtype) - x.detach().to(dtype)
         return tuple(None if y is None else minus(y, x) for x, y in zip(inputs, outputs))
 
-    def updated(self, step: int, residual: Streams, order: int) -> KeptResidual:
+    def updated(self, step: int, residual: Streams, order: int,
+                inputs: tuple[torch.Size | None, ...] = ()) -> KeptResidual:
         """The cache after a store of ``residual`` at ``step``, with differences up to ``order`` (as many as
         earlier stores allow; a residual of other shapes starts afresh)."""
         distance = step - self.step
@@ -125,16 +151,18 @@ class KeptResidual:
             for previous in self.terms[:order]:
                 terms.append(tuple(None if new is None else (new - old) / distance
                                    for new, old in zip(terms[-1], previous)))
-        return KeptResidual(step, terms, order)
+        return KeptResidual(step, terms, order, inputs)
 
     def capacity(self) -> int:
         """The bytes of this cache once all ``order + 1`` terms are kept."""
         return (self.order + 1) * sum(_bytes(t) for t in self.terms[0] if t is not None)
 
     def fits(self, streams: Streams) -> bool:
-        """Whether the kept residual has the shapes of a block call's ``streams``."""
+        """Whether a block call's ``streams`` have the shapes of the inputs the residual was kept from (``inputs``;
+        an input may broadcast to its residual: :func:`broadcasts_to`), or without them the residual's shapes."""
+        shapes = self.inputs or tuple(None if r is None else r.shape for r in self.terms[0])
         return len(streams) == len(self.terms[0]) and all(
-            r is None or (x is not None and x.shape == r.shape) for x, r in zip(streams, self.terms[0]))
+            r is None or (x is not None and x.shape == shape) for x, r, shape in zip(streams, self.terms[0], shapes))
 
     def forecast(self, step: int) -> Streams:
         """The residual at ``step``: ``sum_i terms[i] * k^i / i!`` with ``k = step - self.step`` (the kept
@@ -189,6 +217,18 @@ def relative_l1(x: Tensor, reference: Tensor | None) -> float:
     scale = reference.to(dtype).abs().mean().double()
     change = (x.to(dtype) - reference.to(dtype)).abs().mean().double() / scale
     return float(torch.where(scale > 0, change, math.inf))
+
+
+def broadcasts_to(shape: torch.Size, target: torch.Size) -> bool:
+    """Whether a block input stream of ``shape`` gives an output of ``target``: the same shape, or one that broadcasts
+    to it (a batch of 1: diffusers' Qwen-Image pipelines pass one negative prompt's text for a batch of images, and
+    the joint attention broadcasts it), so that ``output - input`` is the residual of every sample."""
+    if shape == target:
+        return True
+    try:
+        return torch.broadcast_shapes(shape, target) == target
+    except RuntimeError:
+        return False
 
 
 def _bytes(t: Tensor) -> int:
@@ -247,12 +287,12 @@ class BlockCall:
         stream; ``None`` where the block returned no tensor) as the residual of this layer and call index.
 
         Raises:
-            RuntimeError: an output stream of another shape than its input, or a tensor returned for a stream
+            RuntimeError: an output stream of a shape its input does not broadcast to, or a tensor returned for a stream
                 the block had no input of: the block's residual is not defined.
         """
         assert self.streams is not None  # begin_block kept them for a storing decision
         for index, (x, y) in enumerate(zip(self.streams, outputs)):
-            if y is not None and (x is None or x.shape != y.shape):
+            if y is not None and (x is None or not broadcasts_to(x.shape, y.shape)):
                 raise RuntimeError(
                     f"tomerge: the {self.where.block_kind!r} block returned a {tuple(y.shape)} tensor as its output "
                     f"stream {index}, for an input of {None if x is None else tuple(x.shape)}: the block cache keeps "
@@ -611,8 +651,9 @@ class MergeState:
         order = call.decision.forecast_order
         residual = KeptResidual.residual(call.streams, call.block_outputs, order)
         kept = self.residuals.get(key)
-        self.residuals[key] = (KeptResidual(step, [residual], order) if kept is None
-                               else kept.updated(step, residual, order))
+        inputs = tuple(None if x is None else x.shape for x in call.streams)
+        self.residuals[key] = (KeptResidual(step, [residual], order, inputs) if kept is None
+                               else kept.updated(step, residual, order, inputs))
         rule = call.decision.measure_change
         if rule is not None:
             image = residual[call.image_stream]
