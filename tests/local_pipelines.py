@@ -1131,3 +1131,110 @@ def _build_wan22():
 
 
 _BUILDERS.update({"wan22": _build_wan22})
+
+
+# ---------------------------------------------------------------------- ControlNet pipelines and LoRA files
+# tests/test_combinations_weights.py: the sd3 and flux pipelines above with a tiny ControlNet (one block of the
+# transformer's width; its zero-initialised output projections re-drawn, so that the residuals it adds between
+# the transformer's blocks change the image), and LoRA files written with the pipeline's ``save_lora_weights``.
+#
+# | family | loads as | control image |
+# |---|---|---|
+# | ``sd3_controlnet`` | StableDiffusion3ControlNetPipeline (SD3ControlNetModel, 1 joint block) | 32 x 32 RGB, VAE-encoded |
+# | ``flux_controlnet`` | FluxControlNetPipeline (FluxControlNetModel, 1 double + 1 single block) | 32 x 32 RGB, VAE-encoded and packed |
+# | ``sd3_medium`` | StableDiffusion3Pipeline, SD3-Medium's transformer layout (no q/k norm, no dual attention) | none |
+CONTROLNET_CALL_DEFAULTS: dict[str, dict[str, Any]] = {
+    "sd3_controlnet": {**CALL_DEFAULTS["sd3"], "controlnet_conditioning_scale": 1.0},
+    "flux_controlnet": {**CALL_DEFAULTS["flux"], "controlnet_conditioning_scale": 1.0},
+}
+
+
+def control_image(seed: int = 0):
+    """A 32 x 32 RGB PIL image of random pixels (the control input)."""
+    from PIL import Image
+
+    pixels = torch.randint(0, 256, (32, 32, 3), generator=torch.Generator().manual_seed(seed), dtype=torch.uint8)
+    return Image.fromarray(pixels.numpy())
+
+
+def _redraw_zero_projections(controlnet: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """Random weights for the ControlNet's zero-initialised output projections (``controlnet_blocks``, ...)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in controlnet.named_parameters():
+            if name.startswith(("controlnet_blocks.", "controlnet_single_blocks.", "controlnet_x_embedder.",
+                                "pos_embed_input.")):
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.2)
+    return controlnet
+
+
+def _build_sd3_controlnet():
+    from diffusers import SD3ControlNetModel, StableDiffusion3ControlNetPipeline
+
+    base = _build_sd3()
+    _seeded(5)
+    controlnet = SD3ControlNetModel(
+        sample_size=16, patch_size=2, in_channels=16, out_channels=16, num_layers=1, attention_head_dim=8,
+        num_attention_heads=4, joint_attention_dim=64, caption_projection_dim=32, pooled_projection_dim=64,
+        pos_embed_max_size=16).eval()
+    components = {k: v for k, v in base.components.items() if k not in ("image_encoder", "feature_extractor")}
+    return StableDiffusion3ControlNetPipeline(**components, controlnet=_redraw_zero_projections(controlnet, 6))
+
+
+def _build_flux_controlnet():
+    from diffusers import FluxControlNetModel, FluxControlNetPipeline
+
+    base = _build_flux()
+    _seeded(5)
+    controlnet = FluxControlNetModel(
+        patch_size=1, in_channels=64, num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
+        joint_attention_dim=32, pooled_projection_dim=32, guidance_embeds=True, axes_dims_rope=(4, 6, 6)).eval()
+    components = {k: v for k, v in base.components.items() if k not in ("image_encoder", "feature_extractor")}
+    return FluxControlNetPipeline(**components, controlnet=_redraw_zero_projections(controlnet, 6))
+
+
+def _build_sd3_medium():
+    """SD3-Medium's layout: no q/k norm (the received-attention probe reads ``to_k``/``add_q_proj`` themselves,
+    the layers a LoRA wraps) and no dual attention."""
+    from diffusers import SD3Transformer2DModel
+
+    pipe = _build_sd3()
+    _seeded(0)
+    pipe.transformer = SD3Transformer2DModel(
+        sample_size=16, patch_size=2, in_channels=16, out_channels=16, num_layers=2, attention_head_dim=8,
+        num_attention_heads=4, joint_attention_dim=64, caption_projection_dim=32, pooled_projection_dim=64,
+        pos_embed_max_size=16).eval()
+    return pipe
+
+
+_BUILDERS.update({"sd3_controlnet": _build_sd3_controlnet, "flux_controlnet": _build_flux_controlnet,
+                  "sd3_medium": _build_sd3_medium})
+
+#: The LoRA's target modules, as trainers of SD3 and FLUX.1 LoRAs pick them: the attentions' image and text
+#: projections, the feed-forwards, and FLUX.1's single-stream ``proj_mlp``/``proj_out`` (merge points themselves).
+LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "ff.net.0.proj",
+                "ff.net.2", "proj_mlp", "proj_out")
+
+
+def save_tiny_lora(family: str, folder: str | Path, seed: int = 0, rank: int = 4) -> Path:
+    """A rank-``rank`` LoRA of the family's transformer (``sd3``, ``sd3_medium`` or ``flux``) with random A and B (peft's
+    ``init_lora_weights=False``, drawn from ``seed``), written by the pipeline class's ``save_lora_weights`` into
+    ``folder/pytorch_lora_weights.safetensors``, as a trainer writes one; ``pipe.load_lora_weights(folder)`` loads
+    it."""
+    from peft import LoraConfig
+    from peft.utils import get_peft_model_state_dict
+
+    pipe = build_tiny_pipeline(family)
+    _seeded(seed)
+    pipe.transformer.add_adapter(LoraConfig(r=rank, lora_alpha=rank, target_modules=list(LORA_TARGETS),
+                                            init_lora_weights=False))
+    layers = get_peft_model_state_dict(pipe.transformer)
+    folder = Path(folder)
+    type(pipe).save_lora_weights(folder, transformer_lora_layers=layers, safe_serialization=True)
+    return folder
+
+
+@functools.cache
+def lora_folder(family: str, seed: int = 0) -> Path:
+    """The family's tiny LoRA drawn from ``seed``, saved once per process into a temporary folder removed at exit."""
+    return save_tiny_lora(family, _temp_dir(f"tomerge-tiny-lora-{family}-{seed}-"), seed=seed)

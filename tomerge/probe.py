@@ -193,8 +193,14 @@ def attention_probe(state: MergeState, attn: nn.Module, sources: Iterable[Source
             ``to_out`` inside its parallel attention): the record is computed just before it runs (its first
             forward pre-hook), so the block call's plan, made there, sees it; ``None``: after ``attn`` ran.
 
+    A source that is a child of ``attn`` is followed when the child is replaced after the hooks were installed
+    (peft wraps a projection in a LoRA layer on ``load_lora_weights`` and unwraps it on ``unload_lora_weights``):
+    before a recorded call, the capture moves to the module now in the child's place, so the q/k are the ones
+    the attention computes with (the wrapper's, LoRA included), not the wrapped base layer's, nor nothing.
+
     Returns:
-        The hook handles: ``before``'s pre-hook (if any), the source hooks, the hook that records.
+        The hook handles: the pre-hook following replaced sources, the source hooks, ``before``'s pre-hook (if
+        any), the hook that records.
     """
     captured: dict[str, Any] = {}
 
@@ -221,14 +227,47 @@ def attention_probe(state: MergeState, attn: nn.Module, sources: Iterable[Source
         if a is not None:
             state.call.attention = a  # stored for the block's layer when the call ends
 
-    handles = [attn.register_forward_pre_hook(read_call, with_kwargs=True)] if before is not None else []
-    handles += [module.register_forward_hook(keep(name, pick)) for name, module, pick in sources if module is not None]
+    captures = _FollowedCaptures(attn, [(module, keep(name, pick)) for name, module, pick in sources
+                                        if module is not None])
+    handles = [attn.register_forward_pre_hook(lambda module, args: captures.follow() if wanted() else None), captures]
+    if before is not None:
+        handles.append(attn.register_forward_pre_hook(read_call, with_kwargs=True))
     if record_before is None:
         handles.append(attn.register_forward_hook(record))
     else:
         handles.append(record_before.register_forward_pre_hook(record, prepend=True))
         handles.append(attn.register_forward_hook(lambda *hook_args: captured.clear()))  # a call that never reached it
     return handles
+
+
+class _FollowedCaptures:
+    """The forward hooks of :func:`attention_probe`'s sources, one per ``(module, hook)``; a source that is a child of
+    ``attn`` is found by its attribute name and, when another module has taken that name since (a LoRA wrapper,
+    or the base layer back), :meth:`follow` moves its hook there. ``remove()`` removes them all."""
+
+    def __init__(self, attn: nn.Module, sources: list[tuple[nn.Module, Callable[..., None]]]) -> None:
+        self.attn = attn
+        self.entries: list[list[Any]] = []  # [child name or None, module, hook, handle]
+        for module, hook in sources:
+            child = next((name for name, m in attn.named_children() if m is module), None)
+            self.entries.append([child, module, hook, module.register_forward_hook(hook)])
+
+    def follow(self) -> None:
+        """Moves the hook of each replaced child to the module now in its place (eager calls only: under
+        ``torch.compile`` the hooks stay where they are, as registering one inside a traced call would break the
+        graph)."""
+        if torch.compiler.is_compiling():
+            return
+        for entry in self.entries:
+            child, module, hook, handle = entry
+            current = None if child is None else self.attn._modules.get(child)
+            if current is not None and current is not module:
+                handle.remove()
+                entry[1], entry[3] = current, current.register_forward_hook(hook)
+
+    def remove(self) -> None:
+        for entry in self.entries:
+            entry[3].remove()
 
 
 def received_self_attention(captured: dict[str, Any], grid: Grid, heads: int, scale: float,
