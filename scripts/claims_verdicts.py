@@ -22,8 +22,23 @@ CURVE = "sdtm-r0.3-curve={c}"
 MATCHED = "sdtm-flops1.6x-curve={c}-round_windows=1"
 FL = "facility_location-r0.5-{o}"
 
-# folder -> [(what the pair tests, run a, run b)]
-PAIRS: dict[str, list[tuple[str, str, str]]] = {
+# folder -> [(what the pair tests, run a, run b[, the folder of run b: same items and seeds])]
+PAIRS: dict[str, list[tuple[str, ...]]] = {
+    "claims_headline_presets": [
+        ("sdtm_release against tomesd at 1.34x / 1.34x", "sdtm_release-r0.5-switch_step=8",
+         "tomesd-r0.5-use_rand=False", "claims_headline"),
+        ("sdtm_release against tomesd at 1.20x / 1.22x", "sdtm_release-r0.35-switch_step=8",
+         "tomesd-r0.35-use_rand=False", "claims_headline"),
+        ("sdtm_paper (1.26x) against tomesd (1.34x)", "sdtm_paper-r0.2", "tomesd-r0.5-use_rand=False",
+         "claims_headline"),
+        ("sdtm_paper (1.45x) against ssm (1.71x)", "sdtm_paper-r0.35", "ssm-r0.5", "claims_headline"),
+        ("toma_release against tomesd at 1.08x / 1.11x", "toma_release-r0.2-num_tiles=16-skip_first=1",
+         "tomesd-r0.2-use_rand=False", "claims_headline"),
+        ("toma_release against tomesd at 1.18x / 1.22x", "toma_release-r0.5-num_tiles=16-skip_first=1",
+         "tomesd-r0.35-use_rand=False", "claims_headline"),
+        ("toma_release (1.18x) against sdtm_release (1.20x)", "toma_release-r0.5-num_tiles=16-skip_first=1",
+         "sdtm_release-r0.35-switch_step=8"),
+    ],
     "claims_sdtm_order": [
         *[(f"SDTM's order against the reversed order at {b}", SDTM.format(b=b), REVERSED.format(b=b))
           for b in ("1.3x", "1.5x")],
@@ -101,13 +116,15 @@ def main() -> None:
         lines = [f"# Paired comparisons of {folder.name}", "",
                  f"`python3 scripts/claims_verdicts.py {args.runs} --suffix '{args.suffix}'` (`tomerge compare` on each "
                  "pair): each metric's difference over the same images and seeds, with its 95% bootstrap interval.", ""]
-        for what, a, b in pairs:
+        for what, a, b, *other in pairs:
+            folder_b = args.runs / f"{other[0]}{args.suffix}" if other else None
             try:
-                done, skipped, n = compare_runs(folder, a, b)
+                done, skipped, n = compare_runs(folder, a, b, folder_b=folder_b)
             except Exception as err:  # a run missing from a partial folder
                 lines += [f"## {what}", "", f"not compared: {err}", ""]
                 continue
-            lines += [f"## {what}", "", f"`{a}` against `{b}`", "", comparison_table(done, "a", "b", n), ""]
+            where = f" (of `{other[0]}{args.suffix}`)" if other else ""
+            lines += [f"## {what}", "", f"`{a}` against `{b}`{where}", "", comparison_table(done, "a", "b", n), ""]
             lines += [f"not compared: {s}" for s in skipped]
         out = args.out / folder.name / "verdicts.md"
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -9,6 +9,7 @@ import torch
 
 from tomerge.experiments.runs.ablation import run_ablation
 from tomerge.experiments.config.load import load_config
+from tomerge.experiments.errors import UsageError
 from tiny_reference import write_test_set, write_tiny_dit
 
 
@@ -60,6 +61,15 @@ def test_ablation_writes_every_run_resumes_and_logs_to_wandb_offline(setup):
     psnr = done[0]
     assert psnr.a == pytest.approx(written[2]["psnr"]) and psnr.b == pytest.approx(written[3]["psnr"])
     assert psnr.lo <= psnr.difference <= psnr.hi
+    # a run of another folder with the same items and seeds pairs with this folder's; other items are refused
+    other = run_ablation(load_config(None, [*overrides, "name=tiny_other",
+                                            "grid=[{strategy: tomesd, ratios: [0.25], options: {use_rand: false}}]"]),
+                         progress=False).path
+    done, _, _ = compare_runs(folder, "ssm-r0.5-round_windows=1", "tomesd-r0.25-use_rand=False", folder_b=other)
+    assert done[0].b == pytest.approx(rows(other)[1]["psnr"]) and done[0].a == pytest.approx(written[3]["psnr"])
+    seeds = run_ablation(load_config(None, [*overrides, "name=tiny_seeds", "seed=7", "grid=[]"]), progress=False).path
+    with pytest.raises(UsageError, match="do not hold the same baseline images"):
+        compare_runs(folder, "baseline", "baseline", folder_b=seeds)
     table = (folder / "table.md").read_text()
     assert all(r["run"] in table for r in written)
 

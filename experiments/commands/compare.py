@@ -18,12 +18,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="a run folder written by `tomerge ablate`")
     parser.add_argument("run_a", metavar="RUN_A", help="a run id of the folder (or baseline)")
     parser.add_argument("run_b", metavar="RUN_B", help="another run id of the folder")
+    parser.add_argument("--b-dir", type=Path, default=None, metavar="RUN_DIR_B",
+                        help="RUN_B is a run of this folder, made with the same items and seeds (default: RUN_DIR)")
     parser.add_argument("--metrics", nargs="+", choices=[*PER_IMAGE, *FD_METRICS], default=None,
                         help="metrics to compare (default: every one both rows have)")
 
 
 def run(args: argparse.Namespace) -> int:
-    done, skipped, n_images = comparison.compare_runs(args.run_dir, args.run_a, args.run_b, args.metrics)
+    done, skipped, n_images = comparison.compare_runs(args.run_dir, args.run_a, args.run_b, args.metrics, args.b_dir)
     print(comparison.comparison_table(done, args.run_a, args.run_b, n_images))
     for line in skipped:
         print(f"not compared: {line}")

@@ -29,18 +29,32 @@ def _features(path: Path) -> dict[str, Any]:
     return load_file(file)
 
 
-def compare_runs(folder: Path, run_a: str, run_b: str,
-                 metrics: Sequence[str] | None = None) -> tuple[list[Comparison], list[str], int]:
+def compare_runs(folder: Path, run_a: str, run_b: str, metrics: Sequence[str] | None = None,
+                 folder_b: Path | None = None) -> tuple[list[Comparison], list[str], int]:
     """Run ``run_a`` against ``run_b`` on each metric both rows have (``metrics``: only these); returns the
-    comparisons, a line for each metric that could not be compared, saying why, and the number of items."""
-    rows = {r["run"]: r for r in last_rows(read_rows(folder))}
-    for run in (run_a, run_b):
+    comparisons, a line for each metric that could not be compared, saying why, and the number of items.
+
+    ``folder_b``: ``run_b`` is a run of that folder (default ``folder``); its baseline must be the same images
+    (the same items and seeds: equal baseline features), else a :class:`UsageError`."""
+    folder_b = folder if folder_b is None else folder_b
+    rows_a = {r["run"]: r for r in last_rows(read_rows(folder))}
+    rows_b = rows_a if folder_b == folder else {r["run"]: r for r in last_rows(read_rows(folder_b))}
+    for run, rows, where in ((run_a, rows_a, folder), (run_b, rows_b, folder_b)):
         if run not in rows:
-            raise UsageError(f"{folder}: no run {run!r}{did_you_mean(run, list(rows))}")
-    a, b = rows[run_a], rows[run_b]
+            raise UsageError(f"{where}: no run {run!r}{did_you_mean(run, list(rows))}")
+    a, b = rows_a[run_a], rows_b[run_b]
     if a.get("n_images") != b.get("n_images"):
         raise UsageError(f"{run_a} has {a.get('n_images')} images and {run_b} {b.get('n_images')}: "
                          "a paired comparison needs the same items")
+    features = _features(folder)
+    features_b = features if folder_b == folder else _features(folder_b)
+    if folder_b != folder:
+        import torch
+
+        base_a, base_b = features.get("baseline"), features_b.get("baseline")
+        if base_a is None or base_b is None or not torch.equal(base_a, base_b):
+            raise UsageError(f"{folder} and {folder_b} do not hold the same baseline images (the same items and "
+                             "seeds): their runs cannot be paired")
     wanted = list(metrics) if metrics is not None else [k for k in (*PER_IMAGE, *FD_METRICS) if k in a and k in b]
     per_video = a.get("frames_per_video")
     units = int(a["n_images"])
@@ -50,7 +64,6 @@ def compare_runs(folder: Path, run_a: str, run_b: str,
 
         t = int(per_video)
         groups = [np.arange(i * t, (i + 1) * t) for i in range(units)]  # each video's frames
-    features = _features(folder) if any(m in FD_METRICS for m in wanted) else {}
     done, skipped = [], []
     for metric in wanted:
         if metric in PER_IMAGE:
@@ -63,7 +76,8 @@ def compare_runs(folder: Path, run_a: str, run_b: str,
         elif metric in FD_METRICS:
             from ..measure.features import ResampledFrechet
 
-            sets = [features.get("baseline" if run == "baseline" else f"run/{run}") for run in (run_a, run_b)]
+            sets = [f.get("baseline" if run == "baseline" else f"run/{run}")
+                    for f, run in ((features, run_a), (features_b, run_b))]
             other = features.get("baseline" if metric == "fd_effnetlite0" else "reference")
             if any(f is None for f in (*sets, other)):
                 skipped.append(f"{metric}: features.safetensors lacks a run's or the comparison set's features "
