@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import math
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
@@ -19,6 +20,7 @@ from torch import nn
 
 from .adapter import BackboneAdapter, BlockSpec, MergePoint
 from .context import check_ratio
+from .follow import FollowedHooks
 from .registry import backbone_class, build, list_backbones, strategy_class
 from .schedule import Constant, Schedule
 from .state import MergeState, TrajectoryClock, module_key
@@ -81,7 +83,12 @@ class MergeHandle:
         model: the patched module (the transformer/UNet, also when a pipeline was given).
         schedule: the schedule deciding every block call.
         state: the :class:`~tomerge.state.MergeState` (``state.records`` has every decision).
+        experts: the handles of every model :func:`apply` attached to, this one first: ``(handle,)``, or for a
+            two-expert pipeline (Wan 2.2 A14B) ``(transformer's, transformer_2's)``, each with its own state, step
+            clock and stats; ``remove()`` removes them all.
     """
+
+    experts: tuple[MergeHandle, ...] = ()
 
     def __init__(self, model: nn.Module, adapter: BackboneAdapter, schedule: Schedule, state: MergeState) -> None:
         self.model, self.adapter, self.schedule, self.state = model, adapter, schedule, state
@@ -252,6 +259,8 @@ class MergeHandle:
                     f"schedule {self.schedule.name!r} skips whole block calls (block cache): {reason}; use a merging "
                     "strategy, or a caching schedule that skips no whole block (toca)")
         add = self._hooks.append
+        self._follower = FollowedHooks(self.model)
+        add(self._follower)
         add(self.model.register_forward_pre_hook(torch.compiler.disable(self._model_pre), with_kwargs=True))
         add(self.model.register_forward_hook(torch.compiler.disable(self._model_post)))
         kind_counts: dict[str, int] = {}
@@ -263,10 +272,12 @@ class MergeHandle:
             add(block.module.register_forward_pre_hook(self._block_pre(block, kind_index), with_kwargs=True))
             add(block.module.register_forward_hook(self._block_post(block), always_call=True))
             for index, point in enumerate(block.points):
-                if point.sublayer in self.schedule.reused_sublayers:
+                patched = point.sublayer in self.schedule.reused_sublayers
+                if patched:
                     add(_ForwardPatch(point.module, self._reused_forward(point, index, point.module.forward)))
-                add(point.module.register_forward_pre_hook(self._point_pre(point, index), with_kwargs=True))
-                add(point.module.register_forward_hook(self._point_post(point, index)))
+                # a merge point replaced after apply (peft's LoRA layers) takes its hooks along (tomerge/follow.py)
+                self._follower.add(point.module, self._point_pre(point, index), self._point_post(point, index),
+                                   fixed=patched)
         self._record_needs(blocks)
 
     def _record_needs(self, blocks: list[BlockSpec]) -> None:
@@ -307,6 +318,7 @@ class MergeHandle:
     # read only the block call they were handed, so compiled graphs are reused across steps and blocks
     # (docs/compile.md).
     def _model_pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        self._follower.follow()
         trajectory = self.state.clock.trajectory
         self.state.begin_model_call(self.adapter.on_model_call(args, kwargs))
         if trajectory and self.state.clock.trajectory != trajectory:  # the previous trajectory ended
@@ -456,7 +468,13 @@ def apply(target: Any, strategy: str | MergeStrategy | Schedule = "tomesd", *, r
             a warning, :meth:`~tomerge.state.MergeState.check_memory`). Unknown names raise.
 
     Returns:
-        A :class:`MergeHandle`; ``handle.remove()`` or :func:`remove` undoes everything.
+        A :class:`MergeHandle`; ``handle.remove()`` or :func:`remove` undoes everything. A two-expert pipeline
+        (Wan 2.2 A14B: ``transformer`` and ``transformer_2`` switched at ``boundary_ratio``) has both merged, each
+        with its own state and step clock over the steps it runs (``handle.experts``; docs/backbones/wan.md).
+
+    Raises:
+        RuntimeError: diffusers' own cache is enabled on the model (``enable_cache``); one enabled after ``apply``
+            raises at the model's next call.
 
     Example:
         >>> handle = tomerge.apply(pipe, "tomesd", ratio=0.5)      # doctest: +SKIP
@@ -464,15 +482,36 @@ def apply(target: Any, strategy: str | MergeStrategy | Schedule = "tomesd", *, r
         >>> tomerge.remove(pipe)                                   # doctest: +SKIP
     """
     adapter_cls, model = _find_backbone(target, backbone)
-    if _HANDLE_ATTR in model.__dict__:
-        raise RuntimeError(
-            f"tomerge is already applied to this {type(model).__name__}; call tomerge.remove() first")
-
     adapter_fields = {f.name for f in dataclasses.fields(adapter_cls.Options)}
     adapter_opts = {k: options.pop(k) for k in list(options) if k in adapter_fields}
     state_opts = {k: options.pop(k) for k in list(options) if k in _STATE_OPTIONS}
     schedule = make_schedule(strategy, ratio, options, adapter_fields)
+    scheduler = getattr(target, "scheduler", None) if target is not model else None
+    experts = _experts(target, model, adapter_cls, scheduler)
+    handles: list[MergeHandle] = []
+    try:
+        for expert, boundary in experts:
+            handles.append(_apply_model(expert, adapter_cls, adapter_opts, schedule, state_opts, scheduler, boundary))
+    except BaseException:
+        for handle in handles:
+            handle.remove()
+        raise
+    handle = handles[0]
+    for one in handles:
+        one.experts = tuple(handles)
+    handle._hooks.extend(_Removes(other) for other in handles[1:])  # handle.remove() removes the other experts too
+    return handle
 
+
+def _apply_model(model: nn.Module, adapter_cls: type[BackboneAdapter], adapter_opts: dict[str, Any],
+                 schedule: Schedule, state_opts: dict[str, Any], scheduler: Any,
+                 boundary: tuple[str, float] | None) -> MergeHandle:
+    """Attaches ``schedule`` to one model (a pipeline's transformer, or one expert of two, ``boundary``: see
+    :func:`_experts`); its own adapter, state and step clock."""
+    if _HANDLE_ATTR in model.__dict__:
+        raise RuntimeError(
+            f"tomerge is already applied to this {type(model).__name__}; call tomerge.remove() first")
+    _refuse_diffusers_cache(model, "is enabled on")
     adapter = adapter_cls(model, build(adapter_cls.Options, adapter_opts, what=f"backbone {adapter_cls.name!r}"))
     adapter.check()
     blocks = adapter.blocks()
@@ -483,16 +522,23 @@ def apply(target: Any, strategy: str | MergeStrategy | Schedule = "tomesd", *, r
             f"{', '.join(adapter_cls.block_names)}; pass backbone=... for another model family "
             f"(registered: {', '.join(list_backbones())})")
 
-    scheduler = getattr(target, "scheduler", None) if target is not model else None
+    bounds = None
+    if boundary is not None:  # the scheduler's boundary timestep in the units of the model's calls
+        side, value = boundary
+        converted = adapter.scheduler_timesteps(torch.tensor([value], dtype=torch.float64))
+        value = float(converted[0]) if converted is not None else value
+        bounds = (value, math.inf) if side == "high" else (-math.inf, value)
     clock = TrajectoryClock(
         num_steps=state_opts.get("num_steps"),
         timesteps=_scheduler_timesteps(scheduler, adapter) if scheduler is not None else None,
         t_max=adapter.t_max,
+        bounds=bounds,
     )
     state = MergeState(schedule, num_layers=len(blocks), seed=state_opts.get("seed", 0), clock=clock,
                        memory_budget=state_opts.get("memory_budget"))
     handle = MergeHandle(model, adapter, schedule, state)
     try:
+        handle._hooks.append(model.register_forward_pre_hook(_refuse_diffusers_cache_at_call))
         handle._attach(blocks)
         if state_opts.get("text_labels") is not None:
             handle.set_text_labels(state_opts["text_labels"])
@@ -501,6 +547,55 @@ def apply(target: Any, strategy: str | MergeStrategy | Schedule = "tomesd", *, r
         raise
     model.__dict__[_HANDLE_ATTR] = handle
     return handle
+
+
+def _experts(target: Any, model: nn.Module, adapter_cls: type[BackboneAdapter],
+             scheduler: Any) -> list[tuple[nn.Module, tuple[str, float] | None]]:
+    """The models :func:`apply` attaches to, each with the side of the boundary timestep it runs: ``[(model,
+    None)]``, or for a two-expert pipeline (Wan 2.2 A14B: ``transformer`` runs the timesteps ``t >= boundary_ratio
+    * num_train_timesteps``, ``transformer_2`` the others) ``[(transformer, ("high", b)), (transformer_2, ("low",
+    b))]``. A ``transformer_2`` without a ``boundary_ratio`` never runs (diffusers' WanPipeline) and is left alone."""
+    second = getattr(target, "transformer_2", None) if target is not model else None
+    config = getattr(target, "config", None) or {}
+    ratio = config.get("boundary_ratio") if hasattr(config, "get") else None
+    if not isinstance(second, nn.Module) or ratio is None or getattr(target, "transformer", None) is not model:
+        return [(model, None)]
+    if adapter_cls.find_model(second) is not second:
+        raise ValueError(f"the pipeline's transformer_2 ({type(second).__name__}) is not a model of the "
+                         f"{adapter_cls.name!r} adapter of its transformer ({type(model).__name__}); apply to each "
+                         "transformer separately")
+    train_steps = getattr(getattr(scheduler, "config", None), "num_train_timesteps", None) or 1000
+    boundary = float(ratio) * float(train_steps)
+    return [(model, ("high", boundary)), (second, ("low", boundary))]
+
+
+class _Removes:
+    """A hook handle of the primary :class:`MergeHandle` that removes another expert's handle."""
+
+    def __init__(self, handle: MergeHandle) -> None:
+        self.handle = handle
+
+    def remove(self) -> None:
+        self.handle.remove()
+
+
+def _refuse_diffusers_cache(model: nn.Module, how: str) -> None:
+    """Raises when diffusers' own cache (``model.enable_cache(FirstBlockCacheConfig(...))`` and the like) is enabled
+    on ``model``: its hooks skip blocks and replay block or attention outputs behind tomerge's hooks."""
+    config = getattr(model, "_cache_config", None)
+    if config is not None:
+        raise RuntimeError(
+            f"tomerge: diffusers' {type(config).__name__} cache {how} this {type(model).__name__} (enable_cache): "
+            "its hooks skip blocks and replay outputs behind tomerge's, so the two do not compose; call its "
+            "disable_cache() and use tomerge's caching instead (fora, taylorseer, first_block_cache; merge=... to "
+            "merge too)")
+
+
+def _refuse_diffusers_cache_at_call(module: nn.Module, args: tuple) -> None:
+    _refuse_diffusers_cache(module, "was enabled after tomerge.apply on")
+
+
+_refuse_diffusers_cache_at_call = torch.compiler.disable(_refuse_diffusers_cache_at_call)
 
 
 def check_options(strategy: str, *, ratio: float | None = None, backbones: Sequence[str] | None = None,
