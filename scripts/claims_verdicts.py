@@ -115,7 +115,7 @@ def main() -> None:
             continue
         lines = [f"# Paired comparisons of {folder.name}", "",
                  f"`python3 scripts/claims_verdicts.py {args.runs} --suffix '{args.suffix}'` (`tomerge compare` on each "
-                 "pair): each metric's difference over the same images and seeds, with its 95% bootstrap interval.", ""]
+                 "pair): each metric's difference over the same images and seeds, with its 95% interval (bootstrap; FD: jackknife).", ""]
         for what, a, b, *other in pairs:
             folder_b = args.runs / f"{other[0]}{args.suffix}" if other else None
             try:

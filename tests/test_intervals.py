@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from tomerge.experiments.measure.features import ResampledFrechet, frechet_distance
-from tomerge.experiments.measure.intervals import bootstrap_interval, compare, mean_interval, quality_intervals, \
-    speedup_interval
+from tomerge.experiments.measure.intervals import bootstrap_interval, compare, jackknife_interval, mean_interval, \
+    quality_intervals, speedup_interval
 
 T_975 = {2: 4.302652729911275, 4: 2.7764451051977987}  # Student's t 0.975 quantiles, degrees of freedom 2 and 4
 
@@ -44,6 +44,29 @@ def test_the_mean_interval_of_a_large_normal_sample_is_the_normal_one():
     half = 1.959963984540054 * v.std(ddof=1) / math.sqrt(v.size)  # z 0.975 * standard error
     lo, hi = mean_interval(v)
     assert lo == pytest.approx(v.mean() - half, abs=0.1 * half) and hi == pytest.approx(v.mean() + half, abs=0.1 * half)
+
+
+def test_the_jackknife_interval_of_a_mean_is_the_normal_one_exactly():
+    """For the mean the jackknife standard error is s / sqrt(n) exactly, so the interval is mean -+ z s / sqrt(n)."""
+    v = np.array([3.0, 1.0, 4.0, 1.5, 5.0, 9.0, 2.0, 6.0])
+    s, n = math.sqrt(sum((x - v.mean()) ** 2 for x in v) / (len(v) - 1)), len(v)
+    half = 1.959963984540054 * s / math.sqrt(n)
+    lo, hi = jackknife_interval(lambda idx: float(v[idx].mean()), n)
+    assert lo == pytest.approx(v.mean() - half, rel=1e-12) and hi == pytest.approx(v.mean() + half, rel=1e-12)
+
+
+def test_fd_intervals_do_not_drift_with_repeated_images():
+    """Against a fixed reference set, resampling with repeats raises FD systematically (a resample's covariance has
+    lower rank): every bootstrap draw lies above the estimate; the jackknife interval of quality_intervals is centred
+    on the estimate."""
+    x, ref = _features(20, 30, 0), _features(200, 30, 1) + 0.3
+    fd = ResampledFrechet(x, ref, paired=False)
+    value = fd.distance(np.arange(20))
+    draws = [fd.distance(np.random.default_rng(k).integers(0, 20, 20)) for k in range(200)]
+    assert min(draws) > value  # what makes a bootstrap of FD unusable
+    out = quality_intervals({"psnr": np.full(20, 30.0)}, {"fd_effnetlite0_ref": fd})
+    assert out["fd_effnetlite0_ref_lo"] < value < out["fd_effnetlite0_ref_hi"]
+    assert out["fd_effnetlite0_ref_hi"] - value == pytest.approx(value - out["fd_effnetlite0_ref_lo"])
 
 
 def test_an_interval_that_straddles_zero_is_not_a_difference():

@@ -9,7 +9,7 @@ strategy, so that methods of one run each stay apart); the line style tells apar
 strategy. The Pareto front of all merged runs is a thick translucent line
 under its points, which are outlined. The baseline is a dotted line at speed-up 1 (metrics against the
 baseline's images) or a star (metrics against real images). Bars are the 95% intervals of the rows
-(:func:`row_interval`: the metric's bootstrap over the images, the measured speed-up's over the timing rounds) and
+(:func:`row_interval`: the metric's over the images, the measured speed-up's over the timing rounds) and
 runs with noisy timing are hollow.
 The title names the model (:attr:`~tomerge.experiments.sources.models.ModelSpec.display_name` of each folder's
 ``config.yaml``), the metric and the number of images. No text is drawn inside the axes, and no two texts of
@@ -288,7 +288,7 @@ def _legend(ax, runs: Sequence[RunData], drawn: Sequence[Method], front: bool, s
         entry(Line2D([], [], color="gray", linestyle=":", linewidth=1.2), "baseline (speed-up 1)")
     if bars:
         entry(Line2D([], [], color="0.3", linewidth=1, marker="|", markersize=7),
-              "bars: 95% intervals\n  (quality: bootstrap over\n  the images; speed-up:\n  over the timing rounds)")
+              "bars: 95% intervals\n  (quality: over the\n  images; speed-up:\n  over the timing rounds)")
     if hollow:
         header("timing repeats")
         entry(Line2D([], [], linestyle="none", marker="o", markersize=6.5, markerfacecolor="white",

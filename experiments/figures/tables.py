@@ -42,8 +42,8 @@ def _caption(keys: set[str]) -> str:
         parts.append("FD-EffNetLite0: Fr\\'echet distance of EfficientNet-Lite0 features to the baseline images")
     if "fd_effnetlite0_ref" in keys:
         parts.append("FD-EffNetLite0 vs ref: the same distance to real images")
-    return ". ".join(parts) + (". Brackets: 95\\% intervals (quality: bootstrap over the images, paired with the "
-                               "baseline's; speed-up: over the timing rounds). Best merged value in bold.")
+    return ". ".join(parts) + (". Brackets: 95\\% intervals (quality: over the images, paired with the "
+                               "baseline's, bootstrap or, for FD, jackknife; speed-up: over the timing rounds). Best merged value in bold.")
 
 
 def ablation_table(runs: Sequence[RunData], latex: bool = False) -> str:

@@ -1,19 +1,20 @@
 """The uncertainty of every measured number: 95% intervals of a run's quality metrics and speed-up, and the
 paired comparison of two runs of one folder.
 
-* Quality (:func:`quality_intervals`): a bootstrap over the run's items (images, or videos with all their
-  frames), with ``scipy.stats.bootstrap`` (BCa, :data:`RESAMPLES` resamples, seed :data:`SEED`, so a row is
-  reproducible). Every metric is paired with the baseline's image of the same seed: a per-image metric (PSNR,
-  SSIM, feature cosine and DINO distances to the baseline image, the CLIP score) is resampled as per-item
-  values; FD against the baseline resamples the pairs (the same indices in both sets); FD against the real
-  reference images resamples the run's items and keeps the reference whole. FID (torchmetrics' Inception) has
-  no interval.
+* Quality (:func:`quality_intervals`): over the run's items (images, or videos with all their frames), each paired
+  with the baseline's image of the same seed. A per-image metric (PSNR, SSIM, feature cosine and DINO distances
+  to the baseline image, the CLIP score) by a bootstrap of its mean, ``scipy.stats.bootstrap`` (BCa,
+  :data:`RESAMPLES` resamples, seed :data:`SEED`, so a row is reproducible). FD by the jackknife
+  (:func:`jackknife_interval`, leave one item out: against the baseline the pair, against the real reference
+  images the run's item, the reference kept whole): a bootstrap resample repeats images, which moves FD itself
+  (its small-sample bias), so bootstrap FDs lie to one side of the estimate and BCa's correction breaks down
+  (docs/experiments.md). FID (torchmetrics' Inception) has no interval.
 * Speed-up (:func:`speedup_interval`): baseline and merged calls alternate round after round
   (``timing.alternating_rounds``), so each round gives a paired ratio; the interval is Student's t on the log
   ratios (``scipy.stats.ttest_1samp``), exponentiated: the geometric-mean speed-up's interval. It needs at least
   two timed rounds (``repeats``); with a few it is wide, which is what a few repeats support.
-* Comparisons (:func:`compare`): the difference of a metric between two runs of one folder, bootstrapped over
-  the same items (the same seeds), and whether its interval excludes 0.
+* Comparisons (:func:`compare`): the difference of a metric between two runs over the same items (the same
+  seeds), bootstrapped (per-image metrics) or jackknifed (FD), and whether its interval excludes 0.
 
 A zero-width interval is reported as such when every resample gives the same value (a constant difference).
 The row keys are ``<metric>_lo`` / ``<metric>_hi`` (:func:`interval_keys`); the per-item values a comparison
@@ -33,7 +34,8 @@ import numpy as np
 if TYPE_CHECKING:
     from .features import ResampledFrechet
 
-__all__ = ["CONFIDENCE", "RESAMPLES", "SEED", "PER_IMAGE", "FD_METRICS", "bootstrap_interval", "mean_interval",
+__all__ = ["CONFIDENCE", "RESAMPLES", "SEED", "PER_IMAGE", "FD_METRICS", "bootstrap_interval", "jackknife_interval",
+           "mean_interval",
            "quality_intervals", "speedup_interval", "interval_keys", "Comparison", "compare"]
 
 CONFIDENCE = 0.95
@@ -82,6 +84,28 @@ def bootstrap_interval(statistic: Callable[[np.ndarray], float], units: int) -> 
     return float(np.quantile(values, tail)), float(np.quantile(values, 1 - tail))
 
 
+def jackknife_interval(statistic: Callable[[np.ndarray], float], units: int) -> tuple[float, float]:
+    """The :data:`CONFIDENCE` normal interval ``s +- z * se`` of ``statistic(idx)`` over the units
+    ``range(units)``, with ``se`` the jackknife standard error (leave one unit out:
+    ``sqrt((n - 1) / n * sum((s_i - mean s_i)^2))``). For set-level metrics (FD), whose bootstrap resamples repeat
+    images and so shift the statistic itself (FD's small-sample bias): leaving one out repeats nothing.
+
+    Example:
+        >>> lo, hi = jackknife_interval(lambda idx: float(np.mean(np.array([1.0, 2.0, 3.0, 4.0])[idx])), 4)
+        >>> round(lo, 4), round(hi, 4)    # the mean's: 2.5 -+ 1.96 * s / sqrt(n), s = 1.291
+        (1.2348, 3.7652)
+    """
+    if units < 2:
+        raise ValueError(f"an interval needs at least 2 items, got {units}")
+    from scipy import stats
+
+    everything = np.arange(units)
+    leave_out = np.array([statistic(np.delete(everything, i)) for i in range(units)])  # [n]
+    se = math.sqrt((units - 1) / units * float(((leave_out - leave_out.mean()) ** 2).sum()))
+    value, z = statistic(everything), float(stats.norm.ppf(1 - (1 - CONFIDENCE) / 2))
+    return value - z * se, value + z * se
+
+
 def mean_interval(values: Sequence[float] | np.ndarray) -> tuple[float, float]:
     """The interval of the mean of per-item values.
 
@@ -112,7 +136,7 @@ def quality_intervals(per_item: Mapping[str, np.ndarray], fd: Mapping[str, Resam
         out.update(zip(interval_keys(key), mean_interval(values)))
     units = len(groups) if groups is not None else next(iter(per_item.values())).size
     for key, resampled in fd.items():
-        out.update(zip(interval_keys(key), bootstrap_interval(lambda idx: resampled.distance(_frames(groups, idx)),
+        out.update(zip(interval_keys(key), jackknife_interval(lambda idx: resampled.distance(_frames(groups, idx)),
                                                               units)))
     return out
 
@@ -183,7 +207,7 @@ def compare(metric: str, per_item_a: np.ndarray | None = None, per_item_b: np.nd
         raise ValueError(f"{metric}: give both runs' per-item values or both runs' FD resamplers")
     units = len(groups) if groups is not None else fd_a.g_xx.shape[0]
     everything = np.arange(units)
-    lo, hi = bootstrap_interval(lambda idx: fd_a.distance(_frames(groups, idx)) - fd_b.distance(_frames(groups, idx)),
+    lo, hi = jackknife_interval(lambda idx: fd_a.distance(_frames(groups, idx)) - fd_b.distance(_frames(groups, idx)),
                                 units)
     return Comparison(metric, fd_a.distance(_frames(groups, everything)), fd_b.distance(_frames(groups, everything)),
                       lo, hi)

@@ -317,8 +317,8 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
     cells = [[_cell(row, k) for k, _ in columns] for row in rows]
     lines = [format_markdown_table([title for _, title in columns], cells, [k != "run" for k, _ in columns])]
     if any(r.get(interval_keys(k)[0]) is not None for r in rows for k, _ in columns):
-        lines.append("\n[lo, hi]: the 95% interval (quality: a bootstrap over the images, paired with the baseline's "
-                     "images of the same seeds; speed-up: over the paired timing rounds; docs/experiments.md).")
+        lines.append("\n[lo, hi]: the 95% interval (quality: over the images, paired with the baseline's images of the "
+                     "same seeds (bootstrap; FD: jackknife); speed-up: over the paired timing rounds; docs/experiments.md).")
     if any(r.get("timing_noisy") for r in rows):
         lines.append("\n(noisy): the timing repeats of that run disagree by more than 10%; its speed-up is not "
                      "reliable (rerun with more `repeats` on a quiet machine).")
