@@ -598,8 +598,9 @@ def _build_mochi():
     # a 3 x 8 x 8 latent
     vae = AutoencoderKLMochi(latent_channels=12, out_channels=3, encoder_block_out_channels=(32,) * 4,
                              decoder_block_out_channels=(32,) * 4, layers_per_block=(1,) * 5).eval()
-    return MochiPipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae, text_encoder=text_encoder,
-                         tokenizer=tokenizer, transformer=transformer)
+    # inverted sigmas, as genmo/mochi-1-preview's scheduler: the model's t rises from noise to data
+    return MochiPipeline(scheduler=FlowMatchEulerDiscreteScheduler(invert_sigmas=True), vae=vae,
+                         text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer)
 
 
 def _build_latte():

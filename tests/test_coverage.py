@@ -156,7 +156,9 @@ def test_the_listing_of_a_few_classes_is_what_apply_runs_and_refuses(table, caps
     objects = {o["class"]: o for o in map(json.loads, capsys.readouterr().out.splitlines())}
     assert objects["WanVACETransformer3DModel"]["caching"] == ["toca"]
     assert objects["WanVACETransformer3DModel"]["refused"]["fora(merge=tomesd)"] == VACE_REFUSED
-    assert objects["DiTTransformer2DModel"]["compositions"] == list(every_composition)
+    built_in = [c for c in objects["DiTTransformer2DModel"]["compositions"]  # plugins other tests registered: left out
+                if c.split("(merge=")[1].rstrip(")") in MERGING]
+    assert built_in == list(every_composition)
     assert objects["DiTTransformer2DModel"]["refused"] == {}
     assert cli.main(["backbones"]) == 0
     lines = capsys.readouterr().out.splitlines()
