@@ -591,11 +591,9 @@ def _refuse_diffusers_cache(model: nn.Module, how: str) -> None:
             "merge too)")
 
 
+@torch.compiler.disable
 def _refuse_diffusers_cache_at_call(module: nn.Module, args: tuple) -> None:
     _refuse_diffusers_cache(module, "was enabled after tomerge.apply on")
-
-
-_refuse_diffusers_cache_at_call = torch.compiler.disable(_refuse_diffusers_cache_at_call)
 
 
 def check_options(strategy: str, *, ratio: float | None = None, backbones: Sequence[str] | None = None,

@@ -9,7 +9,7 @@ strategy, so that methods of one run each stay apart); the line style tells apar
 strategy. The Pareto front of all merged runs is a thick translucent line
 under its points, which are outlined. The baseline is a dotted line at speed-up 1 (metrics against the
 baseline's images) or a star (metrics against real images). Bars are the 95% intervals of the rows
-(:func:`row_interval`: the metric's over the images, the measured speed-up's over the timing rounds) and
+(``measure.intervals.row_interval``: the metric's over the images, the measured speed-up's over the timing rounds) and
 runs with noisy timing are hollow.
 The title names the model (:attr:`~tomerge.experiments.sources.models.ModelSpec.display_name` of each folder's
 ``config.yaml``), the metric and the number of images. No text is drawn inside the axes, and no two texts of
@@ -26,12 +26,12 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..measure.intervals import interval_keys
+from ..measure.intervals import row_interval
 from ..sources.models import ModelSpec
 from .canvas import METRICS, X_AXES, is_finite_number, metric_name, new_figure, save_figure
 from .run_data import RunData
 
-__all__ = ["pareto_front", "row_interval", "varying_options", "method_name", "ratio_note", "Method", "methods",
+__all__ = ["pareto_front", "varying_options", "method_name", "ratio_note", "Method", "methods",
            "model_name", "pareto_title", "pareto_plot", "pareto_figure"]
 
 MARKERS = "osD^vP*Xh<>p"
@@ -56,20 +56,6 @@ def pareto_front(points: Sequence[tuple[float, float]], higher_y: bool = True) -
     front = [i for i, (x, y) in enumerate(pts)
              if not any(bx >= x and by >= y and (bx > x or by > y) for bx, by in pts)]
     return sorted(front, key=lambda i: (points[i][0], i))
-
-
-def row_interval(row: dict[str, Any], key: str) -> tuple[float, float] | None:
-    """A row's 95% interval of ``key`` (``<key>_lo``, ``<key>_hi``; ``measure.intervals``), or ``None`` when it has
-    none (one timing round, FID, a row written before intervals were recorded).
-
-    Example:
-        >>> row_interval({"speedup": 2.0, "speedup_lo": 1.8, "speedup_hi": 2.3}, "speedup")
-        (1.8, 2.3)
-        >>> row_interval({"speedup": 2.0}, "speedup") is None
-        True
-    """
-    lo, hi = (row.get(k) for k in interval_keys(key))
-    return (float(lo), float(hi)) if is_finite_number(lo) and is_finite_number(hi) else None
 
 
 # ------------------------------------------------------------------------------------------ methods
@@ -195,7 +181,7 @@ def pareto_plot(runs: Sequence[RunData], metric: str, x_key: str = "speedup") ->
 
     Each method's line has the gid ``folder/method name``, each run's point ``folder/run``, the front's band
     ``pareto-front`` and its rings ``pareto-front-points``. A run's bars (gid ``folder/run``) are its 95% intervals
-    of ``x_key`` and ``metric`` (:func:`row_interval`; none where the row has none).
+    of ``x_key`` and ``metric`` (``measure.intervals.row_interval``; none where the row has none).
     """
     label, higher, paired = METRICS[metric]
     drawn = methods(runs, keep=lambda r: is_finite_number(r.get(x_key)) and is_finite_number(r.get(metric)))

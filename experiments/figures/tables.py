@@ -9,8 +9,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..measure.columns import figure_columns, format_markdown_table
+from ..measure.intervals import row_interval
 from .canvas import is_finite_number
-from .pareto import row_interval
 from .run_data import RunData
 
 __all__ = ["COLUMNS", "ablation_table"]

@@ -15,7 +15,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch import Tensor
 
@@ -23,7 +22,7 @@ from ..generation.files import expand_videos, load_image_files
 from ..sources.weights import check_dino_model, require_path
 from .features import FeatureExtractor, ResampledFrechet, check_pair, cosine_distance, dino_embeddings, \
     frechet_distance, to_rgb, to_uint8
-from .intervals import quality_intervals
+from .intervals import quality_intervals, video_groups
 from .metrics import clip_score, psnr, ssim, ssim_kernel
 
 __all__ = ["ImageSetQuality"]
@@ -189,7 +188,7 @@ class ImageSetQuality:
         # per item: [n] -> [videos, T] -> each video's mean, [videos]
         per_item = {k: (v if per_video is None else v.view(-1, per_video).mean(1)).double().numpy()
                     for k, v in per_frame.items()}
-        groups = None if per_video is None else [np.arange(i * per_video, (i + 1) * per_video) for i in range(len(files))]
+        groups = video_groups(len(files), per_video)
         if len(files) >= 2:
             out.update(quality_intervals(per_item, fd, groups))
         out["per_image"] = {k: v.tolist() for k, v in per_item.items()}

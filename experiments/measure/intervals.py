@@ -27,16 +27,16 @@ import dataclasses
 import math
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 if TYPE_CHECKING:
     from .features import ResampledFrechet
 
-__all__ = ["CONFIDENCE", "RESAMPLES", "SEED", "PER_IMAGE", "FD_METRICS", "bootstrap_interval", "jackknife_interval",
-           "mean_interval",
-           "quality_intervals", "speedup_interval", "interval_keys", "Comparison", "compare"]
+__all__ = ["CONFIDENCE", "RESAMPLES", "SEED", "PER_IMAGE", "FD_METRICS", "interval_keys", "row_interval", "video_groups",
+           "bootstrap_interval", "jackknife_interval", "mean_interval", "quality_intervals", "speedup_interval",
+           "Comparison", "compare"]
 
 CONFIDENCE = 0.95
 RESAMPLES = 2000
@@ -57,10 +57,39 @@ def interval_keys(metric: str) -> tuple[str, str]:
     return f"{metric}_lo", f"{metric}_hi"
 
 
+def row_interval(row: Mapping[str, Any], key: str) -> tuple[float, float] | None:
+    """A result row's 95% interval of ``key`` (``<key>_lo``, ``<key>_hi``), or ``None`` when it has none (one timing
+    round, FID, a row written before intervals were recorded): what tables and figures show.
+
+    Example:
+        >>> row_interval({"speedup": 2.0, "speedup_lo": 1.8, "speedup_hi": 2.3}, "speedup")
+        (1.8, 2.3)
+        >>> row_interval({"speedup": 2.0}, "speedup") is None
+        True
+    """
+    lo, hi = (row.get(k) for k in interval_keys(key))
+    finite = all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in (lo, hi))
+    return (float(lo), float(hi)) if finite else None
+
+
+def video_groups(videos: int, frames_per_video: int | float | None) -> list[np.ndarray] | None:
+    """The feature rows of each video (``[i * T, (i + 1) * T)``: frames in video-major order), what the intervals
+    resample whole; ``None`` for images (one row per item).
+
+    Example:
+        >>> [g.tolist() for g in video_groups(2, 3)]
+        [[0, 1, 2], [3, 4, 5]]
+    """
+    if not frames_per_video:
+        return None
+    t = int(frames_per_video)
+    return [np.arange(i * t, (i + 1) * t) for i in range(videos)]
+
+
 def bootstrap_interval(statistic: Callable[[np.ndarray], float], units: int) -> tuple[float, float]:
     """The :data:`CONFIDENCE` BCa bootstrap interval of ``statistic(idx)``, a number computed from the units
-    ``idx`` (indices into ``range(units)``, drawn with replacement). Where BCa is undefined (resamples tying with
-    the estimate: every one gives ``v``, or an FD of identical sets) the percentile interval: ``(v, v)`` when every
+    ``idx`` (indices into ``range(units)``, drawn with replacement). Where BCa is undefined (most resamples tie
+    with the estimate, e.g. a PSNR of 100 dB on most images) the percentile interval: ``(v, v)`` when every
     resample gives ``v``.
 
     Example:
@@ -73,13 +102,13 @@ def bootstrap_interval(statistic: Callable[[np.ndarray], float], units: int) -> 
         warnings.simplefilter("ignore")  # scipy's DegenerateDataWarning for a constant statistic: handled below
         from scipy import stats
 
-        res = stats.bootstrap((np.arange(units),), lambda idx: statistic(idx), vectorized=False,
+        res = stats.bootstrap((np.arange(units),), statistic, vectorized=False,
                               n_resamples=RESAMPLES, confidence_level=CONFIDENCE, method="BCa",
                               random_state=np.random.default_rng(SEED))
     lo, hi = float(res.confidence_interval.low), float(res.confidence_interval.high)
     if math.isfinite(lo) and math.isfinite(hi):
         return lo, hi
-    values = res.bootstrap_distribution  # BCa undefined: most resamples tie with the estimate (an FD of 0)
+    values = res.bootstrap_distribution  # BCa undefined: most resamples tie with the estimate
     tail = (1 - CONFIDENCE) / 2
     return float(np.quantile(values, tail)), float(np.quantile(values, 1 - tail))
 

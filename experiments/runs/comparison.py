@@ -10,23 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from ..errors import UsageError, did_you_mean
 from ..measure.columns import COLUMNS, format_markdown_table
-from ..measure.intervals import FD_METRICS, PER_IMAGE, Comparison, compare
-from .records import format_value, last_rows, read_rows
+from ..measure.intervals import FD_METRICS, PER_IMAGE, Comparison, compare, video_groups
+from .records import format_value, last_rows, load_tensors, read_rows
 
 __all__ = ["compare_runs", "comparison_table"]
-
-
-def _features(path: Path) -> dict[str, Any]:
-    file = path / "features.safetensors"
-    if not file.exists():
-        return {}
-    from safetensors.torch import load_file
-
-    return load_file(file)
 
 
 def compare_runs(folder: Path, run_a: str, run_b: str, metrics: Sequence[str] | None = None,
@@ -46,8 +36,8 @@ def compare_runs(folder: Path, run_a: str, run_b: str, metrics: Sequence[str] | 
     if a.get("n_images") != b.get("n_images"):
         raise UsageError(f"{run_a} has {a.get('n_images')} images and {run_b} {b.get('n_images')}: "
                          "a paired comparison needs the same items")
-    features = _features(folder)
-    features_b = features if folder_b == folder else _features(folder_b)
+    features = load_tensors(folder, "features") or {}
+    features_b = features if folder_b == folder else load_tensors(folder_b, "features") or {}
     if folder_b != folder:
         import torch
 
@@ -56,14 +46,8 @@ def compare_runs(folder: Path, run_a: str, run_b: str, metrics: Sequence[str] | 
             raise UsageError(f"{folder} and {folder_b} do not hold the same baseline images (the same items and "
                              "seeds): their runs cannot be paired")
     wanted = list(metrics) if metrics is not None else [k for k in (*PER_IMAGE, *FD_METRICS) if k in a and k in b]
-    per_video = a.get("frames_per_video")
     units = int(a["n_images"])
-    groups = None
-    if per_video:
-        import numpy as np
-
-        t = int(per_video)
-        groups = [np.arange(i * t, (i + 1) * t) for i in range(units)]  # each video's frames
+    groups = video_groups(units, a.get("frames_per_video"))
     done, skipped = [], []
     for metric in wanted:
         if metric in PER_IMAGE:

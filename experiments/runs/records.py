@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from ..measure.columns import BETTER, format_markdown_table, table_columns
-from ..measure.intervals import interval_keys
+from ..measure.intervals import interval_keys, row_interval
 from ..errors import UsageError
 from ..config.schema import AblationConfig
 from ..generation.files import DamagedFileError, FolderLock, append_line, load_image_files, load_video, lock_folder, \
@@ -111,6 +111,17 @@ def last_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for row in rows:
         latest[row["run"]] = row
     return list(latest.values())
+
+
+def load_tensors(path: Path, key: str) -> dict[str, Tensor] | None:
+    """The tensors of a run folder's ``<key>.safetensors`` (``features``: the baseline's, the reference's and each
+    run's EfficientNet-Lite0 features), or ``None`` without the file; reads without taking the folder's lock."""
+    file = path / f"{key}.safetensors"
+    if not file.exists():
+        return None
+    from safetensors.torch import load_file
+
+    return load_file(file)
 
 
 @dataclasses.dataclass
@@ -204,12 +215,7 @@ class RunFolder:
                    lambda tmp: save_file({k: v.contiguous() for k, v in tensors.items()}, tmp))
 
     def load_tensors(self, key: str) -> dict[str, Tensor] | None:
-        file = self.path / f"{key}.safetensors"
-        if not file.exists():
-            return None
-        from safetensors.torch import load_file
-
-        return load_file(file)
+        return load_tensors(self.path, key)
 
     def save_maps(self, run_id: str, maps: dict[str, Tensor], records: list,
                   grids: dict[str, tuple[int, ...]] | None = None) -> None:
@@ -303,11 +309,11 @@ def format_with_interval(row: dict[str, Any], key: str) -> str:
         >>> format_with_interval({"psnr": 31.234, "psnr_lo": 30.51, "psnr_hi": 31.9}, "psnr")
         '31.2 [30.5, 31.9]'
     """
-    lo, hi = interval_keys(key)
     text = format_value(row.get(key))
-    if row.get(key) is None or row.get(lo) is None or row.get(hi) is None:
+    interval = row_interval(row, key)
+    if row.get(key) is None or interval is None:
         return text
-    return f"{text} [{format_value(float(row[lo]))}, {format_value(float(row[hi]))}]"
+    return f"{text} [{format_value(interval[0])}, {format_value(interval[1])}]"
 
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:
