@@ -36,7 +36,7 @@ import types
 from collections.abc import Sequence
 from pathlib import Path
 
-from .errors import PluginError, UserError  # noqa: F401 (plugins.UserError)
+from .errors import PluginError
 
 __all__ = ["PluginError", "load_plugins", "load_plugin", "loaded_plugins", "resolve_specs", "is_path_spec",
            "module_name_for"]

@@ -83,6 +83,7 @@ def test_missing_weights_name_the_option(path):
 def test_config_refuses_a_missing_or_unloadable_folder_before_any_work(tmp_path, dino_folder):
     from tomerge.experiments.config.load import load_config
     from tomerge.experiments.config.schema import ConfigError
+    from tomerge.experiments.errors import UserError
 
     runs = tmp_path / "runs"
     base = [f"out_dir={runs}", "wandb=disabled"]
@@ -105,7 +106,7 @@ def test_config_refuses_a_missing_or_unloadable_folder_before_any_work(tmp_path,
     with pytest.raises(ConfigError, match="no weights file"):
         load_config(None, base + [f"metrics.dino_model={no_weights}"])
     assert not runs.exists()  # nothing was generated; each problem is one line of one ConfigError
-    assert issubclass(ConfigError, M.UserError) and issubclass(M.MissingWeightsError, M.UserError)  # the command line reports it without a traceback
+    assert issubclass(ConfigError, UserError) and issubclass(M.MissingWeightsError, UserError)  # the command line reports it without a traceback
 
 
 def test_video_frames_are_paired_with_the_same_frame_of_the_baseline(tmp_path, dino_folder):

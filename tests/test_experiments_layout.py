@@ -1,14 +1,11 @@
 """The layout of ``tomerge.experiments`` (its docstring): one stage per folder, each module importing only
-from the stages before it, no import circle, and the modules of the flat layout answering with their new
-spelling. Imports are read from the source (every ``import`` statement, also those inside functions), so a
-lazy import that breaks the order is found as well."""
+from the stages before it, no import circle, no module longer than ``MAX_LINES``. Imports are read from the
+source (every ``import`` statement, also those inside functions), so a lazy import that breaks the order is
+found as well."""
 
 from __future__ import annotations
 
 import ast
-import importlib
-import re
-import sys
 from pathlib import Path
 
 import pytest
@@ -107,39 +104,9 @@ def test_no_import_circle_at_run_time():
         visit(module, ())
 
 
-@pytest.mark.parametrize("old, new", sorted(experiments.MOVED_MODULES.items()))
-def test_a_moved_module_names_its_new_spelling(old, new):
-    assert is_module(new), new
-    sys.modules.pop(f"tomerge.experiments.{old}", None)
-    spelling = re.escape(f"tomerge.experiments.{old} is tomerge.experiments.{new}")
-    with pytest.raises(ModuleNotFoundError, match=rf"^{spelling}( \(its command line: python -m .*\))?$"):
-        importlib.import_module(f"tomerge.experiments.{old}")
-
-
-@pytest.mark.parametrize("package, owner, name", [
-    ("config", "config.load", "load_config"), ("sources", "sources.models", "ModelSpec"),
-    ("figures", "figures.make", "make_figures"), ("bench", "bench.kernels", "kernel_benchmark")])
-def test_a_folder_that_was_a_module_answers_its_old_names(package, owner, name):
-    old = importlib.import_module(f"tomerge.experiments.{package}")
-    assert getattr(old, name) is getattr(importlib.import_module(f"tomerge.experiments.{owner}"), name)
-    with pytest.raises(AttributeError, match=f"tomerge.experiments.{package}' has no attribute 'no_such_name'"):
-        old.no_such_name  # noqa: B018
-
-
 MAX_LINES = 450  # a module a reader takes in at once
 
 
 def test_no_module_is_longer_than_max_lines():
     lengths = {module_name(p): len(p.read_text().splitlines()) for p in SOURCES}
     assert {m: n for m, n in lengths.items() if n > MAX_LINES} == {}
-
-
-@pytest.mark.parametrize("module, name, spelling", [
-    ("runs.ablation", "main", "commands.ablate.main"), ("runs.ablation", "measure", "runs.ablation.measure_run"),
-    ("generation.generate", "build_items", "sources.items.class_items"),
-    ("sources.coverage", "run", "commands.backbones.run")])
-def test_a_name_that_left_its_module_names_its_new_spelling(module, name, spelling):
-    old = importlib.import_module(f"tomerge.experiments.{module}")
-    message = f"tomerge.experiments.{module}.{name} is tomerge.experiments.{spelling}"
-    with pytest.raises(AttributeError, match=f"^{re.escape(message)}$"):
-        getattr(old, name)

@@ -547,17 +547,6 @@ def test_doctests_of_the_modules_pass():
         assert result.attempted > 0 and result.failed == 0, module.__name__
 
 
-def test_the_names_of_the_flat_figures_module_answer_or_name_their_module():
-    import tomerge.experiments.figures as figures
-
-    assert figures.make_figures is make_figures and figures.load_run is load_run
-    with pytest.raises(AttributeError, match=r"^tomerge\.experiments\.figures\.main is "
-                                             r"tomerge\.experiments\.commands\.figures\.main$"):
-        figures.main  # noqa: B018
-    with pytest.raises(AttributeError, match=r"figures\.COLUMNS is tomerge\.experiments\.figures\.tables\.COLUMNS"):
-        figures.COLUMNS  # noqa: B018
-
-
 def test_an_unknown_metric_is_a_user_error(tmp_path, capsys):
     from tomerge.experiments.cli import UsageError, main
 

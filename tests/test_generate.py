@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import numpy as np
@@ -125,11 +124,3 @@ def test_single_process_resume_and_ddp_match(checkpoint, tmp_path, monkeypatch):
 def test_strategy_none_rejects_options(checkpoint):
     with pytest.raises(ValueError, match="needs a --strategy"):
         gen.GenerateSpec(model=ModelSpec(path=str(checkpoint)), options={"use_rand": False})
-
-
-@pytest.mark.parametrize("name, owner", [("main", "commands.generate"), ("read_class_file", "sources.items"),
-                                         ("generate_distributed", "generation.distributed")])
-def test_a_name_that_left_the_generation_module_names_its_owner(name, owner):
-    with pytest.raises(AttributeError, match=re.escape(
-            f"tomerge.experiments.generation.generate.{name} is tomerge.experiments.{owner}.{name}")):
-        getattr(gen, name)

@@ -196,16 +196,6 @@ def test_compute_quality_keys_and_values():
     assert M.FD_LABEL == "FD-EffNetLite0" and "FID" not in M.QUALITY_LABELS["fd_effnetlite0"]
 
 
-
-def test_names_owned_elsewhere_name_their_owner():
-    """The file readers, the file sets' scorer and the packaged weights have one owner each; metrics' old
-    spellings name it."""
-    for name, owner in (("load_video", "generation.files"), ("ImageSetQuality", "measure.image_sets"),
-                        ("default_effnet_lite0_weights", "sources.weights")):
-        with pytest.raises(AttributeError, match=rf"metrics\.{name} is tomerge\.experiments\.{owner}\.{name}$"):
-            getattr(M, name)
-
-
 def test_missing_weights_message_names_the_metric_that_needs_none():
     with pytest.raises(M.MissingWeightsError, match=f"tomerge never downloads .*; {M.FD_LABEL} works offline"):
         weights.require_path(None, "metrics.clip_model", "CLIP score")

@@ -59,21 +59,3 @@ def test_speed_columns_are_the_measured_columns_of_a_row():
     assert row["speedup"] == pytest.approx(2.1) and row["time_per_image_s"] == 0.25
     assert row["timing_noisy"] and row["timing_spread"] == pytest.approx(0.4 / 2.1)
     assert set(row) - {"timing_repeats"} | {"overhead_ratio"} == MEASURED_COLUMNS
-
-
-def test_the_replaced_spellings_name_timing():
-    import importlib
-    import sys
-
-    sys.modules.pop("tomerge.experiments.speed", None)
-    with pytest.raises(ImportError, match=r"tomerge\.experiments\.measure\.timing.*time_baseline_and_merged"):
-        importlib.import_module("tomerge.experiments.speed")
-    from tomerge.experiments.bench import e2e as bench_e2e
-    from tomerge.experiments.measure import timing
-
-    with pytest.raises(AttributeError, match=r"tomerge\.experiments\.measure\.timing\.time_setups"):
-        bench_e2e.time_alternating  # noqa: B018
-    assert bench_e2e.time_once is timing.time_once and bench_e2e.clock_function is timing.clock_function
-    from tomerge.experiments.bench import kernels as bench
-
-    assert bench.median_ms is timing.median_ms

@@ -1,9 +1,4 @@
 """Speed benchmarks: merge kernels on bare tensors (`kernels`, ``--kernels``), model forwards end to end
 (`e2e`, ``--e2e``, on the random-weight models of `models`), the generation calls of a config's grid (`grid`,
 ``--config``), the malloc setting of CPU timings (`allocator`) and the GPU script (`gpu.sh`); the command line
-is :mod:`tomerge.experiments.commands.bench`. `tomerge.experiments.bench.NAME` answers the names of
-`kernels`."""
-
-from .. import forward_names
-
-__getattr__ = forward_names(__name__, f"{__name__}.kernels")
+is :mod:`tomerge.experiments.commands.bench`."""

@@ -30,10 +30,8 @@ from typing import TYPE_CHECKING, Any
 
 import tomerge
 
-from .. import moved_names
-# clock_function, median_and_spread and time_once keep their bench_e2e spellings
 from ..measure.columns import format_markdown_table
-from ..measure.timing import NOISY_SPREAD, clock_function, median_and_spread, time_once, time_setups  # noqa: F401
+from ..measure.timing import NOISY_SPREAD, time_setups
 from .models import VIDEO_WIDTHS, Bench, build, check_sizes
 
 if TYPE_CHECKING:
@@ -211,18 +209,6 @@ def time_compiled(bench: Bench, methods: Sequence[str | None], ratio: float, fn:
             bench.model = raw
     torch._dynamo.reset()
     return seconds
-
-
-_moved = moved_names(__name__, {name: "bench.models" for name in (
-    "WIDTHS", "WidthSpec", "FULL", "QUICK", "WAN_LATENT_FRAMES", "WAN_ASPECT", "video_grid")})
-
-
-def __getattr__(name: str) -> Any:
-    if name == "time_alternating":
-        raise AttributeError("tomerge.experiments.bench.e2e.time_alternating is "
-                             "tomerge.experiments.measure.timing.time_setups({method: context, ...}, fn, repeats, warmup, "
-                             "threads, clock)")
-    return _moved(name)
 
 
 def sdpa_backend(name: str):

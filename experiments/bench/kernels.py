@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING
 
 import tomerge
 
-from .. import moved_names
 from ..errors import UsageError
 from ..measure.columns import format_markdown_table
 from ..measure.timing import median_ms
@@ -150,11 +149,3 @@ def markdown_table(rows: Sequence[KernelRow]) -> str:
     cells = [[str(r.tokens), str(r.ratio), r.method, r.backend, str(r.removed), f"{r.plan_ms:.2f}",
               f"{r.merge_unmerge_ms:.2f}", f"{r.total_ms:.2f}", f"{r.merge_gflops:.3g}"] for r in rows]
     return format_markdown_table(titles, cells, [True, True, False, False, True, True, True, True, True])
-
-
-__getattr__ = moved_names(__name__, {
-    "add_arguments": "commands.bench", "run": "commands.bench", "main": "commands.bench",
-    "machine_line": "commands.bench", "clock_line": "commands.bench", "write_rows": "commands.bench",
-    "model_benchmark": "bench.grid", "e2e_benchmark": "bench.e2e", "pivot_table": "bench.e2e",
-    "COMPILE_MODES": "bench.e2e", "WIDTHS": "bench.models", "check_sizes": "bench.models",
-    "keep_freed_memory": "bench.allocator", "user_input": "errors"})

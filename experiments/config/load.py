@@ -1,7 +1,6 @@
 """Loading a config: a YAML file with ``--set KEY=VALUE`` overrides (dotted keys into mappings, YAML values),
-its plugins loaded, its keys checked (an unknown key is told the closest valid one, or where a key of an
-earlier version went: :data:`MOVED_KEYS`) and its values validated, every problem reported at once
-(:func:`load_config`, :func:`load_config_sections`)."""
+its plugins loaded, its keys checked (an unknown key is told the closest valid one) and its values validated,
+every problem reported at once (:func:`load_config`, :func:`load_config_sections`)."""
 
 from __future__ import annotations
 
@@ -12,20 +11,11 @@ from typing import Any
 import yaml
 
 from ..errors import ConfigError, did_you_mean
-from ..sources.models import CALL_DEFAULTS, SAME_CALL_ARGS, ModelSpec
+from ..sources.models import CALL_DEFAULTS, ModelSpec
 from .help import as_written, yaml_value
 from .schema import DEFAULT_CONFIG, AblationConfig, MetricsConfig
 
-__all__ = ["MOVED_KEYS", "SECTION_COMMANDS", "parse_override", "apply_override", "load_config",
-           "load_config_sections"]
-
-# Top-level keys of earlier versions -> their dotted path now: a config that still has one is told where it went.
-MOVED_KEYS = {
-    "num_steps": "model.call.num_steps",
-    "cfg_scale": "model.call.cfg_scale",
-    "checkpoint": "model.reference",
-    "device": "model.device",
-}
+__all__ = ["SECTION_COMMANDS", "parse_override", "apply_override", "load_config", "load_config_sections"]
 
 
 def parse_override(text: str, option: str | None = None) -> tuple[str, Any]:
@@ -104,12 +94,12 @@ def load_config_sections(path: str | Path | None = None, overrides: list[str] | 
     config's plugins (and ``plugins``, e.g. from ``--plugin``), validates.
 
     Every problem is reported at once, in one :class:`ConfigError` (one line each): unknown keys, at the
-    top and in ``model``, ``metrics`` and ``prompts`` (with the closest valid key, or where a key of an
-    earlier version moved: :data:`MOVED_KEYS`), and then what :class:`AblationConfig` checks (values, files,
-    the model's call arguments, every grid entry). ``check_inputs`` (``tomerge ablate``) adds the inputs
-    of the quality metrics (:meth:`AblationConfig.input_problems`). A file that is not YAML, a malformed
-    ``--set`` and a plugin that fails to import are reported alone. Relative plugin paths in a config file
-    are looked up next to the file first.
+    top and in ``model``, ``metrics`` and ``prompts`` (with the closest valid key), and then what
+    :class:`AblationConfig` checks (values, files, the model's call arguments, every grid entry).
+    ``check_inputs`` (``tomerge ablate``) adds the inputs of the quality metrics
+    (:meth:`AblationConfig.input_problems`). A file that is not YAML, a malformed ``--set`` and a plugin that
+    fails to import are reported alone. Relative plugin paths in a config file are looked up next to the file
+    first.
 
     ``sections`` (e.g. ``("search",)`` for ``tomerge search``) are top-level keys that the calling command
     reads itself: they are returned raw (``--set search.trials=5`` applied) beside the config, the config
@@ -138,9 +128,8 @@ def load_config_sections(path: str | Path | None = None, overrides: list[str] | 
                         f"(this command reads the other keys only)")
     valid = [f.name for f in dataclasses.fields(AblationConfig)]
     raw_model = values.get("model")
-    pipeline = isinstance(raw_model, dict) and "pipeline" in raw_model
     for key in [k for k in values if k not in valid]:
-        problems.append(_unknown_key(key, values.pop(key), valid, pipeline, from_set=key in set_keys))
+        problems.append(_unknown_key(key, values.pop(key), valid, from_set=key in set_keys))
     from ..plugins import load_plugins, resolve_specs
 
     listed = values.get("plugins") or []
@@ -204,25 +193,20 @@ def _unchecked(cls: type, values: dict[str, Any]) -> Any:
     return instance
 
 
-def _unknown_key(key: Any, value: Any, valid: list[str], pipeline: bool, from_set: bool) -> str:
-    """The problem of an unknown top-level key: where it moved (:data:`MOVED_KEYS`), the mapping it belongs
-    in (``dtype`` -> ``model.dtype``, ``clip_model`` -> ``metrics.clip_model``), or the closest valid key;
-    how to write the new key, as the user gave the old one (``--set`` or the file)."""
+def _unknown_key(key: Any, value: Any, valid: list[str], from_set: bool) -> str:
+    """The problem of an unknown top-level key: the mapping it belongs in (``dtype`` -> ``model.dtype``,
+    ``clip_model`` -> ``metrics.clip_model``), written as the user gave it (``--set`` or the file), or the
+    closest valid key."""
     name = str(key)
-    if name in MOVED_KEYS:
-        new = MOVED_KEYS[name]
-        if pipeline and name in SAME_CALL_ARGS:
-            new = f"model.call.{SAME_CALL_ARGS[name]}"  # a pipeline's name for the reference DiT's argument
-        return f"unknown key {name!r}: moved to {new} ({_written(new, value, from_set)})"
     nested = _nested_keys()
     if name in nested:
         return f"unknown key {name!r}: it is {nested[name]} ({_written(nested[name], value, from_set)})"
     import difflib
 
-    close = difflib.get_close_matches(name, [*valid, *MOVED_KEYS, *nested], n=1)
+    close = difflib.get_close_matches(name, [*valid, *nested], n=1)
     if not close:
         return f"unknown key {name!r}; valid keys: {valid}"
-    target = close[0] if close[0] in valid else MOVED_KEYS.get(close[0], nested.get(close[0]))
+    target = close[0] if close[0] in valid else nested[close[0]]
     return f"unknown key {name!r}; did you mean {target!r}?"
 
 
@@ -243,7 +227,7 @@ def _nested_keys() -> dict[str, str]:
     """Keys of the nested mappings that a config may write at the top by mistake -> their dotted path."""
     from ..sources.prompt_sets import PromptSet
 
-    out = {k: f"model.{k}" for k in ("reference", "pipeline", "dtype", "call")}
+    out = {k: f"model.{k}" for k in ("reference", "pipeline", "dtype", "device", "offload", "call")}
     out |= {k: f"model.call.{k}" for k in [*ModelSpec.REFERENCE_CALL, *(a for d in CALL_DEFAULTS.values() for a in d)]}
     out |= {f.name: f"metrics.{f.name}" for f in dataclasses.fields(MetricsConfig)}
     out |= {k: f"prompts.{k}" for k in ("file", "format", "field", "template", "coco_caption", "image_field")

@@ -15,8 +15,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from .. import moved_names
-from ..errors import ConfigError, UsageError, UserError, did_you_mean  # noqa: F401 (config.UsageError)
+from ..errors import ConfigError, UserError, did_you_mean
 from ..sources.items import Item, class_items, prompt_items
 from ..sources.models import REFERENCE_CHECKPOINT, ModelSpec
 from .grid import entry_problems
@@ -25,14 +24,6 @@ CONFIG_DIR = Path(__file__).parents[1] / "configs"
 DEFAULT_CONFIG = CONFIG_DIR / "ablate.yaml"
 __all__ = ["CONFIG_DIR", "DEFAULT_CONFIG", "REFERENCE_CHECKPOINT", "ConfigError", "RunSpec", "MetricsConfig",
            "AblationConfig"]
-
-__getattr__ = moved_names(__name__, {
-    **dict.fromkeys(["MOVED_KEYS", "SECTION_COMMANDS", "parse_override", "apply_override", "load_config",
-                     "load_config_sections"], "config.load"),
-    **dict.fromkeys(["ENTRY_KEYS", "entry_problems", "valid_ratios"], "config.grid"),
-    **dict.fromkeys(["docstring_args", "config_keys", "config_help"], "config.help"),
-})
-
 
 
 @dataclasses.dataclass(frozen=True)

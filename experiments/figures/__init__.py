@@ -1,8 +1,4 @@
 """Paper figures and tables from run folders; reads `runs/` only, never runs a model. `make` draws every figure
 and table of a set of run folders (`tomerge figures`), from `run_data` (a run folder as the figures read it),
 `canvas` (what every figure shares), `tables` (the ablation table), `pareto` (speed vs quality), `schedules`,
-`merge_maps`, `image_grids` and `videos`. `tomerge.experiments.figures.NAME` answers the names of `make`."""
-
-from .. import forward_names
-
-__getattr__ = forward_names(__name__, f"{__name__}.make")
+`merge_maps`, `image_grids` and `videos`."""

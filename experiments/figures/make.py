@@ -40,7 +40,6 @@ from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
-from .. import moved_names
 from ..errors import UsageError
 from .canvas import METRICS, is_finite_number
 from .image_grids import image_grid_figure
@@ -52,19 +51,6 @@ from .tables import ablation_table
 from .videos import video_figures
 
 __all__ = ["make_figures"]
-
-# tomerge.experiments.figures.NAME answers the names of this module; the other names of the figures stage are
-# spelled with their module (the command line: tomerge.experiments.commands.figures)
-__getattr__ = moved_names(__name__, {
-    "add_arguments": "commands.figures", "run": "commands.figures", "main": "commands.figures",
-    "COLUMNS": "figures.tables",
-    "X_AXES": "figures.canvas", "metric_name": "figures.canvas",
-    "GRID_SELECT": "figures.run_data", "regenerate": "figures.run_data",
-    "PHASE_COLOURS": "figures.schedules", "step_profile": "figures.schedules",
-    "token_grid": "figures.merge_maps", "video_merge_map_figure": "figures.merge_maps",
-    **dict.fromkeys(["STRIP_FRAMES", "FRAME_METRICS", "frame_indices", "frame_strip", "frame_strip_plot",
-                     "frame_strip_figure", "frame_quality", "frame_quality_figure"], "figures.videos"),
-})
 
 
 def make_figures(paths: Sequence[str | Path], out: str | Path, metrics: Sequence[str] | None = None,

@@ -38,8 +38,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..errors import NO_SPACE, DamagedFileError, DiskFullError, FolderInUseError, UserError, \
-    is_disk_full  # noqa: F401 (files.NO_SPACE, files.UserError)
+from ..errors import DamagedFileError, DiskFullError, FolderInUseError, is_disk_full
 
 if TYPE_CHECKING:
     from torch import Tensor

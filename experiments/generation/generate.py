@@ -28,7 +28,6 @@ from typing import TYPE_CHECKING, Any
 
 import tomerge
 
-from .. import moved_names
 from ..errors import UsageError
 from ..sources.items import Item
 from ..sources.models import ModelSpec
@@ -43,13 +42,6 @@ if TYPE_CHECKING:
 __all__ = ["GenerateSpec", "SETTINGS_FILE", "INDEX_FILE", "LOG_FILE", "make_batches", "shard", "item_output",
            "write_index", "read_index", "generate_batch", "save_image", "save_video", "process_batch", "prepare",
            "lock_output", "generate_local"]
-
-__getattr__ = moved_names(__name__, {
-    **dict.fromkeys(["GenerateModule", "generate_distributed", "DEFAULT_TIMEOUT_S", "RESUME", "LOST_RANK"],
-                    "generation.distributed"),
-    "read_class_file": "sources.items", "build_items": "sources.items:class_items",
-    **dict.fromkeys(["add_arguments", "run", "main"], "commands.generate"),
-})
 
 SETTINGS_FILE = "generate.json"
 INDEX_FILE = "prompts.jsonl"  # the index of an image folder: read by run folders and figures

@@ -33,8 +33,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from .. import moved_names
-from ..errors import MissingWeightsError, UserError  # noqa: F401 (metrics.UserError)
+from ..errors import MissingWeightsError
 from ..sources.weights import check_dino_model, require_path
 from .columns import FD_LABEL, quality_labels
 from .features import FeatureExtractor, check_images, check_pair, cosine_distance, dino_embeddings, frechet_distance, \
@@ -44,11 +43,6 @@ __all__ = ["FD_LABEL", "QUALITY_LABELS", "MissingWeightsError", "psnr", "ssim", 
            "fid", "clip_score", "dino_distance", "compute_quality"]
 
 QUALITY_LABELS = quality_labels()  # dict key -> label for tables, figures and W&B (columns.COLUMNS)
-__getattr__ = moved_names(__name__, {
-    "ImageSetQuality": "measure.image_sets",
-    "default_effnet_lite0_weights": "sources.weights", "DINO_MODEL_TYPES": "sources.weights",
-    "load_image_files": "generation.files", "image_files": "generation.files", "frame_files": "generation.files",
-    "expand_videos": "generation.files", "load_video": "generation.files"})
 
 
 # ---------------------------------------------------------------- paired fidelity

@@ -35,7 +35,6 @@ from typing import TYPE_CHECKING, Any
 
 import tomerge
 
-from .. import moved_names
 from ..config.grid import valid_ratios
 from ..config.schema import AblationConfig, ConfigError, RunSpec
 from ..generation.files import image_files, output_complete
@@ -51,11 +50,6 @@ if TYPE_CHECKING:
 # run_ablation is the grid; measure_run, speed_row and match_flop_speedups measure one run of it, and
 # `tomerge bench --config` times a grid with them (without images or quality metrics).
 __all__ = ["run_ablation", "measure_run", "speed_row", "match_flop_speedups"]
-
-__getattr__ = moved_names(__name__, {
-    "measure": "runs.ablation:measure_run",
-    **dict.fromkeys(["add_arguments", "command_overrides", "run", "main"], "commands.ablate"),
-})
 
 
 def _merging(source: Any, run: RunSpec):

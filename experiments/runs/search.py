@@ -45,8 +45,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-
-from .. import moved_names
 from ..errors import UsageError, did_you_mean
 from ..config.grid import entry_problems
 from ..config.load import load_config_sections
@@ -441,7 +439,3 @@ def run_search(config: AblationConfig, space: SearchSpace, progress: bool = True
     write_text_atomic(out / "front.md", f"{config.name}: {summary}\n\n"
                       + front_table(front, front_rows, held_out_rows, space))
     return SearchResult(out.parent, trials, front, front_rows, held_out_rows, summary)
-
-
-__getattr__ = moved_names(__name__, {"add_arguments": "commands.search", "run": "commands.search",
-                                     "main": "commands.search"})

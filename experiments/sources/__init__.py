@@ -1,9 +1,4 @@
 """What a run draws from: items (`items`), prompt sets (`prompt_sets`), Fashion-MNIST (`data`), the model
 source (`models`: the reference DiT of `reference_model` or a diffusers pipeline of `pipelines`, called with
 `call_arguments` on `devices`), the reference DiT's sampler (`sampling`) and trainer (`training`), the local
-metric weights (`weights`) and the table of merged diffusers classes (`coverage`).
-`tomerge.experiments.sources.NAME` answers the names of `models`."""
-
-from .. import forward_names
-
-__getattr__ = forward_names(__name__, f"{__name__}.models")
+metric weights (`weights`) and the table of merged diffusers classes (`coverage`)."""

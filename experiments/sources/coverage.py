@@ -34,15 +34,11 @@ import json
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from .. import moved_names
-
 if TYPE_CHECKING:
     from tomerge.adapter import KindSummary
 
 __all__ = ["NOT_MERGED", "NOT_DECLARED", "PAGE", "Row", "Coverage", "model_classes", "coverage", "default_ratio",
            "caches_blocks", "composition", "runnable_strategies", "text_table", "json_lines", "markdown"]
-
-__getattr__ = moved_names(__name__, dict.fromkeys(["add_arguments", "run"], "commands.backbones"))
 
 # Why a class of diffusers.models.transformers is not merged, for the classes that are no image or video
 # generator from text (or are a part of another model). A class neither here nor named by an adapter reads

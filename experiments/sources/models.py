@@ -43,9 +43,9 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from ..errors import UsageError, did_you_mean  # noqa: F401  (UsageError: the spelling sources.UsageError)
+from ..errors import did_you_mean
 from . import devices
-# The model-source API in one import: `sources.models.NAME` (and `sources.NAME`) answers each name below.
+# The model-source API in one import: `sources.models.NAME` answers each name below.
 from .call_arguments import (CALL_DEFAULTS, RESERVED_CALL_ARGS, SAME_CALL_ARGS, VIDEO_CALL_ARGS, check_call,
                              takes_image, unknown_call_arguments, video_length_arg)
 from .items import Item
@@ -65,10 +65,6 @@ def __getattr__(name: str) -> Any:
     if name == "DTYPES":  # name -> torch dtype, built on first use (imports torch)
         return devices.DTYPES
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-# Keys of the model mapping of earlier versions -> where they are now (under model.).
-MOVED_MODEL_KEYS = {"checkpoint": "reference"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,9 +199,7 @@ it is a call argument, model.call.num_steps")
         valid = ("reference", "pipeline", "dtype", "device", "offload", "call")
         call_names = {*cls.REFERENCE_CALL, *(k for d in CALL_DEFAULTS.values() for k in d)}
         for key in [k for k in value if k not in valid]:
-            if key in MOVED_MODEL_KEYS:
-                problems.append(f"unknown key 'model.{key}': moved to model.{MOVED_MODEL_KEYS[key]}")
-            elif key in call_names:
+            if key in call_names:
                 problems.append(f"unknown key 'model.{key}': it is a call argument, model.call.{key}")
             else:
                 problems.append(f"unknown key 'model.{key}'"

@@ -34,8 +34,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .. import moved_names
-
 if TYPE_CHECKING:
     import torch
     from torch import Tensor
@@ -47,8 +45,6 @@ if TYPE_CHECKING:
 
 __all__ = ["TrainingOptions", "reference_dit_config", "train", "checkpoint_to_resume", "export_checkpoint",
            "build_module", "EpochPermutations", "EMA_EXPORT_NAME"]
-__getattr__ = moved_names(__name__, {"add_arguments": "commands.train_reference", "run": "commands.train_reference",
-                                     "main": "commands.train_reference"})
 
 EMA_EXPORT_NAME = "dit_reference_ema.safetensors"
 
