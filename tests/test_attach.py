@@ -235,19 +235,6 @@ def test_an_option_may_not_hide_a_method_the_core_calls():
             unmerge: str = "pinv"
 
 
-def test_the_old_capability_name_metric_is_refused_not_ignored():
-    """``plan_input`` was called ``metric``: a strategy that still defines it would plan from the wrong tensor
-    without a word, so the class definition raises."""
-    from tomerge.strategies.ssm import SSM
-
-    with pytest.raises(TypeError, match="plan_input"):
-        @dataclasses.dataclass(frozen=True, kw_only=True)
-        class OldName(SSM):
-            @property
-            def metric(self) -> str:
-                return "block_input"
-
-
 def test_capabilities_are_properties_an_option_may_not_hide_but_a_constant_may_set():
     from typing import ClassVar
 

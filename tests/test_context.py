@@ -80,14 +80,6 @@ def test_replace_derives_a_validated_context():
         dataclasses.replace(ctx, ratio=1.0)
 
 
-def test_shared_work_is_no_context_field():
-    assert "shared_work" not in {f.name for f in dataclasses.fields(MergeContext)}
-    with pytest.raises(TypeError, match="shared="):
-        MergeContext(grid=(4, 4), ratio=0.5, shared_work=1)
-    with pytest.raises(TypeError, match="shared="):
-        MergeContext(shared_work=1)
-
-
 def test_replace_compiles_without_a_graph_break_or_a_recompile():
     """Deriving a context inside a compiled function (what the merge state does with received attention
     recorded in the block call) is traced: ``fullgraph=True`` would raise at a graph break. The derived context

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -161,22 +159,6 @@ class MergeContext:
             if stat is not None and (stat.dim() != 2 or stat.shape[1] != N or stat.shape[0] not in (1, B)):
                 raise ValueError(f"{name} must be [B={B}, N={N}], got {tuple(stat.shape)}")
         return B, N, C
-
-
-def _refuse_shared_work(init: Any) -> Any:
-    """Wraps the dataclass ``__init__`` of :class:`MergeContext` so that ``shared_work=`` names its replacement."""
-
-    @functools.wraps(init)
-    def __init__(self: MergeContext, *args: Any, **kwargs: Any) -> None:
-        if "shared_work" in kwargs:
-            raise TypeError("MergeContext has no field 'shared_work': a strategy's shared work is passed to its "
-                            "stages as shared= (MergeStrategy.shared_work; stages take shared=None)")
-        init(self, *args, **kwargs)
-
-    return __init__
-
-
-MergeContext.__init__ = _refuse_shared_work(MergeContext.__init__)  # type: ignore[method-assign]
 
 
 def check_ratio(ratio: float) -> float:

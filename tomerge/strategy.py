@@ -86,8 +86,6 @@ class MergeStrategy(abc.ABC):
         super().__init_subclass__(**kwargs)
         fields = {name for name, kind in cls.__dict__.get("__annotations__", {}).items()
                   if "ClassVar" not in str(kind)}  # ClassVar annotations are constants, not options
-        if "metric" in cls.__dict__:  # the capability's old name: an override of it would be silently ignored
-            raise TypeError(f"{cls.__qualname__}: the capability 'metric' is now called 'plan_input'; rename it")
         hidden = sorted(fields & set(INTERFACE + CAPABILITIES))
         if hidden:  # a dataclass field of that name would replace what the core calls or reads
             raise TypeError(f"{cls.__qualname__}: option(s) {hidden} would hide the MergeStrategy method(s) or "
