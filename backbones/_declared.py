@@ -1,68 +1,10 @@
-"""Declared adapters: a model family described by class attributes instead of hand-written hooks.
+"""Declared adapters: a model family described by class attributes (:mod:`tomerge.backbones._declaration`) instead
+of hand-written hooks. :class:`DeclaredAdapter` turns the declaration into blocks (:class:`DeclaredBlock`) and merge
+points (:class:`DeclaredPoint`) that share the bookkeeping of the block call in progress (:class:`DeclaredCall`).
 
-Most current diffusion transformers are built from the same few pieces: a list (or two) of blocks, and
-in each block an attention whose image tokens are passed alone or inside a joint ``[text, image]``
-sequence, perhaps a cross-attention to text, and a feed-forward; rotary positions arrive as an argument of
-the attention call. :class:`DeclaredAdapter` turns a declaration of those pieces into merge points:
-
-* :class:`Kind`: one block type: the model attribute holding the blocks (``container``), their class
-  names, the block's text argument (its length ``T`` splits joint sequences), whether the block input is
-  itself a joint sequence (FLUX.2's single-stream blocks get ``[text, image]`` with ``T`` from the model
-  call), which side text is on in joint sequences, and its :class:`Site` s.
-* :class:`Site`: one merge point: sublayer, submodule path in the block, the tokens' argument, the output
-  element, the token layout (``"image"``: image tokens only; ``"joint"``: a joint sequence whose image
-  part is merged; ``"conv"``: a channels-first ``[B, C, H, W]`` input of a 1x1 convolution, or ``[B * F, C,
-  H, W]`` with a video's frames folded into the batch), how the
-  call's rotary table (:class:`Rope`) and attention mask are adjusted, and whether its output stays merged
-  for a later site of the same block (parallel attention + MLP blocks).
-
-A new family that fits is a subclass with a few class attributes (see ``backbones/wan.py``); what does not
-fit (the grid of a packed latent, a timestep scale) is a method override. ``docs/backbones/adding-a-family.md``
-walks through it.
-
-Rotary tables (:class:`Rope` ``layout``), gathered per slot with the plan's representatives ``plan.dst
-[B, M]`` (a merged slot takes the position of the token that represents it; one row of destinations gives
-a plain table shared by the batch):
-
-* ``"rows"``: ``(cos, sin)``, each ``[R + N, d]`` with ``R`` text rows first (``R = 0``: image rows only),
-  applied by diffusers' ``apply_rotary_emb(..., sequence_dim=1)``; per-sample tables are passed as
-  :class:`~tomerge.backbones.flux.BatchedRotaryTable` (FLUX.1/2, HunyuanVideo).
-* ``"batched"``: a table ``[B or 1, R + N, ...]`` (tokens on axis 1), or a tuple of them (``(cos, sin)``), applied
-  elementwise to q/k of the same sequence: LTX-Video's ``[B, N, d]``, HiDream's ``[B, N + R, 1, d/2, 2, 2]``. The
-  ``R`` text rows are on the side ``Rope.text`` and kept. With ``Rope(heads=True)`` a 4-D table is per head,
-  ``[B or 1, H, N, d]``, its tokens on axis 2 (LTX-2's split RoPE); Helios passes one ``[B or 1, N, 2d]`` table.
-* ``"wan"``: ``(cos, sin)``, each ``[1, N, 1, d]`` (Wan): gathered to ``[B, M, 1, d]`` (as ``"batched"``).
-* ``"qwen"``: ``(image, text)`` complex tables ``[N, d/2]``, ``[T, d/2]`` (Qwen-Image): the image table
-  is gathered; per-sample ones go as :class:`BatchedComplexTable`, which Qwen's ``apply_rotary_emb_qwen``
-  broadcasts per sample.
-* ``"complex"``: one complex table over the joint sequence, ``[R + N, d/2]`` (Qwen-Image 2.1) or
-  ``[B, R + N, d/2]`` (Z-Image), its ``R`` other rows on the kind's ``joint`` side: the image rows are
-  gathered, the others kept; a per-sample table built from a shared one goes as :class:`BatchedComplexTable`.
-* ``"broadcast"``: ``(cos, sin)``, each ``[N, ...]`` without a batch axis, broadcast from the right against
-  ``[B, N, ...]`` q/k (Mochi's ``[N, heads, d/2]``), or one such table (Kandinsky 6's rotation matrices
-  ``[N, 1, d/2, 2, 2]``, broadcast over the heads): gathered to ``[B, M, ...]`` (or ``[M, ...]``).
-* ``"allegro"``: ``(tables, positions)``: per-axis ``(cos, sin)`` tables indexed by the ``(t, h, w)`` position
-  ids ``[1 or B, N]`` of every token (Allegro's ``apply_rotary_emb_allegro``): the position ids are gathered to
-  ``[B, M]`` (or ``[1, M]``), the tables kept.
-
-Context tokens (:class:`~tomerge.backbones._context.ContextTokens`): a block call's image stream may hold
-context tokens before or after the generated image's (the *target*): the reference images of editing calls, as
-:meth:`DeclaredAdapter.call_layout` reads them from the model call, or, for a :class:`Kind` with ``context``,
-every token of the stream beyond the model call's grid on that side (FramePack's and Helios's history latents).
-The grid and the plan are the target's; every site merges the target part of its stream (inside a joint
-sequence: of the stream after or before the text) and passes the context tokens through (a ``Site(context=False)``
-gets the target alone); rotary tables and masks keep the context rows, as they keep the text's.
-
-Attention masks (:class:`Site` ``mask``): ``None``: a mask on a merged call raises (it would cover the
-unmerged sequence); ``"pass"``: passed through (text-only masks, or biases over text keys, that broadcast
-over any number of queries or that the processor pads itself); ``"keys"``: a key mask ``[B, 1, 1, L]`` or
-``[B, L]`` over the joint sequence (text on the kind's ``joint`` side), whose image columns are gathered
-per slot (HunyuanVideo); ``"pairs"``: a query-by-key mask ``[B, 1, L, L]`` over the joint sequence, whose image
-rows and columns are gathered (Chroma builds it as the outer product of a ``[B, L]`` mask; without text, a
-self-attention mask ``[B or 1, ..., L, L]`` over the image stream: SkyReels-V2's block-causal mask, LTX-2's). A mask that is not
-a tensor (e.g. a flex-attention ``BlockMask``) cannot be merged and raises. Per-sample text lengths (ragged joint
-sequences, :meth:`DeclaredAdapter.call_text`) gather ``"keys"`` and ``"pairs"`` masks per sample (OmniGen's
-causal-text, bidirectional-image mask is a ``"pairs"`` one).
+A family that fits is a subclass with a few class attributes (``backbones/wan.py``); what does not fit is a method
+override in its own file. ``docs/backbones/adding-a-family.md`` walks through it and describes the token layouts,
+rotary tables, masks and context tokens handled here.
 """
 
 from __future__ import annotations
@@ -77,175 +19,18 @@ from torch import Tensor, nn
 
 from tomerge.adapter import BackboneAdapter, BlockSpec, KindSummary, MergePoint, TextKeys, class_names
 from tomerge.plan import MergePlan
-
 from tomerge.state import MergeState
 
 from ._context import NO_CONTEXT, ContextTokens
+from ._declaration import Kind, Rope, Side, Site
 from ._diffusers import (call_arg, check_ff_chunking, probe_joint_attention, probe_sdpa_attention, probe_self_attention,
                          submodel)
+from ._gather import gather_key_mask, gather_pair_mask, gather_rope, gather_rows, ragged_index, with_arg
+from ._grid import grid_from_ids, latent_grid
 from ._host import HostFacts
-from .flux import BatchedRotaryTable, gather_rotary, grid_from_ids
 
-Side = Literal["first", "last"]
-
-
-# ---------------------------------------------------------------------- declarations
-@dataclasses.dataclass(frozen=True)
-class Rope:
-    """The rotary argument of a merge point's call.
-
-    Args:
-        arg: its keyword; ``index``: its position when given positionally.
-        layout: ``"rows"``, ``"batched"``, ``"wan"``, ``"qwen"``, ``"complex"``, ``"broadcast"`` or ``"allegro"``
-            (see the module docstring).
-        text: the side of the table's text rows, when it has more rows than image tokens (``"rows"``: always
-            ``"first"``; ``"complex"``: the kind's other rows).
-        heads: a 4-D ``"batched"`` table is per head, ``[B or 1, H, N, d]``, its tokens on axis 2 (LTX-2's split
-            RoPE; its interleaved ``[B, N, d]`` tables keep the tokens on axis 1).
-    """
-
-    arg: str = "image_rotary_emb"
-    index: int = 3
-    layout: Literal["rows", "batched", "wan", "qwen", "complex", "broadcast", "allegro"] = "rows"
-    text: Side = "first"
-    heads: bool = False
-
-    def __post_init__(self) -> None:
-        if self.layout == "rows" and self.text != "first":
-            raise ValueError("a 'rows' rotary table has its text rows first (diffusers' joint [text, image] tables)")
-
-
-@dataclasses.dataclass(frozen=True)
-class Site:
-    """One merge point of a block kind (see the module docstring).
-
-    Args:
-        sublayer: ``"attn"``, ``"crossattn"`` or ``"mlp"``.
-        path: the submodule, a dotted path from the block (``"attn"``, ``"ff.conv_inverted"``). A missing
-            submodule (or ``None``, e.g. a block without ``attn2``) has no merge point.
-        arg, index: keyword and position of the tokens in the submodule's call.
-        output: index of the image tokens in a tuple output; ``None``: a tensor output.
-        tokens: ``"image"``, ``"joint"`` or ``"conv"`` (``[B, C, H, W]``, or ``[B * F, C, H, W]``: ``F`` is the input's
-            batch over the block input's).
-        rope: the call's rotary table, gathered for the merged tokens; ``None``: none.
-        mask: ``None``, ``"pass"``, ``"keys"`` or ``"pairs"``; ``mask_arg``, ``mask_index``: the mask's
-            keyword/position; ``more_masks``: keywords of further masks of the call, adjusted the same way
-            (Qwen-Image 2.1 passes ``attention_mask`` and ``key_valid``).
-        stays_merged_with: the output stays merged when the block call also merges this sublayer (a later
-            site of the block reads it, passes it through and unmerges).
-        text_keys: the submodule is the joint text-image attention of a kind with text (``text_arg`` or
-            ``joint_input``: ``T`` text tokens on the kind's ``joint`` side of the sequence it attends over);
-            prompt reweighting biases its text keys for the image queries (:mod:`tomerge.text_bias`).
-        shared: the block calls the submodule again on its text stream, after the image call (EasyAnimate's
-            ``ff`` in the blocks without text projections, CogView4's one ``ff`` for both streams): only its first
-            call in a block call reads image tokens, the others run as they are (:meth:`MergePoint.reads_tokens`).
-        probe: ``idm`` records the attention each image token receives in this submodule, a softmax attention
-            with diffusers-style projections. In a kind without text (no ``text_arg``, no ``joint_input``) it is a
-            self-attention over the image tokens alone with ``to_q``/``to_k`` (and ``norm_q``/``norm_k``):
-            strided image queries, from q and k before the rotary rotation, which the processor applies after
-            them (:func:`~tomerge.backbones._diffusers.probe_self_attention`). In a kind with text it is the
-            joint text-image attention of the block (text on the kind's ``joint`` side): the text queries'
-            softmax over all keys, the image keys' share renormalised, with the model's rotary rotation
-            (``rope``, layout ``"rows"``, ``"qwen"`` or ``"broadcast"``) and mask (``mask_arg``/``mask_index``)
-            (:func:`~tomerge.backbones._diffusers.probe_joint_attention`). ``"sdpa"``: the same rule (text
-            queries with text in the block, strided image queries without) from the q, k, mask and scale of the
-            submodule's ``scaled_dot_product_attention`` call, for processors whose projections that probe cannot
-            read (:func:`~tomerge.backbones._diffusers.probe_sdpa_attention`).
-        probe_queries: the queries of a ``probe="sdpa"``: ``"text"`` (the rule above) or ``"image"``, strided image
-            queries against all keys with or without text in the block, for an attention where no text query
-            sees the image (OmniGen's causal condition tokens, Qwen-Image 2.1's block-causal prompt, Z-Image's
-            noise refiner, whose "text" is the image's padding).
-        probe_heads_first: the joint attention's processor normalises q/k after moving the heads before the
-            tokens (``[B, heads, L, d]``: CogVideoX, EasyAnimate), so the joint probe reads its norms so.
-        probe_copies: the joint attention's processor rotates the image rows of the q/k the probe captures in
-            place (``key[:, :, T:] = apply_rotary_emb(...)``: CogVideoX, EasyAnimate), so the probe keeps copies.
-        self_kv: the call passes its tokens again as ``encoder_hidden_states``, the keys' and values' input
-            (Lumina 2 and OmniGen call their self-attention as ``attn(x, x)``): it gets the merged tokens too.
-        batch_dim: the batch axis of the tokens and the output: 1 for sequence-first ``[L, B, C]`` tensors
-            (ERNIE-Image's feed-forward).
-        context: the submodule's tokens include the block call's context tokens; ``False``: the block passes it
-            the target tokens alone (Helios's cross-attention).
-        count_arg, count_index: a call argument holding the number of target tokens (Helios's
-            ``original_context_length``), set to the number of slots in merged calls; ``None``: none.
-    """
-
-    sublayer: str
-    path: str
-    arg: str = "hidden_states"
-    index: int = 0
-    output: int | None = None
-    tokens: Literal["image", "joint", "conv"] = "image"
-    rope: Rope | None = None
-    mask: Literal["pass", "keys", "pairs"] | None = None
-    mask_arg: str = "attention_mask"
-    mask_index: int = 2
-    more_masks: tuple[str, ...] = ()
-    stays_merged_with: str | None = None
-    text_keys: bool = False
-    shared: bool = False
-    probe: bool | Literal["sdpa"] = False
-    probe_queries: Literal["text", "image"] = "text"
-    probe_heads_first: bool = False
-    probe_copies: bool = False
-    self_kv: bool = False
-    batch_dim: Literal[0, 1] = 0
-    context: bool = True
-    count_arg: str | None = None
-    count_index: int = 4
-
-    def __post_init__(self) -> None:
-        if self.probe_queries != "text" and self.probe != "sdpa":
-            raise ValueError(f"Site {self.path!r}: probe_queries={self.probe_queries!r} is a rule of probe='sdpa', "
-                             f"not of probe={self.probe!r}")
-
-
-@dataclasses.dataclass(frozen=True)
-class Kind:
-    """One block type of a family.
-
-    Args:
-        name: the block kind (``Where.block_kind``, what schedules see).
-        container: model attribute of the ``nn.ModuleList`` of these blocks (a dotted path reaches into an
-            ``nn.ModuleDict``, e.g. FLUX.3's ``"mode_blocks.image"``).
-        classes: class names of the blocks (the adapter's ``block_names``).
-        sites: the merge points.
-        arg, index: keyword/position of the block's token input.
-        text_arg, text_index: the block's text argument (its length is ``T`` of joint sequences); ``None``.
-        joint_input: the block input is itself a joint sequence with text on this side, ``T`` given by
-            :meth:`DeclaredAdapter.joint_text` (the model call's text length unless the family says otherwise);
-            ``None``: the block input is image tokens.
-        joint: the side of text in the block's joint sequences (``"joint"`` sites, ``"keys"`` masks).
-        outputs: the block returns a tuple: the argument each element is the new value of (``BlockSpec.outputs``,
-            for the block cache of caching schedules); ``None``: it returns the new value of its token input.
-        batch_dim: the batch axis of the block's token input: 1 for sequence-first ``[L, B, C]`` blocks
-            (ERNIE-Image).
-        context: the block's image stream holds context tokens on this side of the target tokens (the model
-            call's grid), every token of the stream beyond the grid (FramePack's and Helios's history latents):
-            the block call's :class:`~tomerge.backbones._context.ContextTokens`; ``None``: those of the model call
-            (:meth:`DeclaredAdapter.call_layout`).
-        uncached: why the block cache cannot run on these blocks (their output is no new value of their inputs,
-            which ``outputs`` cannot declare): caching schedules that skip whole blocks are refused at ``apply``
-            with it (:meth:`~tomerge.adapter.BackboneAdapter.uncached_kinds`); ``None``: they run.
-    """
-
-    name: str
-    container: str
-    classes: tuple[str, ...]
-    sites: tuple[Site, ...]
-    arg: str = "hidden_states"
-    index: int = 0
-    text_arg: str | None = None
-    text_index: int = 1
-    joint_input: Side | None = None
-    joint: Side = "first"
-    outputs: tuple[str, ...] | None = None
-    batch_dim: Literal[0, 1] = 0
-    context: Side | None = None
-    uncached: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.context is not None and any(site.tokens == "conv" for site in self.sites):
-            raise ValueError(f"kind {self.name!r}: context tokens are not supported with 'conv' sites")
+__all__ = ["DeclaredAdapter", "DeclaredBlock", "DeclaredCall", "DeclaredPoint", "Kind", "RaggedText", "Rope", "Side",
+           "Site", "text_lengths"]
 
 
 # ---------------------------------------------------------------------- runtime
@@ -320,7 +105,7 @@ class DeclaredCall:
         T = self._check(joint, side, who)
         if self.lengths is not None:
             index = self.lengths[:, None] + torch.arange(joint.shape[1] - T, device=joint.device)  # [B, K]
-            return _rows(joint, index, 1)
+            return gather_rows(joint, index, 1)
         return joint[:, T:] if side == "first" else joint[:, : joint.shape[1] - T]
 
     def with_stream(self, joint: Tensor, stream: Tensor, side: Side, who: str) -> Tensor:
@@ -330,7 +115,7 @@ class DeclaredCall:
         if self.lengths is not None:
             L, K = joint.shape[1], joint.shape[1] - T
             appended = L + torch.arange(stream.shape[1], device=joint.device)[None]  # [1, K']: rows after joint's
-            return _rows(torch.cat([joint, stream], dim=1), ragged_index(self.lengths, T, K, appended), 1)
+            return gather_rows(torch.cat([joint, stream], dim=1), ragged_index(self.lengths, T, K, appended), 1)
         if side == "first":
             return torch.cat([joint[:, :T], stream], dim=1)
         return torch.cat([stream, joint[:, joint.shape[1] - T:]], dim=1)
@@ -540,252 +325,6 @@ class DeclaredPoint(MergePoint):
         stream (each context token its own), and the stream's length, for the gathers below."""
         context = self._around()
         return context.stream_positions(plan.dst, plan.num_tokens), plan.num_tokens + context.count
-
-
-# ---------------------------------------------------------------------- gathers
-def with_arg(args: tuple, kwargs: dict, name: str, index: int, value: Any) -> tuple[tuple, dict]:
-    """``(args, kwargs)`` with the argument ``name`` (keyword, or positional ``index``) set to ``value``."""
-    if name not in kwargs and len(args) > index:
-        return (*args[:index], value, *args[index + 1:]), kwargs
-    return args, {**kwargs, name: value}
-
-
-def _rows(t: Tensor, dst: Tensor, dim: int) -> Tensor:
-    """``t`` with its ``dim`` axis (the tokens) indexed per sample by ``dst [B', M]``; a leading axis of size 1
-    (or none, ``dim == 0``) is shared by the samples. Returns ``[B', M, ...]`` (``dim == 0``: ``[M, ...]`` when
-    ``B' == 1``)."""
-    index = dst.to(t.device)
-    if dim == 0:
-        return t[index[0]] if index.shape[0] == 1 else t[index]  # [M, ...] or [B', M, ...]
-    if t.shape[0] == 1:
-        return t[0][index]  # [B', M, ...]
-    batch = torch.arange(t.shape[0], device=t.device)[:, None]  # [B, 1]
-    return t[batch, index.expand(t.shape[0], -1)]  # [B, M, ...]
-
-
-def gather_rope(freqs: Any, dst: Tensor, num_tokens: int, layout: str, text_side: Side = "first",
-                lengths: Tensor | None = None, heads: bool = False) -> Any:
-    """The rotary argument of a merged call (see the module docstring's layouts).
-
-    Args:
-        freqs: the call's rotary argument.
-        dst: ``[B, M]`` (or ``[1, M]``) token position representing each slot (``plan.dst``).
-        num_tokens: ``N``, the image tokens of the unmerged call.
-        layout: ``"rows"``, ``"batched"``, ``"wan"``, ``"qwen"``, ``"complex"``, ``"broadcast"`` or ``"allegro"``.
-        text_side: where a ``"batched"``, ``"wan"`` or ``"complex"`` table's text (other) rows are (``"rows"``: first).
-        lengths: ``[B]`` per-sample text lengths of a ragged joint sequence (:func:`ragged_index`; ``"batched"``
-            tables only, text first); ``None``: one text length.
-        heads: a 4-D ``"batched"`` table is per head, ``[B or 1, H, N, d]`` (:attr:`Rope.heads`).
-
-    Example:
-        >>> cos = torch.arange(4.0).view(1, 4, 1, 1)                      # wan layout, N = 4
-        >>> c, _ = gather_rope((cos, cos), torch.tensor([[3, 0], [1, 2]]), 4, "wan")
-        >>> c.flatten(1).tolist()
-        [[3.0, 0.0], [1.0, 2.0]]
-    """
-    if layout == "rows":
-        rows = freqs[0].shape[0]
-        if rows < num_tokens:
-            raise ValueError(f"tomerge: the rotary table has {rows} rows for {num_tokens} image tokens")
-        return gather_rotary(freqs, dst, rows - num_tokens)  # text rows first, kept
-    if lengths is not None and layout != "batched":
-        raise ValueError(f"tomerge: per-sample text lengths need a 'batched' rotary table, not {layout!r}")
-    if layout in ("batched", "wan"):
-        def gather(t: Tensor) -> Tensor:
-            if heads and layout == "batched" and t.dim() == 4:  # [B, H, N, d]: the tokens on axis 2
-                return _gather_table_rows(t.movedim(2, 1), dst, num_tokens, layout, text_side, lengths).movedim(1, 2)
-            return _gather_table_rows(t, dst, num_tokens, layout, text_side, lengths)
-        return gather(freqs) if isinstance(freqs, Tensor) else tuple(gather(t) for t in freqs)
-    if layout == "qwen":
-        image, text = freqs
-        if image.shape[0] != num_tokens:
-            raise ValueError(f"tomerge: the image rotary table has {image.shape[0]} rows for {num_tokens} image tokens")
-        gathered = _rows(image, dst, 0)  # [M, d/2] or [B, M, d/2]
-        return (gathered if gathered.dim() == image.dim() else BatchedComplexTable(gathered), text)
-    if layout == "complex":
-        return _gather_complex_rows(freqs, dst, num_tokens, text_side)
-    if layout == "broadcast":
-        out = []
-        for t in (freqs,) if isinstance(freqs, Tensor) else freqs:
-            if t.dim() < 2 or t.shape[0] != num_tokens:
-                raise ValueError(f"tomerge: a 'broadcast' rotary table must be [N={num_tokens}, ...], got {tuple(t.shape)}")
-            out.append(_rows(t, dst, 0))  # [M, ...] or [B, M, ...]
-        return out[0] if isinstance(freqs, Tensor) else tuple(out)
-    if layout == "allegro":
-        tables, positions = freqs
-        out = []
-        for ids in positions:
-            if ids.dim() != 2 or ids.shape[1] != num_tokens:
-                raise ValueError(f"tomerge: Allegro's rotary position ids must be [1 or B, N={num_tokens}], got "
-                                 f"{tuple(ids.shape)}")
-            out.append(_rows(ids, dst, 1))  # [B', M]
-        return tables, tuple(out)
-    raise ValueError(f"unknown rotary layout {layout!r}")
-
-
-def _gather_complex_rows(table: Tensor, dst: Tensor, num_tokens: int, text_side: Side) -> Tensor | BatchedComplexTable:
-    """A ``"complex"`` rotary table ``[L, d/2]`` or ``[B, L, d/2]`` (``L = R + N``, the ``R`` other rows on
-    ``text_side``) with its image rows gathered per slot: ``[R + M, d/2]`` for a shared table and one row of
-    destinations, else ``[B, R + M, d/2]`` (a :class:`BatchedComplexTable` when the table was shared)."""
-    if not isinstance(table, Tensor) or not table.is_complex() or table.dim() not in (2, 3):
-        raise ValueError(f"tomerge: a 'complex' rotary table must be a complex [L, d/2] or [B, L, d/2] tensor, got "
-                         f"{type(table).__name__}{tuple(table.shape) if isinstance(table, Tensor) else ''}")
-    axis = table.dim() - 2  # the rows
-    L = table.shape[axis]
-    if L < num_tokens:
-        raise ValueError(f"tomerge: the rotary table has {L} rows for {num_tokens} image tokens")
-    R = L - num_tokens
-    image_start, other_start = (R, 0) if text_side == "first" else (0, num_tokens)
-    image = table.narrow(axis, image_start, num_tokens)  # [N, d/2] or [B, N, d/2]
-    other = table.narrow(axis, other_start, R)  # [R, d/2] or [B, R, d/2]
-    gathered = _rows(image, dst, axis)  # [M, d/2] or [B', M, d/2]
-    if gathered.dim() == 3:
-        other = other.expand(gathered.shape[0], *other.shape[-2:])  # [B', R, d/2]
-    joint = torch.cat([other, gathered] if text_side == "first" else [gathered, other], dim=-2)
-    return BatchedComplexTable(joint) if table.dim() == 2 and joint.dim() == 3 else joint
-
-
-def _gather_table_rows(t: Tensor, dst: Tensor, num_tokens: int, layout: str, text_side: Side,
-                       lengths: Tensor | None = None) -> Tensor:
-    """A ``[B or 1, R + N, ...]`` table with its ``N`` image rows gathered per slot and its ``R`` text rows (on
-    ``text_side``) kept: ``[B', R + M, ...]``; with per-sample text ``lengths``, a ragged table (text first)."""
-    if t.dim() < 3 or t.shape[1] < num_tokens:
-        raise ValueError(f"tomerge: a {layout!r} rotary table must be [B or 1, R + N, ...] with N={num_tokens} image "
-                         f"rows, got {tuple(t.shape)}")
-    R = t.shape[1] - num_tokens
-    if lengths is not None:
-        return _rows(t, ragged_index(lengths, R, num_tokens, lengths[:, None] + dst.to(t.device)), 1)
-    text, image = (t[:, :R], t[:, R:]) if text_side == "first" else (t[:, num_tokens:], t[:, :num_tokens])
-    gathered = _rows(image, dst, 1)  # [B', M, ...]
-    if R == 0:
-        return gathered
-    text = text.expand(gathered.shape[0], *text.shape[1:])  # [B', R, ...]
-    return torch.cat([text, gathered] if text_side == "first" else [gathered, text], dim=1)
-
-
-class BatchedComplexTable:
-    """A per-sample Qwen-Image rotary table ``[B, M, d/2]`` (complex): Qwen's ``apply_rotary_emb_qwen`` calls
-    ``freqs.unsqueeze(1)`` on an ``[S, d/2]`` table to broadcast over ``[B, S, heads, d/2]``; here that gives
-    ``[B, M, 1, d/2]``. Any other use raises, so a processor that uses the table differently fails loudly.
-
-    Example:
-        >>> BatchedComplexTable(torch.zeros(2, 5, 4, dtype=torch.complex64)).unsqueeze(1).shape
-        torch.Size([2, 5, 1, 4])
-    """
-
-    def __init__(self, table: Tensor) -> None:
-        if table.dim() != 3:
-            raise ValueError(f"a batched complex rotary table is [B, M, d], got {tuple(table.shape)}")
-        self.table = table
-
-    def unsqueeze(self, dim: int) -> Tensor:
-        if dim != 1:
-            raise TypeError(f"tomerge: the per-sample rotary table was unsqueezed at {dim}; only apply_rotary_emb_qwen's "
-                            "unsqueeze(1) is supported")
-        return self.table[:, :, None, :]
-
-    def __getattr__(self, name: str) -> Any:
-        raise AttributeError(f"tomerge: the per-sample rotary table [B, M, d] has no {name!r}; an attention processor "
-                             "that uses the rotary table other than through apply_rotary_emb_qwen cannot run merged")
-
-
-def gather_key_mask(mask: Tensor, dst: Tensor, num_tokens: int, text_side: Side,
-                    lengths: Tensor | None = None) -> Tensor:
-    """A key mask over a joint sequence, its ``N`` image columns gathered per slot (text columns kept).
-
-    Args:
-        mask: ``[B, ..., L]`` with ``L = T + N`` (text on ``text_side``), e.g. ``[B, 1, 1, L]``.
-        dst: ``[B, M]`` or ``[1, M]`` representatives.
-        num_tokens: ``N``.
-        lengths: ``[B]`` per-sample text lengths of a ragged joint sequence (:func:`ragged_index`; a ``[B, L]``
-            mask, text first); ``None``: one text length.
-
-    Returns:
-        ``[B, ..., T + M]``.
-
-    Example:
-        >>> m = torch.tensor([[True, False, True, True, False]])            # 3 image, then 2 text columns
-        >>> gather_key_mask(m, torch.tensor([[2, 1]]), 3, "last").tolist()
-        [[True, False, True, False]]
-    """
-    L = mask.shape[-1]
-    T = L - num_tokens
-    if T < 0:
-        raise ValueError(f"tomerge: an attention mask over {L} keys cannot cover {num_tokens} image tokens")
-    if lengths is not None:
-        if mask.dim() != 2 or text_side != "first":
-            raise ValueError(f"tomerge: a mask over ragged joint sequences must be [B, L] with text first, got "
-                             f"{tuple(mask.shape)}, text {text_side}")
-        return _rows(mask, ragged_index(lengths, T, num_tokens, lengths[:, None] + dst.to(mask.device)), 1)
-    index = dst.to(mask.device)
-    if index.shape[0] > 1 and mask.dim() > 1 and mask.shape[0] == 1:
-        mask = mask.expand(index.shape[0], *mask.shape[1:])  # a mask shared by the batch, per-sample slots
-    image, text = (mask[..., T:], mask[..., :T]) if text_side == "first" else (mask[..., :num_tokens], mask[..., num_tokens:])
-    if index.shape[0] == 1:
-        gathered = image[..., index[0]]
-    else:
-        shape = (mask.shape[0],) + (1,) * (mask.dim() - 2) + (index.shape[1],)
-        gathered = torch.gather(image, -1, index.view(shape).expand(*image.shape[:-1], index.shape[1]))
-    return torch.cat([text, gathered] if text_side == "first" else [gathered, text], dim=-1)
-
-
-def gather_pair_mask(mask: Tensor, dst: Tensor, num_tokens: int, text_side: Side,
-                     lengths: Tensor | None = None) -> Tensor:
-    """A query-by-key mask ``[B, 1, L, L]`` over a joint sequence (``L = T + N``, text on ``text_side``), its
-    image rows and columns gathered per slot (text rows and columns kept): ``[B, 1, T + M, T + M]``; ``lengths``:
-    per-sample text lengths (:func:`gather_key_mask`).
-
-    Example:
-        >>> m = torch.tensor([1.0, 0, 1, 1])                            # 1 text token, then 3 image tokens
-        >>> pairs = (m[:, None] * m[None, :])[None, None]               # [1, 1, 4, 4]
-        >>> gather_pair_mask(pairs, torch.tensor([[2, 0]]), 3, "first")[0, 0].tolist()
-        [[1.0, 1.0, 0.0], [1.0, 1.0, 0.0], [0.0, 0.0, 0.0]]
-    """
-    if mask.dim() < 2 or mask.shape[-1] != mask.shape[-2]:
-        raise ValueError(f"tomerge: a query-by-key mask must be [B, 1, L, L], got {tuple(mask.shape)}")
-    columns = gather_key_mask(mask, dst, num_tokens, text_side, lengths)  # [B, 1, L, T + M]
-    return gather_key_mask(columns.transpose(-1, -2), dst, num_tokens, text_side, lengths).transpose(-1, -2)
-
-
-def ragged_index(lengths: Tensor, text: int, image: int, image_rows: Tensor) -> Tensor:
-    """Row indices of a ragged joint sequence with new image rows: sample ``b`` is ``[text_b, image, padding]``
-    (``lengths[b]`` text rows, padding up to ``text``, the longest), before and after.
-
-    Args:
-        lengths: ``[B]`` per-sample text lengths.
-        text: ``T``, the longest (the sequences hold ``T + image`` rows).
-        image: ``N``, the image rows of the indexed sequence.
-        image_rows: ``[B or 1, M]``: the row of the indexed sequence each new image row takes (a token's row
-            ``lengths[b] + dst``, or rows appended after the sequence).
-
-    Returns:
-        ``[B, T + M]``: text rows stay, image rows are ``image_rows``, padding rows follow the image.
-
-    Example:
-        >>> ragged_index(torch.tensor([1, 2]), 2, 3, torch.tensor([[2, 1], [4, 3]]))   # 3 image rows -> 2
-        tensor([[0, 2, 1, 4],
-                [0, 1, 4, 3]])
-    """
-    B, M = lengths.shape[0], image_rows.shape[1]
-    p = torch.arange(text + M, device=lengths.device)[None]  # [1, T + M]
-    T = lengths[:, None]  # [B, 1]
-    slot = (p - T).clamp(0, M - 1)  # [B, T + M]: the image slot of image positions
-    new_image = image_rows.to(lengths.device).expand(B, -1).gather(1, slot)  # [B, T + M]
-    return torch.where(p < T, p, torch.where(p < T + M, new_image, p - M + image))
-
-
-def latent_grid(sample: Tensor, patch: tuple[int, ...]) -> tuple[int, ...]:
-    """The token grid of a patchified latent ``[B, C, H, W]`` or ``[B, C, F, H, W]``: each size floor-divided
-    by its patch size (``patch``: one per spatial/temporal axis, as ``(p_h, p_w)`` or ``(p_t, p_h, p_w)``).
-
-    Example:
-        >>> latent_grid(torch.zeros(1, 4, 5, 12, 18), (1, 2, 2))
-        (5, 6, 9)
-    """
-    sizes = sample.shape[2:]
-    if len(sizes) != len(patch):
-        raise ValueError(f"a latent {tuple(sample.shape)} needs {len(sizes)} patch sizes, got {patch}")
-    return tuple(int(s) // int(p) for s, p in zip(sizes, patch))
 
 
 # ---------------------------------------------------------------------- the adapter

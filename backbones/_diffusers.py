@@ -319,7 +319,7 @@ def probe_sdpa_attention(attn: nn.Module, state: MergeState, *, text_side: str, 
         text_len: ``() -> T`` of the call in progress (the longest, with per-sample ``lengths``; 0 or ``None``:
             no text).
         lengths: ``() -> [B]`` per-sample text lengths of a ragged joint sequence (text first, then the image,
-            then padding; :func:`~tomerge.backbones._declared.ragged_index`), or ``None``; text queries only.
+            then padding; :func:`~tomerge.backbones._gather.ragged_index`), or ``None``; text queries only.
         max_queries: the image-query rule's queries: at most this many, strided.
         queries: ``"text"`` or ``"image"``, the rule.
 

@@ -22,8 +22,9 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from ._declared import DeclaredAdapter, Kind, Rope, Site, latent_grid
+from ._declared import DeclaredAdapter, Kind, Rope, Site
 from ._diffusers import call_arg
+from ._grid import latent_grid
 
 
 class EasyAnimateAdapter(DeclaredAdapter):

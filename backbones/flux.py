@@ -68,86 +68,9 @@ from tomerge.state import MergeState
 
 from ._context import NO_CONTEXT, ContextTokens
 from ._diffusers import call_arg, probe_joint_attention, submodel
+from ._gather import gather_rotary, with_arg
+from ._grid import split_ids
 from ._host import HostFacts
-
-
-# ---------------------------------------------------------------------- call arguments
-def _with_arg(args: tuple, kwargs: dict, name: str, index: int, value: Any) -> tuple[tuple, dict]:
-    """``(args, kwargs)`` with the argument ``name`` (keyword or positional ``index``) set to ``value``."""
-    if name not in kwargs and len(args) > index:
-        return (*args[:index], value, *args[index + 1:]), kwargs
-    return args, {**kwargs, name: value}
-
-
-# ---------------------------------------------------------------------- rotary tables
-class BatchedRotaryTable:
-    """A per-sample RoPE ``cos`` or ``sin`` table ``[B, S, d]`` that diffusers' ``apply_rotary_emb`` accepts.
-
-    ``apply_rotary_emb`` (diffusers 0.42) indexes an ``[S, d]`` table as ``t[None, :, None, :]`` (or
-    ``t[None, None, :, :]``); here that leading new axis becomes the batch: ``[B, S, 1, d]``. Any other
-    use raises, so a processor that uses the table differently fails loudly instead of mixing positions.
-
-    Args:
-        table: ``[B, S, d]``.
-
-    Example:
-        >>> t = BatchedRotaryTable(torch.zeros(2, 5, 4))
-        >>> t[None, :, None, :].shape
-        torch.Size([2, 5, 1, 4])
-    """
-
-    def __init__(self, table: Tensor) -> None:
-        if table.dim() != 3:
-            raise ValueError(f"a batched rotary table is [B, S, d], got {tuple(table.shape)}")
-        self.table = table
-
-    def __getitem__(self, key: Any) -> Tensor:
-        if not (isinstance(key, tuple) and key and key[0] is None):
-            raise TypeError(
-                f"tomerge flux: the per-sample rotary table was indexed with {key!r}; only the leading-new-axis "
-                "indexing of diffusers' apply_rotary_emb (t[None, :, None, :]) is supported. A custom attention "
-                "processor must apply RoPE with diffusers.models.embeddings.apply_rotary_emb to be merged")
-        return self.table[(slice(None), *key[1:])]  # the new leading axis becomes the batch axis
-
-    def __getattr__(self, name: str) -> Any:
-        raise AttributeError(
-            f"tomerge flux: the per-sample rotary table [B, S, d] has no {name!r}; an attention processor that "
-            "uses image_rotary_emb other than through diffusers' apply_rotary_emb cannot run merged")
-
-
-def gather_rotary(freqs: tuple[Tensor, Tensor], dst: Tensor, text_len: int) -> tuple[Any, Any]:
-    """The rotary table of a merged joint sequence: text rows kept, image rows gathered per slot.
-
-    Args:
-        freqs: ``(cos, sin)``, each ``[T + N, d]``, text rows first (as ``FluxPosEmbed`` returns them).
-        dst: ``[B, M]`` (or ``[1, M]``) token position representing each slot (``plan.dst``).
-        text_len: ``T``.
-
-    Returns:
-        ``(cos, sin)``: plain ``[T + M, d]`` tensors when ``dst`` has one row (shared by the batch), else
-        :class:`BatchedRotaryTable` of ``[B, T + M, d]``.
-
-    Example:
-        >>> cos = torch.arange(5.0)[:, None].expand(5, 2)                 # T = 2 text rows, N = 3
-        >>> c, s = gather_rotary((cos, cos), torch.tensor([[2, 0]]), 2)
-        >>> c[:, 0].tolist()
-        [0.0, 1.0, 4.0, 2.0]
-    """
-    out = []
-    for t in freqs:
-        if not isinstance(t, Tensor) or t.dim() != 2:
-            raise ValueError(
-                f"tomerge flux: image_rotary_emb must be (cos, sin) tables [T + N, d], got "
-                f"{type(t).__name__}{tuple(t.shape) if isinstance(t, Tensor) else ''}")
-        text, image = t[:text_len], t[text_len:]  # [T, d], [N, d]
-        index = dst.to(t.device)
-        if index.shape[0] == 1:
-            out.append(torch.cat([text, image[index[0]]], dim=0))  # [T + M, d]
-        else:
-            B = index.shape[0]
-            gathered = image[index]  # [B, M, d]
-            out.append(BatchedRotaryTable(torch.cat([text.expand(B, -1, -1), gathered], dim=1)))  # [B, T + M, d]
-    return out[0], out[1]
 
 
 # ---------------------------------------------------------------------- blocks and merge points
@@ -332,67 +255,10 @@ def _merge_rotary(args: tuple, kwargs: dict, plan: MergePlan, text_len: int,
             f"tomerge flux: image_rotary_emb has {freqs[0].shape[0]} rows, expected {text_len} text + "
             f"{plan.num_tokens} image positions" + (f" + {context.count} context positions" if context else ""))
     dst = context.stream_positions(plan.dst, plan.num_tokens)  # [B, before + M + after]
-    return _with_arg(args, kwargs, "image_rotary_emb", 3, gather_rotary(freqs, dst, text_len))
+    return with_arg(args, kwargs, "image_rotary_emb", 3, gather_rotary(freqs, dst, text_len))
 
 
 # ---------------------------------------------------------------------- the adapter
-def grid_from_ids(img_ids: Tensor) -> tuple[int, int] | None:
-    """The ``(H, W)`` grid of packed-latent ids ``[N, 3]`` (``(0, row, col)``), or ``None``.
-
-    ``None`` unless the ids enumerate one ``H x W`` grid of integer positions in raster order (any
-    offset), which is how Flux pipelines build them. Runs on the host: ids on a GPU are copied once (the adapters
-    call it through :class:`~tomerge.backbones._host.HostFacts`, once per ids tensor).
-
-    Example:
-        >>> rows, cols = torch.meshgrid(torch.arange(2), torch.arange(3), indexing="ij")
-        >>> grid_from_ids(torch.stack([torch.zeros(6), rows.flatten(), cols.flatten()], 1))
-        (2, 3)
-    """
-    ids = img_ids[0] if img_ids.dim() == 3 else img_ids  # [N, 3] (3D is diffusers' deprecated form)
-    if ids.dim() != 2 or ids.shape[1] < 3 or ids.shape[0] == 0:
-        return None
-    ids = ids.detach().cpu()  # the reads below are host work
-    pos = ids[:, 1:3].round().long()  # [N, 2] (row, col)
-    lo, hi = pos.min(0).values, pos.max(0).values  # [2], [2]
-    r0, c0, r1, c1 = torch.cat([lo, hi]).tolist()
-    H, W = r1 - r0 + 1, c1 - c0 + 1
-    N = ids.shape[0]
-    if H * W != N:
-        return None
-    raster = (pos[:, 0] - r0) * W + (pos[:, 1] - c0)  # [N] raster index of every token
-    ok = (raster == torch.arange(N, device=ids.device)).all() & (ids[:, 1:3] == pos.to(ids.dtype)).all()
-    return (int(H), int(W)) if bool(ok) else None
-
-
-def split_ids(img_ids: Tensor) -> tuple[tuple[int, int] | None, ContextTokens]:
-    """The target's ``(H, W)`` grid and the context tokens of a model call's image ids ``[L, 3]`` (FLUX.1
-    ``(t, row, col)``) or ``[L, 4]`` (FLUX.2 ``(t, h, w, l)``); ``(None, no context)`` when there is no target.
-
-    The target is the generated image: the tokens whose first id ``t`` is the smallest (0 in every FLUX
-    pipeline; reference images have ``t = 1`` in Kontext, ``10, 20, ...`` in FLUX.2), which must be one
-    contiguous run forming a raster grid (:func:`grid_from_ids`). The tokens before and after it are context.
-    Runs on the host: ids on a GPU are copied once (the adapters cache the result per ids tensor,
-    :class:`~tomerge.backbones._host.HostFacts`).
-
-    Example:
-        >>> target = torch.tensor([[0, r, c] for r in range(2) for c in range(3)])
-        >>> reference = torch.tensor([[1, r, c] for r in range(2) for c in range(2)])
-        >>> split_ids(torch.cat([target, reference]))
-        ((2, 3), ContextTokens(before=0, after=4))
-    """
-    ids = img_ids[0] if img_ids.dim() == 3 else img_ids  # [L, 3 or 4]
-    if ids.dim() != 2 or ids.shape[0] == 0:
-        return None, NO_CONTEXT
-    ids = ids.detach().cpu()  # one device-to-host copy; the rest is host work
-    first = ids[:, 0]
-    target = (first == first.min()).nonzero().flatten()  # [N] positions of the target's tokens
-    start, stop = int(target[0]), int(target[-1]) + 1
-    grid = grid_from_ids(ids[start:stop]) if stop - start == target.numel() else None
-    if grid is None:
-        return None, NO_CONTEXT
-    return grid, ContextTokens(before=start, after=ids.shape[0] - stop)
-
-
 class FluxAdapter(BackboneAdapter):
     """Adapter for diffusers `FluxTransformer2DModel` (see the module docstring).
 

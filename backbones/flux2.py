@@ -19,7 +19,7 @@ Facts from the installed diffusers (0.42.1, ``models/transformers/transformer_fl
   pipeline calls the model with ``timestep / 1000`` (``t_max = 1``).
 * Reference images (``Flux2Pipeline(image=...)``, klein): their latent tokens follow the generated image's in
   the image stream, with ids of other ``t`` (10, 20, ...); klein's KV-cache "extract" call puts them first.
-  The target is the run of tokens with the smallest ``t`` (:func:`~tomerge.backbones.flux.split_ids`), the
+  The target is the run of tokens with the smallest ``t`` (:func:`~tomerge.backbones._grid.split_ids`), the
   others are context tokens (:mod:`tomerge.backbones._context`): merged sites merge the target, the reference
   tokens pass through at full length with their RoPE rows (the processor's ``num_ref_tokens`` split of the
   extract call stays right: the tokens ahead of the target are not merged).
@@ -34,8 +34,8 @@ from torch import nn
 from ._context import NO_CONTEXT, ContextTokens
 from ._declared import DeclaredAdapter, Kind, Rope, Site
 from ._diffusers import call_arg
+from ._grid import split_ids
 from ._host import HostFacts
-from .flux import split_ids
 
 _DOUBLE_ROPE = Rope("image_rotary_emb", 3, "rows")  # Flux2Attention.forward(hidden, encoder, mask, rope)
 _SINGLE_ROPE = Rope("image_rotary_emb", 2, "rows")  # Flux2ParallelSelfAttention.forward(hidden, mask, rope)

@@ -24,8 +24,9 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from ._declared import DeclaredAdapter, Kind, Site, latent_grid
+from ._declared import DeclaredAdapter, Kind, Site
 from ._diffusers import call_arg
+from ._grid import latent_grid
 
 
 class LatteAdapter(DeclaredAdapter):

@@ -14,7 +14,7 @@ Facts from the installed diffusers (0.42.1, ``models/transformers/transformer_lu
   the key mask is passed only when the lengths differ. Merge points, on the image part: ``attn`` (``"attn"``;
   the image rows of the rotary table gathered per slot, the caption and padding rows kept, the key mask
   likewise) and ``feed_forward`` (``"mlp"``). With per-sample caption lengths the image part starts at another
-  row in every sample (a ragged joint sequence, :func:`~tomerge.backbones._declared.ragged_index`).
+  row in every sample (a ragged joint sequence, :func:`~tomerge.backbones._gather.ragged_index`).
 * Grid: the latent ``(H0 // p, W0 // p)``. Timesteps: the pipeline passes ``1 - t / 1000`` (0 is noise, 1 the
   image); the adapter reads ``1 - timestep`` (``t_max = 1``), so steps count from the noisiest as elsewhere.
 

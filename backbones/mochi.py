@@ -23,8 +23,9 @@ from typing import ClassVar
 
 from torch import Tensor
 
-from ._declared import DeclaredAdapter, Kind, Rope, Site, latent_grid
+from ._declared import DeclaredAdapter, Kind, Rope, Site
 from ._diffusers import call_arg
+from ._grid import latent_grid
 
 
 class MochiAdapter(DeclaredAdapter):

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 import tomerge
-from tomerge.backbones.flux import (BatchedRotaryTable, CallLengths, DoubleAttentionPoint, FluxAdapter,
-                                    gather_rotary, grid_from_ids)
+from tomerge.backbones._gather import BatchedRotaryTable, gather_rotary
+from tomerge.backbones._grid import grid_from_ids
+from tomerge.backbones.flux import CallLengths, DoubleAttentionPoint, FluxAdapter
 from tomerge.experiments.measure.flops import count_flops
 
 

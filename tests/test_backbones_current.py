@@ -24,8 +24,8 @@ import torch
 from torch import Tensor, nn
 
 import tomerge
-from tomerge.backbones._declared import (BatchedComplexTable, DeclaredAdapter, DeclaredPoint, gather_key_mask,
-                                         gather_rope)
+from tomerge.backbones._declared import DeclaredAdapter, DeclaredPoint
+from tomerge.backbones._gather import BatchedComplexTable, gather_key_mask, gather_rope
 from tomerge.experiments.measure.flops import FlopCounter
 
 

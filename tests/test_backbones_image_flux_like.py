@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, nn
 
 import tomerge
-from tomerge.backbones._declared import BatchedComplexTable, gather_pair_mask, gather_rope
+from tomerge.backbones._gather import BatchedComplexTable, gather_pair_mask, gather_rope
 from tomerge.registry import backbone_class
 from test_backbones_current import (ALL_SUBLAYERS, Family, Permute, check_batch_equals_samples,
                                     check_inference_mode, check_bit_identical,

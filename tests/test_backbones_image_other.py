@@ -27,7 +27,8 @@ import torch
 from torch import Tensor, nn
 
 import tomerge
-from tomerge.backbones._declared import DeclaredCall, DeclaredPoint, Rope, Site, gather_key_mask, gather_rope
+from tomerge.backbones._declared import DeclaredCall, DeclaredPoint, Rope, Site
+from tomerge.backbones._gather import gather_key_mask, gather_rope
 from tomerge.registry import backbone_class
 from test_backbones_current import (ALL_SUBLAYERS, Family, Permute, check_batch_equals_samples,
                                     check_inference_mode, check_bit_identical,

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 import tomerge
-from tomerge.backbones._declared import gather_rope
+from tomerge.backbones._gather import gather_rope
 from tomerge.registry import backbone_class
 from test_backbones_current import (ALL_SUBLAYERS, Family, Permute, check_batch_equals_samples,
                                     check_inference_mode, check_flops,

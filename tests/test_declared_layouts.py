@@ -19,9 +19,8 @@ from torch import Tensor, nn
 import tomerge
 from tomerge import registry
 from tomerge.backbones._context import NO_CONTEXT, ContextTokens
-from tomerge.backbones._declared import (DeclaredAdapter, Kind, Rope, Site, gather_key_mask, gather_pair_mask,
-                                         gather_rope)
-from tomerge.backbones.flux import BatchedRotaryTable
+from tomerge.backbones._declared import DeclaredAdapter, Kind, Rope, Site
+from tomerge.backbones._gather import BatchedRotaryTable, gather_key_mask, gather_pair_mask, gather_rope
 from test_backbones_current import ALL_SUBLAYERS, check_permutation_is_exact, no_hooks_left, run
 
 

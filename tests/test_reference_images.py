@@ -26,7 +26,8 @@ import tomerge
 from tomerge.adapter import MergePoint
 from tomerge.backbones._context import ContextTokens
 from tomerge.backbones._declared import DeclaredPoint
-from tomerge.backbones.flux import SingleStreamPoint, split_ids
+from tomerge.backbones._grid import split_ids
+from tomerge.backbones.flux import SingleStreamPoint
 from test_backbone_flux import flux_inputs, image_ids, tiny_flux
 from test_backbones_current import (ALL_SUBLAYERS, _ids, build_flux2, build_qwenimage, check_batch_equals_samples,
                                     check_bit_identical, check_permutation_is_exact, flux2_inputs, qwenimage_inputs,
