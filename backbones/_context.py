@@ -19,6 +19,8 @@ stream are gathered by the existing gathers with the context rows kept. A stream
 from __future__ import annotations
 
 import dataclasses
+import math
+from typing import Literal
 
 import torch
 from torch import Tensor
@@ -87,3 +89,18 @@ class ContextTokens:
 
 
 NO_CONTEXT = ContextTokens()
+
+
+def beyond_grid(stream: Tensor, grid: tuple[int, ...] | None, side: Literal["first", "last"]) -> ContextTokens:
+    """The context tokens of an image stream ``[B, C + N, C']`` whose target is a model call's ``grid`` (``N`` tokens):
+    the other ``C`` tokens, on ``side`` (FramePack's and Helios's history latents, first). A stream shorter than the
+    grid (or a call without one) has none: its grid does not match, it is not merged.
+
+    Example:
+        >>> beyond_grid(torch.zeros(1, 7, 2), (2, 2), "first")
+        ContextTokens(before=3, after=0)
+    """
+    if grid is None or stream.shape[1] < math.prod(grid):
+        return NO_CONTEXT
+    C = int(stream.shape[1]) - math.prod(grid)
+    return ContextTokens(before=C) if side == "first" else ContextTokens(after=C)

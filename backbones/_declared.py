@@ -129,14 +129,16 @@ class DeclaredBlock(BlockSpec):
     decl: Kind = dataclasses.field(kw_only=True)
     info: DeclaredCall = dataclasses.field(kw_only=True)
     joint_text: Any = dataclasses.field(kw_only=True)  # (block input length) -> T (joint_input kinds)
-    model_context: Any = dataclasses.field(default=lambda: NO_CONTEXT, kw_only=True)  # () -> ContextTokens
-    model_grid: Any = dataclasses.field(default=lambda: None, kw_only=True)  # () -> the model call's grid
+    # (image stream [B, L, C]) -> its ContextTokens (DeclaredAdapter.block_context)
+    stream_context: Any = dataclasses.field(default=lambda stream: NO_CONTEXT, kw_only=True)
+
+    def tokens(self, args: tuple, kwargs: dict) -> Tensor:
+        """The block's token input as ``[B, L, C]`` (a family whose blocks take another layout overrides it)."""
+        return call_arg(args, kwargs, self.decl.arg, self.decl.index)
 
     def block_input(self, args: tuple, kwargs: dict) -> Tensor:
         self.info.reset()
-        x = call_arg(args, kwargs, self.decl.arg, self.decl.index)  # [B, N, C] (or [B, T + N, C])
-        if self.decl.batch_dim == 1:
-            x = x.transpose(0, 1)  # [L, B, C] -> [B, L, C]
+        x = self.tokens(args, kwargs)  # [B, N, C] (or [B, T + N, C])
         if self.decl.joint_input is not None:
             T = self.joint_text(int(x.shape[1]))
             if T is None:
@@ -147,27 +149,20 @@ class DeclaredBlock(BlockSpec):
         elif self.decl.text_arg is not None:
             text = call_arg(args, kwargs, self.decl.text_arg, self.decl.text_index)
             self.info.text = int(text.shape[1]) if isinstance(text, Tensor) else 0
-        context = self.model_context() if self.decl.context is None else self._kind_context(x)
+        context = self.stream_context(x)
         context.check(x, f"the {self.decl.name!r} block")
         self.info.context = context
         x = context.target(x)  # [B, N, C]: the target part of the image stream
         self.info.batch, self.info.image = int(x.shape[0]), int(x.shape[1])
         return x
 
-    def _kind_context(self, stream: Tensor) -> ContextTokens:
-        """The context tokens of a ``Kind(context=)`` block's image stream ``[B, C + N, C']``: the ``C`` tokens beyond
-        the model call's grid, on the kind's side. A stream shorter than the grid (or a call without one) has
-        none: its grid does not match, it is not merged."""
-        grid = self.model_grid()
-        if grid is None or stream.shape[1] < math.prod(grid):
-            return NO_CONTEXT
-        C = int(stream.shape[1]) - math.prod(grid)
-        return ContextTokens(before=C) if self.decl.context == "first" else ContextTokens(after=C)
-
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class DeclaredPoint(MergePoint):
-    """The merge point of a :class:`Site` (see the module docstring)."""
+    """The merge point of a :class:`Site`. A family whose call differs overrides a hook in a subclass named by
+    ``Site(point=)``: :meth:`batch_first` (the tokens' layout), :meth:`around` (the context tokens it gets),
+    :meth:`mask_args` (the masks adjusted), :meth:`merged_rope` (the rotary gather), :meth:`merge_arguments` (the
+    other arguments of a merged call)."""
 
     site: Site = dataclasses.field(kw_only=True)
     info: DeclaredCall = dataclasses.field(kw_only=True)
@@ -184,32 +179,32 @@ class DeclaredPoint(MergePoint):
     def _with_stream(self, joint: Tensor, stream: Tensor) -> Tensor:
         return self.info.with_stream(joint, stream, self.joint, type(self.module).__name__)
 
-    def _batch_first(self, t: Tensor) -> Tensor:
-        """``[B, L, C]`` tokens of the submodule's input or output (a sequence-first ``[L, B, C]`` one transposed, and
-        back)."""
-        return t.transpose(0, 1) if self.site.batch_dim == 1 else t
+    def batch_first(self, t: Tensor) -> Tensor:
+        """``[B, L, C]`` tokens of the submodule's input or output, and back (its own inverse; a family whose
+        submodule takes sequence-first ``[L, B, C]`` tokens transposes)."""
+        return t
 
-    def _around(self) -> ContextTokens:
-        """The context tokens of this site's image stream: the block call's, or none where the block passes the
-        submodule the target alone (``Site(context=False)``)."""
-        return self.info.context if self.site.context else NO_CONTEXT
+    def around(self) -> ContextTokens:
+        """The context tokens of this site's image stream: the block call's (a family whose block passes the
+        submodule the target alone returns none)."""
+        return self.info.context
 
     def _target(self, tokens: Tensor) -> Tensor:
         """The target image tokens of a site's input or output (a joint sequence or an image stream)."""
         stream = self._stream(tokens) if self.site.tokens == "joint" else tokens
-        return self._around().target(stream)
+        return self.around().target(stream)
 
     def _with_target(self, tokens: Tensor, x: Tensor) -> Tensor:
         """``tokens`` (a joint sequence or an image stream) with its target image tokens replaced by ``x``."""
-        context = self._around()
+        context = self.around()
         if self.site.tokens == "joint":
             return self._with_stream(tokens, context.with_target(self._stream(tokens), x))
         return context.with_target(tokens, x)
 
     def get_input(self, args: tuple, kwargs: dict) -> Tensor:
-        raw = self._batch_first(self._raw(args, kwargs))
+        raw = self.batch_first(self._raw(args, kwargs))
         if self.site.tokens == "conv":
-            if self._around():
+            if self.around():
                 raise RuntimeError(f"tomerge: {type(self.module).__name__} takes a channels-first grid, which holds "
                                    "no context (reference-image) tokens")
             frames = raw.shape[0] // self.info.batch  # 1, or a video's frames folded into the batch (SANA-Video)
@@ -222,20 +217,8 @@ class DeclaredPoint(MergePoint):
         if self.site.tokens == "conv":
             x = x.transpose(1, 2).unsqueeze(-1)  # [B, M, C] -> [B, C, M, 1]: a 1x1 convolution takes any layout
         else:
-            x = self._batch_first(self._with_target(self._batch_first(raw), x))  # in the call's layout
-        if self.site.self_kv:
-            if call_arg(args, kwargs, "encoder_hidden_states", 1) is not raw:
-                raise RuntimeError(f"tomerge: {type(self.module).__name__} is declared a self-attention called as "
-                                   "attn(x, x), but its encoder_hidden_states is another tensor than its tokens")
-            args, kwargs = with_arg(args, kwargs, "encoder_hidden_states", 1, x)
+            x = self.batch_first(self._with_target(self.batch_first(raw), x))  # in the call's layout
         return with_arg(args, kwargs, self.arg, self.site.index, x)
-
-    def reads_tokens(self, args: tuple, kwargs: dict) -> bool:
-        if not self.site.shared:
-            return True
-        first = id(self) not in self.info.called
-        self.info.called.add(id(self))
-        return first
 
     def enter_block(self, merges: bool) -> None:
         self.info.merging[self.sublayer] = self.info.merging.get(self.sublayer, False) or merges
@@ -253,12 +236,13 @@ class DeclaredPoint(MergePoint):
             raise RuntimeError(f"tomerge: {type(self.module).__name__} got {x.shape[1]} image tokens, the block call's "
                                f"plan has {plan.num_tokens}")
         args, kwargs = self.set_input(args, kwargs, self._merged(x, plan))
+        return self.merge_arguments(args, kwargs, plan)
+
+    def merge_arguments(self, args: tuple, kwargs: dict, plan: MergePlan) -> tuple[tuple, dict]:
+        """The merged call's other arguments that follow its tokens: the masks and the rotary table."""
         args, kwargs = self._merge_mask(args, kwargs, plan)
         if self.site.rope is not None:
             args, kwargs = self._merge_rope(args, kwargs, plan)
-        count = self.site.count_arg, self.site.count_index
-        if count[0] is not None and call_arg(args, kwargs, *count) is not None:
-            args, kwargs = with_arg(args, kwargs, *count, plan.num_slots)  # the target tokens are now M slots
         return args, kwargs
 
     def _merged(self, x: Tensor, plan: MergePlan) -> Tensor:
@@ -277,7 +261,7 @@ class DeclaredPoint(MergePoint):
         return self.site.stays_merged_with is not None and self.site.stays_merged_with in sublayers
 
     def get_output(self, out: Any) -> Tensor:
-        y = self._batch_first(out if self.output is None else out[self.output])
+        y = self.batch_first(out if self.output is None else out[self.output])
         if self.site.tokens == "conv":
             return y.flatten(2).transpose(1, 2)  # [B, C', M, 1] -> [B, M, C']
         return self._target(y)
@@ -286,15 +270,19 @@ class DeclaredPoint(MergePoint):
         if self.site.tokens == "conv":  # [B, F*H*W, C'] -> [B, F, H, W, C'] -> [B*F, C', H, W]
             y = y.unflatten(1, self.info.shapes[id(self)]).permute(0, 1, 4, 2, 3).flatten(0, 1)
         else:
-            y = self._batch_first(self._with_target(self._batch_first(out if self.output is None else out[self.output]), y))
+            y = self.batch_first(self._with_target(self.batch_first(out if self.output is None else out[self.output]), y))
         return super().set_output(out, y)
 
     # -------------------------------------------------------------- what follows the tokens
+    def mask_args(self) -> tuple[tuple[str, int | None], ...]:
+        """``(keyword, position)`` of each attention mask of the call, adjusted alike (position ``None``: keyword
+        only)."""
+        return ((self.site.mask_arg, self.site.mask_index),)
+
     def _merge_mask(self, args: tuple, kwargs: dict, plan: MergePlan) -> tuple[tuple, dict]:
         if self.site.mask == "pass":
             return args, kwargs
-        masks = [(self.site.mask_arg, self.site.mask_index)] + [(name, None) for name in self.site.more_masks]
-        for name, index in masks:  # more_masks: keyword only
+        for name, index in self.mask_args():
             mask = call_arg(args, kwargs, name, index) if index is not None else kwargs.get(name)
             if mask is None:
                 continue
@@ -315,16 +303,44 @@ class DeclaredPoint(MergePoint):
         freqs = call_arg(args, kwargs, rope.arg, rope.index)
         if freqs is None:
             return args, kwargs
-        dst, stream = self._stream_positions(plan)
-        return with_arg(args, kwargs, rope.arg, rope.index,
-                        gather_rope(freqs, dst, stream, rope.layout, text_side=rope.text, lengths=self.info.lengths,
-                                   heads=rope.heads))
+        return with_arg(args, kwargs, rope.arg, rope.index, self.merged_rope(freqs, *self._stream_positions(plan)))
+
+    def merged_rope(self, freqs: Any, dst: Tensor, num_tokens: int) -> Any:
+        """The rotary argument ``freqs`` of the merged call: :func:`~tomerge.backbones._gather.gather_rope` with the
+        site's layout, for the representatives ``dst`` in an image stream of ``num_tokens``."""
+        rope = self.site.rope
+        return gather_rope(freqs, dst, num_tokens, rope.layout, text_side=rope.text, lengths=self.info.lengths)
 
     def _stream_positions(self, plan: MergePlan) -> tuple[Tensor, int]:
         """``(positions [B, before + M + after], before + N + after)``: the plan's representatives in the image
         stream (each context token its own), and the stream's length, for the gathers below."""
-        context = self._around()
+        context = self.around()
         return context.stream_positions(plan.dst, plan.num_tokens), plan.num_tokens + context.count
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class SelfKVPoint(DeclaredPoint):
+    """A self-attention called as ``attn(x, x)`` (Lumina 2, OmniGen): its ``encoder_hidden_states``, the keys' and
+    values' input, gets the merged tokens too."""
+
+    def set_input(self, args: tuple, kwargs: dict, x: Tensor) -> tuple[tuple, dict]:
+        if call_arg(args, kwargs, "encoder_hidden_states", 1) is not self._raw(args, kwargs):
+            raise RuntimeError(f"tomerge: {type(self.module).__name__} is declared a self-attention called as "
+                               "attn(x, x), but its encoder_hidden_states is another tensor than its tokens")
+        args, kwargs = super().set_input(args, kwargs, x)
+        return with_arg(args, kwargs, "encoder_hidden_states", 1, self._raw(args, kwargs))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class SharedPoint(DeclaredPoint):
+    """A submodule the block calls again on its text stream after the image call (EasyAnimate's ``ff`` in the blocks
+    without text projections, CogView4's one ``ff`` for both streams): only its first call in a block call reads
+    image tokens, the others run as they are (:meth:`MergePoint.reads_tokens`)."""
+
+    def reads_tokens(self, args: tuple, kwargs: dict) -> bool:
+        first = id(self) not in self.info.called
+        self.info.called.add(id(self))
+        return first
 
 
 # ---------------------------------------------------------------------- the adapter
@@ -394,12 +410,19 @@ class DeclaredAdapter(BackboneAdapter):
             for site in kind.sites:
                 sub = _submodule(module, site.path)
                 if sub is not None:
-                    points.append(DeclaredPoint(site.sublayer, sub, arg=site.arg, output=site.output, site=site,
-                                                info=info, joint=kind.joint))
-            specs.append(DeclaredBlock(module, layer=len(specs), kind=kind.name, points=tuple(points), arg=kind.arg,
-                                       outputs=kind.outputs, decl=kind, info=info, joint_text=self.joint_text,
-                                       model_context=lambda: self.context, model_grid=lambda: self.grid_size))
+                    points.append((site.point or DeclaredPoint)(site.sublayer, sub, arg=site.arg, output=site.output,
+                                                                site=site, info=info, joint=kind.joint))
+            specs.append((kind.block or DeclaredBlock)(
+                module, layer=len(specs), kind=kind.name, points=tuple(points), arg=kind.arg, outputs=kind.outputs,
+                decl=kind, info=info, joint_text=self.joint_text,
+                stream_context=lambda stream, kind=kind: self.block_context(kind, stream)))
         return specs
+
+    def block_context(self, kind: Kind, stream: Tensor) -> ContextTokens:
+        """The context tokens of a ``kind`` block call's image stream ``[B, L, C]`` (default: the model call's,
+        :meth:`call_layout`). Families whose blocks add tokens to the stream override it (FramePack's and Helios's
+        history latents: :func:`~tomerge.backbones._context.beyond_grid`)."""
+        return self.context
 
     def joint_text(self, length: int) -> int | RaggedText | None:
         """``T`` of a ``joint_input`` block call whose input has ``length`` tokens (see :attr:`joint_context`).
@@ -489,11 +512,6 @@ class DeclaredAdapter(BackboneAdapter):
                          if any(site.sublayer == "attn" and cls.probes_site(site) for site in kind.sites))
 
     @classmethod
-    def uncached_kinds(cls) -> dict[str, str]:
-        """Read from :attr:`kinds` (``Kind.uncached``)."""
-        return {kind.name: kind.uncached for kind in cls.kinds if kind.uncached is not None}
-
-    @classmethod
     def kind_summaries(cls) -> tuple[KindSummary, ...]:
         """Read from :attr:`kinds`. The context is a joint attention (text on the kind's side) when the block input
         is a joint sequence (``joint_input``), the block takes text for joint sites (``text_arg``) or an ``"attn"``
@@ -528,19 +546,24 @@ class DeclaredAdapter(BackboneAdapter):
             return probe_sdpa_attention(point.module, state, text_side=kind.joint, text_len=lambda: point.info.text,
                                         lengths=lambda: point.info.lengths, queries=site.probe_queries)
         if kind.text_arg is None and kind.joint_input is None:
-            handles = probe_self_attention(block, point, state, context=point._around)
+            handles = probe_self_attention(block, point, state, context=point.around)
             if site.mask is not None:
                 handles.append(point.module.register_forward_pre_hook(_refuse_masked_probe(point, state),
                                                                       with_kwargs=True))
             return handles
         rope = site.rope
         inner = [s.path for s in kind.sites if s.path.startswith(site.path + ".")]  # merge points inside the attention
-        return probe_joint_attention(point.module, state, text_side=kind.joint, text_len=lambda: point.info.text,
-                                     rope=None if rope is None else (rope.arg, rope.index),
-                                     rope_layout="rows" if rope is None else rope.layout,
-                                     mask=(site.mask_arg, site.mask_index), context=lambda: point.info.context,
-                                     record_before=_submodule(block.module, inner[0]) if inner else None,
-                                     heads_first=site.probe_heads_first, copies=site.probe_copies)
+        return self.probe_joint(point.module, state, text_side=kind.joint, text_len=lambda: point.info.text,
+                                rope=None if rope is None else (rope.arg, rope.index),
+                                rope_layout="rows" if rope is None else rope.layout,
+                                mask=(site.mask_arg, site.mask_index), context=lambda: point.info.context,
+                                record_before=_submodule(block.module, inner[0]) if inner else None)
+
+    def probe_joint(self, attention: nn.Module, state: MergeState, **options: Any) -> list[Any]:
+        """The joint text-image probe of ``attention`` with the declaration's ``options``
+        (:func:`~tomerge.backbones._diffusers.probe_joint_attention`); a family whose processor reads q/k otherwise
+        adds its own (CogVideoX's and EasyAnimate's ``heads_first``, ``copies``)."""
+        return probe_joint_attention(attention, state, **options)
 
     def text_keys(self, block: BlockSpec, point: MergePoint) -> TextKeys | None:
         if not isinstance(point, DeclaredPoint) or not point.site.text_keys:

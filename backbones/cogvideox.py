@@ -23,10 +23,14 @@ Facts from the installed diffusers (0.42.1, ``cogvideox_transformer_3d.py``, ``c
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar
+from typing import Any, ClassVar
+
+from torch import nn
+
+from tomerge.state import MergeState
 
 from ._declared import DeclaredAdapter, Kind, Rope, Site
-from ._diffusers import call_arg
+from ._diffusers import call_arg, probe_joint_attention
 
 
 class CogVideoXAdapter(DeclaredAdapter):
@@ -39,11 +43,16 @@ class CogVideoXAdapter(DeclaredAdapter):
     timestep_index: ClassVar[int] = 2  # forward(hidden_states, encoder_hidden_states, timestep, ...)
     kinds: ClassVar[tuple[Kind, ...]] = (
         Kind("cogvideox", "transformer_blocks", ("CogVideoXBlock",), (
-            Site("attn", "attn1", output=0, rope=Rope("image_rotary_emb", 3, "rows"), probe=True, probe_heads_first=True,
-                 probe_copies=True),
+            Site("attn", "attn1", output=0, rope=Rope("image_rotary_emb", 3, "rows"), probe=True),
             Site("mlp", "ff", tokens="joint"),
         ), text_arg="encoder_hidden_states", outputs=("hidden_states", "encoder_hidden_states")),
     )
+
+    def probe_joint(self, attention: nn.Module, state: MergeState, **options: Any) -> list[Any]:
+        """The joint probe of ``attn1``, whose processor normalises q/k with the heads first (``[B, heads, L, d]``) and
+        rotates the image rows of the q/k the probe captures in place (``key[:, :, T:] = apply_rotary_emb(...)``),
+        so the probe reads the norms so and keeps copies."""
+        return probe_joint_attention(attention, state, heads_first=True, copies=True, **options)
 
     def call_grid(self, args: tuple, kwargs: dict) -> tuple[int, ...] | None:
         sample = call_arg(args, kwargs, self.latent_arg, self.latent_index)  # [B, F, C, H, W]

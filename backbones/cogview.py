@@ -36,7 +36,7 @@ from typing import ClassVar
 
 from torch import Tensor
 
-from ._declared import DeclaredAdapter, Kind, Rope, Site
+from ._declared import DeclaredAdapter, Kind, Rope, SharedPoint, Site
 from ._diffusers import call_arg
 
 _ROPE = Rope("image_rotary_emb", 3, "rows")  # image rows only [N, d], by keyword
@@ -51,7 +51,7 @@ class CogView4Adapter(DeclaredAdapter):
     kinds: ClassVar[tuple[Kind, ...]] = (
         Kind("cogview4", "transformer_blocks", ("CogView4TransformerBlock",), (
             Site("attn", "attn1", output=0, rope=_ROPE, mask="pass", probe="sdpa", text_keys=True),
-            Site("mlp", "ff", shared=True),
+            Site("mlp", "ff", point=SharedPoint),
         ), text_arg="encoder_hidden_states", outputs=("hidden_states", "encoder_hidden_states")),
     )
 

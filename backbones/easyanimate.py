@@ -11,7 +11,7 @@ Facts from the installed diffusers (0.42.1, ``models/transformers/transformer_ea
   on the modulated video stream (``txt_ff``, or ``ff`` again in the blocks without text projections, on the
   text stream).
 * Merge points: ``attn1`` (``"attn"``; the RoPE rows gathered per slot) and ``ff`` (``"mlp"``: its first call,
-  on the video stream; the second call of the shared ``ff``, on the text stream, runs as it is: ``shared``).
+  on the video stream; the second call of the shared ``ff``, on the text stream, runs as it is: ``SharedPoint``).
   No attention mask.
 * Grid: the latent ``[B, C, F, H, W]``, each frame patched ``p x p``: ``(F, H / p, W / p)``. The inpainting and
   control variants concatenate their latents along channels: the same grid. The pipelines pass the
@@ -20,10 +20,14 @@ Facts from the installed diffusers (0.42.1, ``models/transformers/transformer_ea
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
-from ._declared import DeclaredAdapter, Kind, Rope, Site
-from ._diffusers import call_arg
+from torch import nn
+
+from tomerge.state import MergeState
+
+from ._declared import DeclaredAdapter, Kind, Rope, SharedPoint, Site
+from ._diffusers import call_arg, probe_joint_attention
 from ._grid import latent_grid
 
 
@@ -38,11 +42,16 @@ class EasyAnimateAdapter(DeclaredAdapter):
     text_index: ClassVar[int] = 3
     kinds: ClassVar[tuple[Kind, ...]] = (
         Kind("easyanimate", "transformer_blocks", ("EasyAnimateTransformerBlock",), (
-            Site("attn", "attn1", output=0, rope=Rope("image_rotary_emb", 3, "rows"), probe=True, probe_heads_first=True,
-                 probe_copies=True),
-            Site("mlp", "ff", shared=True),
+            Site("attn", "attn1", output=0, rope=Rope("image_rotary_emb", 3, "rows"), probe=True),
+            Site("mlp", "ff", point=SharedPoint),
         ), text_arg="encoder_hidden_states", outputs=("hidden_states", "encoder_hidden_states")),
     )
+
+    def probe_joint(self, attention: nn.Module, state: MergeState, **options: Any) -> list[Any]:
+        """The joint probe of ``attn1``, whose processor normalises q/k with the heads first (``[B, heads, L, d]``) and
+        rotates the image rows of the q/k the probe captures in place (``key[:, :, T:] = apply_rotary_emb(...)``),
+        so the probe reads the norms so and keeps copies."""
+        return probe_joint_attention(attention, state, heads_first=True, copies=True, **options)
 
     def call_grid(self, args: tuple, kwargs: dict) -> tuple[int, ...] | None:
         p = int(self.model.config.patch_size)

@@ -6,7 +6,7 @@ Facts from the installed diffusers (0.42.1, ``models/transformers/transformer_er
 * The model joins ``[image, text]`` sequence-first: ``x [N + T, B, C]`` (``T`` the padded text length, the
   padding masked as keys). Every ``ErnieImageSharedAdaLNBlock`` (kind ``"ernie_image"``, in ``layers``) runs
   ``self_attention(x.permute(1, 0, 2), attention_mask=..., image_rotary_emb=...)`` on the batch-first view and
-  ``mlp`` on the sequence-first tensor.
+  ``mlp`` on the sequence-first tensor (:class:`SequenceFirstBlock`, :class:`SequenceFirstPoint`).
 * Merge points, on the image part (the first ``N`` tokens): ``self_attention`` (``"attn"``; the rotary table
   ``[B, N + T, 1, d]`` has its image rows first: gathered per slot, the text rows kept; the key mask ``[B, 1, 1,
   N + T]`` gets its image columns gathered) and ``mlp`` (``"mlp"``; its ``[N + T, B, C]`` input and output are
@@ -22,9 +22,28 @@ queries against all keys with the padding mask, the image keys' share. Prompt re
 
 from __future__ import annotations
 
+import dataclasses
 from typing import ClassVar
 
-from ._declared import DeclaredAdapter, Kind, Rope, Site
+from torch import Tensor
+
+from ._declared import DeclaredAdapter, DeclaredBlock, DeclaredPoint, Kind, Rope, Site
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class SequenceFirstBlock(DeclaredBlock):
+    """A block whose token input ``x`` is sequence-first, ``[L, B, C]``."""
+
+    def tokens(self, args: tuple, kwargs: dict) -> Tensor:
+        return super().tokens(args, kwargs).transpose(0, 1)  # [L, B, C] -> [B, L, C]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class SequenceFirstPoint(DeclaredPoint):
+    """A submodule (``mlp``) whose input and output are sequence-first, ``[L, B, C]``."""
+
+    def batch_first(self, t: Tensor) -> Tensor:
+        return t.transpose(0, 1)
 
 
 class ErnieImageAdapter(DeclaredAdapter):
@@ -40,6 +59,6 @@ class ErnieImageAdapter(DeclaredAdapter):
         Kind("ernie_image", "layers", ("ErnieImageSharedAdaLNBlock",), (
             Site("attn", "self_attention", tokens="joint", rope=Rope("image_rotary_emb", 3, "batched", text="last"),
                  mask="keys", probe="sdpa", text_keys=True),
-            Site("mlp", "mlp", arg="x", tokens="joint", batch_dim=1),
-        ), arg="x", joint_input="last", joint="last", batch_dim=1),
+            Site("mlp", "mlp", arg="x", tokens="joint", point=SequenceFirstPoint),
+        ), arg="x", joint_input="last", joint="last", block=SequenceFirstBlock),
     )

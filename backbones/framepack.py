@@ -9,8 +9,8 @@ Facts from the installed diffusers (0.42.1, ``models/transformers/transformer_hu
   (``latents_history_4x``, ``latents_history_2x``, ``latents_clean``: the start frame and the frames around the
   section, at 1, 1/2 and 1/4 resolution) in front of the ``N`` target tokens of the section being generated
   (the latent ``hidden_states``), and their rotary rows ``[P, d]`` in front of the target's ``[N, d]``; the
-  output is the last ``N`` tokens. So the kinds declare ``context="first"``: the target tokens (the grid) are
-  merged, the ``P`` history tokens are context: attended to at full length and passed through every sublayer
+  output is the last ``N`` tokens. So :meth:`~FramePackAdapter.block_context` makes every token beyond the grid,
+  first, context: the target tokens (the grid) are merged, the ``P`` history tokens are context: attended to at full length and passed through every sublayer
   as they are, their rotary rows and mask columns kept.
 * The attention mask (batches of more than one prompt) is a key mask ``[B, 1, 1, P + N + T]`` over
   ``[history, target, text]`` (the text is SigLIP image tokens, then the prompt): its target columns are gathered.
@@ -22,9 +22,11 @@ Facts from the installed diffusers (0.42.1, ``models/transformers/transformer_hu
 
 from __future__ import annotations
 
-import dataclasses
 from typing import ClassVar
 
+from torch import Tensor
+
+from ._context import ContextTokens, beyond_grid
 from ._declared import Kind
 from .hunyuan_video import HunyuanVideoAdapter
 
@@ -35,5 +37,7 @@ class FramePackAdapter(HunyuanVideoAdapter):
 
     name: ClassVar[str] = "framepack"
     model_class: ClassVar[str] = "HunyuanVideoFramepackTransformer3DModel"
-    kinds: ClassVar[tuple[Kind, ...]] = tuple(dataclasses.replace(kind, context="first")
-                                              for kind in HunyuanVideoAdapter.kinds)
+
+    def block_context(self, kind: Kind, stream: Tensor) -> ContextTokens:
+        """The history tokens: every token of the image stream before the call's grid."""
+        return beyond_grid(stream, self.grid_size, "first")

@@ -69,7 +69,7 @@ class Kandinsky5Adapter(DeclaredAdapter):
         scale = attn.query_norm.normalized_shape[0] ** -0.5
 
         def compute(captured: dict[str, Any], grid: tuple[int, ...]) -> Any:
-            around = point._around()  # the block call's context tokens (Kandinsky 6's reference frame)
+            around = point.around()  # the block call's context tokens (Kandinsky 6's reference frame)
             return received_self_attention(captured, grid, attn.num_heads, scale, context=(around.before, around.after))
 
         return attention_probe(state, attn, sources, compute)

@@ -28,7 +28,8 @@ Facts from the installed diffusers (0.42.1, ``models/transformers/transformer_lt
   queries are the ``Na`` audio tokens (126 for 121 frames at 24 fps, against ``N = 6144`` video tokens at
   512 x 768), so its attention costs ``Na * N`` and its video side two projections of ``N`` tokens.
 * RoPE: ``rope_type="split"`` (the released checkpoints) gives ``(cos, sin)`` tables ``[B, H, N, d/2]`` per head,
-  ``"interleaved"`` ``[B, N, C]``: both the ``"batched"`` layout (tokens on the second-to-last axis).
+  ``"interleaved"`` ``[B, N, C]``: both the ``"batched"`` layout (tokens on the second-to-last axis; the split
+  tables per head: :class:`SplitRopePoint`).
 * Grid: the model gets the packed latent ``[B, N, C]`` and the latent ``num_frames``, ``height``, ``width`` (patch
   size 1): frames x height x width in raster order, as LTX-Video's. The timestep (``[B]``, or per token ``[B, N]``
   for image-to-video) is on the scheduler's scale (``timestep_scale_multiplier = 1000``): ``t_max = 1000``, per-token
@@ -37,13 +38,27 @@ Facts from the installed diffusers (0.42.1, ``models/transformers/transformer_lt
 
 from __future__ import annotations
 
-from typing import ClassVar
+import dataclasses
+from typing import Any, ClassVar
 
-from ._declared import Kind, Rope, Site
+from torch import Tensor
+
+from ._declared import DeclaredPoint, Kind, Rope, Site
+from ._gather import gather_rope
 from .ltx import LTXAdapter
 
 # LTX2Attention(hidden_states, encoder_hidden_states, attention_mask, query_rotary_emb, key_rotary_emb)
-_ROPE = Rope("query_rotary_emb", 3, "batched", heads=True)
+_ROPE = Rope("query_rotary_emb", 3, "batched")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class SplitRopePoint(DeclaredPoint):
+    """An attention whose ``"batched"`` rotary tables, when 4-D, are per head, ``[B or 1, H, N, d]``, their tokens on
+    axis 2 (the split RoPE; the interleaved ``[B, N, d]`` tables keep the tokens on axis 1)."""
+
+    def merged_rope(self, freqs: Any, dst: Tensor, num_tokens: int) -> Any:
+        return gather_rope(freqs, dst, num_tokens, self.site.rope.layout, text_side=self.site.rope.text,
+                           lengths=self.info.lengths, heads=True)
 
 
 class LTX2Adapter(LTXAdapter):
@@ -57,9 +72,9 @@ class LTX2Adapter(LTXAdapter):
     grid_args: ClassVar[tuple[tuple[str, int], ...]] = (("num_frames", 10), ("height", 11), ("width", 12))
     kinds: ClassVar[tuple[Kind, ...]] = (
         Kind("ltx2", "transformer_blocks", ("LTX2VideoTransformerBlock",), (
-            Site("attn", "attn1", rope=_ROPE, mask="pairs", probe=True),
+            Site("attn", "attn1", rope=_ROPE, mask="pairs", probe=True, point=SplitRopePoint),
             Site("crossattn", "attn2", mask="pass"),
-            Site("crossattn", "audio_to_video_attn", rope=_ROPE),
+            Site("crossattn", "audio_to_video_attn", rope=_ROPE, point=SplitRopePoint),
             Site("mlp", "ff"),
         ), outputs=("hidden_states", "audio_hidden_states")),
     )

@@ -31,7 +31,7 @@ from typing import Any, ClassVar
 
 from torch import nn
 
-from ._declared import DeclaredAdapter, Kind, RaggedText, Rope, Site
+from ._declared import DeclaredAdapter, Kind, RaggedText, Rope, SelfKVPoint, Site
 from ._diffusers import call_arg
 from ._host import HostFacts
 
@@ -48,11 +48,11 @@ class Lumina2Adapter(DeclaredAdapter):
     text_index: ClassVar[int] = 2
     kinds: ClassVar[tuple[Kind, ...]] = (
         Kind("refiner", "noise_refiner", ("Lumina2TransformerBlock",), (
-            Site("attn", "attn", self_kv=True, rope=_ROPE, probe="sdpa"),
+            Site("attn", "attn", rope=_ROPE, probe="sdpa", point=SelfKVPoint),
             Site("mlp", "feed_forward", arg="x"),
         )),
         Kind("joint", "layers", ("Lumina2TransformerBlock",), (
-            Site("attn", "attn", tokens="joint", self_kv=True, rope=_ROPE, mask="keys", probe="sdpa"),
+            Site("attn", "attn", tokens="joint", rope=_ROPE, mask="keys", probe="sdpa", point=SelfKVPoint),
             Site("mlp", "feed_forward", arg="x", tokens="joint"),
         ), joint_input="first"),
     )

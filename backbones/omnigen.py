@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from ._declared import DeclaredAdapter, Kind, Rope, Site
+from ._declared import DeclaredAdapter, Kind, Rope, SelfKVPoint, Site
 from ._diffusers import call_arg
 
 
@@ -39,8 +39,8 @@ class OmniGenAdapter(DeclaredAdapter):
     timestep_index: ClassVar[int] = 1  # forward(hidden_states, timestep, input_ids, input_img_latents, ...)
     kinds: ClassVar[tuple[Kind, ...]] = (
         Kind("omnigen", "layers", ("OmniGenBlock",), (
-            Site("attn", "self_attn", tokens="joint", self_kv=True, rope=Rope("image_rotary_emb", 3, "rows"),
-                 mask="pairs", probe="sdpa", probe_queries="image"),
+            Site("attn", "self_attn", tokens="joint", rope=Rope("image_rotary_emb", 3, "rows"), mask="pairs",
+                 probe="sdpa", probe_queries="image", point=SelfKVPoint),
             Site("mlp", "mlp", tokens="joint"),
         ), joint_input="first"),
     )

@@ -11,8 +11,8 @@ Facts from the installed diffusers (0.42.1, ``models/transformers/transformer_qw
   key. So the prefix does not depend on the target, and merging the target (the last ``N`` tokens of the
   block input, the rest kept: ``joint_context = "rest"``) changes only the target's keys and queries. Merge
   points: ``attn`` (``"attn"``: the complex RoPE table ``[P + N, d/2]`` over the joint sequence has its image
-  rows gathered per slot; the key masks ``key_valid [B, P + N]`` (prefill) and ``attention_mask [B, 1, 1, P +
-  N]`` (cached steps) have their image columns gathered) and ``img_mlp`` (``"mlp"``). The prefix ``segments``
+  rows gathered per slot; the key masks ``key_valid [B, P + N]`` (prefill, :class:`KeyValidAttention`) and
+  ``attention_mask [B, 1, 1, P + N]`` (cached steps) have their image columns gathered) and ``img_mlp`` (``"mlp"``). The prefix ``segments``
   and the prefix KV cache (``kv_cache_mode="extract"`` stores the prefix keys of the first step) are untouched;
   on cached steps (``kv_cache_mode="cached"``) the blocks get the target alone, with the cached prefix keys.
 * ``QwenImage21FlexAttnProcessor`` passes a flex ``BlockMask`` built for the unmerged sequence: a merged call
@@ -30,14 +30,23 @@ Facts from the installed diffusers (0.42.1, ``models/transformers/transformer_qw
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, ClassVar, Literal
 
 from torch import nn
 
-from ._declared import DeclaredAdapter, Kind, Rope, Site
+from ._declared import DeclaredAdapter, DeclaredPoint, Kind, Rope, Site
 from ._diffusers import call_arg
 from ._host import HostFacts
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class KeyValidAttention(DeclaredPoint):
+    """``attn``, whose key mask ``key_valid`` (by keyword) is adjusted like its ``attention_mask``."""
+
+    def mask_args(self) -> tuple[tuple[str, int | None], ...]:
+        return (*super().mask_args(), ("key_valid", None))
 
 
 class QwenImage21Adapter(DeclaredAdapter):
@@ -53,7 +62,7 @@ class QwenImage21Adapter(DeclaredAdapter):
         Kind("joint", "transformer_blocks", ("QwenImage21TransformerBlock",), (
             # QwenImage21Attention.forward(hidden_states, **kwargs): every other argument by keyword
             Site("attn", "attn", tokens="joint", rope=Rope("rotary_emb", 1, "complex"), mask="keys",
-                 mask_index=1, more_masks=("key_valid",), probe="sdpa", probe_queries="image"),
+                 mask_index=1, probe="sdpa", probe_queries="image", point=KeyValidAttention),
             Site("mlp", "img_mlp", tokens="joint"),
         ), joint_input="first"),
     )

@@ -16,7 +16,7 @@ Facts from the installed diffusers (0.42.1, ``models/transformers/transformer_wa
 * Reference images (``reference_images=`` of ``WanVACEPipeline``) are latent frames in front of the video's
   (and zero frames in front of the control latent), cut off after the last step: they are frames of the grid.
 * Caching schedules that skip whole blocks (``block_cache``, ``fora``, ``taylorseer``, ``first_block_cache``) are
-  refused at ``apply``: a VACE block's hint is a new tensor, no input plus a residual (``Kind.uncached``).
+  refused at ``apply``: a VACE block's hint is a new tensor, no input plus a residual (:meth:`~WanVACEAdapter.uncached_kinds`).
 * Grid: the latent ``[B, C, F, H, W]`` divided by ``patch_size = (1, 2, 2)``, as Wan's; the pipeline passes the
   scheduler's timestep (``t_max = 1000``).
 """
@@ -40,8 +40,11 @@ class WanVACEAdapter(WanAdapter):
     kinds: ClassVar[tuple[Kind, ...]] = (
         # forward(hidden_states, encoder_hidden_states, control_hidden_states, temb, rotary_emb)
         dataclasses.replace(_WAN, name="vace", container="vace_blocks", classes=("WanVACETransformerBlock",),
-                            arg="control_hidden_states", index=2,
-                            uncached="they return a new hint beside the control tokens, not the new value of an "
-                                     "input, so a skipped call has no residual to add"),
+                            arg="control_hidden_states", index=2),
         _WAN,
     )
+
+    @classmethod
+    def uncached_kinds(cls) -> dict[str, str]:
+        return {"vace": "they return a new hint beside the control tokens, not the new value of an input, so a "
+                        "skipped call has no residual to add"}

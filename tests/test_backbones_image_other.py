@@ -27,7 +27,7 @@ import torch
 from torch import Tensor, nn
 
 import tomerge
-from tomerge.backbones._declared import DeclaredCall, DeclaredPoint, Rope, Site
+from tomerge.backbones._declared import DeclaredCall, Rope, SelfKVPoint, Site
 from tomerge.backbones._gather import gather_key_mask, gather_rope
 from tomerge.registry import backbone_class
 from test_backbones_current import (ALL_SUBLAYERS, Family, Permute, check_batch_equals_samples,
@@ -640,9 +640,9 @@ def test_ragged_gathers_follow_each_samples_text_length():
 
 
 def test_a_self_kv_site_refuses_keys_from_another_tensor():
-    """A site declared ``self_kv`` (``attn(x, x)``) merges both arguments; if the keys' input is another tensor
-    the declaration is wrong for this call: it raises instead of attending merged queries to unmerged keys."""
-    point = DeclaredPoint("attn", nn.Identity(), site=Site("attn", "attn", self_kv=True), info=DeclaredCall())
+    """A ``SelfKVPoint`` site (``attn(x, x)``) merges both arguments; if the keys' input is another tensor the
+    declaration is wrong for this call: it raises instead of attending merged queries to unmerged keys."""
+    point = SelfKVPoint("attn", nn.Identity(), site=Site("attn", "attn", point=SelfKVPoint), info=DeclaredCall())
     x = torch.zeros(1, 4, 2)
     args, kwargs = point.set_input((), {"hidden_states": x, "encoder_hidden_states": x}, x[:, :2])
     assert kwargs["hidden_states"] is kwargs["encoder_hidden_states"] and kwargs["hidden_states"].shape[1] == 2

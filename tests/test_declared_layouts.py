@@ -1,7 +1,7 @@
 """The declaration language's token layouts (``backbones/_declared.py``): context tokens around the target tokens
-(:class:`Kind` ``context``, as :class:`~tomerge.backbones._context.ContextTokens`), self-attention masks over
+(``DeclaredAdapter.block_context``, as :class:`~tomerge.backbones._context.ContextTokens`), self-attention masks over
 queries and keys (:class:`Site` ``mask="pairs"`` without text) and per-head rotary tables (``"batched"``
-``[B, H, N, d]``, ``Rope(heads=True)``), on hand-built tables and on a small declared model whose image stream is
+``[B, H, N, d]``, ``gather_rope(heads=True)``: LTX-2's ``SplitRopePoint``), on hand-built tables and on a small declared model whose image stream is
 ``[target, context]`` or ``[context, target]``. FramePack (context first, in real use) and LTX-2 / SkyReels-V2
 (per-head RoPE, square masks) are in ``test_backbones_video_wan_like.py``.
 """
@@ -18,8 +18,8 @@ from torch import Tensor, nn
 
 import tomerge
 from tomerge import registry
-from tomerge.backbones._context import NO_CONTEXT, ContextTokens
-from tomerge.backbones._declared import DeclaredAdapter, Kind, Rope, Site
+from tomerge.backbones._context import NO_CONTEXT, ContextTokens, beyond_grid
+from tomerge.backbones._declared import DeclaredAdapter, DeclaredCall, DeclaredPoint, Kind, Rope, Site
 from tomerge.backbones._gather import BatchedRotaryTable, gather_key_mask, gather_pair_mask, gather_rope
 from test_backbones_current import ALL_SUBLAYERS, check_permutation_is_exact, no_hooks_left, run
 
@@ -143,23 +143,25 @@ class ToyContextModel(nn.Module):
         return types.SimpleNamespace(sample=out)
 
 
-def _toy_kinds(side: str) -> tuple[Kind, ...]:
-    return (Kind("toy", "blocks", ("ToyBlock",), (
-        Site("attn", "attn", rope=Rope("rotary_emb", 1, "wan"), mask="pairs", mask_index=2),
-        Site("mlp", "ff"),
-    ), context=side),)
-
-
 class ToyContextFirstAdapter(DeclaredAdapter):
+    """The stream's tokens beyond the grid are context, first (FramePack's and Helios's history) or last."""
+
     name: ClassVar[str] = "test_toy_context_first"
     model_class: ClassVar[str] = "ToyContextModel"
     timestep_index: ClassVar[int] = 2
-    kinds: ClassVar[tuple[Kind, ...]] = _toy_kinds("first")
+    kinds: ClassVar[tuple[Kind, ...]] = (Kind("toy", "blocks", ("ToyBlock",), (
+        Site("attn", "attn", rope=Rope("rotary_emb", 1, "wan"), mask="pairs", mask_index=2),
+        Site("mlp", "ff"),
+    )),)
+    side: ClassVar[str] = "first"
+
+    def block_context(self, kind: Kind, stream: Tensor) -> ContextTokens:
+        return beyond_grid(stream, self.grid_size, self.side)
 
 
 class ToyContextLastAdapter(ToyContextFirstAdapter):
     name: ClassVar[str] = "test_toy_context_last"
-    kinds: ClassVar[tuple[Kind, ...]] = _toy_kinds("last")
+    side: ClassVar[str] = "last"
 
 
 @pytest.fixture
@@ -233,6 +235,9 @@ def test_a_stream_shorter_than_the_grid_is_not_merged(toy_backbones):
     assert torch.equal(out, before)
 
 
-def test_context_tokens_cannot_be_declared_with_conv_sites():
-    with pytest.raises(ValueError, match="context tokens.*conv"):
-        Kind("k", "blocks", ("B",), (Site("mlp", "ff", tokens="conv"),), context="first")
+def test_a_conv_site_refuses_context_tokens():
+    """A channels-first grid holds the target alone: a ``"conv"`` site of a block call with context tokens raises."""
+    point = DeclaredPoint("mlp", nn.Identity(), site=Site("mlp", "ff", tokens="conv"),
+                          info=DeclaredCall(batch=1, context=ContextTokens(before=1)))
+    with pytest.raises(RuntimeError, match="channels-first grid"):
+        point.get_input((torch.zeros(1, 4, 2, 2),), {})
