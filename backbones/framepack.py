@@ -8,10 +8,10 @@ Facts from the installed diffusers (0.42.1, ``models/transformers/transformer_hu
 * The image stream is ``[history, target]``: the model puts the patch embeddings of the clean history latents
   (``latents_history_4x``, ``latents_history_2x``, ``latents_clean``: the start frame and the frames around the
   section, at 1, 1/2 and 1/4 resolution) in front of the ``N`` target tokens of the section being generated
-  (the latent ``hidden_states``), and their rotary rows ``[P, d]`` in front of the target's ``[N, d]``; the
-  output is the last ``N`` tokens. So :meth:`~FramePackAdapter.block_context` makes every token beyond the grid,
-  first, context: the target tokens (the grid) are merged, the ``P`` history tokens are context: attended to at full length and passed through every sublayer
-  as they are, their rotary rows and mask columns kept.
+  (the latent ``hidden_states``), and their rotary rows ``[P, d]`` in front of the target's ``[N, d]``; the output
+  is the last ``N`` tokens. So :meth:`~FramePackAdapter.block_context` makes every token beyond the grid, first,
+  context: the target tokens (the grid) are merged, the ``P`` history tokens are context: attended to at full length
+  and passed through every sublayer as they are, their rotary rows and mask columns kept.
 * The attention mask (batches of more than one prompt) is a key mask ``[B, 1, 1, P + N + T]`` over
   ``[history, target, text]`` (the text is SigLIP image tokens, then the prompt): its target columns are gathered.
 * Received attention (``idm``): HunyuanVideo's joint-attention probe, with the history tokens among the keys the

@@ -12,11 +12,13 @@ Facts from the installed diffusers (0.42.1, ``models/transformers/transformer_he
 * ``attn1(norm1(x), None, None, rotary_emb, original_context_length)``: self-attention over the stream with the RoPE
   table ``[B or 1, P + N, 2d]`` (cos and sin concatenated; ``"batched"`` layout); ``original_context_length`` is the
   target count (the history keys are amplified before it when ``is_amplify_history``): merged calls get the slot
-  count (:class:`HistoryAttention`). Received-attention probe: the target queries' attention, the history keys attended to, the target keys'
-  share recorded (from q and k before the RoPE rotation and the history amplification).
+  count (:class:`HistoryAttention`). Received-attention probe: the target queries' attention, the history keys
+  attended to, the target keys' share recorded (from q and k before the RoPE rotation and the history
+  amplification).
 * With ``guidance_cross_attn`` (every released configuration) the block splits the history off before ``attn2``:
-  ``attn2`` gets the target tokens alone (:class:`TargetCrossAttention`). ``ffn`` reads the whole stream. Modulation is
-  per token (``temb [B, P + N, 6, C]``, the history at timestep 0), applied before the merge points and gated after.
+  ``attn2`` gets the target tokens alone (:class:`TargetCrossAttention`). ``ffn`` reads the whole stream.
+  Modulation is per token (``temb [B, P + N, 6, C]``, the history at timestep 0), applied before the merge points
+  and gated after.
 * Grid: the target latent ``[B, C, F, H, W]`` divided by ``patch_size = (1, 2, 2)``; the pipelines pass the
   scheduler's timestep (``t_max = 1000``).
 """

@@ -10,11 +10,12 @@ Facts from the installed diffusers (0.42.1, ``models/transformers/transformer_qw
 * Attention is block-causal: the prefix never attends to the target, and the target's queries attend to every
   key. So the prefix does not depend on the target, and merging the target (the last ``N`` tokens of the
   block input, the rest kept: ``joint_context = "rest"``) changes only the target's keys and queries. Merge
-  points: ``attn`` (``"attn"``: the complex RoPE table ``[P + N, d/2]`` over the joint sequence has its image
-  rows gathered per slot; the key masks ``key_valid [B, P + N]`` (prefill, :class:`KeyValidAttention`) and
-  ``attention_mask [B, 1, 1, P + N]`` (cached steps) have their image columns gathered) and ``img_mlp`` (``"mlp"``). The prefix ``segments``
-  and the prefix KV cache (``kv_cache_mode="extract"`` stores the prefix keys of the first step) are untouched;
-  on cached steps (``kv_cache_mode="cached"``) the blocks get the target alone, with the cached prefix keys.
+  points: ``attn`` (``"attn"``: the complex RoPE table ``[P + N, d/2]`` over the joint sequence has its image rows
+  gathered per slot; the key masks ``key_valid [B, P + N]`` (prefill, :class:`KeyValidAttention`) and
+  ``attention_mask [B, 1, 1, P + N]`` (cached steps) have their image columns gathered) and ``img_mlp`` (``"mlp"``).
+  The prefix ``segments`` and the prefix KV cache (``kv_cache_mode="extract"`` stores the prefix keys of the first
+  step) are untouched; on cached steps (``kv_cache_mode="cached"``) the blocks get the target alone, with the cached
+  prefix keys.
 * ``QwenImage21FlexAttnProcessor`` passes a flex ``BlockMask`` built for the unmerged sequence: a merged call
   raises (use the default ``QwenImage21AttnProcessor``).
 * Grid: ``img_shapes[0][-1] = (1, h, w)``, the target (samples share one layout; ``img_mask`` must end with its

@@ -16,7 +16,8 @@ Facts from the installed diffusers (0.42.1, ``models/transformers/transformer_wa
 * Reference images (``reference_images=`` of ``WanVACEPipeline``) are latent frames in front of the video's
   (and zero frames in front of the control latent), cut off after the last step: they are frames of the grid.
 * Caching schedules that skip whole blocks (``block_cache``, ``fora``, ``taylorseer``, ``first_block_cache``) are
-  refused at ``apply``: a VACE block's hint is a new tensor, no input plus a residual (:meth:`~WanVACEAdapter.uncached_kinds`).
+  refused at ``apply``: a VACE block's hint is a new tensor, no input plus a residual
+  (:meth:`~WanVACEAdapter.uncached_kinds`).
 * Grid: the latent ``[B, C, F, H, W]`` divided by ``patch_size = (1, 2, 2)``, as Wan's; the pipeline passes the
   scheduler's timestep (``t_max = 1000``).
 """

@@ -1,9 +1,9 @@
 """The declaration language's token layouts (``backbones/_declared.py``): context tokens around the target tokens
-(``DeclaredAdapter.block_context``, as :class:`~tomerge.backbones._context.ContextTokens`), self-attention masks over
-queries and keys (:class:`Site` ``mask="pairs"`` without text) and per-head rotary tables (``"batched"``
-``[B, H, N, d]``, ``gather_rope(heads=True)``: LTX-2's ``SplitRopePoint``), on hand-built tables and on a small declared model whose image stream is
-``[target, context]`` or ``[context, target]``. FramePack (context first, in real use) and LTX-2 / SkyReels-V2
-(per-head RoPE, square masks) are in ``test_backbones_video_wan_like.py``.
+(``DeclaredAdapter.block_context``, as :class:`~tomerge.backbones._context.ContextTokens`), self-attention masks
+over queries and keys (:class:`Site` ``mask="pairs"`` without text) and per-head rotary tables (``"batched"``
+``[B, H, N, d]``, ``gather_rope(heads=True)``: LTX-2's ``SplitRopePoint``), on hand-built tables and on a small
+declared model whose image stream is ``[target, context]`` or ``[context, target]``. FramePack (context first, in
+real use) and LTX-2 / SkyReels-V2 (per-head RoPE, square masks) are in ``test_backbones_video_wan_like.py``.
 """
 
 from __future__ import annotations
