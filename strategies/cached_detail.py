@@ -8,7 +8,7 @@ keeps its detail, but nothing of how the output changed since. This schedule com
 * on a **full step** (the first ``warmup`` steps, then every ``refresh_every`` steps) every block runs unmerged
   and each merge point of the sublayers ``merge`` merges stores its full-length output ``c [B, N, C']``;
 * on the steps in between the blocks run merged with ``merge`` (any merging strategy or schedule), and the
-  unmerged output ``y`` of each merge point is combined with ``c`` (``Decision.cache_detail``), by ``detail``:
+  unmerged output ``y`` of each merge point is combined with ``c`` (``FeatureCaching.detail``), by ``detail``:
 
   - ``"merged_change"`` (default): the plan is kept from the first merged step after a full step to the next
     full step; that first step returns ``c`` and keeps its own ``y`` as the reference ``y_ref``; the later ones
@@ -39,6 +39,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from tomerge.feature_cache import FeatureCaching
 from tomerge.options import check_choice, check_int
 from tomerge.schedule import Decision, Schedule, Where
 from tomerge.strategy import MergeStrategy
@@ -109,14 +110,15 @@ class CachedDetail(Schedule):
         ``merge``'s decision with the detail restored from those outputs."""
         inner = self._inner.decide(where)
         if self.is_full(where.step):
-            return Decision(strategy=None, label=FULL, cache_outputs=inner.sublayers if inner.merges else frozenset())
+            return Decision(strategy=None, label=FULL,
+                            feature_cache=FeatureCaching(store=inner.sublayers) if inner.merges else None)
         if not inner.merges:
             return inner
         if self.detail == "slot_offset":
-            return dataclasses.replace(inner, cache_detail="slot_offset", cache_weight=None)
+            return dataclasses.replace(inner, feature_cache=_restoring(inner, "slot_offset"))
         last_full = where.step - (where.step - (self.warmup - 1)) % self.refresh_every
         # one plan per layer from the first merged step to the next full step: the reference stays comparable
-        return dataclasses.replace(inner, cache_detail="merged_change", cache_weight=None,
+        return dataclasses.replace(inner, feature_cache=_restoring(inner, "merged_change"),
                                    cache_key=((self.name, where.layer), last_full))
 
     def strategies(self) -> tuple[MergeStrategy, ...]:
@@ -135,3 +137,8 @@ class CachedDetail(Schedule):
         out = {k: v for k, v in super().to_dict().items() if not k.startswith("_")}
         out["merge_options"] = dict(self.merge_options)
         return out
+
+
+def _restoring(inner: Decision, detail: str) -> FeatureCaching:
+    """The inner decision's feature cache restoring the detail by ``detail`` (its blending off)."""
+    return dataclasses.replace(inner.feature_cache or FeatureCaching(), weight=None, detail=detail)

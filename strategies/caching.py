@@ -4,11 +4,12 @@ composed with any merging strategy or schedule on the block calls that run (docs
 A caching schedule decides, for every block call, whether the block runs or is skipped. A block call that runs
 takes the decision of the inner merging schedule (``merge``: a registered strategy or schedule, or ``None`` to
 run the block unmerged) and keeps the block's residual, output minus input per token stream, for its layer and
-call index (``Decision.block_cache = "store"``). A skipped call runs none of the block's sublayers and returns
-its input plus the kept residual (``"reuse"``), or, with ``forecast_order=k``, plus the residual's Taylor
-forecast of order ``k`` from the finite differences of the last stores (TaylorSeer). The core does the caching
-(``MergeState.begin_block``/``end_block``, the wrapped block ``forward`` of :mod:`tomerge.attach`), so the
-FLOP counter sees a skipped block cost nothing and every block that runs cost what it costs.
+call index (``Decision.block_cache``: :class:`~tomerge.block_cache.BlockCaching` ``"store"``). A skipped call runs
+none of the block's sublayers and returns its input plus the kept residual (``"reuse"``), or, with
+``forecast_order=k``, plus the residual's Taylor forecast of order ``k`` from the finite differences of the last
+stores (TaylorSeer). The block cache's state does the caching (:class:`tomerge.block_cache.BlockCacheState`, with
+the wrapped block ``forward`` of :mod:`tomerge.attach`), so the FLOP counter sees a skipped block cost nothing and
+every block that runs cost what it costs.
 
 * ``block_cache`` (:class:`BlockCache`): step-level reuse: every block runs on the first ``warmup`` steps and then
   every ``interval`` steps, counted from the last warmup step (``count="up"``) or from the last step down
@@ -39,7 +40,7 @@ every later block reuses its own, whose sum is that residual. TeaCache measures 
 Example:
     >>> from tomerge.schedule import Where
     >>> s = BlockCache(interval=3)
-    >>> [s.decide(Where(step=t, num_steps=8, progress=t / 7, layer=0, num_layers=2)).block_cache for t in range(5)]
+    >>> [s.decide(Where(step=t, num_steps=8, progress=t / 7, layer=0, num_layers=2)).block_cache.mode for t in range(5)]
     ['store', 'reuse', 'reuse', 'store', 'reuse']
 """
 
@@ -52,6 +53,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from tomerge.block_cache import BlockCaching
 from tomerge.options import check_bool, check_int, check_number
 from tomerge.schedule import Decision, Schedule, Where
 from tomerge.strategy import MergeStrategy
@@ -105,12 +107,12 @@ class CachingSchedule(Schedule):
         """The decision of a block call that runs: the inner schedule's (unmerged without one), keeping the
         block's residual."""
         decision = self._inner.decide(where) if self._inner is not None else Decision(strategy=None, label=COMPUTE)
-        return dataclasses.replace(decision, block_cache="store", forecast_order=self.forecast_order)
+        return dataclasses.replace(decision, block_cache=BlockCaching("store", self.forecast_order))
 
     def reused(self) -> Decision:
         """The decision of a skipped block call: its input plus the kept (or forecast) residual."""
-        return Decision(strategy=None, label=FORECAST if self.forecast_order else REUSE, block_cache="reuse",
-                        forecast_order=self.forecast_order)
+        return Decision(strategy=None, label=FORECAST if self.forecast_order else REUSE,
+                        block_cache=BlockCaching("reuse", self.forecast_order))
 
     def strategies(self) -> tuple[MergeStrategy, ...]:
         return self._inner.strategies() if self._inner is not None else ()
@@ -289,8 +291,9 @@ class FirstBlockCache(CachingSchedule):
         """The first block: runs and measures; a later one: a reuse while ``where.change < threshold``, except on
         the last step with ``accumulate`` (TeaCache computes it)."""
         if where.layer == 0:
+            measure = "accumulated" if self.accumulate else "since_full"
             return dataclasses.replace(self.computed(where),
-                                       measure_change="accumulated" if self.accumulate else "since_full")
+                                       block_cache=BlockCaching("store", self.forecast_order, measure))
         if where.step < self.warmup or where.change is None or not where.change < self.threshold:
             return self.computed(where)
         if self.accumulate:

@@ -262,7 +262,7 @@ def token_bias(categories: Sequence[str], phase: str, a_p: float = 2.0) -> Tenso
 
 
 class PromptCategories:
-    """The text-token labels of one application (``MergeState.text_labels``), one row per prompt.
+    """The text-token labels of one application (:class:`tomerge.text_bias.TextLabels`), one row per prompt.
 
     Rows follow the model's batch: with ``R`` rows and a batch of ``B`` samples, row ``i`` covers samples
     ``i * B/R .. (i + 1) * B/R - 1`` (diffusers' ``num_images_per_prompt`` order). With classifier-free

@@ -5,12 +5,12 @@ only a scored fraction of the tokens of each block's feed-forward, taking the ca
 attention is not computed there at all (its module factor is 0 in the authors' DiT schedulers). In tomerge's
 terms, on a cached step of block ``l``:
 
-* the attention's merge points return what their module returned on the last fresh step (``Decision.reuse_outputs``;
+* the attention's merge points return what their module returned on the last fresh step (``FeatureCaching.reuse``;
   a joint attention's text tokens included);
 * the feed-forward runs on the ``k`` **fresh** tokens :class:`FreshTokens` selects (an exact selection,
   :meth:`~tomerge.MergePlan.selection`: row gathers, so every fresh token is computed from its own input), the other tokens take their
-  cached output (``Decision.cache_weight = 0``), and the combined output becomes the cache
-  (``Decision.cache_outputs``), as the authors' ``update_cache`` writes the fresh tokens into it.
+  cached output (``FeatureCaching.weight = 0``), and the combined output becomes the cache
+  (``FeatureCaching.store``), as the authors' ``update_cache`` writes the fresh tokens into it.
 
 The authors count steps down, ``s = S - 1 - t``. Fresh steps (``cal_type.py`` with ``force_scheduler.py``): the first
 step, then every ``s`` with ``s % n == 0``, where the last fresh step ``s'`` set ``n = round(3 / (1 + 0.4 - 0.8 s' /
@@ -57,10 +57,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from tomerge.context import MergeContext, grid_frames
+from tomerge.feature_cache import FeatureCaching
 from tomerge.options import check_int, check_number
 from tomerge.plan import MergePlan
 from tomerge.schedule import Decision, Schedule, Where
 from tomerge.strategy import MergeStrategy
+from tomerge.streaks import Streaks
 
 # labels: a fresh step's block calls, a cached step's, a cached step's with no fresh token
 FRESH, CACHED, REUSED = "fresh", "toca", "toca_reuse"
@@ -250,16 +252,18 @@ class ToCa(Schedule):
         key = (self.name, where.layer)
         if self.is_fresh(where.step, where.num_steps):
             # strategy at ratio 0: the block runs unmerged and its received attention is recorded
-            return Decision(self._select, 0.0, frozenset({"mlp"}), label=FRESH, reset_streaks=True,
-                            cache_outputs=frozenset({"attn", "mlp"}), streak_key=key)
+            return Decision(self._select, 0.0, frozenset({"mlp"}), label=FRESH,
+                            feature_cache=FeatureCaching(store=frozenset({"attn", "mlp"})),
+                            streaks=Streaks(key, reset=True))
         fraction = self.fresh_fraction(where)
         if fraction == 0.0:
             # No token is fresh: the feed-forward's cache is its output at the last fresh step (the fraction only
             # grows along the trajectory, so no cached step since then changed it).
-            return Decision(None, label=REUSED, reuse_outputs=frozenset({"attn", "mlp"}), streak_key=key)
+            return Decision(None, label=REUSED, feature_cache=FeatureCaching(reuse=frozenset({"attn", "mlp"})),
+                            streaks=Streaks(key))
         return Decision(self._select, 1.0 - fraction, frozenset({"mlp"}), label=CACHED,
-                        cache_outputs=frozenset({"mlp"}), cache_weight=0.0, reuse_outputs=frozenset({"attn"}),
-                        streak_key=key)
+                        feature_cache=FeatureCaching(store=frozenset({"mlp"}), weight=0.0, reuse=frozenset({"attn"})),
+                        streaks=Streaks(key))
 
     def strategies(self) -> tuple[MergeStrategy, ...]:
         return (self._select,)

@@ -22,7 +22,7 @@ from tomerge.backbones.timm_dit import load_dit
 from tomerge.experiments.sources.reference_model import REFERENCE_CHECKPOINT
 from tomerge.experiments.sources.sampling import sample
 from tomerge.plan import MergePlan
-from tomerge.state import KeptResidual
+from tomerge.block_cache import KeptResidual
 
 STEPS = 8
 #: Every registered method (and a composition) with options that make it merge or reuse on the reference DiT in

@@ -18,6 +18,7 @@ import torch
 
 import local_pipelines
 import tomerge
+from tomerge.probe import ReceivedAttention
 from pipeline_ablation import SSM, TOCA, TOMESD, block_records, check_rows, run_family
 from pipeline_ablation import offline, root  # noqa: F401 (fixtures)
 
@@ -106,7 +107,7 @@ def test_received_attention_is_kept_per_call_size():
         """The outputs of every call, and the (batch, tokens) sizes whose received attention the state kept."""
         with tomerge.merging(model, "toca", num_steps=len(calls_per_step)) as handle:
             outputs = [[call(model, kwargs) for kwargs in step] for step in calls_per_step]
-            return outputs, {key[1:] for key in handle.state.attention_by_size}
+            return outputs, {key[1:] for key in handle.state.technique(ReceivedAttention).by_size}
 
     both, sizes = trajectory([[p, s] for p, s in zip(pairs, singles)])
     assert sizes == {(2, 64), (1, 64)}
@@ -123,16 +124,17 @@ def test_the_state_looks_received_attention_up_by_layer_batch_and_tokens():
     from tomerge.strategies.toca import ToCa
 
     state = MergeState(ToCa(), num_layers=2)
+    received = state.technique(ReceivedAttention)
     state.begin_model_call(900.0)
     pair, single, other_layer = torch.rand(2, 16), torch.rand(1, 16), torch.rand(2, 16)
-    state.store_attention(0, pair)
-    state.store_attention(0, single)  # a later call of another batch in the same step
-    state.store_attention(1, other_layer)
-    assert torch.equal(state._latest_attention(0, 2, 16), pair)
-    assert torch.equal(state._latest_attention(0, 1, 16), single)
-    assert state._latest_attention(0, 2, 8) is None and state._latest_attention(1, 1, 16) is None
+    received.store(0, pair)
+    received.store(0, single)  # a later call of another batch in the same step
+    received.store(1, other_layer)
+    assert torch.equal(received.latest(0, 2, 16), pair)
+    assert torch.equal(received.latest(0, 1, 16), single)
+    assert received.latest(0, 2, 8) is None and received.latest(1, 1, 16) is None
     assert torch.equal(state.attention[0], single)  # the layer's latest call, whatever its size
-    state.store_attention(0, pair + 1)
-    assert torch.equal(state._latest_attention(0, 2, 16), pair + 1)  # the latest of a size replaces it
+    received.store(0, pair + 1)
+    assert torch.equal(received.latest(0, 2, 16), pair + 1)  # the latest of a size replaces it
     state.begin_model_call(950.0)  # a noisier timestep: a new trajectory forgets every size
-    assert state._latest_attention(0, 2, 16) is None and state._latest_attention(0, 1, 16) is None
+    assert received.latest(0, 2, 16) is None and received.latest(0, 1, 16) is None

@@ -16,6 +16,7 @@ from tomerge.strategies.idm import IDM
 from tomerge.strategies.sdtm import SDTM
 from tomerge.strategies.ssm import SSM
 from tomerge.strategies.toma import ToMA
+from tomerge.streaks import StreakState
 from models import tiny_unet, unet_inputs
 
 STEPS, LAYERS = 50, 8
@@ -354,10 +355,11 @@ def test_sdtm_below_zero_merges_nothing_on_the_clipped_steps_and_leaves_the_stre
         for step, t in enumerate(TIMESTEPS):
             unet(sample, torch.tensor(t), text)
             if step == 7:
-                after_7 = {k: v.clone() for k, v in handle.state.streaks.items()}
+                after_7 = {k: v.clone() for k, v in handle.state.technique(StreakState).streaks.items()}
         assert after_7 and all(after_7[k].max() > 0 for k in after_7)
-        assert after_7.keys() == handle.state.streaks.keys()
-        assert all(torch.equal(after_7[k], v) for k, v in handle.state.streaks.items())  # 8, 9 count nothing
+        assert after_7.keys() == handle.state.technique(StreakState).streaks.keys()
+        assert all(torch.equal(after_7[k], v)
+                   for k, v in handle.state.technique(StreakState).streaks.items())  # 8, 9 count nothing
         records = handle.state.records
         for r in records:
             expected = max(0.7 - 0.8 * r.step / 9, 0.0)

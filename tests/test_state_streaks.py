@@ -19,6 +19,7 @@ import torch
 from tomerge import MergeContext
 from tomerge.schedule import Decision, Schedule, Where
 from tomerge.state import MergeState, TrajectoryClock
+from tomerge.streaks import StreakState
 from tomerge.strategies.idm import IDM
 from tomerge.strategies.sdtm import SDTM
 from tomerge.strategies.ssm import SSM
@@ -56,7 +57,7 @@ def block_call(state: MergeState, layer: int, x: torch.Tensor) -> None:
 
 def streak(state: MergeState) -> list[int]:
     """The counter of sample 0 (an absent counter is all zeros: the next call starts from 0)."""
-    s = state.streaks.get((state.call_index, None, N))
+    s = state.technique(StreakState).streaks.get((state.call_index, None, N))
     return [0] * N if s is None else [int(v) for v in s[0].tolist()]
 
 
@@ -117,7 +118,7 @@ def test_every_idm_destination_counts_and_the_streak_picks_the_next_destinations
     # Next call: each window's destination is its longest streak, ties to the first: w0 = {0, 1, 4, 5}
     # has 0 and 5 at 1 -> 0; w3 = {10, 11, 14, 15} has 10 and 15 at 1 -> 10 (had the destination not
     # counted, 15 would be the destination of w3 and 5 of w0).
-    ctx_streak = state.streaks[(0, None, N)]
+    ctx_streak = state.technique(StreakState).streaks[(0, None, N)]
     dst = strategy.select_destinations(x.float(), MergeContext(grid=GRID, ratio=0.25, streak=ctx_streak))
     assert dst.tolist() == [[0, 2, 8, 10]]
     block_call(state, 0, x)
@@ -170,7 +171,7 @@ def test_sdtm_resets_at_protected_layers_and_keeps_the_counter_on_protected_step
 
 def test_sdtm_decisions_flag_the_reset_only_for_protected_layers() -> None:
     s = SDTM(protect_every=3, protect_layers=(1,), protect_layers_every=4)
-    flags = {(step, layer): s.decide(Where(step, 10, step / 9, layer, 6)).reset_streaks
+    flags = {(step, layer): (d := s.decide(Where(step, 10, step / 9, layer, 6))).streaks is not None and d.streaks.reset
              for step in range(4) for layer in range(6)}
     # protected layers: 1 (listed), 0 and 4 (layer % 4 == 0), 5 (the last); protected steps 0 and 3.
     assert {k for k, v in flags.items() if v} == {(step, layer) for step in (1, 2) for layer in (0, 1, 4, 5)}

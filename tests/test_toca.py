@@ -22,6 +22,7 @@ from tomerge.context import MergeContext
 from tomerge.experiments.measure.flops import count_denoiser_flops
 from tomerge.schedule import Where
 from tomerge.strategies.toca import FreshTokens, ToCa, window_best
+from tomerge.streaks import StreakState
 from test_compile import build, call, inputs, times
 
 
@@ -65,16 +66,16 @@ def test_the_fresh_fraction_is_tocas_ddim50_layer_step_and_module_factors(num_st
     w = where(step, layer, num_steps=num_steps)
     assert s.fresh_fraction(w) == pytest.approx(expected, rel=1e-12, abs=1e-15)
     decision = s.decide(w)
-    assert decision.streak_key == ("toca", layer) and decision.label == ("toca" if expected > 0 else "toca_reuse")
+    assert decision.streaks.key == ("toca", layer) and decision.label == ("toca" if expected > 0 else "toca_reuse")
     if expected > 0:
         assert decision.ratio == pytest.approx(1 - expected, rel=1e-12)
-        assert decision.sublayers == frozenset({"mlp"}) and decision.reuse_outputs == frozenset({"attn"})
-        assert decision.cache_weight == 0.0 and decision.cache_outputs == frozenset({"mlp"})
+        assert decision.sublayers == frozenset({"mlp"}) and decision.feature_cache.reuse == frozenset({"attn"})
+        assert decision.feature_cache.weight == 0.0 and decision.feature_cache.store == frozenset({"mlp"})
     else:  # no fresh token: both sublayers return their cache
-        assert decision.strategy is None and decision.reuse_outputs == frozenset({"attn", "mlp"})
+        assert decision.strategy is None and decision.feature_cache.reuse == frozenset({"attn", "mlp"})
     fresh = s.decide(where(4, layer, num_steps=20))
-    assert fresh.ratio == 0.0 and fresh.reset_streaks and fresh.cache_outputs == frozenset({"attn", "mlp"})
-    assert not fresh.reuse_outputs
+    assert fresh.ratio == 0.0 and fresh.streaks.reset and fresh.feature_cache.store == frozenset({"attn", "mlp"})
+    assert not fresh.feature_cache.reuse
 
 
 def test_the_first_quarter_of_cached_steps_recomputes_no_token_at_20_and_50_steps():
@@ -188,7 +189,7 @@ def test_a_step_with_no_fresh_token_runs_no_sublayer_and_ages_every_token(dit):
         with tomerge.merging(dit, "toca", num_steps=8) as handle:
             for kwargs in [inputs("native_dit", t) for t in times(8)][:2]:
                 call(dit, kwargs)
-            records, streaks = handle.state.records, dict(handle.state.streaks)
+            records, streaks = handle.state.records, dict(handle.state.technique(StreakState).streaks)
     finally:
         for h in hooks:
             h.remove()

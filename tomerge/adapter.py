@@ -253,7 +253,7 @@ class BackboneAdapter(abc.ABC):
 
     def probe(self, block: BlockSpec, point: MergePoint, state: MergeState) -> list[Any]:
         """Installs hooks recording the attention each image token receives in ``point`` (an
-        ``"attn"`` point) into ``state.store_attention``; returns the hook handles. Adapters whose
+        ``"attn"`` point) into ``state.call.attention``; returns the hook handles. Adapters whose
         attention cannot be probed raise."""
         raise NotImplementedError(f"backbone {self.name!r} cannot record received attention")
 

@@ -23,9 +23,10 @@ from .context import check_ratio
 from .follow import FollowedHooks
 from .registry import backbone_class, build, list_backbones, strategy_class
 from .schedule import Constant, Schedule
-from .state import MergeState, TrajectoryClock, module_key
+from .feature_cache import module_key
+from .state import MergeState, TrajectoryClock
 from .strategy import RECORDED_NEEDS, MergeStrategy
-from .text_bias import bias_text_keys
+from .text_bias import TextLabels, bias_text_keys
 
 _HANDLE_ATTR = "_tomerge_handle"
 _CONSTANT_OPTIONS = ("merge_attn", "merge_crossattn", "merge_mlp", "merge_from", "merge_until")  # Constant's options
@@ -222,7 +223,7 @@ class MergeHandle:
             >>> handle.set_text_labels([negative_labels, labels])                  # doctest: +SKIP
         """
         if labels is None:
-            self.state.text_labels = None
+            self.state.technique(TextLabels).labels = None
             return
         if not self._hooks:
             raise RuntimeError("this tomerge handle was removed; apply again")
@@ -240,11 +241,11 @@ class MergeHandle:
                                  "declares (sd3, flux, flux2, qwenimage, hunyuan_video, hunyuan_video15)")
             self._hooks.extend(hooks)
             self._text_hooks = True
-        self.state.text_labels = prepared
+        self.state.technique(TextLabels).labels = prepared
 
     def _text_bias(self, batch: int, text_len: int, device: Any) -> Any:
         """The ``[B, T]`` text-key bias of the block call in progress, or ``None``."""
-        labels, call = self.state.text_labels, self.state.call
+        labels, call = self.state.technique(TextLabels).labels, self.state.call
         if labels is None or call is None:
             return None
         return self.schedule.text_key_bias(call.where, labels, batch, text_len, device)
@@ -350,7 +351,6 @@ class MergeHandle:
             grid = self.adapter.grid(block, x.shape[1])
             caching = self.schedule.caches_blocks
             call = self.state.begin_block(block.layer, block.kind, grid, x, kind_index=kind_index,
-                                          num_points=len(block.points),
                                           streams=block.streams(args, kwargs) if caching else None,
                                           image_stream=block.image_stream if caching else 0)
             self._blocks_with_grid += grid is not None
@@ -388,7 +388,7 @@ class MergeHandle:
         return cached_forward
 
     def _reused_forward(self, point: MergePoint, index: int, forward: Any):
-        """The merge point's ``forward`` for reused sublayers (``Decision.reuse_outputs``, token-wise caching): a
+        """The merge point's ``forward`` for reused sublayers (``FeatureCaching.reuse``, token-wise caching): a
         reusing call returns the whole output this point's module returned when it last stored one (a joint
         attention's text tokens and tuple outputs included) without running the sublayer (no FLOP is spent); other
         calls, and a reuse without a stored output for an input of this shape, run it. Runs inside compiled graphs:
@@ -396,7 +396,8 @@ class MergeHandle:
         @functools.wraps(forward)
         def reused_forward(*args: Any, **kwargs: Any) -> Any:
             call = self.state.call
-            if call is None or point.sublayer not in call.decision.reuse_outputs or index in call.skipped:
+            cache = call.decision.feature_cache if call is not None else None
+            if cache is None or point.sublayer not in cache.reuse or index in call.skipped:
                 return forward(*args, **kwargs)
             stored = call.cached_outputs.get(module_key(index))
             if stored is None or stored[0] != point.get_input(args, kwargs).shape:
@@ -412,7 +413,8 @@ class MergeHandle:
             if not point.reads_tokens(args, kwargs):  # a shared submodule's call on other tokens: runs as it is
                 call.skipped.add(index)
                 return None
-            if point.sublayer in call.decision.cache_outputs and point.sublayer in self.schedule.reused_sublayers:
+            cache = call.decision.feature_cache
+            if cache is not None and point.sublayer in cache.store and point.sublayer in self.schedule.reused_sublayers:
                 call.input_shapes[index] = point.get_input(args, kwargs).shape  # what a reuse must match
             if point.sublayer not in call.decision.sublayers or call.decision.strategy is None:
                 return None
@@ -434,9 +436,10 @@ class MergeHandle:
                 call.skipped.discard(index)
                 return None
             decision = call.decision
+            stores = decision.feature_cache is not None and point.sublayer in decision.feature_cache.store
             plan = call.active.pop(index, None)
             if plan is None:  # ran at full length
-                if point.sublayer in decision.cache_outputs:
+                if stores:
                     call.store_output(index, point.get_output(output))
                     if point.sublayer in self.schedule.reused_sublayers:
                         call.store_module_output(index, output)
@@ -445,7 +448,7 @@ class MergeHandle:
                 return None  # a later point of the block consumes the merged output and unmerges
             y = decision.strategy.unmerge(point.get_output(output), plan)  # [B, M, C'] -> [B, N, C']
             y = call.blend_cached(index, y, plan)
-            if point.sublayer in decision.cache_outputs:
+            if stores:
                 call.store_output(index, y)
             return point.set_output(output, y)
         return hook

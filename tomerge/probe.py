@@ -11,21 +11,23 @@ image queries of a joint attention whose text never attends to the image, the im
 :func:`attention_probe` installs those hooks for any adapter: it captures the named projection outputs
 during the block's merged calls and, after the attention ran, stores what the adapter's ``compute``
 makes of them. :func:`received_self_attention` is that ``compute`` for a plain self-attention.
+:class:`ReceivedAttention` keeps each layer's latest record for the next plans (``ctx.received_attention``).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 
 from .context import Grid
+from .technique import TechniqueState
 
 if TYPE_CHECKING:
-    from .state import MergeState
+    from .state import BlockCall, MergeState
 
 #: ``(name, module, pick)``: a forward hook on ``module`` captures ``pick(output)`` (the output itself when
 #: ``pick`` is ``None``) as ``name``; a ``None`` module is skipped.
@@ -167,6 +169,47 @@ def received_linear_attention(phi_q: Tensor, phi_k: Tensor, eps: float = 1e-15) 
     return received / received.sum(-1, keepdim=True).clamp_min(_EPS)
 
 
+class ReceivedAttention(TechniqueState):
+    """The received attention the probes recorded (``BlockCall.attention``), kept for the plans of later calls
+    (``ctx.received_attention``): ``by_size[(layer, B, N)]`` ``[B, N]``, the layer's latest call of that batch and
+    length, oldest first (a step whose model calls differ in batch, a doubled guidance batch then single ones, keeps
+    each size's attention for the next step).
+
+    Memory: one ``[B, N]`` tensor per layer and call size: bounded by the model, not by the step count.
+    """
+
+    kind = "attention"
+
+    def __init__(self) -> None:
+        self.by_size: dict[tuple[int, int, int], Tensor] = {}
+
+    def reset(self) -> None:
+        self.by_size.clear()
+
+    def kept_tensors(self) -> Iterator[tuple[str, Tensor]]:
+        return ((self.kind, received) for received in self.by_size.values())
+
+    def store(self, layer: int, received: Tensor) -> None:
+        """Keeps ``received [B, N]`` (a copy) as the layer's latest received attention of its size (moved to the
+        end: the newest)."""
+        key = (layer, *received.shape[:2])
+        self.by_size.pop(key, None)
+        self.by_size[key] = received
+
+    def latest(self, layer: int, batch: int, num_tokens: int) -> Tensor | None:
+        """The received attention the layer recorded last in a call of ``batch`` samples of ``num_tokens`` tokens
+        (``None`` if no call of that size recorded one in this trajectory)."""
+        return self.by_size.get((layer, batch, num_tokens))
+
+    def by_layer(self) -> dict[int, Tensor]:
+        """layer -> ``[B, N]`` the received attention of the layer's latest call, whatever its size."""
+        return {layer: a for (layer, _, _), a in self.by_size.items()}
+
+    def end_block(self, call: BlockCall, state: MergeState) -> None:
+        if call.attention is not None:
+            self.store(call.where.layer, state.keep(call.attention))
+
+
 def attention_probe(state: MergeState, attn: nn.Module, sources: Iterable[Source],
                     compute: Callable[[dict[str, Any], Grid], Tensor | None],
                     before: Callable[[tuple, dict], dict[str, Any]] | None = None,
@@ -178,7 +221,7 @@ def attention_probe(state: MergeState, attn: nn.Module, sources: Iterable[Source
     ``sources`` capture the q/k the attention computes anyway (a name captured twice keeps the later output:
     a norm after its projection); after ``attn`` ran, ``compute(captured, grid)`` turns them into
     ``a [B, N]`` for ``state.call.attention`` (stored for the block's layer when the call ends,
-    :meth:`~tomerge.state.MergeState.end_block`), or returns ``None`` to record nothing (the attention ran
+    :class:`ReceivedAttention`), or returns ``None`` to record nothing (the attention ran
     on merged slots, or a capture is missing).
     The captures are cleared after every call of ``attn``.
 

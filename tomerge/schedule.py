@@ -10,7 +10,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 from collections.abc import Hashable
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -18,6 +18,12 @@ from torch import Tensor
 from .context import check_ratio
 from .options import check_number
 from .strategy import SUBLAYERS, MergeStrategy
+from .technique import TechniqueOptions
+
+if TYPE_CHECKING:
+    from .block_cache import BlockCaching
+    from .feature_cache import FeatureCaching
+    from .streaks import Streaks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,8 +31,8 @@ class Where:
     """The position of one block call in the trajectory and in the model.
 
     ``layer`` counts every hooked block in execution order; ``kind_index`` counts only the blocks of
-    this ``block_kind`` (Flux: the 3rd single-stream block has ``kind_index`` 2). ``change`` is the change of
-    the block residual a block call of this model call measured (``Decision.measure_change``, adaptive caching:
+    this ``block_kind`` (Flux: the 3rd single-stream block has ``kind_index`` 2). ``change`` is the change a block
+    call of this model call measured (``MergeState.change``; the block cache's ``measure_change``, adaptive caching:
     ``first_block_cache``), ``None`` until one has.
     """
 
@@ -40,14 +46,9 @@ class Where:
     change: float | None = None
 
 
-BLOCK_CACHE = (None, "store", "reuse")  # Decision.block_cache
-MEASURES = (None, "accumulated", "since_full")  # Decision.measure_change
-DETAIL = (None, "slot_offset", "merged_change")  # Decision.cache_detail
-
-
 @dataclasses.dataclass(frozen=True)
 class Decision:
-    """What to do in one block call.
+    """What to do in one block call: the merge the core plans, and the techniques the call uses.
 
     Args:
         strategy: the strategy to plan with, or ``None`` to run the block unmerged.
@@ -63,45 +64,15 @@ class Decision:
             ctx, destinations=...)``; ToMA's separate refresh intervals); one per scope, as ``cache_key``.
             ``None``: destinations are not kept.
         label: a short name for records and figures (e.g. the phase).
-        reset_streaks: clear the merge streaks (``ctx.streak``) of this call index (the n-th model call of the
-            step) before the block runs, so the next merge decision starts counting from 0 (SDTM's protected
-            layers, as the authors' code sets its counter to ``None`` there).
-        cache_outputs: the sublayers (e.g. ``{"attn", "mlp"}``) whose full-length outputs this block call stores in the feature cache
-            (one entry per merge point of the block and call index, replacing the previous one).
-        cache_weight: ``w`` of the feature cache: where this call unmerges a sublayer's output, the tokens the
-            strategy counts as merged (``strategy.merged_tokens``) get ``w * output + (1 - w) * cached``, the
-            output this merge point stored last; other tokens keep their output. ``None``: no blending.
-        cache_detail: restore each token's detail from the feature cache, where this call unmerges a sublayer's
-            output (``cached``: the full-length output this merge point stored last; off without one of the
-            output's shape). ``"slot_offset"``: every token gets ``output + cached - unmerge(merge(cached))``, its
-            slot's current value plus its own offset from its slot's mean in ``cached`` (a token alone in its slot
-            keeps its output). ``"merged_change"``: the first such call after ``cached`` was stored returns
-            ``cached`` and keeps its own unmerged ``output`` as the reference; the later ones return
-            ``cached + output - reference``, the cached output moved by the change of the merged output (the
-            plan must stay the same meanwhile: a ``cache_key``). ``None``: off.
-        block_cache: the block cache (docs/schedules.md, "Caching"): ``"store"`` runs the block and keeps its
-            residual (block output minus block input, per token stream) for this block and call index;
-            ``"reuse"`` skips the block (none of its sublayers runs) and returns its input plus the kept residual
-            (forecast to this step with ``forecast_order``); a reuse without a kept residual that fits the input
-            runs the block unmerged and stores it. ``None``: the block runs and nothing is kept. Only schedules
-            whose :attr:`Schedule.caches_blocks` is true may use it.
-        forecast_order: the order of the Taylor forecast of kept residuals (TaylorSeer): a storing call keeps the
-            residual's finite differences up to this order over the steps of the last storing calls, a reusing
-            call returns ``sum_i d_i k^i / i!`` (``k``: steps since the last store). 0: the residual as it was.
-        reuse_outputs: the sublayers whose merge points do not run in this call: each returns what its module
-            returned when it last stored its output (``cache_outputs``; a joint attention's text tokens and tuple
-            outputs included; token-wise caching, ToCa: the attention of a partial step). A point with no stored
-            output for an input of this shape runs. Disjoint from ``sublayers``; only schedules whose
-            :attr:`Schedule.reused_sublayers` name them may use it.
-        streak_key: the merge streaks (``ctx.streak``) of this call are kept under this key (``None``: one
-            streak per token count, shared by every block, as SDTM counts; ToCa counts per block:
-            ``("toca", layer)``). With no ``strategy`` (a call that selects no token) every streak of the key
-            grows by 1, as ToCa's counter does on a step with no fresh token.
-        measure_change: this call (a ``"store"``) measures how much its residual changed, the ``Where.change``
-            of the later block calls of the model call: ``"accumulated"`` (TeaCache's rule) sums the relative L1
-            changes from step to step since the last model call that ran every block; ``"since_full"``
-            (FirstBlockCache's) is the relative L1 change from the residual of that call. ``None``: no
-            measurement.
+        block_cache: the block cache (:class:`~tomerge.block_cache.BlockCaching`: store the block's residual, or
+            skip the block and reuse it); ``None``: the block runs and nothing is kept.
+        feature_cache: the feature cache (:class:`~tomerge.feature_cache.FeatureCaching`: store sublayer outputs,
+            blend with them, restore detail from them, or reuse them); ``None``: off.
+        streaks: the merge streaks' key and reset (:class:`~tomerge.streaks.Streaks`); ``None``: the shared
+            streaks, not reset.
+
+    A technique's options name the state it keeps (:class:`~tomerge.technique.TechniqueOptions`): the core creates
+    it for the first decision that carries them and runs its hooks around every later block call.
     """
 
     strategy: MergeStrategy | None
@@ -110,46 +81,35 @@ class Decision:
     cache_key: Hashable | None = None
     destinations_key: Hashable | None = None
     label: str = ""
-    reset_streaks: bool = False
-    cache_outputs: frozenset[str] = frozenset()
-    cache_weight: float | None = None
-    cache_detail: str | None = None
-    block_cache: str | None = None
-    forecast_order: int = 0
-    measure_change: str | None = None
-    reuse_outputs: frozenset[str] = frozenset()
-    streak_key: Hashable | None = None
+    block_cache: BlockCaching | None = None
+    feature_cache: FeatureCaching | None = None
+    streaks: Streaks | None = None
 
     def __post_init__(self) -> None:
         for name in ("cache_key", "destinations_key"):
             key = getattr(self, name)
             if key is not None and not (isinstance(key, tuple) and len(key) == 2):
                 raise ValueError(f"Decision.{name} must be a (scope, window) pair or None, got {key!r}")
-        if self.block_cache not in BLOCK_CACHE:
-            raise ValueError(f"Decision.block_cache must be one of {BLOCK_CACHE}, got {self.block_cache!r}")
-        if isinstance(self.forecast_order, bool) or not isinstance(self.forecast_order, int) or self.forecast_order < 0:
-            raise ValueError(f"Decision.forecast_order must be an int >= 0, got {self.forecast_order!r}")
-        if self.block_cache == "reuse" and self.strategy is not None:
-            raise ValueError("a Decision that reuses the block's residual runs no sublayer: its strategy must be None")
-        if self.cache_detail not in DETAIL:
-            raise ValueError(f"Decision.cache_detail must be one of {DETAIL}, got {self.cache_detail!r}")
-        if self.cache_detail is not None and self.cache_weight is not None:
-            raise ValueError("a Decision either blends merged outputs with the feature cache (cache_weight) or "
-                             "restores their detail from it (cache_detail), not both")
-        if self.reuse_outputs & self.sublayers:
-            raise ValueError(f"Decision.reuse_outputs {sorted(self.reuse_outputs)} and sublayers "
-                             f"{sorted(self.sublayers)} overlap: a reused sublayer does not run, so it merges nothing")
-        if self.reuse_outputs and self.block_cache == "reuse":
-            raise ValueError("a Decision that reuses the block's residual runs no sublayer: reuse_outputs must be empty")
-        if self.measure_change not in MEASURES:
-            raise ValueError(f"Decision.measure_change must be one of {MEASURES}, got {self.measure_change!r}")
-        if self.measure_change is not None and self.block_cache != "store":
-            raise ValueError("a Decision measures the change of the residual it stores: measure_change needs "
-                             "block_cache='store'")
+        reused = self.feature_cache.reuse if self.feature_cache is not None else frozenset()
+        if reused & self.sublayers:
+            raise ValueError(f"FeatureCaching.reuse {sorted(reused)} and sublayers {sorted(self.sublayers)} "
+                             "overlap: a reused sublayer does not run, so it merges nothing")
+        if self.block_cache is not None and self.block_cache.mode == "reuse":
+            if self.strategy is not None:
+                raise ValueError("a Decision that reuses the block's residual runs no sublayer: its strategy must "
+                                 "be None")
+            if self.feature_cache is not None or self.streaks is not None:
+                raise ValueError("a Decision that reuses the block's residual runs no sublayer: it takes no "
+                                 "feature_cache or streaks")
 
     @property
     def merges(self) -> bool:
         return self.strategy is not None and bool(self.sublayers)
+
+    def techniques(self) -> tuple[TechniqueOptions, ...]:
+        """The options of every technique this call uses (its fields that are :class:`TechniqueOptions`)."""
+        return tuple(value for value in (getattr(self, f.name) for f in dataclasses.fields(self))
+                     if isinstance(value, TechniqueOptions))
 
 
 SKIP = Decision(strategy=None, label="skip")
@@ -172,7 +132,7 @@ class Schedule(abc.ABC):
 
     @property
     def reused_sublayers(self) -> frozenset[str]:
-        """The sublayers its decisions may reuse (``Decision.reuse_outputs``): the hooks then wrap those merge
+        """The sublayers its decisions may reuse (``FeatureCaching.reuse``): the hooks then wrap those merge
         points' ``forward`` so that a reusing call can skip them (default: none)."""
         return frozenset()
 

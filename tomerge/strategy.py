@@ -176,7 +176,7 @@ class MergeStrategy(abc.ABC):
 
     def merged_tokens(self, plan: MergePlan, ctx: MergeContext) -> Tensor:
         """``[B, N]`` bool: the tokens this plan counts as merged. The merge streaks (``ctx.streak``) extend
-        theirs and reset the others', and a schedule's feature cache (``Decision.cache_weight``) blends their
+        theirs and reset the others', and a schedule's feature cache (``FeatureCaching.weight``) blends their
         outputs. Default: :meth:`MergePlan.merged_tokens` (every member of a slot of two or more tokens)."""
         return plan.merged_tokens()
 

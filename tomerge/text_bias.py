@@ -6,7 +6,8 @@ extra head channels, every key its bias there, and ``scale`` is passed explicitl
 to text key ``j`` gains exactly ``b_j`` and no attention mask is built. :func:`bias_text_keys` applies it to
 one attention module by intercepting the ``torch.nn.functional.scaled_dot_product_attention`` call inside
 the module's forward only (a ``TorchFunctionMode`` entered by a forward pre-hook and left by an
-``always_call`` forward hook): the processor is neither copied nor replaced. Attention backends that do not
+``always_call`` forward hook): the processor is neither copied nor replaced. :class:`TextLabels` holds the labels
+the schedule's bias reads. Attention backends that do not
 call torch's SDPA (e.g. a ``flash_attn`` backend in diffusers' dispatcher) raise instead of silently
 skipping the bias.
 """
@@ -22,6 +23,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from .adapter import TextKeys
+from .technique import TechniqueState
 
 
 # ---------------------------------------------------------------------- the exact key bias
@@ -137,3 +139,12 @@ def bias_text_keys(keys: TextKeys, bias_for: Callable[[int, int, torch.device], 
 
     return [keys.module.register_forward_pre_hook(enter, with_kwargs=True),
             keys.module.register_forward_hook(leave, prepend=True, always_call=True)]
+
+
+class TextLabels(TechniqueState):
+    """The text-token labels of one application (what ``Schedule.prepare_text_labels`` returned, e.g. SDTM's prompt
+    categories; ``None``: no bias), set by ``MergeHandle.set_text_labels``. The user's, so a new trajectory keeps
+    them (``reset`` forgets nothing). Memory: no tensor."""
+
+    def __init__(self) -> None:
+        self.labels: Any = None
