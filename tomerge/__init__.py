@@ -27,8 +27,9 @@ _EXPORTS = {
     "get_strategy": "registry", "list_strategies": "registry", "register_strategy": "registry",
     "list_backbones": "registry", "register_backbone": "registry",
 }
-_SUBMODULES = ("adapter", "attach", "context", "contract", "plan", "probe", "registry", "schedule",
-               "state", "strategy", "text_bias", "strategies", "backbones", "experiments")
+_SUBMODULES = ("adapter", "attach", "block_cache", "context", "contract", "feature_cache", "plan", "probe", "registry",
+               "schedule", "state", "strategy", "streaks", "technique", "text_bias", "strategies", "backbones",
+               "experiments")
 
 __all__ = [
     "apply", "remove", "merging", "MergeHandle",
