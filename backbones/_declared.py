@@ -29,8 +29,8 @@ from ._gather import gather_key_mask, gather_pair_mask, gather_rope, gather_rows
 from ._grid import grid_from_ids, latent_grid
 from ._host import HostFacts
 
-__all__ = ["DeclaredAdapter", "DeclaredBlock", "DeclaredCall", "DeclaredPoint", "Kind", "RaggedText", "Rope", "Side",
-           "Site", "text_lengths"]
+__all__ = ["DeclaredAdapter", "DeclaredBlock", "DeclaredCall", "DeclaredPoint", "Kind", "RaggedText", "Rope",
+           "SelfKVPoint", "SharedPoint", "Side", "Site", "text_lengths"]
 
 
 # ---------------------------------------------------------------------- runtime
