@@ -1,27 +1,9 @@
 """``cached_detail``: token merging whose merged steps keep each token's detail from the last full step.
 
-Merging saves work by running a sublayer on slot means and copying each slot's output back to all of its
-tokens: every token of a slot leaves the sublayer with the same value, and what made the tokens differ (their
-detail) is lost. Feature caching saves work by reusing a sublayer's output from an earlier step: every token
-keeps its detail, but nothing of how the output changed since. This schedule combines the two:
-
-* on a **full step** (the first ``warmup`` steps, then every ``refresh_every`` steps) every block runs unmerged
-  and each merge point of the sublayers ``merge`` merges stores its full-length output ``c [B, N, C']``;
-* on the steps in between the blocks run merged with ``merge`` (any merging strategy or schedule), and the
-  unmerged output ``y`` of each merge point is combined with ``c`` (``FeatureCaching.detail``), by ``detail``:
-
-  - ``"merged_change"`` (default): the plan is kept from the first merged step after a full step to the next
-    full step; that first step returns ``c`` and keeps its own ``y`` as the reference ``y_ref``; the later ones
-    return ``c + y - y_ref``, the cached output moved by the change of the merged output. The merging error
-    ``y - (full output)`` enters only through how it changes from step to step.
-  - ``"slot_offset"``: token ``i`` of slot ``s`` gets ``y_s + c_i - mean_{j in s} c_j``
-    (``y + c - unmerge(merge(c))``), the slot's current output plus the token's cached offset from its slot's
-    mean. A slot whose tokens' outputs all move alike since the full step is restored exactly.
-
-It is tomerge's own method (not from a paper; docs/schedules.md, docs/claims.md "tomerge's own" measure it).
-What it costs beyond ``merge``'s merged steps: the full steps, and for ``"slot_offset"`` one merge and one
-unmerge of the cached output per merged sublayer. It is a merging schedule, not a caching one, so it composes
-with step-level caching: ``block_cache(merge="cached_detail", merge_options={...})``.
+Merging loses what made the tokens of a slot differ (their detail); caching keeps it but misses how the output
+changed since. On full steps every merge point stores its unmerged output; on the merged steps in between each
+token's output is the merged output combined with that cache (``detail``). tomerge's own method; the rules and
+costs: docs/schedules.md, "cached_detail".
 
 Example:
     >>> from tomerge.schedule import Where
@@ -50,7 +32,7 @@ DETAIL_MODES = ("merged_change", "slot_offset")
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CachedDetail(Schedule):
-    """Merging with each token's detail restored from the last full step (see the module docstring).
+    """Merging with each token's detail restored from the last full step (docs/schedules.md, "cached_detail").
 
     Args:
         merge: the merging strategy or schedule of the steps in between: a registered name, a
@@ -60,7 +42,7 @@ class CachedDetail(Schedule):
         refresh_every: the steps from one full step to the next (1: every step is full, the unmerged model).
         warmup: the first ``warmup`` steps are full (at least 1: the cache is empty before step 0 ran).
         detail: how a merged step combines its output with the cached one: ``"merged_change"`` or
-            ``"slot_offset"`` (see the module docstring).
+            ``"slot_offset"`` (docs/schedules.md, "cached_detail").
     """
 
     name: ClassVar[str] = "cached_detail"

@@ -1,41 +1,10 @@
 """Caching schedules: block calls skipped by reusing (or forecasting) their residual from an earlier step,
-composed with any merging strategy or schedule on the block calls that run (docs/schedules.md, "Caching").
+composed with any merging strategy or schedule on the block calls that run.
 
-A caching schedule decides, for every block call, whether the block runs or is skipped. A block call that runs
-takes the decision of the inner merging schedule (``merge``: a registered strategy or schedule, or ``None`` to
-run the block unmerged) and keeps the block's residual, output minus input per token stream, for its layer and
-call index (``Decision.block_cache``: :class:`~tomerge.block_cache.BlockCaching` ``"store"``). A skipped call runs
-none of the block's sublayers and returns its input plus the kept residual (``"reuse"``), or, with
-``forecast_order=k``, plus the residual's Taylor forecast of order ``k`` from the finite differences of the last
-stores (TaylorSeer). The block cache's state does the caching (:class:`tomerge.block_cache.BlockCacheState`, with
-the wrapped block ``forward`` of :mod:`tomerge.attach`), so the FLOP counter sees a skipped block cost nothing and
-every block that runs cost what it costs.
-
-* ``block_cache`` (:class:`BlockCache`): step-level reuse: every block runs on the first ``warmup`` steps and then
-  every ``interval`` steps, counted from the last warmup step (``count="up"``) or from the last step down
-  (``count="down"``); the steps in between reuse. Presets: ``fora`` (:class:`FORA`, counted down as FORA's code
-  counts), ``taylorseer`` (:class:`TaylorSeer`).
-* ``first_block_cache`` (:class:`FirstBlockCache`): adaptive: the first block always runs and measures the
-  relative L1 change of its residual (``Where.change``); the other blocks reuse while the change is below
-  ``threshold``; in TeaCache's mode (``accumulate``) the last step runs in full.
-
-Each preset's docstring names the authors' file and line it follows.
-
-References:
-    * FORA: P. Selvaraju, T. Ding, T. Chen, I. Zharkov, L. Liang, "FORA: Fast-Forward Caching in Diffusion
-      Transformer Acceleration", arXiv:2407.01425 (code: https://github.com/prathebaselva/FORA).
-    * TaylorSeer: "From Reusing to Forecasting: Accelerating Diffusion Models with TaylorSeers",
-      arXiv:2503.06923 (code: https://github.com/Shenyi-Z/TaylorSeer).
-    * FirstBlockCache: ParaAttention (https://github.com/chengzeyi/ParaAttention, ``para_attn.first_block_cache``).
-    * TeaCache: F. Liu et al., "Timestep Embedding Tells: It's Time to Cache for Video Diffusion Model",
-      arXiv:2411.19108 (code: https://github.com/ali-vilab/TeaCache).
-
-Deviations from the authors' code (all documented in docs/schedules.md): the cache holds the block's residual,
-so a reused residual carries the gates of the step it was computed at, where FORA and TaylorSeer cache the
-attention and MLP outputs and gate them with the current step's gates; TaylorSeer forecasts those sublayer
-outputs, here the block residual. FirstBlockCache reuses one residual of all the later blocks together; here
-every later block reuses its own, whose sum is that residual. TeaCache measures the first block's modulated input
-(rescaled per model) and skips the first block too; here the first block's residual is measured and it always runs.
+``block_cache`` (:class:`BlockCache`; presets ``fora`` and ``taylorseer``) decides by the step, ``first_block_cache``
+(:class:`FirstBlockCache`) by how much the first block's residual changed; the block cache's state
+(:mod:`tomerge.block_cache`) does the caching. The rules, the papers and the authors' code they follow, and the
+deviations: docs/schedules.md, "Caching".
 
 Example:
     >>> from tomerge.schedule import Where
@@ -166,13 +135,7 @@ def _inner_schedule(merge: Any, ratio: float | None, options: dict[str, Any], wh
 # ---------------------------------------------------------------------- step-level reuse
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class BlockCache(CachingSchedule):
-    """Step-level reuse of every block's residual, FORA-style (see the module docstring).
-
-    Every block runs on the steps ``t < warmup`` and, with ``count="up"``, on ``t = warmup - 1 + k * interval``;
-    with ``count="down"`` on the steps whose index counted from the last step down, ``S - 1 - t``, is a multiple
-    of ``interval`` (FORA's rule, so the last step always runs; it needs the step count ``S``). On the others every
-    block is skipped and returns its input plus its kept residual (forecast with ``forecast_order``).
-    ``interval=1`` runs every block on every step: the model's own output, bit for bit (with ``merge=None``).
+    """Step-level reuse of every block's residual, FORA-style (docs/schedules.md, "block_cache").
 
     Args:
         interval: the steps from one full step to the next (FORA's ``N``, TaylorSeer's ``interval``).
@@ -216,12 +179,8 @@ class BlockCache(CachingSchedule):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class FORA(BlockCache):
-    """``fora``: FORA's static caching as its code runs it (https://github.com/prathebaselva/FORA at ``acde628``,
-    ``src/models.py`` lines 139-143: ``step == numstep - 1 or step % cache_threshold == 0``, with ``step`` counting
-    down, ``src/diffusion/gaussian_diffusion.py`` lines 517 and 551): the first step and every step whose countdown
-    index is a multiple of 3 (its README's "caching frequency 3"), so the last step too; 20 steps: 0, 1, 4, 7, 10,
-    13, 16, 19. Deviations (docs/schedules.md): the residual is cached, not the attention and MLP outputs gated
-    anew; the rule runs at the sampler's step count (the README's runs 250 DDPM steps)."""
+    """``fora``: FORA's static caching as its code runs it (prathebaselva/FORA at ``acde628``): the first step and every
+    step whose countdown index is a multiple of 3; the code cited and the deviations: docs/schedules.md, "Presets"."""
 
     name: ClassVar[str] = "fora"
 
@@ -231,13 +190,8 @@ class FORA(BlockCache):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TaylorSeer(BlockCache):
-    """``taylorseer``: TaylorSeer on DiT as its authors recommend (https://github.com/Shenyi-Z/TaylorSeer at
-    ``288776d``: ``TaylorSeer-DiT.md`` line 25, ``interval=4, max_order=4``, 50 DDIM steps;
-    ``TaylorSeer-DiT/cache_functions/cache_init.py`` line 21, ``first_enhance = 2``; ``cal_type.py`` lines 6-17: the
-    first 2 steps full, then a full step after every ``interval - 1`` forecast ones): every block runs on steps 0,
-    1, 5, 9, ...; the steps in between forecast each residual with its Taylor expansion of order 4 in steps. (Their
-    FLUX code uses ``interval=6, max_order=1``, ``first_enhance = 3``.) Deviation (docs/schedules.md): the block's
-    residual is forecast, not the attention and MLP outputs gated anew."""
+    """``taylorseer``: TaylorSeer on DiT as its authors recommend (Shenyi-Z/TaylorSeer at ``288776d``): every block
+    runs on steps 0, 1, 5, 9, ..., the others forecast with order 4; the code cited: docs/schedules.md, "Presets"."""
 
     name: ClassVar[str] = "taylorseer"
 
@@ -251,25 +205,8 @@ class TaylorSeer(BlockCache):
 class FirstBlockCache(CachingSchedule):
     """Adaptive reuse: the first block decides, from how much its residual changed (FirstBlockCache, TeaCache).
 
-    The first hooked block runs on every model call and measures the relative L1 change ``mean|r - ref| /
-    mean|ref|`` of its residual ``r`` over the whole call (every sample: one decision for the batch). With
-    ``accumulate=False`` (FirstBlockCache's rule) ``ref`` is its residual in the last model call that ran every
-    block; with ``accumulate=True`` (TeaCache's rule) the change is the sum of the changes from call to call since
-    that one. The later blocks are skipped (input plus kept residual) when the change is below ``threshold`` and
-    the step is past ``warmup``; otherwise they run (with ``merge``). ``threshold=0`` runs every block: the
-    model's own output, bit for bit (with ``merge=None``).
-
-    The authors' code: ``accumulate=False`` follows ParaAttention (``src/para_attn/first_block_cache/utils.py`` at
-    ``4de137c``: lines 270-286, the change from the reference, no step forced; lines 362-375, the reference replaced
-    only by a call that runs every block); ``accumulate=True`` follows TeaCache, which also runs the last step in
-    full (``TeaCache4FLUX/teacache_flux.py`` lines 109-111 at ``7c10efc``: ``if self.cnt == 0 or self.cnt ==
-    self.num_steps-1: should_calc = True``), so it needs the step count. Deviations (docs/schedules.md): every later
-    block reuses its own residual, where ParaAttention reuses one of them all; TeaCache measures the first block's
-    modulated input, rescaled by a polynomial fitted per model, and skips the first block too.
-
-    The default threshold is ParaAttention's for FLUX.1 (``doc/fastest_flux.md``: ``residual_diff_threshold=0.08``,
-    "the default value for FLUX models"; 0.06 for HunyuanVideo). TeaCache's thresholds (FLUX: 0.25, 0.4, 0.6, 0.8)
-    apply to its own signal and do not carry over.
+    One decision per model call, for the whole batch; ``threshold=0`` runs every block. The rules, the authors' code
+    they follow and the deviations: docs/schedules.md, "first_block_cache".
 
     Args:
         threshold: the largest change at which the later blocks are still skipped (exclusive), ``>= 0``.

@@ -1,75 +1,8 @@
-"""``idm``: inattentive-prioritized detail merging, the late (detail) phase of SDTM.
+"""``idm``: inattentive-prioritized detail merging, the late (detail) phase of SDTM (CVPR 2025).
 
-Reference: H. Fang, S. Tang, J. Cao, E. Zhang, F. Tang, T.-Y. Lee, "Attend to Not Attended:
-Structure-then-Detail Token Merging for Post-training DiT Acceleration", CVPR 2025
-(arXiv:2505.11707, code: https://github.com/ICTMCG/SDTM).
-
-"Attend to not attended": late in denoising the model refines detail where it looks, so tokens that
-receive little attention can borrow the computation of a similar, attended token. Two variants, per
-batch element:
-
-``variant="attention"`` (the paper, default):
-
-1. Destinations: split the grid into non-overlapping ``k x k`` windows (``K = k * k``). In every full
-   window the token with the highest received attention ``ctx.received_attention [B, N]`` is the
-   destination (ties: the first in raster order). All other tokens are sources, including those in
-   rows/columns left over when ``H`` or ``W`` is not divisible by ``k``.
-2. Inattentiveness priority ``P = -a / mean(a) + alpha_d * streak / mean(streak)`` (means per sample,
-   eps-safe; the streak term is 0 without ``ctx.streak``).
-3. The ``r = int(N * ratio)`` sources with the highest priority (ties: raster order) merge into their
-   most cosine-similar destination (fp32, eps-normalised features; global over all destinations as in
-   ToMeSD's bipartite step).
-
-``variant="streak"`` (the authors' 2025 release, ``FIDM`` in their ``TR_SDTM.py``, which has no
-attention maps):
-
-1. Destinations: in every full window the token with the longest merge streak ``ctx.streak`` (ties:
-   the first; without a streak, the top-left token).
-2. Sources are ranked ToMe-style: every source finds its most cosine-similar destination, and the
-   ``r`` sources with the highest best similarity merge into it (ties: raster order). The streak does
-   not rank sources and ``alpha_d`` is not used (neither is received attention).
-3. ``r`` is rounded down to a multiple of ``round_tokens`` (default 16 for this variant: the release
-   removes ``min(#sources, r) // 16 * 16`` tokens, ``min(3N/4, r) // 16 * 16`` with 2x2 windows).
-
-Common rules:
-
-* Video grids (``(T, H, W)``, docs/strategies.md, "3-D (video) token grids"): windows are ``kt x k x k``
-  boxes with ``kt = temporal_window`` (1, the default: per frame, one destination per frame's window;
-  ``K = kt * k * k``). Frames left over when ``T`` is not divisible by ``kt`` are leftovers like rows.
-  Global matching (``local=False``) is over every destination of the clip, so a source may merge into a
-  destination of another frame; ``local=True`` with ``kt = 1`` keeps every merge inside one frame.
-
-* ``r`` is capped at the number of sources, with a warning, then rounded down to a multiple of
-  ``round_tokens`` (default: 1, i.e. no rounding, for the paper variant, which states no rounding; 16
-  for the streak variant). As for ``ssm.round_windows``, a positive ``r`` is never rounded down to 0
-  (the release would then merge nothing): it is kept unrounded.
-* ``local=True`` restricts each source to its own window's destination (the streak variant then ranks
-  sources by the similarity to that destination). Leftover tokens outside full windows have no window,
-  so with ``local=True`` they never merge (they count as unmergeable for the cap).
-* Merge = mean of a destination and its merged sources; unmerge copies it back. Slots are ordered
-  ``[destinations in window order..., unmerged sources in raster order...]``.
-* Plan input (``plan_from``, :attr:`IDM.plan_input`). The authors plan the detail phase from the attention
-  input, the ``norm1`` output (``compute_merge(norm_hidden_states, ...)``, ``TR_SDTM.py`` line 745),
-  although only the MLP is merged. tomerge's hooks plan at the first merged sublayer (or from the
-  block's input), so with attention unmerged they never see that tensor; attached IDM therefore plans
-  from the block's input hidden states by default (``"block_input"``), which on the reference DiT gives
-  plans closer to the ``norm1``-planned ones than the MLP input does (docs/strategies.md);
-  ``"sublayer"`` plans from the MLP input. On bare tensors
-  (:meth:`MergeStrategy.plan`) the plan is of the tensor given.
-* Merge streaks (:meth:`IDM.merged_tokens`, also what a feature cache blends): as in the authors' counter,
-  every destination of a full window counts as merged in this call, with or without sources merged into it,
-  and so does every merged source; unmerged sources do not.
-
-In the SDTM schedule IDM merges only the MLP input; attention runs at full length, which is where the
-received attention comes from. Everything is vectorised (no loop over tokens or windows, no host sync).
-
-Example:
-    >>> import torch
-    >>> from tomerge import MergeContext
-    >>> x, a = torch.randn(2, 16, 8), torch.rand(2, 16)
-    >>> plan = IDM().plan(x, MergeContext(grid=(4, 4), ratio=0.5, received_attention=a))
-    >>> plan.num_removed
-    8
+"Attend to not attended": late in denoising the model refines detail where it looks, so tokens that receive little
+attention merge into a similar, attended window destination. Variants ``"attention"`` (the paper) and ``"streak"``
+(the authors' release); the algorithm and where it follows or leaves the authors' code: docs/strategies.md, "idm".
 """
 
 from __future__ import annotations
@@ -95,7 +28,7 @@ RELEASE_ROUND_TOKENS = 16  # the authors' release: reduce_num // 16 * 16 (TR_SDT
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class IDM(SpaceTimeWindows, MergeStrategy):
-    """Inattentive-prioritized detail merging (SDTM, CVPR 2025); see the module docstring.
+    """Inattentive-prioritized detail merging (SDTM, CVPR 2025; docs/strategies.md, "idm").
 
     Args:
         window: window side ``k``; one destination per full ``k x k`` window; at least 2.

@@ -1,87 +1,9 @@
-"""``sdtm``: the Structure-then-Detail Token Merging schedule (SDTM, CVPR 2025).
+"""``sdtm``: the Structure-then-Detail Token Merging schedule (Fang et al., CVPR 2025, arXiv:2505.11707).
 
-Reference: H. Fang, S. Tang, J. Cao, E. Zhang, F. Tang, T.-Y. Lee, "Attend to Not Attended:
-Structure-then-Detail Token Merging for Post-training DiT Acceleration", CVPR 2025
-(arXiv:2505.11707, code: https://github.com/ICTMCG/SDTM).
-
-A :class:`~tomerge.Schedule` combining the two SDTM strategies (docs/schedules.md):
-
-* **Phases.** The structure phase runs :class:`~tomerge.strategies.ssm.SSM` on the attention and
-  MLP inputs while ``p <= switch`` (``p = step / (num_steps - 1)``); the detail phase runs
-  :class:`~tomerge.strategies.idm.IDM` on the MLP input only (attention stays at full length, which
-  is where IDM's received attention is recorded). ``switch_step`` overrides ``switch`` with the
-  authors' absolute rule ``step <= switch_step`` (their ``step_current <= switch_step``: the
-  switch step itself is still a structure step). With 50 steps, ``switch=0.4`` gives 20 structure
-  steps (0..19), the authors' ``switch_step=20`` gives 21 (0..20).
-  ``order="detail_first"`` swaps the phases (IDM up to the switch, SSM after it: the paper's order ablation);
-  ``switch=1`` with either order runs one strategy throughout (SSM only / IDM only).
-* **Ratio.** ``r(p) = (ratio - dev) + 2 * dev * cos(p * pi / 2)`` (``curve="cosine"``, the authors'
-  code): from ``ratio + dev`` at the first step to ``ratio - dev`` at the last. ``curve="linear"``:
-  ``(ratio + dev) - 2 * dev * p``; ``curve="constant"``: ``ratio`` (``deviation`` must be 0).
-  ``deviation=0`` is the plain "SDTM", ``ratio=0.3, deviation=0.2`` the authors' "SDTM*". The value is
-  clipped to ``[0, 0.99]``. ``ratio - dev < 0`` is accepted (the paper's ``ratio=0.3, deviation=0.4`` run): on
-  the steps where the curve is below 0 the ratio is 0 and the call merges nothing (its streaks stay as they
-  are), as in the authors' code, where a negative ratio gives ``int(N * r) <= 0`` tokens and the call returns
-  unmerged. ``ratio + dev`` must be ``< 1`` (the upper clip at 0.99 only matters for rounding).
-* **Protection.** ``protect_every=k`` runs the full block on every step with ``step % k == 0``
-  (the authors' ``protect_steps_frequency``, default 3 in their release, so step 0 is protected);
-  ``protect_layers`` lists layer indices that are never merged; ``protect_layers_every=k`` protects
-  layers with ``layer % k == 0`` and the last layer (the authors' ``protect_layers_frequency``).
-  Protection applies in both phases. A protected layer (on a step that is not protected) also resets
-  the merge streaks, as the authors' code resets its counter there; a protected step leaves them as
-  they are.
-* **Merge streaks** (``ctx.streak``, read by SSM's persistence prior and the streak IDM's destinations):
-  the authors' counter ``last_independent``: every block call that merges adds 1 to the streak of every
-  token it counts as merged and sets the others to 0. SSM counts all ``K`` tokens of a merged window, IDM
-  every window destination (with or without sources) and every merged source; a call whose ratio asks
-  for no token (``int(N * ratio) == 0``) leaves the counter alone (the authors return before counting).
-* **Decisions.** ``label`` is ``"structure"``, ``"detail"`` or ``"protected"``; plans are computed once
-  per block call (no ``cache_key``) and shared by the phase's sublayers.
-* **Prompt reweighting** (docs/schedules.md). ``prompt_reweight=a_p`` (default 2): in the structure
-  phase the attention of image queries to text tokens labelled ``"structure"`` is multiplied by ``a_p``,
-  in the detail phase to ``"detail"`` tokens (an exact ``log(a_p)`` logit bias that keeps the fused SDPA
-  kernel: the core's :mod:`tomerge.text_bias`, fed by :meth:`SDTM.text_key_bias`; the categories and
-  categorizers are in :mod:`tomerge.strategies.sdtm_prompts`). It needs labels:
-  ``tomerge.apply(..., text_labels=rows)`` or ``handle.set_text_labels(rows)``; without them nothing is
-  reweighted, and models without text tokens in their attention (UNet, PixArt, DiT) refuse labels. The phase
-  follows ``in_structure_phase`` on every step and layer, protected ones included (protection is about
-  merging, not about the prompt). ``prompt_reweight=None`` or ``1`` turns it off.
-
-Options of the two strategies are flattened into this schedule (one flat config for logs and sweeps):
-``window`` (shared ``k x k`` window side), ``temporal_window`` (shared window depth in frames on a
-``(T, H, W)`` video grid, default 1: windows per frame; docs/strategies.md, "3-D (video) token grids"), ``alpha_s``,
-``round_windows`` and ``include_self`` (SSM: window score over all ``K * K`` pairs, the diagonal included, as the
-authors' code; default off, the paper's off-diagonal mean), ``alpha_d``,
-``idm_variant`` (IDM's ``variant``: ``"attention"`` paper, ``"streak"`` released code),
-``idm_local`` (IDM's ``local``) and ``idm_round_tokens`` (IDM's ``round_tokens``: ``None`` takes the
-variant's default, 16 for ``"streak"`` as the release's ``min(3N/4, r) // 16 * 16``, 1 = none for
-``"attention"``) and ``idm_plan_from`` (IDM's ``plan_from``: the detail phase plans from the block's input
-by default, the closest tensor the hooks reach to the authors' ``norm1`` output; ``"sublayer"``: from the
-MLP input). Both strategies are built once, in ``__post_init__``, which also
-validates their options (errors start with ``ssm:`` / ``idm:``).
-
-* **Feature cache** (``cache_weight=w``, the authors' ``mcw``; off by default). It is a feature cache, not
-  merging: every protected step stores the full-length output of each merge point of the phases'
-  sublayers (per layer, sublayer and call index); where a later merged call unmerges a sublayer's output,
-  the tokens the phase's strategy counts as merged (SSM: every token of a merged window; IDM: every
-  window destination and every merged source) get ``w * output + (1 - w) * cached``; the other tokens keep
-  their output. It needs ``protect_every`` (the cache is filled on protected steps). Deviation: the hooks
-  see a sublayer's output before the block's gate (``gate_msa``/``gate_mlp``), so the cached output is
-  gated by the current step's gate rather than by the gate of the step it was computed at, as in the
-  authors' code. Their ``cache_each_step`` (store after every merged call too) is hard-coded off in their
-  release and not offered.
-
-Presets (registered names; every option can still be overridden):
-    * ``sdtm_release``: :class:`SDTMRelease`, what the authors' ``sample.py`` runs with ``TR_SDTM.py``.
-    * ``sdtm_paper``: :class:`SDTMPaper`, the method as the paper describes it.
-
-Example:
-    >>> from tomerge.schedule import Where
-    >>> s = SDTM(ratio=0.3, deviation=0.2, protect_every=3)
-    >>> [s.decide(Where(step=t, num_steps=50, progress=t / 49, layer=0, num_layers=8)).label for t in (0, 1, 31)]
-    ['protected', 'structure', 'detail']
-    >>> round(s.ratio_at(0.0), 6), round(s.ratio_at(1.0), 6)
-    (0.5, 0.1)
+A :class:`~tomerge.Schedule` that merges with :class:`~tomerge.strategies.ssm.SSM` in the structure phase and
+:class:`~tomerge.strategies.idm.IDM` in the detail phase at a cosine-scheduled ratio, with protected steps and
+layers, prompt token reweighting and an optional feature cache; presets ``sdtm_release`` (the authors' code) and
+``sdtm_paper`` (the paper). Every rule, the authors' code it follows and the deviations: docs/schedules.md, "sdtm".
 """
 
 from __future__ import annotations
@@ -113,7 +35,7 @@ STRUCTURE, DETAIL, PROTECTED = "structure", "detail", "protected"
 # ---------------------------------------------------------------------- the schedule
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SDTM(Schedule):
-    """Structure-then-detail schedule (see the module docstring for every rule).
+    """Structure-then-detail schedule (the rules: docs/schedules.md, "sdtm").
 
     Args:
         ratio: centre of the ratio curve, in ``[0, 1)``.
@@ -146,12 +68,6 @@ class SDTM(Schedule):
         prompt_reweight: ``a_p`` of prompt reweighting (active only with prompt categories); ``None``: off.
         cache_weight: ``w`` of the feature cache (the authors' ``mcw``), in ``[0, 1]``; ``None``: off. Needs
             ``protect_every``.
-
-    Example:
-        >>> import tomerge
-        >>> s = tomerge.get_strategy("sdtm", ratio=0.3, deviation=0.2)   # doctest: +SKIP
-        >>> SDTM(switch_step=20).to_dict()["switch_step"]
-        20
     """
 
     name: ClassVar[str] = "sdtm"
@@ -290,7 +206,7 @@ class SDTM(Schedule):
 
     # ------------------------------------------------------------------ Schedule
     def decide(self, where: Where) -> Decision:
-        """The decision for one block call (see the module docstring).
+        """The decision for one block call (docs/schedules.md, "sdtm").
 
         Args:
             where: the block call's step, progress, layer and block kind.
@@ -357,18 +273,7 @@ class SDTM(Schedule):
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SDTMRelease(SDTM):
     """``sdtm_release``: SDTM* as the authors' code runs it (``sample.py`` defaults with ``TR_SDTM.py``, commit
-    dfaf461): ``ratio=0.3, deviation=0.2`` on the cosine curve, ``switch_step=20`` (of their 50 steps), every
-    3rd step protected (``protect_steps_frequency=3``; layers: ``-1``, none), ``2x2`` windows,
-    ``a_s = a_d = 0.05``, windows scored by the mean over all ``K * K`` similarity pairs, the diagonal included
-    (``include_self=True``: ``TR_SDTM.py``'s ``sims.sum(-1).sum(-1) / (K * K)``, to which the persistence
-    prior ``a_s * ...`` is added), detail merging by merge streaks (``FIDM``: ``idm_variant="streak"`` with its
-    ``// 16 * 16`` token count), the feature cache at ``mcw = 0.1``, and no prompt reweighting (``a_p`` is
-    passed in but never read by the released code).
-
-    Remaining differences: where streaks tie (after a protected layer reset them), the authors draw the
-    window destination at random (``use_rand``), tomerge takes the top-left token; see also the feature-cache
-    gate deviation in the module docstring.
-    """
+    dfaf461); its settings and remaining differences: docs/schedules.md, "Presets"."""
 
     name: ClassVar[str] = "sdtm_release"
 
@@ -383,14 +288,7 @@ class SDTMRelease(SDTM):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SDTMPaper(SDTM):
-    """``sdtm_paper``: SDTM* as the paper describes the method (Fang et al., CVPR 2025; the method as the
-    project's spec summarises it, the paper's body was not readable here): ``ratio=0.3,
-    deviation=0.2`` on the cosine curve, the structure phase up to 40% of the steps (step 20 of 50), detail
-    merging by received attention (``idm_variant="attention"``, weight ``a_d = 0.05``), no rounding of the
-    window or token counts (the release's multiples of 16 are an implementation detail),
-    prompt reweighting with ``a_p = 2`` (active when prompt categories are given), no protected steps and no
-    feature cache (neither is part of the described method).
-    """
+    """``sdtm_paper``: SDTM* as the paper describes the method; its settings: docs/schedules.md, "Presets"."""
 
     name: ClassVar[str] = "sdtm_paper"
 

@@ -1,23 +1,9 @@
 """SDTM's prompt token reweighting: token categories, categorizers, and the per-call text-key bias.
 
-Prompt tokens are sorted into ``"structure"`` (objects, layout, counts, spatial words), ``"detail"``
-(colour, material, texture, style, lighting) and ``"none"``. During the structure phase the attention
-of image queries to structure tokens is multiplied by ``a_p``, during the detail phase to detail
-tokens; that is an additive ``log(a_p)`` on those keys' logits (:func:`token_bias`).
-
-Categorizers (the :class:`PromptCategorizer` protocol, ``categorize(prompt, tokens) -> labels``):
-
-* :class:`WordListCategorizer`: word lists shipped with the project (``strategies/data/prompt_words.json``),
-  no model, no network. Handles CLIP (``"red</w>"``), T5/SentencePiece (``"▁red"``), GPT-2 (``"Ġred"``)
-  and WordPiece (``"##ed"``) sub-word tokens: the pieces of a word are joined, the word is looked up
-  (lower case, outer punctuation stripped, plural ``-s``/``-es``/``-ies`` also tried, hyphenated parts
-  tried) and every piece gets the word's label. Special and punctuation tokens are ``"none"``.
-* :class:`JSONLabelsCategorizer`: labels a user produced offline (e.g. with an LLM), see its docstring.
-
-:class:`PromptCategories` holds the labels of one application (``tomerge.apply(..., text_labels=rows)`` or
-``handle.set_text_labels(rows)``) and makes the ``[B, T]`` bias of each block call; the ``sdtm`` schedule's
-:meth:`~tomerge.strategies.sdtm.SDTM.text_key_bias` picks the phase, and the core applies the bias exactly
-(:mod:`tomerge.text_bias`).
+Prompt tokens are labelled ``"structure"``, ``"detail"`` or ``"none"`` (:class:`WordListCategorizer`,
+:class:`JSONLabelsCategorizer`); :class:`PromptCategories` turns one application's labels into the ``[B, T]``
+``log(a_p)`` bias on the keys of the phase's category. The categories and the word lookup: docs/schedules.md,
+"Prompt token reweighting".
 
 Example:
     >>> cat = WordListCategorizer()

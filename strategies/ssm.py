@@ -1,48 +1,8 @@
-"""``ssm``: similarity-prioritized structure merging, the early (structure) phase of SDTM.
+"""``ssm``: similarity-prioritized structure merging, the early (structure) phase of SDTM (CVPR 2025).
 
-Reference: H. Fang, S. Tang, J. Cao, E. Zhang, F. Tang, T.-Y. Lee, "Attend to Not Attended:
-Structure-then-Detail Token Merging for Post-training DiT Acceleration", CVPR 2025
-(arXiv:2505.11707, code: https://github.com/ICTMCG/SDTM).
-
-Early in denoising a diffusion transformer lays out low-frequency structure, so neighbourhoods whose
-tokens are already alike can share one computation. The algorithm, per batch element:
-
-1. Partition the ``H x W`` token grid into non-overlapping ``k x k`` windows (``K = k * k`` tokens).
-   Only full windows are candidates; rows/columns left over when ``H`` or ``W`` is not divisible by
-   ``k`` keep one slot per token. On a ``(T, H, W)`` video grid (docs/strategies.md, "3-D (video) token
-   grids") windows are ``kt x k x k`` boxes with ``kt = temporal_window``: 1 (default) windows every frame
-   alone and never mixes frames; ``kt > 1`` merges space-time boxes (``K = kt * k * k``), and frames left
-   over when ``T`` is not divisible by ``kt`` keep one slot per token (so does a 2-D grid, one frame).
-2. Score every window by the mean pairwise cosine similarity of its ``K`` features (fp32, features
-   normalised with an epsilon so an all-zero token gives similarity 0, never NaN).
-   *Off-diagonal vs diagonal-included mean* (``include_self``): by default (``include_self=False``, the
-   paper's definition) the mean is over the ``K * (K - 1)`` off-diagonal pairs. ``include_self=True``
-   averages all ``K * K`` pairs, the diagonal (each token's similarity with itself: 1, or 0 for an
-   all-zero token) included, as the authors' ``TR_SDTM.py`` does (``sims.sum(-1).sum(-1) / (K * K)``).
-   Without a prior the two rank windows identically (for nonzero tokens
-   ``P_self = 1/K + (1 - 1/K) * P_off``, an increasing map); with the persistence prior they do not:
-   the prior is added to the score, so the same ``alpha_s`` weighs it ``K / (K - 1)`` times as much
-   against the similarity under ``include_self=True`` (4/3 for ``2 x 2`` windows). With ``include_self=True``
-   the score is the authors' up to floating point: they compute it in the model's dtype (fp16 in their
-   release) and divide the streak by ``mean + 1e-6``, tomerge computes in fp32 and divides by the mean.
-3. Persistence prior (``alpha_s``, default 0.05): with ``ctx.streak [B, N]`` (consecutive merge
-   decisions in which each token was merged), add ``alpha_s * mean_window(streak / mean(streak))``
-   to the score of step 2. Without a streak the prior is 0. The counter is the authors' ``last_independent``, kept by
-   :class:`tomerge.state.MergeState`: all ``K`` tokens of a merged window count as merged, its top-left
-   destination included, and protected layers of the SDTM schedule reset it.
-4. Select the ``n_win = floor(r / (K - 1))`` best windows (``r = int(N * ratio)``), capped at the
-   number of full windows (with a warning). Like the authors' code, ``n_win`` is rounded down to a
-   multiple of ``round_windows`` (default 16) for kernel efficiency; ``round_windows=1`` disables it.
-   If the rounding would leave no window although ``n_win > 0`` (small grids, small ratios), ``n_win``
-   is kept unrounded: silently turning merging off is worse than an odd window count.
-   Every batch element selects the same number of windows (static shapes), its own windows.
-5. Merge: a selected window becomes one slot holding the mean of its ``K`` tokens (its ``dst`` is the
-   window's top-left token); every other token is its own slot. Unmerge copies the slot back to all
-   ``K`` positions. Slots are ordered ``[selected windows in raster order..., single tokens in raster
-   order...]``.
-
-Everything is vectorised (sort/gather/scatter, no loop over tokens or windows, no host sync), so the
-plan can be built inside a CUDA graph region.
+Early in denoising a diffusion transformer lays out low-frequency structure, so ``k x k`` windows whose tokens are
+already alike are merged into one slot each, the most self-similar windows first (plus a persistence prior from
+merge streaks). The algorithm and where it follows or leaves the authors' code: docs/strategies.md, "ssm".
 
 Example:
     >>> import torch
@@ -51,8 +11,6 @@ Example:
     >>> plan = SSM(round_windows=1).plan(x, MergeContext(grid=(8, 8), ratio=0.5))
     >>> plan.num_removed                  # floor(32 / 3) = 10 windows of 4 tokens -> 30 removed
     30
-    >>> plan.unmerge(plan.merge(x)).shape
-    torch.Size([2, 64, 8])
 """
 
 from __future__ import annotations
@@ -152,7 +110,7 @@ class SpaceTimeWindows:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SSM(SpaceTimeWindows, MergeStrategy):
-    """Similarity-prioritized structure merging (SDTM, CVPR 2025); see the module docstring.
+    """Similarity-prioritized structure merging (SDTM, CVPR 2025; docs/strategies.md, "ssm").
 
     Args:
         window: window side ``k`` (``k x k`` windows, ``K = k * k`` tokens each); at least 2.

@@ -1,43 +1,10 @@
-"""``toca``: token-wise feature caching (ToCa), and ``fresh_tokens``, the strategy that picks the tokens it recomputes.
+"""``toca``: token-wise feature caching (ToCa, Zou et al., ICLR 2025), and ``fresh_tokens``, the strategy that picks
+the tokens it recomputes.
 
-ToCa caches every sublayer's output at full length on its **fresh steps** and, on the steps in between, recomputes
-only a scored fraction of the tokens of each block's feed-forward, taking the cached output for the others; the
-attention is not computed there at all (its module factor is 0 in the authors' DiT schedulers). In tomerge's
-terms, on a cached step of block ``l``:
-
-* the attention's merge points return what their module returned on the last fresh step (``FeatureCaching.reuse``;
-  a joint attention's text tokens included);
-* the feed-forward runs on the ``k`` **fresh** tokens :class:`FreshTokens` selects (an exact selection,
-  :meth:`~tomerge.MergePlan.selection`: row gathers, so every fresh token is computed from its own input), the other tokens take their
-  cached output (``FeatureCaching.weight = 0``), and the combined output becomes the cache
-  (``FeatureCaching.store``), as the authors' ``update_cache`` writes the fresh tokens into it.
-
-The authors count steps down, ``s = S - 1 - t``. Fresh steps (``cal_type.py`` with ``force_scheduler.py``): the first
-step, then every ``s`` with ``s % n == 0``, where the last fresh step ``s'`` set ``n = round(3 / (1 + 0.4 - 0.8 s' /
-S))``, or ``n = 2`` for ``int(0.2 S) <= s' < int(0.4 S)``; 20 steps: ``t = 0, 4, 7, 10, 13, 15, 17, 19``. The fresh
-fraction of block ``l`` (of ``L``) at a cached step (``fresh_ratio_scheduler.py``, ``"ToCa-ddim50"``):
-``fresh_ratio * (1 - 0.2 + 0.4 l / (L - 1)) * (1 + 2 - 4 s / S) * (1 + 0.6 * 2.5)``, clamped to [0, 1]; more
-tokens late in depth and in the trajectory, the attention's share moved to the feed-forward; 0 in the first
-quarter, where a cached step reuses both sublayers. The recipe's fractions of ``S`` scale with the sampler's step
-count, its intervals stay in steps (docs/schedules.md, "toca").
-
-:class:`FreshTokens` scores token ``i`` by the attention it received on the last fresh step (``ctx.received_attention``,
-L2-normalised over the tokens: ToCa's ``s1``), plus ``staleness_weight * streak_i / interval`` (``s3``: the steps
-since the token was last fresh, ``ctx.streak`` counted per block), then gives the highest-scored token of every
-``window x window`` cell of the grid a bonus of ``window_bonus`` times its score (``s4``, spread over the image),
-and keeps the ``k`` best. Used alone it is token skipping: the tokens it does not select skip the sublayer
-(output 0).
-
-Reference: C. Zou, X. Liu, T. Liu, S. Huang, L. Zhang, "Accelerating Diffusion Transformers with Token-wise Feature
-Caching", ICLR 2025, arXiv:2410.05317 (code: https://github.com/Shenyi-Z/ToCa at ``e84096f``, ``DiT-ToCa`` as of
-``d0ef7e1``: ``cache_functions/cal_type.py`` lines 5-20, ``force_init.py`` lines 9-12, ``force_scheduler.py`` lines
-6-19, ``fresh_ratio_scheduler.py`` lines 40-56, ``cache_cutfresh.py`` lines 17-25, ``score_evaluate.py`` line 66).
-The defaults are its DiT DDIM-50 recipe (README: ``--fresh-threshold 3 --fresh-ratio 0.07 --ratio-scheduler
-ToCa-ddim50 --soft-fresh-weight 0.25``; bonus 0.6 on 2 x 2 cells). Deviations (docs/schedules.md): the received
-attention is tomerge's probe (averaged over heads and up to 64 strided queries, where ToCa sums the full map over
-queries: the same ranking up to the probe's sampling); the cache holds the sublayer outputs before the block's
-gates, so the current step's gates apply, as in ToCa; ``k = N - int(N * (1 - fraction))`` rounds the fresh count up
-where ToCa rounds it down; the depth is ``l / (L - 1)`` where ToCa divides by 27.
+On fresh steps every sublayer's output is cached at full length; on the cached steps in between the attention
+returns its cache and the feed-forward recomputes only a scored fraction of the tokens, the others taking their
+cached output. The authors' DiT DDIM-50 recipe (the defaults), their code it follows and the deviations:
+docs/schedules.md, "toca".
 
 Example:
     >>> from tomerge.schedule import Where
@@ -70,7 +37,7 @@ FRESH, CACHED, REUSED = "fresh", "toca", "toca_reuse"
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class FreshTokens(MergeStrategy):
-    """Selects the tokens a sublayer recomputes by ToCa's score; the others skip it (see the module docstring).
+    """Selects the tokens a sublayer recomputes by ToCa's score; the others skip it (docs/schedules.md, "toca").
 
     Args:
         staleness_weight: weight of the steps since a token was last selected (ToCa's ``soft_fresh_weight``).
@@ -145,14 +112,8 @@ def window_best(score: Tensor, grid: tuple[int, ...], window: int) -> Tensor:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ToCa(Schedule):
-    """``toca``: token-wise feature caching with the authors' DiT DDIM-50 recipe (see the module docstring).
-
-    Steps are counted as ToCa counts them, ``s = S - 1 - t`` from the last step down. Fresh steps: the first, then
-    every step with ``s % n == 0``, where ``n`` is the interval that ToCa's ``force_scheduler`` set at the last
-    fresh step ``s'``: ``round(interval / (1 + w - 2 w s' / S))`` (``w = interval_weight``, in float32 as the
-    authors' ``torch.round`` computes it), or ``sensitive_interval`` where ``int(sensitive_from * S) <= s' <
-    int(sensitive_until * S)``. Every fraction of ``S`` in the rule scales with the sampler's step count; the
-    intervals are in steps (docs/schedules.md, "toca").
+    """``toca``: token-wise feature caching with the authors' DiT DDIM-50 recipe (the rules: docs/schedules.md,
+    "toca").
 
     Args:
         interval: the base interval between fresh steps (ToCa's ``fresh_threshold``; DDIM-50: 3).

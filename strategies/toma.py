@@ -1,48 +1,8 @@
-"""``toma``: the ToMA schedule: facility-location merging with skipped blocks and plan reuse.
+"""``toma``: the ToMA schedule (Lu et al., ICML 2025): facility-location merging with skipped blocks and plan reuse.
 
-Reference: W. Lu et al., "ToMA: Token Merge with Attention for Diffusion Models", ICML 2025.
-
-A :class:`~tomerge.Schedule` around :class:`~tomerge.strategies.facility_location.FacilityLocation`
-(docs/strategies.md, docs/schedules.md). For a block call at step ``s`` whose block is the ``i``-th block of
-its kind (see *Block position* below):
-
-* **Skipped blocks.** ``i < skip_first``: the block runs unmerged (label ``"skip_block"``). The count
-  is per block kind: ToMA's Flux run uses ``skip_first=5`` (first 5 double and first 5 single blocks).
-* **Merge steps.** Only steps with ``s % merge_every == 0`` merge (label ``"merge"``); the others run
-  unmerged (label ``"skip_step"``). The authors' Flux run merges every 3rd step.
-* **Reuse.** A plan (destinations and merge/unmerge matrices) is cached under
-  ``Decision.cache_key = (("toma", kind, group), s // recompute_every)`` (scope, window) with
-  ``group = (i - skip_first) // group_size`` (``group_size=None``: one group per block kind, ``group = 0``,
-  as the authors' Flux scheduler shares one plan per block type): it is computed by the first call of a
-  group in a window of ``recompute_every`` steps and reused by every later call with the same key (the
-  other blocks of the group, the later merge steps of the window).
-* **Destinations refreshed less often** (``destinations_every=d``, a multiple of ``recompute_every=e``; the
-  paper's separate intervals): destinations are kept under ``Decision.destinations_key = (("toma", kind,
-  group, "destinations"), s // d)``; a call whose plan is not cached but whose destinations are recomputes
-  only the merge matrices from them. ``None``: destinations are recomputed with the matrices (``d = e``).
-  The state keeps plans per call index (the n-th model call of a step), so with split guidance each
-  branch reuses its own plans and the result equals batched guidance. Groups are runs of ``group_size``
-  consecutive merged blocks of one kind, counted from the first merged block. The state recomputes (and
-  re-caches) a plan whose token count or batch size does not fit the call, so group sharing only pays off
-  where the blocks of a group have the same
-  resolution (a transformer stack; not UNet levels). Plans are cleared when a new trajectory starts.
-
-Block position: ``Where.layer`` is the adapter's global block index and ``Where.block_kind`` names the
-block type. The position ``i`` within the kind is ``where.kind_index`` when the core provides that
-attribute (proposed: the index of the block among the adapter's blocks of the same kind), else
-``where.layer``. The fallback is exact for models with one block kind (UNet, SD3, PixArt, DiT) and for
-the first kind of a multi-kind model; for Flux's single-stream blocks it is only right once the
-core provides ``kind_index`` (a schedule is frozen and stateless, so it cannot count blocks itself).
-
-Facility-location options are forwarded under their own names (``locality``, ``num_tiles``,
-``tile_size``, ``tile_frames``, ``temperature``, ``mask_selected``, ``shared_destinations``, ``unmerge_matrix``,
-``max_tile_tokens``) and
-validated by building the strategy once in ``__post_init__``. On a ``(T, H, W)`` video grid the tiles are
-per frame by default, ``tile_frames`` frames deep otherwise (docs/strategies.md, "3-D (video) token grids");
-the schedule's rules do not depend on the grid.
-
-Presets (registered names; every option can still be overridden):
-    * ``toma_release``: :class:`ToMARelease`, the authors' Flux run (``run_flux.py``).
+A :class:`~tomerge.Schedule` around :class:`~tomerge.strategies.facility_location.FacilityLocation` that leaves the
+first blocks of each kind unmerged, merges every ``merge_every``-th step and shares one plan across a group of
+blocks and a window of steps; preset ``toma_release`` (the authors' Flux run). The rules: docs/schedules.md, "toma".
 
 Example:
     >>> from tomerge.schedule import Where
@@ -50,8 +10,6 @@ Example:
     >>> [s.decide(Where(step=t, num_steps=10, progress=t / 9, layer=l, num_layers=4)).label
     ...  for t, l in [(0, 0), (1, 1), (2, 1)]]
     ['skip_block', 'skip_step', 'merge']
-    >>> s.decide(Where(step=2, num_steps=10, progress=2 / 9, layer=2, num_layers=4)).cache_key
-    (('toma', 'block', 0), 0)
 """
 
 from __future__ import annotations
@@ -76,7 +34,7 @@ def kind_position(where: Where) -> int:
         where: the block call.
 
     Returns:
-        ``where.kind_index`` when the core provides it, else ``where.layer`` (see the module docstring).
+        ``where.kind_index`` when the core provides it, else ``where.layer`` (docs/schedules.md, "toma").
     """
     index = getattr(where, "kind_index", None)
     return where.layer if index is None else int(index)
@@ -84,7 +42,7 @@ def kind_position(where: Where) -> int:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ToMA(Schedule):
-    """ToMA schedule (see the module docstring for every rule).
+    """ToMA schedule (the rules: docs/schedules.md, "toma").
 
     Args:
         ratio: fraction of tokens removed on merged calls, in ``[0, 1)``.
@@ -218,14 +176,8 @@ class ToMA(Schedule):
 # ---------------------------------------------------------------------- presets
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ToMARelease(ToMA):
-    """``toma_release``: ToMA as the authors' ``run_flux.py`` runs it on Flux (``config/flux.yaml``,
-    ``config/config.yaml``): ratio 0.5, 256 tiles, the first 5 double- and 5 single-stream blocks unmerged,
-    merging on every 3rd step (``merge_step = range(0, steps, 3)``), one plan per block kind, computed at its
-    first merged block and shared by the others (``FluxScheduler``), destinations and matrices recomputed at
-    every merged step (``dst_recompute_timesteps = attn_recompute_timesteps = every step``), destinations
-    selected on batch element 0 and shared, chosen candidates not masked, attention and MLP merged in
-    single-stream blocks but only the attention in double-stream ones.
-    """
+    """``toma_release``: ToMA as the authors' ``run_flux.py`` runs it on Flux; its settings: docs/schedules.md,
+    "Presets"."""
 
     name: ClassVar[str] = "toma_release"
 
