@@ -1,23 +1,7 @@
 """Option checks shared by strategies and schedules: one helper per kind of option.
 
-A strategy or schedule validates its options (dataclass fields) in ``__post_init__`` with these helpers, so
-every option error reads the same way and says whose option it is::
-
-    ssm: window must be an int >= 2, got 1
-
-Every helper takes the value, the option's ``name`` and ``what``, the name of the strategy or schedule that
-owns it (prefixed to the message), raises :class:`ValueError` when the value is not allowed and returns it
-(some normalised: see each helper). The rules they share:
-
-* ``bool`` is never a number: ``True`` is rejected where an int or a float is expected.
-* Numbers must be finite: NaN and +-inf are rejected by :func:`check_number`.
-* Bounds are inclusive: ``low <= value <= high``; :func:`check_number` takes ``low_open=True`` for
-  ``low < value`` (e.g. a temperature that must be positive).
-* ``optional=True`` also accepts ``None`` (an option whose ``None`` means "off" or "default").
-* ``note`` adds a short explanation in parentheses after the rule (what a bound means, what to do instead).
-
-Checks that relate two options (``ratio + deviation`` below 1, a multiple of another option) stay
-in the strategy's ``__post_init__``, written as ``raise ValueError(f"{what}: ...")`` in the same style.
+Every option error reads the same way and names its owner (``ssm: window must be an int >= 2, got 1``). The
+helpers and their shared rules: docs/writing-a-strategy.md, "Checking options".
 
 Example:
     >>> check_int(3, "window", "ssm", low=2)

@@ -1,26 +1,10 @@
 """`MergePlan`: the one object every strategy returns.
 
-A plan says how the ``N`` image tokens of a block map onto ``M <= N`` slots, and runs the merge
-(``[B, N, C] -> [B, M, C]``) and the unmerge (``[B, M, C'] -> [B, N, C']``). It has two forms:
-
-* **hard**: ``assign [B, N]`` gives the slot of every token; a slot holds the plain mean of its
-  tokens and unmerging copies the slot back to all of them. It runs as index operations (an
-  ``index_add_`` of rows, accumulated in float32 for half-precision inputs, and a row gather): no
-  matrix product, on every device. ``backend="dense"`` runs the equivalent one-hot matmuls instead
-  (for comparison; both give the same result to rounding).
-* **selection**: ``dst [B, M]`` are kept, the other tokens dropped: merging takes the kept rows,
-  unmerging puts each slot back at its token and 0 at the others (token skipping: ToCa's fresh
-  tokens), as a row gather and an ``index_copy_``.
-* **soft**: a merge matrix ``W`` (rows sum to 1) and an unmerge matrix ``U``, applied with matmuls.
-  They may be *tiled* (block diagonal): tokens are split into ``T`` groups of ``s`` and slots into
-  ``T`` groups of ``d``, so ``W`` is ``[B, T, d, s]`` and costs ``B*M*s*C`` instead of ``B*M*N*C``.
-
-Every plan also knows ``dst [B, M]``, the token position that represents each slot (a merged token
-takes its destination's positional encoding), ``sizes [B, M]`` and ``num_removed``.
-
-A plan is plain data: nothing derived is memoised on it, so a plan kept across model calls (a schedule's
-cached plan) holds only the tensors it was built from, never one computed while it ran (docs/compile.md,
-"CUDA graphs").
+A plan maps the ``N`` image tokens of a block onto ``M <= N`` slots and runs the merge (``[B, N, C] -> [B, M, C]``)
+and the unmerge (``[B, M, C'] -> [B, N, C']``), in one of three forms: **hard** (each token's slot, a slot is the
+mean of its tokens), **selection** (kept tokens, the others dropped) or **soft** (merge and unmerge matrices,
+optionally tiled). ``dst [B, M]`` is the token each slot takes its position from. The constructors:
+docs/writing-a-strategy.md, "Building the plan"; the backends and why a plan memoises nothing: docs/index.md.
 
 Example:
     >>> import torch
