@@ -1,55 +1,9 @@
 """`flux`: FLUX.1 (diffusers `FluxTransformer2DModel`), double- and single-stream blocks.
 
-Facts from the installed diffusers (0.42.1, ``models/transformers/transformer_flux.py``):
-
-* ``FluxTransformerBlock`` (kind ``"double"``) runs ``attn(hidden_states=norm1(x), encoder_hidden_states=
-  norm1_context(c), image_rotary_emb=...)``; the processor projects image and text separately, puts
-  text first, applies RoPE to the joint ``[B, T + N, heads, d]`` q/k and returns ``(image, text)``
-  (``(image, text, ip)`` with the IP-adapter processor). Merge points: the image ``hidden_states`` of
-  ``attn`` (``"attn"``; its image outputs are unmerged) and the input of ``ff`` (``"mlp"``).
-* ``FluxSingleTransformerBlock`` (kind ``"single"``) concatenates ``[text, image]`` before its norm;
-  ``proj_mlp`` and ``attn`` both read the normalised joint sequence (in BFL's original code they are
-  one fused ``linear1``), and ``proj_out`` reads ``cat([attn_out, mlp_out], -1)``. Merge points, all on
-  the image part (text length ``T`` from the block call's ``encoder_hidden_states``, never a constant):
-  ``proj_mlp`` and ``attn`` (``"attn"``: the parallel branch that reads the normalised tokens) and
-  ``proj_out`` (``"mlp"``). With both kinds enabled the block runs merged from its norm to ``proj_out``:
-  the normalised tokens are merged once (shared by ``proj_mlp`` and ``attn``), the ``[B, T + M, 4C]`` MLP
-  activation, the concatenation and ``proj_out`` run on the merged sequence, and only ``proj_out``'s
-  output is unmerged (:meth:`MergePoint.keeps_merged`); for hard plans this equals unmerging the branch
-  and merging ``proj_out``'s input again, at a fraction of the cost. ``"mlp"`` alone (``idm``) leaves the
-  attention at full length, which is where the received attention is recorded.
-* RoPE: ``image_rotary_emb = (cos, sin)``, each ``[T + N, d]``, text rows first. When image tokens are
-  merged, the image rows are gathered with the plan's destinations (a slot takes the position of the
-  token that represents it, ``plan.dst [B, M]``). With per-sample destinations the table becomes
-  ``[B, T + M, d]``; diffusers' ``apply_rotary_emb`` indexes the table as ``cos[None, :, None, :]``, so the
-  batched table is passed as a :class:`BatchedRotaryTable` that turns that leading new axis into the
-  batch axis (any other use raises). The processor and the attention backend are untouched.
-* Grid: the packed latent has ``H x W`` tokens (``H = height / 16`` of the image); ``img_ids [N, 3]`` hold
-  ``(0, row, col)`` of every image token in raster order. The adapter reads ``(H, W)`` from them on the host
-  (:func:`split_ids`), once per ``img_ids`` tensor: one device-to-host copy when a model call passes ids it has
-  not seen (pipelines pass the same tensor every step); ids that are not one raster grid are not merged, with a
-  warning. The timestep comes from each call, in ``[0, 1]`` (``t_max = 1``).
-* Reference images (``FluxKontextPipeline``): the latent tokens of the input image follow the generated
-  image's in the image stream, ``[B, N + R, C]``, with ids ``(1, row, col)``. The target is the run of tokens
-  with the smallest first id; the others are context tokens (:mod:`tomerge.backbones._context`): every
-  merge point merges the target's part of the stream and passes the reference tokens through, their RoPE rows
-  kept, so the attention sees them at full length like the text.
-
-Received attention (``idm``): the text-to-image part of the joint attention, from the q/k the processor
-computes, RoPE applied as the model does, all text queries against all keys (the reference-image tokens among
-them), restricted to the target's image keys and renormalised per sample
-(:func:`~tomerge.backbones._diffusers.probe_joint_attention`, shared with the declared joint families).
-
-Prompt reweighting (``sdtm`` with text labels, :mod:`tomerge.strategies.sdtm_prompts` and
-:mod:`tomerge.text_bias`): the text tokens are the first ``T`` keys of every joint attention (double: ``T``
-from the attention's ``encoder_hidden_states``; single: the block call's text length); the image queries get
-the text-key bias inside its SDPA call, which
-needs diffusers' native attention backend. ``FluxPipeline``'s text sequence is its T5 tokens, padded to
-``max_sequence_length``: :func:`text_tokens` lists them for a categorizer.
-
-Example:
-    >>> import tomerge                                               # doctest: +SKIP
-    >>> handle = tomerge.apply(pipe, "tomesd", ratio=0.5)  # a FluxPipeline or its transformer  # doctest: +SKIP
+Merges the image tokens of both block kinds (the text and FLUX.1 Kontext's reference tokens pass at full length),
+gathers the RoPE rows of the merged slots and records the joint attention's text-to-image part for ``idm``. What is
+merged where, the positions, the grid and the limits: docs/backbones/flux.md (facts from diffusers 0.42.1,
+``models/transformers/transformer_flux.py``).
 """
 
 from __future__ import annotations

@@ -1,37 +1,7 @@
 """FLUX.1-derived families: `chroma` (Chroma), `bria` (Bria 3.x), `bria_fibo` (FIBO), `longcat_image`
 (LongCat-Image) and `ovis_image` (Ovis-Image), declared on FLUX.1's block layout.
 
-Facts from the installed diffusers (0.42.1; ``transformer_chroma.py``, ``transformer_bria.py``,
-``transformer_bria_fibo.py``, ``transformer_longcat_image.py``, ``transformer_ovis_image.py``), shared by all five:
-
-* Double-stream blocks (kind ``"double"``, ``transformer_blocks``) run ``attn(hidden_states=norm1(x),
-  encoder_hidden_states=norm1_context(c), image_rotary_emb=...)``: the processor projects image and text
-  separately, attends over ``[text, image]`` with RoPE ``(cos, sin)`` of ``[T + N, d]`` (text rows first) and
-  returns ``(image, text)``; then ``ff`` on the image stream. Merge points: ``attn`` (``"attn"``; the image rows
-  of the RoPE table gathered per slot) and ``ff`` (``"mlp"``); ``ff_context`` (text) is left alone.
-* Single-stream blocks (kind ``"single"``, ``single_transformer_blocks``) normalise the joint ``[text, image]``
-  sequence; ``proj_mlp`` and ``attn`` read it in parallel and ``proj_out`` reads ``cat([attn, mlp], -1)``. As
-  in FLUX.1's single blocks: ``proj_mlp`` and ``attn`` are ``"attn"`` (the parallel branch that reads the
-  normalised tokens), ``proj_out`` is ``"mlp"``; with both on, the block runs merged from its norm to
-  ``proj_out`` and only ``proj_out``'s output is unmerged. Bria, LongCat-Image and Ovis-Image concatenate the
-  block's ``encoder_hidden_states`` and image tokens themselves (``T`` from the block call); Chroma and FIBO get
-  the joint sequence from the model (``T`` from the model call's ``encoder_hidden_states``).
-* Received attention (``idm``): the joint probe of both attentions (the text queries' attention, with the
-  call's RoPE and mask).
-* Grid: ``img_ids [N, 3]`` hold ``(0, row, col)`` of every image token in raster order; the grid is read from
-  them on every call. Editing pipelines that append reference-image tokens (FIBO Edit, LongCat-Image Edit)
-  give ids that are no single grid: those calls are not merged, with a warning.
-
-Family differences:
-
-* Chroma (pruned modulation, a T5 text mask): the pipeline's ``attention_mask [B, T + N]`` becomes, inside every
-  block, the query-by-key mask ``m[:, None, None, :] * m[:, None, :, None]`` ``[B, 1, L, L]``: its image rows and
-  columns are gathered per slot (``mask="pairs"``). Called with ``timestep / 1000`` (``t_max = 1``).
-* FIBO: the pipeline passes a key mask ``[B, 1, 1, T + N]`` (``joint_attention_kwargs["attention_mask"]``, text
-  first) to every attention when a prompt is padded: its image columns are gathered (``mask="keys"``). Its text
-  stream is renewed per block from the text encoder's layers (outside the blocks). Called with the scheduler's
-  timestep (``t_max = 1000``), as is Bria.
-* LongCat-Image and Ovis-Image (an Ovis SwiGLU MLP): no masks; called with ``timestep / 1000`` (``t_max = 1``).
+Their blocks, merge points, masks, timestep scales and what differs between them: docs/backbones/flux1_derived.md.
 """
 
 from __future__ import annotations
@@ -45,7 +15,7 @@ _Mask = Literal["keys", "pairs"] | None
 
 
 def double_kind(block_class: str, mask: _Mask = None) -> Kind:
-    """The double-stream blocks ``transformer_blocks`` of ``block_class`` (see the module docstring)."""
+    """The double-stream blocks ``transformer_blocks`` of ``block_class`` (docs/backbones/flux1_derived.md)."""
     return Kind("double", "transformer_blocks", (block_class,), (
         Site("attn", "attn", output=0, rope=_ROPE, mask=mask, probe=True),
         Site("mlp", "ff"),

@@ -1,40 +1,8 @@
 """`sd3`: Stable Diffusion 3 / 3.5 (diffusers `SD3Transformer2DModel`, MMDiT `JointTransformerBlock`).
 
-Each `JointTransformerBlock` runs ``attn(hidden_states=norm1(x), encoder_hidden_states=norm1_context(c))``.
-The joint attention processor projects image and text separately, concatenates them after the
-projection and splits the result at the image length, so a shorter (merged) image sequence passes
-through unchanged; it returns ``(image, text)``. Merge points:
-
-* ``attn``: the image ``hidden_states`` argument; the image element (index 0) of its tuple output is
-  unmerged. The text stream is never merged, also in the last block (``context_pre_only``, whose
-  attention still returns a tuple).
-* ``attn2`` (SD3.5 dual attention, ``use_dual_attention``: a second image self-attention on
-  ``norm_hidden_states2``): merged like ``attn`` when ``merge_attn2=True`` (default), else it runs at
-  full length. It always runs: the adapter never changes ``use_dual_attention``.
-* ``ff``: the image feed-forward input (``ff_context``, the text feed-forward, is left alone).
-
-Positions are absolute (added at the patch embedding): no positional work. The grid is
-``(H0 // p, W0 // p)`` of the latent the model is called with. The timestep comes from each call,
-so the CFG batch, split CFG and SD3.5 skip-layer guidance (a third call at the same timestep) share a
-step.
-
-Received attention for ``idm``: the text-to-image part of the joint attention. Forward hooks on the
-projection submodules (``to_k`` then ``norm_k``, ``add_q_proj`` then ``norm_added_q``, ``add_k_proj``
-then ``norm_added_k``; ``to_qkv`` / ``to_added_qkv`` when the projections are fused) capture the keys
-and text queries the processor computes anyway, so the attention keeps its fused kernel. The text
-queries' softmax over all keys (image and text, as in the model) is averaged over heads and text
-queries, restricted to the image keys and renormalised to sum to 1 per sample
-(:func:`~tomerge.backbones._diffusers.probe_joint_attention`, text last).
-
-Prompt reweighting (``sdtm`` with text labels, :mod:`tomerge.strategies.sdtm_prompts` and
-:mod:`tomerge.text_bias`): the text tokens are the last ``T`` keys of the joint attention ``attn`` (``T`` from
-its ``encoder_hidden_states``); the image queries get the text-key bias inside its SDPA call. The text
-sequence of ``StableDiffusion3Pipeline`` is 77 CLIP
-tokens then ``max_sequence_length`` T5 tokens: :func:`text_tokens` lists them for a categorizer.
-
-Feed-forward chunking (``enable_forward_chunking``) works with merging: in calls that merge the MLP,
-:class:`~tomerge.backbones._diffusers.FeedForwardPoint` hands ``ff`` the whole merged sequence and runs it,
-and the text ``ff_context``, in the block's chunks (docs/backbones/sd3.md).
+Merges the image stream of every joint block (``attn``, SD3.5's ``attn2``, ``ff``; the text stream never), records
+the joint attention's text-to-image part for ``idm`` and keeps diffusers' feed-forward chunking working. What is
+merged where, the received attention, guidance calls, chunking and the limits: docs/backbones/sd3.md.
 """
 
 from __future__ import annotations
