@@ -93,7 +93,7 @@ class UNetAdapter(BackboneAdapter):
         levels = block_levels(self.model)
         chosen = min(levels.values(), default=1)
         logger.info("tomerge: unet max_downsample=None -> %d, the highest-resolution level with transformer "
-                    "blocks (%d of the %d blocks of this %s); pass max_downsample=... to change it",
+                    "blocks (%d of the %d blocks of this %s); pass adapter={'max_downsample': ...} to change it",
                     chosen, sum(level <= chosen for level in levels.values()), len(levels), type(self.model).__name__)
         return chosen
 

@@ -180,18 +180,25 @@ class FacilityLocation(MergeStrategy):
         return pos.reshape(groups * nty * ntx, depth * t * t)  # [T, s]
 
     # ------------------------------------------------------------------ the algorithm
-    def shared_work(self, x: Tensor, ctx: MergeContext) -> Tensor:
-        """``[B, T, s, s]``: the tile similarities both stages need, computed once per plan."""
-        return _similarities(x, self.tile_layout(ctx.grid, x.device))
+    def plan(self, x: Tensor, ctx: MergeContext, destinations: Tensor | None = None) -> MergePlan:
+        """:meth:`MergeStrategy.plan <tomerge.MergeStrategy.plan>`, with the tile similarities ``[B, T, s, s]``
+        both stages need computed once."""
+        identity = self.identity_plan(x, ctx)
+        if identity is not None:
+            return identity
+        similarities = _similarities(x, self.tile_layout(ctx.grid, x.device))  # [B, T, s, s]
+        if destinations is None:
+            destinations = self.select_destinations(x, ctx, similarities)
+        return self.merge_matrix(x, destinations, ctx, similarities)
 
-    def select_destinations(self, x: Tensor, ctx: MergeContext, shared: Tensor | None = None) -> Tensor:
+    def select_destinations(self, x: Tensor, ctx: MergeContext, similarities: Tensor | None = None) -> Tensor:
         """Greedy facility location in every tile.
 
         Args:
             x: ``[B, N, C]`` image-token features (any float dtype).
             ctx: the merge context (grid and ratio).
-            shared: ``[B, T, s, s]`` the tile similarities of ``x`` (:meth:`shared_work`, passed by ``plan``);
-                ``None``: computed here.
+            similarities: ``[B, T, s, s]`` the tile similarities of ``x`` (passed by :meth:`plan`); ``None``:
+                computed here.
 
         Returns:
             ``[B, M]`` long token positions, ``M = T*d``, slot ``m = t*d + j`` is tile ``t``'s ``j``-th pick.
@@ -199,14 +206,15 @@ class FacilityLocation(MergeStrategy):
         B, N, _ = ctx.check_tokens(x)
         layout = self.tile_layout(ctx.grid, x.device)  # [T, s]
         d = self._dst_per_tile(N, layout.shape[0], ctx)
-        if shared is None:
+        if similarities is None:
             S = _similarities(x[:1] if self.shared_destinations else x, layout)  # [b, T, s, s]
         else:
-            S = shared[:1] if self.shared_destinations else shared  # [b, T, s, s]: b = 1 selects on sample 0
+            S = similarities[:1] if self.shared_destinations else similarities  # [b, T, s, s]: b = 1: sample 0
         local, _ = self._greedy(S, layout == N, d, self._fewest_members(ctx.grid))  # [b, T, d] (b = 1 when shared)
         return _positions(layout, local).expand(B, -1)  # [B, M]
 
-    def merge_matrix(self, x: Tensor, dst: Tensor, ctx: MergeContext, shared: Tensor | None = None) -> MergePlan:
+    def merge_matrix(self, x: Tensor, dst: Tensor, ctx: MergeContext,
+                     similarities: Tensor | None = None) -> MergePlan:
         """Soft tiled merge/unmerge matrices from the destinations.
 
         Args:
@@ -214,18 +222,18 @@ class FacilityLocation(MergeStrategy):
             dst: ``[B, M]`` (or ``[1, M]``) destinations from :meth:`select_destinations`: slot ``m = t*d + j``
                 must hold a token of tile ``t``.
             ctx: the merge context.
-            shared: ``[B, T, s, s]`` the tile similarities of ``x`` (:meth:`shared_work`, passed by ``plan``);
-                ``None``: computed here.
+            similarities: ``[B, T, s, s]`` the tile similarities of ``x`` (passed by :meth:`plan`); ``None``:
+                computed here.
 
         Returns:
             A soft tiled :class:`MergePlan` with ``W [B, T, d, s]`` and ``U [B, T, s, d]`` (fp32).
         """
         B, N, C = ctx.check_tokens(x)
         layout = self.tile_layout(ctx.grid, x.device)  # [T, s]
-        # Called on its own (no shared similarities), the destinations are given by hand: their values are checked.
+        # Called on its own (no similarities), the destinations are given by hand: their values are checked.
         # Inside plan() they were just selected, or kept from an earlier plan of this grid.
-        local = self._tile_members(dst, layout, B, ctx.grid, check_values=shared is None)  # [b, T, d]
-        S = _similarities(x, layout) if shared is None else shared  # [B, T, s, s]
+        local = self._tile_members(dst, layout, B, ctx.grid, check_values=similarities is None)  # [b, T, d]
+        S = _similarities(x, layout) if similarities is None else similarities  # [B, T, s, s]
         L = _rows(S, local.expand(B, -1, -1))  # [B, T, d, s]
         return self._matrices(L, dst.expand(B, -1), layout, N)
 

@@ -95,10 +95,6 @@ class ToMeSD(MergeStrategy):
     def generator_policy(self) -> str:
         return self.rng
 
-    @property
-    def batch_independent(self) -> bool:
-        return not self.use_rand  # one random layout is drawn for the whole batch
-
     def _cells(self, ctx: MergeContext) -> tuple[int, int, int]:
         """``(depth, rows, cols)``: the cells along time, height and width."""
         rows, cols = ctx.height // self.sy, ctx.width // self.sx

@@ -33,7 +33,7 @@ def no_hooks_left(model):
 def test_remove_restores_bit_identical_outputs_and_leaves_no_trace(unet, name):
     inputs = unet_inputs()
     before = forward(unet, inputs)
-    handle = tomerge.apply(unet, name, ratio=0.5, max_downsample=2)
+    handle = tomerge.apply(unet, name, ratio=0.5, adapter={"max_downsample": 2})
     merged = forward(unet, inputs)
     assert handle.stats["tokens_removed"] > 0
     assert not torch.equal(merged, before)
@@ -46,13 +46,13 @@ def test_remove_restores_bit_identical_outputs_and_leaves_no_trace(unet, name):
 def test_ratio_zero_is_bit_identical(unet, name):
     inputs = unet_inputs()
     before = forward(unet, inputs)
-    with tomerge.merging(unet, name, ratio=0.0, max_downsample=8):
+    with tomerge.merging(unet, name, ratio=0.0, adapter={"max_downsample": 8}):
         assert torch.equal(forward(unet, inputs), before)
 
 
 def test_idm_records_received_attention_and_merges_only_the_mlp(unet):
     inputs = unet_inputs()
-    with tomerge.merging(unet, "idm", ratio=0.5, max_downsample=1) as handle:
+    with tomerge.merging(unet, "idm", ratio=0.5, adapter={"max_downsample": 1}) as handle:
         forward(unet, inputs)
         attention = handle.state.attention
         assert attention and all(a.shape == (2, 256) for a in attention.values())
@@ -99,10 +99,14 @@ def test_ratio_out_of_range_raises(unet, ratio):
 def test_unknown_names_and_options_raise_with_the_valid_ones(unet):
     with pytest.raises(KeyError, match="facility_location"):
         tomerge.apply(unet, "tome", ratio=0.5)
-    with pytest.raises(TypeError, match="valid options.*max_downsample"):
-        tomerge.apply(unet, "tomesd", ratio=0.5, max_downsampel=2)
+    with pytest.raises(TypeError, match="valid options.*use_rand"):
+        tomerge.apply(unet, "tomesd", ratio=0.5, use_rnd=False)
+    with pytest.raises(TypeError, match=r"valid options.*max_downsample"):
+        tomerge.apply(unet, "tomesd", ratio=0.5, adapter={"max_downsampel": 2})
     with pytest.raises(ValueError, match="max_downsample"):
-        tomerge.apply(unet, "tomesd", ratio=0.5, max_downsample=3)
+        tomerge.apply(unet, "tomesd", ratio=0.5, adapter={"max_downsample": 3})
+    with pytest.raises(TypeError, match=r"\['max_downsample'\] are options of the 'unet' adapter: pass adapter="):
+        tomerge.apply(unet, "tomesd", ratio=0.5, max_downsample=2)
     with pytest.raises(TypeError, match="ratio"):
         tomerge.apply(unet, "tomesd")
     with pytest.raises(TypeError, match="valid options"):
@@ -185,20 +189,20 @@ def test_warns_when_no_block_is_merged_as_on_sdxl_with_max_downsample_1():
         down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"), up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
         cross_attention_dim=32, attention_head_dim=8).eval()
     inputs = unet_inputs()
-    with tomerge.merging(sdxl_like, "tomesd", ratio=0.5, max_downsample=1) as handle:
+    with tomerge.merging(sdxl_like, "tomesd", ratio=0.5, adapter={"max_downsample": 1}) as handle:
         messages = tomerge_warnings(lambda: (forward(sdxl_like, inputs), forward(sdxl_like, inputs)))
         messages += tomerge_warnings(handle.remove)
     assert messages == [  # once, at the first call: it is known then
         "tomerge: no block of this UNet2DConditionModel call was merged or reused: no block with a token grid: none "
         f"is mergeable with the 'unet' adapter's options {handle.adapter.options} at this input size; change the "
         "adapter's options (e.g. max_downsample) or the input size"]
-    with tomerge.merging(sdxl_like, "tomesd", ratio=0.5, max_downsample=2) as handle:
+    with tomerge.merging(sdxl_like, "tomesd", ratio=0.5, adapter={"max_downsample": 2}) as handle:
         forward(sdxl_like, inputs)
         assert handle.stats["tokens_removed"] > 0
 
 
 def test_unet_blocks_are_numbered_in_execution_order(unet):
-    with tomerge.merging(unet, "tomesd", ratio=0.5, max_downsample=2) as handle:
+    with tomerge.merging(unet, "tomesd", ratio=0.5, adapter={"max_downsample": 2}) as handle:
         forward(unet, unet_inputs())
         layers = [r.layer for r in handle.state.records]
     assert layers == list(range(handle.state.num_layers))  # down, mid, up: the order they run in
@@ -217,9 +221,9 @@ def test_the_hooks_unmerge_with_the_strategys_own_unmerge(unet):
             return 2 * plan.unmerge(y)
 
     inputs = unet_inputs()
-    with tomerge.merging(unet, SSM(round_windows=1), ratio=0.5, max_downsample=2):
+    with tomerge.merging(unet, SSM(round_windows=1), ratio=0.5, adapter={"max_downsample": 2}):
         plain = forward(unet, inputs)
-    with tomerge.merging(unet, Doubling(round_windows=1), ratio=0.5, max_downsample=2) as handle:
+    with tomerge.merging(unet, Doubling(round_windows=1), ratio=0.5, adapter={"max_downsample": 2}) as handle:
         doubled = forward(unet, inputs)
         merged_calls = sum(len(r.sublayers) for r in handle.state.records if r.num_removed)
     assert len(seen) == merged_calls > 0 and all(m < n for m, n in seen)
@@ -248,9 +252,9 @@ def test_capabilities_are_properties_an_option_may_not_hide_but_a_constant_may_s
 
     @dataclasses.dataclass(frozen=True, kw_only=True)
     class Constant(SSM):
-        batch_independent: ClassVar[bool] = False
+        plan_input: ClassVar[str] = "block_input"
 
-    assert Constant().batch_independent is False and SSM().batch_independent is True
+    assert Constant().plan_input == "block_input" and SSM().plan_input == "sublayer"
     assert ToMeSD().generator_policy == "fork_global" and ToMeSD(rng="per_step_layer").generator_policy == "per_step_layer"
     assert SSM().generator_policy == "per_step_layer"
 

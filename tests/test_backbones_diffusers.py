@@ -172,7 +172,7 @@ def test_half_ratio_is_finite_right_shape_and_cheaper(models, backbone, strategy
 @pytest.mark.parametrize("backbone", BACKBONES)
 def test_batch_equals_samples_alone(models, backbone, strategy):
     model, inputs = models[backbone], make_inputs(backbone)
-    assert tomerge.get_strategy(strategy, **OPTIONS.get(strategy, {})).batch_independent
+    assert not tomerge.get_strategy(strategy, **OPTIONS.get(strategy, {})).uses_generator  # no draw shared by the batch
     outs = []
     for part in (inputs, pair(inputs, 0), pair(inputs, 1)):
         with merging(model, strategy, 0.5):  # fresh state each time (streaks are per application)
@@ -329,7 +329,7 @@ def test_sd3_dual_attention_is_merged_or_left_full_length_never_disabled(models,
     assert block.use_dual_attention and block.attn2 is not None
     assert model.transformer_blocks[-1].context_pre_only
     N = SIZE[0] * SIZE[1]
-    with merging(model, "ssm", 0.5, merge_attn2=merge_attn2) as handle:
+    with merging(model, "ssm", 0.5, adapter={"merge_attn2": merge_attn2}) as handle:
         attn_tokens, remove_a = token_counts(block.attn)  # registered after the merge hooks: sees merged input
         attn2_tokens, remove_b = token_counts(block.attn2)
         out = run(model, inputs)
@@ -345,11 +345,11 @@ def test_sd3_merge_attn2_changes_the_output_and_is_validated(models):
     model, inputs = models["sd3"], make_inputs("sd3")
     outs = []
     for flag in (True, False):
-        with merging(model, "ssm", 0.5, merge_attn2=flag):
+        with merging(model, "ssm", 0.5, adapter={"merge_attn2": flag}):
             outs.append(run(model, inputs))
     assert not torch.equal(*outs)
     with pytest.raises(ValueError, match="merge_attn2"):
-        apply(model, "ssm", 0.5, merge_attn2="yes")
+        apply(model, "ssm", 0.5, adapter={"merge_attn2": "yes"})
     with pytest.raises(TypeError, match="valid options"):
         apply(model, "ssm", 0.5, merge_atn2=False)
     assert no_hooks_left(model)
@@ -453,13 +453,13 @@ def test_feed_forward_chunking_merges_as_without_chunking(backbone, strategy, ch
     model, inputs, options = chunking_case(backbone)
     model, inputs = model.double(), to_dtype(inputs, torch.float64)
     block = chunked_blocks(model)[0]
-    with merging(model, strategy, 0.5, **options) as handle:
+    with merging(model, strategy, 0.5, adapter=options) as handle:
         expected = run(model, inputs)
         removed = handle.stats["tokens_removed"]
         set_chunking(model, chunking)  # enabled after apply()
         after_apply = run(model, inputs)
         assert chunking_left_as_set(model, chunking) and handle.stats["tokens_removed"] == 2 * removed > 0
-    with merging(model, strategy, 0.5, **options) as handle:  # enabled before apply()
+    with merging(model, strategy, 0.5, adapter=options) as handle:  # enabled before apply()
         ff_tokens, remove_a = token_counts(block.ff)  # registered after the merge hooks: sees merged input
         chunk_tokens, remove_b = linear_calls(block.ff)
         before_apply = run(model, inputs)
@@ -481,10 +481,10 @@ def test_feed_forward_chunking_ratio_zero_and_remove_are_bit_identical(backbone,
     model, inputs, options = chunking_case(backbone)
     set_chunking(model, chunking)
     before = run(model, inputs)
-    with merging(model, "ssm", 0.0, **options):
+    with merging(model, "ssm", 0.0, adapter=options):
         assert torch.equal(run(model, inputs), before)  # the identity plan's ff ran in diffusers' chunks
         assert chunking_left_as_set(model, chunking)
-    handle = apply(model, "ssm", 0.5, **options)
+    handle = apply(model, "ssm", 0.5, adapter=options)
     merged = run(model, inputs)
     assert handle.stats["tokens_removed"] > 0 and not torch.equal(merged, before)
     assert chunking_left_as_set(model, chunking)
@@ -498,7 +498,7 @@ def test_feed_forward_chunking_is_untouched_where_the_mlp_is_not_merged(backbone
     model, inputs, options = chunking_case(backbone)
     set_chunking(model, (1, 0))
     ff = chunked_blocks(model)[0].ff
-    with merging(model, "tomesd", 0.5, **options) as handle:  # attention only
+    with merging(model, "tomesd", 0.5, adapter=options) as handle:  # attention only
         ff_tokens, remove = token_counts(ff)
         run(model, inputs)
         remove()
@@ -601,7 +601,7 @@ def test_sdxl_default_merges_the_half_resolution_blocks_and_logs_the_level(caplo
     assert handle.adapter.max_downsample == 2
     assert [r.getMessage() for r in caplog.records] == [
         "tomerge: unet max_downsample=None -> 2, the highest-resolution level with transformer blocks (3 of the 11 "
-        "blocks of this UNet2DConditionModel); pass max_downsample=... to change it"]
+        "blocks of this UNet2DConditionModel); pass adapter={'max_downsample': ...} to change it"]
     merged = run(unet, inputs)
     records = [r for r in handle.state.records if r.num_removed > 0]
     handle.remove()
@@ -613,15 +613,15 @@ def test_sdxl_default_merges_the_half_resolution_blocks_and_logs_the_level(caplo
 
 def test_sdxl_explicit_max_downsample_still_decides():
     unet, inputs = tiny_sdxl_unet(), sdxl_inputs()
-    with merging(unet, "tomesd", 0.5, max_downsample=1) as handle:
+    with merging(unet, "tomesd", 0.5, adapter={"max_downsample": 1}) as handle:
         with pytest.warns(UserWarning, match="no block of this UNet2DConditionModel call was merged"):
             run(unet, inputs)
         assert handle.adapter.max_downsample == 1 and handle.stats["tokens_removed"] == 0
-    with merging(unet, "tomesd", 0.5, max_downsample=4) as handle:
+    with merging(unet, "tomesd", 0.5, adapter={"max_downsample": 4}) as handle:
         run(unet, inputs)
         assert sorted({r.num_tokens for r in handle.state.records if r.num_removed}) == [16, 64]  # 1/4 and 1/2
     with pytest.raises(ValueError, match="1, 2, 4, 8 or None"):
-        apply(unet, "tomesd", 0.5, max_downsample=3)
+        apply(unet, "tomesd", 0.5, adapter={"max_downsample": 3})
 
 
 def test_sd15_like_unet_defaults_to_level_1_as_tomesd():
@@ -631,7 +631,7 @@ def test_sd15_like_unet_defaults_to_level_1_as_tomesd():
     assert sorted(block_levels(unet).values()) == [1] * 3 + [2] * 4  # 1: down 1 + up 2; 1/2: down 1 + mid 1 + up 2
     outs = []
     for options in ({}, {"max_downsample": 1}):
-        with tomerge.merging(unet, "tomesd", ratio=0.5, use_rand=False, **options) as handle:
+        with tomerge.merging(unet, "tomesd", ratio=0.5, use_rand=False, adapter=options) as handle:
             with torch.no_grad():
                 outs.append(unet(*inputs).sample)
             assert handle.adapter.max_downsample == 1

@@ -1,13 +1,12 @@
 """`MergeContext` is what a strategy may know and nothing else: a frozen dataclass (derived contexts come from
-``dataclasses.replace``), with no channel between a strategy's stages; the work both stages share is passed to
-them as ``shared=`` by ``MergeStrategy.plan``, and stages written without that parameter plan as they did."""
+``dataclasses.replace``), with no channel between a strategy's stages (a strategy whose stages share work passes it between them in
+its own ``plan``)."""
 
 from __future__ import annotations
 
 import dataclasses
 import uuid
 from pathlib import Path
-from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -135,78 +134,23 @@ def test_stages_without_shared_plan_as_their_stages_called_by_hand(tmp_path: Pat
     assert torch.equal(kept.merge(x), by_hand.merge(x))
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class SharesWork(MergeStrategy):
-    """Hands a fresh object from ``shared_work`` to both stages and records what each stage received."""
-
-    seen: list = dataclasses.field(default_factory=list, compare=False)
-    made: list = dataclasses.field(default_factory=list, compare=False)
-
-    def shared_work(self, x, ctx):
-        work = {"tokens": x.shape[1]}  # a new object every plan: identity tells it apart
-        self.made.append(work)
-        return work
-
-    def select_destinations(self, x, ctx, shared=None):
-        self.seen.append(("select_destinations", shared))
-        return _even_columns_plan(x, ctx).dst
-
-    def merge_matrix(self, x, dst, ctx, shared=None):
-        self.seen.append(("merge_matrix", shared))
-        return _even_columns_plan(x, ctx)
-
-
-def test_both_stages_get_the_object_shared_work_returned():
-    strategy = SharesWork()
-    x, ctx = _tokens(2), MergeContext(grid=(4, 4), ratio=0.5)
-    for _ in range(2):
-        strategy.plan(x, ctx)
-    assert len(strategy.made) == 2  # once per plan
-    for plan_index, work in enumerate(strategy.made):
-        stages = strategy.seen[2 * plan_index: 2 * plan_index + 2]
-        assert [stage for stage, _ in stages] == ["select_destinations", "merge_matrix"]
-        assert all(shared is work for _, shared in stages)
-    assert strategy.made[0] is not strategy.made[1]
-
-    strategy.seen.clear()
-    strategy.merge_matrix(x, strategy.select_destinations(x, ctx), ctx)  # called on their own: nothing shared
-    assert [shared for _, shared in strategy.seen] == [None, None]
-
-
-def test_a_stage_taking_keywords_gets_shared_and_one_without_does_not():
-    received: dict[str, Any] = {}
-
+def test_identity_plan_validates_and_is_the_plan_of_a_context_that_removes_nothing():
+    """What a strategy that overrides ``plan`` (to share work between its stages) validates with."""
     @dataclasses.dataclass(frozen=True, kw_only=True)
-    class Mixed(MergeStrategy):
-        def select_destinations(self, x, ctx):  # no shared: called without it
-            received["select_destinations"] = "called"
+    class Columns(MergeStrategy):
+        def select_destinations(self, x, ctx):
             return _even_columns_plan(x, ctx).dst
 
-        def merge_matrix(self, x, dst, ctx, **options):
-            received["merge_matrix"] = options
+        def merge_matrix(self, x, dst, ctx):
             return _even_columns_plan(x, ctx)
 
-    Mixed().plan(_tokens(3), MergeContext(grid=(4, 4), ratio=0.5))
-    assert received == {"select_destinations": "called", "merge_matrix": {"shared": None}}
-
-
-def test_shared_work_with_stages_lacking_shared_is_refused_at_class_definition():
-    with pytest.raises(TypeError, match=r"add shared=None to the stages") as raised:
+    x = _tokens(2)
+    identity = Columns().identity_plan(x, MergeContext(grid=(4, 4), ratio=0.0))
+    assert identity is not None and identity.is_identity and identity.num_tokens == 16
+    assert Columns().identity_plan(x, MergeContext(grid=(4, 4), ratio=0.5)) is None
+    with pytest.raises(ValueError):
+        Columns().identity_plan(x, MergeContext(grid=(4, 5), ratio=0.5))  # 16 tokens on a 20-token grid
+    with pytest.raises(TypeError, match="identity_plan"):
         @dataclasses.dataclass(frozen=True, kw_only=True)
-        class Forgetful(MergeStrategy):
-            name: ClassVar[str] = "forgetful"
-
-            def shared_work(self, x, ctx):
-                return x.float()
-
-            def select_destinations(self, x, ctx, shared=None):
-                return _even_columns_plan(x, ctx).dst
-
-            def merge_matrix(self, x, dst, ctx):
-                return _even_columns_plan(x, ctx)
-    assert "merge_matrix" in str(raised.value) and "select_destinations" not in str(raised.value)
-
-    with pytest.raises(TypeError, match=r"add shared=None to the stages"):
-        class Inherits(SharesWork):  # inherits shared_work, overrides a stage without shared
-            def select_destinations(self, x, ctx):
-                return _even_columns_plan(x, ctx).dst
+        class Hiding(Columns):
+            identity_plan: bool = True

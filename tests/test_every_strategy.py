@@ -98,7 +98,7 @@ CASES = {
                     lambda model: OTHER_IMAGE_FAMILIES["hidream"].inputs(model, batch=1), time_key="timesteps"),
     "lumina2": Case(OTHER_IMAGE_FAMILIES["lumina2"].build,
                     lambda model: OTHER_IMAGE_FAMILIES["lumina2"].inputs(model, batch=1), rising=True),
-    "unet": Case(tiny_unet, _unet_inputs, options={"max_downsample": 2}),
+    "unet": Case(tiny_unet, _unet_inputs, options={"adapter": {"max_downsample": 2}}),
     "native_dit": Case(_native_dit, _native_dit_inputs, time_key="t", output=lambda out: out),
 }
 

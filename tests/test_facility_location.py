@@ -397,8 +397,8 @@ def test_matches_the_spec_computed_plainly(tau: float) -> None:
 
 
 def test_plan_computes_the_tile_similarities_once_and_shares_them(monkeypatch):
-    """``shared_work`` (the tile similarities) is computed once per plan and passed to both stages as
-    ``shared=``; the stages called on their own compute it themselves and give the same plan, bit for bit."""
+    """``plan`` computes the tile similarities once and passes them to both stages; the stages called on their
+    own compute them themselves and give the same plan, bit for bit."""
     import tomerge.strategies.facility_location as module
 
     calls = []

@@ -107,7 +107,7 @@ def test_sdxl_merges_its_half_resolution_level_by_default():
         assert handle.adapter.max_downsample == 2 and handle.stats["tokens_removed"] > 0
     assert not torch.equal(merged, before)
     with pytest.warns(UserWarning, match="merged"):
-        with tomerge.merging(loaded("sdxl"), "tomesd", ratio=0.5, use_rand=False, max_downsample=1):
+        with tomerge.merging(loaded("sdxl"), "tomesd", ratio=0.5, use_rand=False, adapter={"max_downsample": 1}):
             merged = generate("sdxl")
     assert torch.equal(merged, before)
 

@@ -36,7 +36,6 @@ import tomerge
 class EveryOther(tomerge.MergeStrategy):
     """Even positions are destinations; each odd token merges into its left neighbour."""
 
-    batch_independent: ClassVar[bool] = True
     stride: int = 2
 
     def select_destinations(self, x, ctx):

@@ -288,7 +288,7 @@ def ssm_removed(num_tokens: int, ratio: float, round_windows: int = 16) -> int:
 
 
 def test_sdtm_on_the_unet_records_the_scheduled_decisions(unet, baseline):
-    handle = tomerge.apply(unet, "sdtm", ratio=0.3, deviation=0.2, num_steps=10, max_downsample=2)
+    handle = tomerge.apply(unet, "sdtm", ratio=0.3, deviation=0.2, num_steps=10, adapter={"max_downsample": 2})
     try:
         merged = run(unet)
         records = handle.state.records
@@ -316,7 +316,7 @@ def test_sdtm_on_the_unet_records_the_scheduled_decisions(unet, baseline):
 def test_sdtm_streak_variant_on_the_unet_removes_the_releases_multiple_of_16(unet):
     # The release's detail phase removes min(3N/4, r) // 16 * 16 tokens (TR_SDTM.py, FIDM lines 376-378).
     with tomerge.merging(unet, "sdtm", ratio=0.3, deviation=0.2, idm_variant="streak", num_steps=10,
-                         max_downsample=2) as handle:
+                         adapter={"max_downsample": 2}) as handle:
         run(unet)
         detail = [r for r in handle.state.records if r.label == "detail"]
         assert detail and {r.num_tokens for r in detail} == {64, 256}
@@ -330,7 +330,7 @@ def test_sdtm_streak_variant_on_the_unet_removes_the_releases_multiple_of_16(une
 @QUIET
 def test_sdtm_on_the_unet_protects_steps_and_layers(unet):
     with tomerge.merging(unet, "sdtm", ratio=0.3, protect_every=3, protect_layers=(1,), num_steps=10,
-                         max_downsample=2) as handle:
+                         adapter={"max_downsample": 2}) as handle:
         run(unet)
         for r in handle.state.records:
             if r.step % 3 == 0 or r.layer == 1:
@@ -340,7 +340,7 @@ def test_sdtm_on_the_unet_protects_steps_and_layers(unet):
 
 
 def test_sdtm_with_ratio_zero_is_bit_identical(unet, baseline):
-    with tomerge.merging(unet, "sdtm", ratio=0.0, num_steps=10, max_downsample=2) as handle:
+    with tomerge.merging(unet, "sdtm", ratio=0.0, num_steps=10, adapter={"max_downsample": 2}) as handle:
         assert all(torch.equal(a, b) for a, b in zip(run(unet), baseline))
         assert handle.stats["tokens_removed"] == 0 and {r.label for r in handle.state.records} == {"structure", "detail"}
 
@@ -351,7 +351,7 @@ def test_sdtm_below_zero_merges_nothing_on_the_clipped_steps_and_leaves_the_stre
     # t = 9 (-0.1); t = 7 gives 0.078 (int(64 * 0.078) = 4 > 0 tokens: it merges).
     sample, _, text = unet_inputs()
     with tomerge.merging(unet, "sdtm", ratio=0.3, deviation=0.4, curve="linear", switch=0.4, num_steps=10,
-                         max_downsample=2) as handle, torch.no_grad():
+                         adapter={"max_downsample": 2}) as handle, torch.no_grad():
         for step, t in enumerate(TIMESTEPS):
             unet(sample, torch.tensor(t), text)
             if step == 7:
@@ -390,7 +390,7 @@ def test_toma_on_the_unet_reuses_plans_as_configured(unet, plan_calls, group_siz
     skip = 1  # execution order: down 16x16 | down 8x8, mid 8x8 | up 8x8, 8x8 | up 16x16, 16x16
     with tomerge.merging(unet, "toma", ratio=0.5, num_tiles=4, skip_first=skip, group_size=group_size,
                          merge_every=merge_every, recompute_every=recompute_every, num_steps=10,
-                         max_downsample=2) as handle:
+                         adapter={"max_downsample": 2}) as handle:
         run(unet)
         num_layers = handle.state.num_layers
     layers = range(skip, num_layers)
@@ -415,9 +415,9 @@ def test_toma_on_the_unet_reuses_plans_as_configured(unet, plan_calls, group_siz
 
 
 def test_toma_with_ratio_zero_and_after_remove_is_bit_identical(unet, baseline):
-    with tomerge.merging(unet, "toma", ratio=0.0, num_steps=10, max_downsample=2):
+    with tomerge.merging(unet, "toma", ratio=0.0, num_steps=10, adapter={"max_downsample": 2}):
         assert all(torch.equal(a, b) for a, b in zip(run(unet), baseline))
-    handle = tomerge.apply(unet, "toma", ratio=0.5, num_tiles=4, num_steps=10, max_downsample=2)
+    handle = tomerge.apply(unet, "toma", ratio=0.5, num_tiles=4, num_steps=10, adapter={"max_downsample": 2})
     assert any(not torch.equal(a, b) for a, b in zip(run(unet), baseline))
     handle.remove()
     assert all(torch.equal(a, b) for a, b in zip(run(unet), baseline))
@@ -523,7 +523,7 @@ def test_constant_merges_only_inside_its_progress_window(unet):
     for w in trajectory():
         d = s.decide(w)
         assert d.merges == (0.5 <= w.progress <= 0.8) and (d.label == "skip_step") != d.merges
-    with tomerge.merging(unet, "ssm", ratio=0.5, merge_until=0.4, num_steps=10, max_downsample=2) as handle:
+    with tomerge.merging(unet, "ssm", ratio=0.5, merge_until=0.4, num_steps=10, adapter={"max_downsample": 2}) as handle:
         run(unet)
         merged_steps = {r.step for r in handle.state.records if r.num_removed}
     assert merged_steps == {0, 1, 2, 3}  # progress s / 9 <= 0.4

@@ -36,10 +36,10 @@ def run_tomesd(unet, inputs, seed=None, calls=1, **kw):
         tomesd.remove_patch(unet)
 
 
-def run_tomerge(unet, inputs, seed=None, calls=1, **kw):
+def run_tomerge(unet, inputs, seed=None, calls=1, max_downsample=None, **kw):
     if seed is not None:
         torch.manual_seed(seed)
-    with tomerge.merging(unet, "tomesd", **kw), torch.no_grad():
+    with tomerge.merging(unet, "tomesd", adapter={"max_downsample": max_downsample}, **kw), torch.no_grad():
         return [unet(*inputs).sample for _ in range(calls)]
 
 

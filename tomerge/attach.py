@@ -12,7 +12,7 @@ import dataclasses
 import functools
 import math
 import warnings
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -456,19 +456,26 @@ class MergeHandle:
 
 # ---------------------------------------------------------------------- public functions
 def apply(target: Any, strategy: str | MergeStrategy | Schedule = "tomesd", *, ratio: float | None = None,
-          backbone: str | None = None, **options: Any) -> MergeHandle:
+          backbone: str | None = None, adapter: Mapping[str, Any] | None = None, seed: int = 0,
+          num_steps: int | None = None, text_labels: Any = None, memory_budget: float | None = None,
+          **options: Any) -> MergeHandle:
     """Attaches token merging to a diffusers pipeline, a diffusers model or a native DiT.
 
     Args:
         target: the pipeline or model.
-        strategy: a registered strategy or schedule name, a :class:`MergeStrategy` or a :class:`Schedule`.
+        strategy: what to run: a :class:`MergeStrategy` or a :class:`Schedule` (e.g.
+            ``FORA(merge=ToMeSD(ratio=0.5))``), or a registered name as a shorthand.
         ratio: fraction of tokens removed (for a strategy: required unless the instance has one).
         backbone: adapter name; found from the model's classes when ``None``.
-        **options: strategy options, the adapter's options, ``merge_attn`` / ``merge_crossattn`` /
-            ``merge_mlp`` and ``merge_from`` / ``merge_until`` (see :class:`~tomerge.schedule.Constant`),
-            ``seed`` (per-(step, layer) generators), ``num_steps``, ``text_labels`` (see
-            :meth:`MergeHandle.set_text_labels`) and ``memory_budget`` (GiB the kept caches may reach before
-            a warning, :meth:`~tomerge.state.MergeState.check_memory`). Unknown names raise.
+        adapter: the adapter's options (e.g. ``{"max_downsample": 2}`` for the ``unet`` adapter).
+        seed: the seed of the per-(step, layer) generators.
+        num_steps: the step count, where the pipeline's scheduler does not tell it.
+        text_labels: labels of the text tokens (:meth:`MergeHandle.set_text_labels`).
+        memory_budget: GiB the kept caches may reach before a warning
+            (:meth:`~tomerge.state.MergeState.check_memory`).
+        **options: with a name, the options of that strategy or schedule (and, for a strategy,
+            :class:`~tomerge.schedule.Constant`'s ``merge_attn`` ... ``merge_until``); with an object, only
+            ``merge_attn`` ... ``merge_until``. Unknown names raise.
 
     Returns:
         A :class:`MergeHandle`; ``handle.remove()`` or :func:`remove` undoes everything. A two-expert pipeline
@@ -485,10 +492,12 @@ def apply(target: Any, strategy: str | MergeStrategy | Schedule = "tomesd", *, r
         >>> tomerge.remove(pipe)                                   # doctest: +SKIP
     """
     adapter_cls, model = _find_backbone(target, backbone)
-    adapter_fields = {f.name for f in dataclasses.fields(adapter_cls.Options)}
-    adapter_opts = {k: options.pop(k) for k in list(options) if k in adapter_fields}
-    state_opts = {k: options.pop(k) for k in list(options) if k in _STATE_OPTIONS}
-    schedule = make_schedule(strategy, ratio, options, adapter_fields)
+    misplaced = sorted(options.keys() & {f.name for f in dataclasses.fields(adapter_cls.Options)})
+    if misplaced:
+        raise TypeError(f"{misplaced} are options of the {adapter_cls.name!r} adapter: pass adapter={{...}}")
+    adapter_opts = dict(adapter or {})
+    state_opts = {"seed": seed, "num_steps": num_steps, "text_labels": text_labels, "memory_budget": memory_budget}
+    schedule = make_schedule(strategy, ratio, options)
     scheduler = getattr(target, "scheduler", None) if target is not model else None
     experts = _experts(target, model, adapter_cls, scheduler)
     handles: list[MergeHandle] = []
@@ -618,7 +627,18 @@ def check_options(strategy: str, *, ratio: float | None = None, backbones: Seque
         cls = backbone_class(names[0])
         build(cls.Options, {k: v for k, v in options.items() if k in adapter_fields}, what=f"backbone {cls.name!r}")
     rest = {k: v for k, v in options.items() if k not in adapter_fields and k not in _STATE_OPTIONS}
-    return make_schedule(strategy, ratio, rest, adapter_fields)
+    return make_schedule(strategy, ratio, rest, also_valid={*adapter_fields, *_STATE_OPTIONS})
+
+
+def apply_arguments(options: Mapping[str, Any], backbones: Sequence[str] | None = None) -> dict[str, Any]:
+    """The keyword arguments of :func:`apply` for a config's flat ``options`` (a grid entry's, which
+    :func:`check_options` validates): the adapter options of ``backbones`` (default: every registered one) go
+    into ``adapter=``, the state options stay keywords, the rest are the strategy's or schedule's."""
+    names = list(backbones) if backbones is not None else list_backbones()
+    adapter_fields = {f.name for name in names for f in dataclasses.fields(backbone_class(name).Options)}
+    adapter = {k: v for k, v in options.items() if k in adapter_fields}
+    rest = {k: v for k, v in options.items() if k not in adapter_fields}
+    return {**rest, "adapter": adapter} if adapter else rest
 
 
 def option_names(strategy: str, backbones: Sequence[str] | None = None) -> list[str]:
@@ -721,11 +741,11 @@ def _scheduler_timesteps(scheduler: Any, adapter: BackboneAdapter):
 
 
 def make_schedule(strategy: str | MergeStrategy | Schedule, ratio: float | None, options: dict[str, Any],
-                  adapter_fields: set[str] = frozenset()) -> Schedule:
+                  also_valid: set[str] = frozenset()) -> Schedule:
     """The schedule :func:`apply` runs for ``strategy`` (a registered name, a strategy or a schedule) at ``ratio``
     with ``options`` (a strategy's options and :class:`~tomerge.schedule.Constant`'s; a schedule's own), raising
-    what ``apply`` raises; ``adapter_fields`` are named as valid in the error on an unknown option. ``options``
-    is consumed."""
+    what ``apply`` raises; ``also_valid`` are named as valid in the error on an unknown option (a config's
+    adapter and state options). ``options`` is consumed."""
     if isinstance(strategy, str):
         cls = strategy_class(strategy)
         if issubclass(cls, Schedule):
@@ -734,7 +754,7 @@ def make_schedule(strategy: str | MergeStrategy | Schedule, ratio: float | None,
             return build(cls, options, what=f"schedule {strategy!r}")
         flags = {k: options.pop(k) for k in _CONSTANT_OPTIONS if k in options}
         instance = build(cls, options, what=f"strategy {strategy!r}",
-                         also_valid={*_CONSTANT_OPTIONS, *_STATE_OPTIONS, *adapter_fields})
+                         also_valid={*_CONSTANT_OPTIONS, *also_valid})
         return _constant(instance, ratio, flags)
     if isinstance(strategy, Schedule):
         if options or ratio is not None:
@@ -745,7 +765,8 @@ def make_schedule(strategy: str | MergeStrategy | Schedule, ratio: float | None,
         flags = {k: options.pop(k) for k in _CONSTANT_OPTIONS if k in options}
         if options:
             raise TypeError(f"options {sorted(options)} go into the strategy when you build it, not into apply(); "
-                            f"apply() takes ratio, {', '.join(_CONSTANT_OPTIONS + _STATE_OPTIONS)} and adapter options")
+                            f"apply() takes ratio, {', '.join(_CONSTANT_OPTIONS)} beside it, adapter options as "
+                            f"adapter={{...}} and the state's ({', '.join(_STATE_OPTIONS)}) as keywords")
         return _constant(strategy, ratio, flags)
     raise TypeError(f"strategy must be a name, a MergeStrategy or a Schedule, got {type(strategy).__name__}")
 

@@ -50,8 +50,7 @@ class MergeContext:
     Frozen: assigning a field raises ``dataclasses.FrozenInstanceError``; a context that differs in some fields
     is derived with ``dataclasses.replace(ctx, field=value)``, validated like a new one (except inside a compiled
     graph, where it comes from a context validated eagerly). Work a strategy computes for its own two stages is
-    no field of it: :meth:`~tomerge.MergeStrategy.plan` passes it to them as ``shared=``
-    (:meth:`~tomerge.MergeStrategy.shared_work`).
+    no field of it: the strategy's :meth:`~tomerge.MergeStrategy.plan` passes it between them.
 
     Args:
         grid: ``(H, W)`` token grid, or ``(T, H, W)`` for video (frames x height x width), raster order

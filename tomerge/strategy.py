@@ -3,9 +3,7 @@
 A strategy is a frozen dataclass whose fields are its options. It answers two questions for a block's
 tokens ``x [B, N, C]``: which tokens stay as destinations (:meth:`select_destinations`) and how every
 token maps onto the slots (:meth:`merge_matrix`, returning a :class:`~tomerge.MergePlan`). Merging,
-unmerging, size tracking and the contract tests come from the plan. Work both stages need is computed once
-by :meth:`shared_work` and passed to them as the keyword ``shared`` (stages that take no ``shared`` parameter
-are called without it).
+unmerging, size tracking and the contract tests come from the plan.
 
 Example (a complete strategy: merge each token of an odd column into its left neighbour):
 
@@ -31,7 +29,6 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-import inspect
 from typing import Any, ClassVar
 
 from torch import Tensor
@@ -40,22 +37,13 @@ from .context import MergeContext, check_ratio
 from .plan import MergePlan
 
 SUBLAYERS = ("attn", "crossattn", "mlp")
-INTERFACE = ("select_destinations", "merge_matrix", "unmerge", "merged_tokens", "plan", "shared_work", "draw")  # what the core calls
-CAPABILITIES = ("default_sublayers", "plan_input", "needs", "uses_generator", "generator_policy", "uses_streak",
-                "batch_independent")  # what the core reads (properties)
-#: The two stages :meth:`MergeStrategy.plan` calls; each takes the keyword ``shared`` or not (its signature says).
-STAGES = ("select_destinations", "merge_matrix")
+INTERFACE = ("select_destinations", "merge_matrix", "unmerge", "merged_tokens", "plan", "identity_plan",
+             "draw")  # what the core calls
+CAPABILITIES = ("default_sublayers", "plan_input", "needs", "uses_generator", "generator_policy",
+                "uses_streak")  # what the core reads (properties)
 #: What :attr:`MergeStrategy.needs` may list: the per-token statistics backbone adapters record (received
 #: attention: :meth:`BackboneAdapter.probe`).
 RECORDED_NEEDS = frozenset({"received_attention"})
-
-
-def _takes_shared(stage: Any) -> bool:
-    """Whether the stage method ``stage`` accepts the keyword argument ``shared`` (a parameter of that name, or
-    ``**kwargs``)."""
-    parameters = inspect.signature(stage).parameters.values()
-    return any(p.kind is p.VAR_KEYWORD
-               or p.name == "shared" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) for p in parameters)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -64,13 +52,13 @@ class MergeStrategy(abc.ABC):
 
     Class attribute: ``name``, the registry name (set by :func:`tomerge.register_strategy` if missing).
 
-    Stages: :meth:`plan` passes the shared work as ``shared=`` to each stage whose signature accepts it and
-    calls the others without it; defining a class that overrides :meth:`shared_work` raises ``TypeError``
-    unless both stages accept ``shared``.
+    :meth:`plan` validates, then calls :meth:`select_destinations` and :meth:`merge_matrix`; a strategy whose
+    stages share work (facility location's tile similarities) overrides :meth:`plan`, validating with
+    :meth:`identity_plan` first.
 
     Capabilities the core reads are read-only properties (override them; they may depend on the options):
     :attr:`default_sublayers`, :attr:`plan_input`, :attr:`needs`, :attr:`uses_generator`,
-    :attr:`generator_policy`, :attr:`uses_streak`, :attr:`batch_independent`.
+    :attr:`generator_policy`, :attr:`uses_streak`.
 
     Field:
         ratio: the default ratio when the strategy is applied without one; planning always uses
@@ -78,7 +66,6 @@ class MergeStrategy(abc.ABC):
     """
 
     name: ClassVar[str] = ""
-    _stages_taking_shared: ClassVar[frozenset[str]] = frozenset(STAGES)
 
     ratio: float | None = None
 
@@ -90,12 +77,6 @@ class MergeStrategy(abc.ABC):
         if hidden:  # a dataclass field of that name would replace what the core calls or reads
             raise TypeError(f"{cls.__qualname__}: option(s) {hidden} would hide the MergeStrategy method(s) or "
                             "capabilities of the same name; rename the option")
-        cls._stages_taking_shared = frozenset(stage for stage in STAGES if _takes_shared(getattr(cls, stage)))
-        without = [stage for stage in STAGES if stage not in cls._stages_taking_shared]
-        if cls.shared_work is not MergeStrategy.shared_work and without:
-            raise TypeError(f"{cls.__qualname__} overrides shared_work, but {' and '.join(without)} take(s) no "
-                            "'shared' parameter: add shared=None to the stages (plan() passes what shared_work "
-                            "returned to them as shared=)")
 
     def __post_init__(self) -> None:
         if self.ratio is not None:
@@ -137,12 +118,6 @@ class MergeStrategy(abc.ABC):
         """Whether the state keeps merge streaks (``ctx.streak``) for it."""
         return False
 
-    @property
-    def batch_independent(self) -> bool:
-        """Whether each sample's plan depends on that sample alone (the contract test then checks that a batch
-        plans like its samples one by one)."""
-        return True
-
     # ------------------------------------------------------------------ the algorithm
     def draw(self, ctx: MergeContext, batch: int) -> Tensor | None:
         """The random numbers the plan of a ``batch``-sample call on ``ctx``'s grid needs, drawn from
@@ -152,22 +127,13 @@ class MergeStrategy(abc.ABC):
         calls it itself. Default: nothing drawn (``None``)."""
         return None
 
-    def shared_work(self, x: Tensor, ctx: MergeContext) -> Any:
-        """Work both stages need (e.g. a similarity matrix), computed once by :meth:`plan` and passed to
-        :meth:`select_destinations` and :meth:`merge_matrix` as the keyword argument ``shared``. A strategy that
-        overrides it takes ``shared=None`` in both stages; called on their own, the stages get ``shared=None``
-        and compute what they need. Default: nothing shared (``None``)."""
-        return None
+    @abc.abstractmethod
+    def select_destinations(self, x: Tensor, ctx: MergeContext) -> Tensor:
+        """Returns ``[B, M']`` long token positions kept as destinations."""
 
     @abc.abstractmethod
-    def select_destinations(self, x: Tensor, ctx: MergeContext, shared: Any = None) -> Tensor:
-        """Returns ``[B, M']`` long token positions kept as destinations. ``shared``: what :meth:`shared_work`
-        returned, passed by :meth:`plan` (a stage may leave the parameter out when the strategy shares
-        nothing)."""
-
-    @abc.abstractmethod
-    def merge_matrix(self, x: Tensor, dst: Tensor, ctx: MergeContext, shared: Any = None) -> MergePlan:
-        """Maps every token onto the slots; returns the plan. ``shared`` as in :meth:`select_destinations`."""
+    def merge_matrix(self, x: Tensor, dst: Tensor, ctx: MergeContext) -> MergePlan:
+        """Maps every token onto the slots; returns the plan."""
 
     def unmerge(self, y: Tensor, plan: MergePlan) -> Tensor:
         """``[B, M, C'] -> [B, N, C']``: what the hooks call on a merged sublayer's output; default
@@ -181,8 +147,8 @@ class MergeStrategy(abc.ABC):
         return plan.merged_tokens()
 
     def plan(self, x: Tensor, ctx: MergeContext, destinations: Tensor | None = None) -> MergePlan:
-        """Plans the merge of ``x [B, N, C]``: validates, then :meth:`shared_work`, destinations and the merge
-        matrix; the shared work goes to each stage that takes it as ``shared=``.
+        """Plans the merge of ``x [B, N, C]``: validates (:meth:`identity_plan`), then the destinations and the
+        merge matrix.
 
         Args:
             x: ``[B, N, C]`` tokens.
@@ -193,6 +159,16 @@ class MergeStrategy(abc.ABC):
 
         Returns the identity plan when ``ctx`` asks to remove no token.
         """
+        identity = self.identity_plan(x, ctx)
+        if identity is not None:
+            return identity
+        if destinations is None:
+            destinations = self.select_destinations(x, ctx)
+        return self.merge_matrix(x, destinations, ctx)
+
+    def identity_plan(self, x: Tensor, ctx: MergeContext) -> MergePlan | None:
+        """Validates ``x [B, N, C]`` and ``ctx`` for this strategy: the identity plan when ``ctx`` asks to remove
+        no token, else ``None`` (plan). Raises ``ValueError`` on a context missing what the strategy needs."""
         B, N, _ = ctx.check_tokens(x)
         if ctx.tokens_to_remove(N) == 0:
             return MergePlan.identity(B, N, device=x.device)
@@ -204,14 +180,7 @@ class MergeStrategy(abc.ABC):
             )
         if self.uses_generator and ctx.generator is None and ctx.draws is None:
             raise ValueError(f"strategy {self.name!r} draws random numbers: pass MergeContext(generator=...)")
-        work = self.shared_work(x, ctx)
-        if destinations is None:
-            destinations = self.select_destinations(x, ctx, **self._shared_keyword("select_destinations", work))
-        return self.merge_matrix(x, destinations, ctx, **self._shared_keyword("merge_matrix", work))
-
-    def _shared_keyword(self, stage: str, work: Any) -> dict[str, Any]:
-        """``{"shared": work}`` for a stage that takes it, else ``{}`` (stages written without the parameter)."""
-        return {"shared": work} if stage in self._stages_taking_shared else {}
+        return None
 
     # ------------------------------------------------------------------ options
     @classmethod

@@ -150,7 +150,10 @@ def merged(bench: Bench, method: str | None, ratio: float, num_steps: int | None
     else:
         name, options = method_spec(method)
         kw = {"num_steps": num_steps} if num_steps else {}
-        with tomerge.merging(bench.model, name, ratio=method_ratio(method, ratio), **options, **kw):
+        from tomerge.attach import apply_arguments
+
+        arguments = apply_arguments({**options, **kw})
+        with tomerge.merging(bench.model, name, ratio=method_ratio(method, ratio), **arguments):
             yield
 
 

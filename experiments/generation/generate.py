@@ -170,9 +170,17 @@ def generate_batch(source: Any, batch: Sequence[Item], spec: GenerateSpec) -> Te
         torch.manual_seed(batch[0].seed)
         if spec.strategy == "none":
             return source.generate(batch)
-        with tomerge.merging(source.target, spec.strategy, ratio=spec.ratio,
-                             **{**source.merge_options(), **spec.options}):
+        with merging(source, spec):
             return source.generate(batch)
+
+
+def merging(source: Any, spec: Any):
+    """``tomerge.merging`` for one run spec on ``source`` (its flat config options sorted into apply's keyword
+    groups; the reference DiT also gets the sampler's step count)."""
+    from tomerge.attach import apply_arguments
+
+    return tomerge.merging(source.target, spec.strategy, ratio=spec.ratio,
+                           **apply_arguments({**source.merge_options(), **spec.options}))
 
 
 def save_image(image: Tensor, path: Path) -> None:

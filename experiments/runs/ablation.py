@@ -33,13 +33,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import tomerge
-
 from ..config.grid import valid_ratios
 from ..config.schema import AblationConfig, ConfigError, RunSpec
 from ..generation.files import image_files, output_complete
 from ..generation.distributed import generate_distributed
-from ..generation.generate import INDEX_FILE, GenerateSpec, generate_local, item_output, prepare
+from ..generation.generate import INDEX_FILE, GenerateSpec, generate_local, item_output, merging, prepare
 from ..measure.timing import overhead_ratio, speed_columns, time_baseline_and_merged
 from ..sources.items import Item
 from .records import RESULTS, RunFolder, environment, last_rows
@@ -52,9 +50,6 @@ if TYPE_CHECKING:
 __all__ = ["run_ablation", "measure_run", "speed_row", "match_flop_speedups"]
 
 
-def _merging(source: Any, run: RunSpec):
-    """``tomerge.merging`` for one run (the reference DiT also gets the sampler's step count)."""
-    return tomerge.merging(source.target, run.strategy, ratio=run.ratio, **{**source.merge_options(), **run.options})
 
 
 def _spec(config: AblationConfig, run: RunSpec | None) -> GenerateSpec:
@@ -132,7 +127,7 @@ def measure_run(source: Any, config: AblationConfig, timing_items: Sequence[Item
                 "merge_gflops": merge_flops / n / 1e9, "maps": {}, "grids": {}, "records": []}
     maps: dict[str, Any] = {}
     grids: dict[str, tuple[int, ...]] = {}
-    with _merging(source, run) as handle:
+    with merging(source, run) as handle:
         def keep_map(block_call, plan) -> None:
             where = block_call.where
             key = f"step{where.step:03d}_layer{where.layer:02d}"
@@ -195,7 +190,7 @@ def speed_row(source: Any, config: AblationConfig, timing_items: Sequence[Item],
     (the config's ``warmup`` and ``repeats``; :func:`~tomerge.experiments.measure.timing.time_baseline_and_merged`),
     as a result row's measured columns (:func:`~tomerge.experiments.measure.timing.speed_columns`: medians,
     spreads, per image, denoiser time, memory)."""
-    base, merged = time_baseline_and_merged(lambda: source.generate(timing_items), lambda: _merging(source, run),
+    base, merged = time_baseline_and_merged(lambda: source.generate(timing_items), lambda: merging(source, run),
                                             source.denoiser, warmup=config.warmup, repeats=config.repeats)
     return speed_columns(base, merged, items=len(timing_items), repeats=config.repeats)
 
