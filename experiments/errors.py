@@ -1,31 +1,9 @@
 """Every user-facing error of the `tomerge` commands, and how the command line reports them.
 
-A mistake of the user's (a config, an argument, a file, weights, a plugin, the disk) prints
-``tomerge COMMAND: error: MESSAGE`` and exits with 2, without a traceback (:func:`report_errors`). That is
-
-* a :class:`UserError` anywhere, one of
-
-  ===========================  =============================================================================
-  :class:`UsageError`          a bad value or a refused request (a ``ValueError``)
-  :class:`ConfigError`         every problem of a config, one per line (a :class:`UsageError`)
-  :class:`PluginError`         a plugin that cannot be loaded (an ``ImportError``)
-  :class:`MissingWeightsError` a metric's local weights not given or not found (a ``FileNotFoundError``)
-  :class:`DiskFullError`       no space left (or the quota used up) writing a named file (an ``OSError``)
-  :class:`DamagedFileError`    a file of a run folder that cannot be read (truncated, another version)
-  :class:`FolderInUseError`    another process holds the folder's lock
-  :class:`RankFailedError`     a rank of a distributed generation died or failed; the others were stopped
-  ===========================  =============================================================================
-
-* a ``FileNotFoundError`` anywhere (a missing input file, folder or checkpoint);
-* an ``OSError`` of a full disk or quota anywhere (``ENOSPC``, ``EDQUOT``: :data:`NO_SPACE`);
-* a ``ValueError``, ``TypeError`` or ``KeyError`` raised inside a :func:`user_input` block: the
-  subcommands read and check their configs and arguments in one.
-
-Anything else is a bug: its traceback is printed with a line asking to report it, exit code 1.
-Ctrl-C prints one line (what is kept, :data:`INTERRUPTED`, and that rerunning the same command resumes),
-exit code 130. A reader that closes the output early (``tomerge backbones | head``) ends the command
-quietly, exit code 141 (as a shell reports SIGPIPE). ``--debug`` lets every exception through with its
-full traceback.
+A mistake of the user's (a :class:`UserError` such as :class:`ConfigError` or :class:`DiskFullError`, a missing
+file, a full disk, a bad value read inside :func:`user_input`) prints ``tomerge COMMAND: error: MESSAGE`` and
+exits with 2, without a traceback (:func:`report_errors`); anything else is a bug (traceback, exit 1); Ctrl-C
+exits with 130 saying that a rerun resumes. The rules: docs/experiments.md, "3. Run the ablation", Errors.
 
 This module imports nothing of tomerge: every other module may import it.
 """

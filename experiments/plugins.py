@@ -5,22 +5,8 @@ can be named in a grid, on the command line or in a figure.
     tomerge ablate --plugin my_strategy.py --set "grid=[{strategy: my_strategy, ratios: [0.5]}]"
     tomerge generate --plugin my_pkg.strategies --strategy mine ...
 
-A spec is either
-
-* a path to a ``.py`` file (any spec containing ``/`` or ending in ``.py``), relative to
-  ``base_dir`` when given (a config file's folder) and else, or if not found there, to the current
-  directory. The file is imported under a stable module name derived from its resolved path,
-  ``tomerge_plugin_<stem>_<8 hex digits>``, put in ``sys.modules`` before it runs (dataclasses,
-  pickling and worker processes that load the same plugins find it). Its folder is **not** added to
-  ``sys.path``: a plugin that imports a sibling module needs that folder on ``PYTHONPATH`` (or give
-  the module name instead of the path);
-* an importable module name (``my_pkg.strategies``), imported with :func:`importlib.import_module`.
-
-Loading is idempotent: a file or module already loaded in this process (by this function, or a file
-already imported under its own module name) is not run again. Every failure raises
-:class:`PluginError` (an ``ImportError``) naming the plugin, with the original exception chained:
-a missing file, a module that cannot be found, an exception or ``SyntaxError`` while importing it,
-and a name it registers that is already taken (by a built-in or by another plugin's class).
+A spec is a ``.py`` file or a module name; loading is idempotent, and every failure is a :class:`PluginError`
+naming the plugin. The rules: docs/writing-a-strategy.md, "Use it in experiments without packaging".
 """
 
 from __future__ import annotations

@@ -2,31 +2,8 @@
 whose blocks see exactly ``N`` image tokens, at the widths that matter, with their call inputs
 (:func:`build`, :class:`Bench`); what the sizes on a command line may be (:func:`check_sizes`).
 
-Models (random weights, ``depth`` blocks; Flux: ``depth`` double-stream and ``depth`` single-stream):
-
-=========  ==============================  =====  =====  ======  =====================================
-width      model class                      C      heads  patch   text tokens (default)
-=========  ==============================  =====  =====  ======  =====================================
-sd3        SD3Transformer2DModel (MMDiT)   1536    24    2       333 (77 CLIP + 256 T5), joint
-pixart     PixArtTransformer2DModel        1152    16    2       120 (cross-attention)
-dit        DiTTransformer2DModel (DiT-XL)  1152    16    2       none (class label)
-flux       FluxTransformer2DModel          3072    24    1 (packed 2x2)  512 (T5), joint
-unet       UNet2DConditionModel, SD1.5 widths (320, 640, 1280, 1280), 1 layer per block, 77 x 768 text;
-           N tokens = the full-resolution latent (64 x 64 for 4096); compared with ``tomesd.apply_patch``
-wan        WanTransformer3DModel (Wan 2.1  1536    12    (1, 2, 2)  512 (UMT5), cross-attention;
-           T2V 1.3B), FFN 8960                                    video: N = T * H * W (below)
-wan14b     WanTransformer3DModel (Wan 2.1  5120    40    (1, 2, 2)  512 (UMT5), cross-attention
-           T2V 14B), FFN 13824
-hunyuan_   HunyuanVideoTransformer3DModel  3072    24    (1, 2, 2)  256 (LLaVA), joint; ``depth`` double-
-video      (MLP ratio 4, RoPE 16/56/56)                            and ``depth`` single-stream blocks
-=========  ==============================  =====  =====  ======  =====================================
-
-Video widths take a token count ``N = T * H * W``, the token grid after patchification (81 frames of
-480 x 832: latent 21 x 60 x 104, grid 21 x 30 x 52, N = 32760), and factor it by :func:`video_grid`: ``T``
-is ``frames`` (``--frames``) or else the largest divisor of ``N`` not above 21 (the latent frames of Wan's
-81-frame clips); ``(H, W)`` is the factor pair of ``N / T`` (``H <= W``) whose ``W / H`` is closest to
-832 / 480, Wan's 480p landscape frame. So 32760 -> (21, 30, 52), 4096 -> (16, 16, 16), 16384 -> (16, 32, 32).
-The latent is ``[B, 16, T, 2H, 2W]``; see docs/benchmarks.md, "Video (Wan)".
+The widths (model class, channels, heads, patch, text tokens) and how a video width's ``N`` is factored into
+``(T, H, W)`` (:func:`video_grid`): docs/benchmarks.md, "What is measured" and "Video (Wan)".
 """
 
 from __future__ import annotations

@@ -6,31 +6,10 @@
     tomerge generate --config experiments/configs/papers/sdtm_sd3_medium.yaml \\
         --set model.pipeline=/models/sd3-medium --strategy tomesd --ratio 0.5 --out runs/gen/tomesd
 
-Item ``i`` (classes repeated ``--per-class`` times, or prompts repeated ``--images-per-prompt``
-times, in order) gets the seed ``--seed + i``; its initial noise comes from
-``torch.Generator("cpu").manual_seed(seed)`` exactly as in ``tomerge ablate``, and it is written to
-``OUT/{i:05d}_class{c}_seed{seed}.png`` (classes) or ``OUT/{i:05d}_seed{seed}.png`` (prompts), listed
-with its prompt in ``OUT/prompts.jsonl``. Each image written is also logged in
-``OUT/generated.jsonl`` with the rank that wrote it.
-
-Video pipelines (Wan, HunyuanVideo, LTX-Video, Latte: a ``__call__`` taking ``num_frames`` or ``video_length``,
-``sources.VIDEO_CALL_ARGS``) write each item as a folder ``OUT/{i:05d}_seed{seed}/`` of one PNG per frame
-(``frame_000.png``, ``frame_001.png``, ...), made whole under a temporary name and renamed into place, so a
-folder that exists is complete.
-
-Resume: the list is cut into fixed batches of ``--batch-size`` consecutive items; a batch whose files
-all exist is skipped, and a partly finished one is recomputed whole but only its missing files are
-written. Batches never change composition, and random merge choices are seeded per batch, so an
-image depends only on its index, seed, the batch size and the settings (recorded in
-``OUT/generate.json``; a rerun with other settings into the same folder is refused), never on the
-number of processes or on what was generated before.
-
-Several processes: ``--devices N`` (and ``--num-nodes``) run PyTorch Lightning's ``Trainer.predict``
-with DDP (gloo on CPU, NCCL on GPU); rank ``r`` of ``W`` takes batches ``r, r + W, r + 2W, ...`` and
-loads the model itself on its device. ``--launcher ddp`` re-executes the command once per extra rank
-(Lightning's default, also right under SLURM/torchrun); ``ddp_spawn`` / ``ddp_fork`` start them with
-``multiprocessing`` spawn / fork (fork: CPU only, or before CUDA is initialised; the cheapest start,
-used by the tests).
+Item ``i`` gets the seed ``--seed + i`` and the noise ``tomerge ablate`` gives it. Work is cut into fixed batches
+of ``--batch-size`` items, so an image depends only on its index, seed, the batch size and the settings, never on
+the number of processes (``--devices``: Lightning DDP) or on what was generated before; a rerun resumes. File
+names, resume, launchers and failures: docs/experiments.md, "5. Images at scale".
 """
 
 from __future__ import annotations

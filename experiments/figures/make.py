@@ -3,34 +3,10 @@
     tomerge figures runs/reference --out figures/reference
     tomerge figures runs/quick runs/big --out figures/all --metrics psnr fd_effnetlite0 --formats png
 
-Reads what ``tomerge ablate`` wrote (``results.jsonl``, ``images/``, ``maps/``, ``config.yaml``) and writes,
-each figure in every format of ``--formats`` (default PNG and PDF):
-
-* ``OUT/pareto_<metric>.png`` (and ``.pdf``, ...): speed-up (measured, or ``--x flop_speedup``) vs quality, one
-  line per method through its ratios, named once in the legend, the Pareto front highlighted, the model, metric
-  and image count in the title (:mod:`~tomerge.experiments.figures.pareto`); ``OUT/pareto.json`` names the runs on
-  each front.
-* ``OUT/ablation.md`` and ``OUT/ablation.tex`` (booktabs): one row per run, best merged value in bold.
-* per run folder, ``OUT/<folder>/``: ``schedules.png`` (fraction of tokens removed per step, requested
-  ratio dashed, phases shaded), ``maps/<run>.png`` (tokens sharing a slot share a colour, unmerged
-  tokens dark, over the run's first image, per kept step and layer), ``grid.png`` (one image per
-  class or prompt, at most ``--k``, or the first ``--k`` with ``--grid-items first``; the same items
-  in every row: baseline row then one row per run, or for prompts one row per prompt).
-* per video run folder (items are folders of frames), instead of the grid and the image merge maps:
-  ``frames/<item>.png`` for the same items (a frame strip: baseline row then one row per run, a few evenly
-  spaced frames side by side), ``maps/<run>.png`` (per kept step and layer a row of merge maps, one per latent
-  frame, over the matching frame of the run's first video) and ``frame_quality.png`` with
-  ``frame_quality.json`` (PSNR, SSIM and DINO distance vs the baseline per frame index, one line per run:
-  the rows' ``psnr_per_frame``, ...).
-
-A W&B offline run directory inside a run folder (``runs/<name>/wandb/offline-run-*``) resolves to
-that run folder; standalone W&B runs are not supported (their binary logs hold no more than the
-run folder does).
-
-A broken run folder is named in one line, with what to do (:class:`~tomerge.experiments.errors.DamagedFileError`):
-a truncated or unreadable image, ``prompts.jsonl`` or merge map, a broken row of ``results.jsonl``, rows
-lacking the keys figures need (a folder of another tomerge version). An unfinished last row (a killed
-``tomerge ablate``) is left out and missing images are left out of the grids, each with a warning.
+Reads what ``tomerge ablate`` wrote and writes Pareto plots (speed-up vs quality, ``pareto.json``), the
+ablation table (Markdown and LaTeX), and per run folder schedules, merge maps and an image grid (video folders:
+frame strips, merge maps per frame, quality per frame). A broken run folder is named in one line with what to
+do. Every file and how it is drawn: docs/experiments.md, "4. Make the figures" and "8. Video pipelines".
 """
 
 from __future__ import annotations

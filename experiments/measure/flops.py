@@ -1,39 +1,11 @@
 """FLOPs of a call: the one counter of tomerge (``tomerge ablate``, ``tomerge bench``, the scripts, the tests).
 
-torch's ``FlopCounterMode`` prices matrix products, convolutions and the GPU attention kernels, but nothing
-it does not know: ``F.scaled_dot_product_attention`` on CPU dispatches to
-``aten._scaled_dot_product_flash_attention_for_cpu`` and would count zero. :class:`FlopCounter` adds a
-formula for every attention kernel torch may pick (the CPU flash kernel, the fused kernel of other
-accelerators, the MPS math kernel; flash, memory-efficient and cuDNN are torch's own; the math kernel
-decomposes into the ``bmm`` it runs) and for matrix-vector products, and raises :class:`UnpricedOpError`
-when a call runs an op whose name says it moves FLOPs (a matrix product, a convolution, an attention
-kernel, ``linear``, ``einsum``) and that no formula prices, so a new kernel cannot count as free.
+torch's ``FlopCounterMode`` counts zero for kernels it does not know (CPU attention among them); this counter
+prices every attention kernel torch may pick, raises :class:`UnpricedOpError` on an unpriced op that moves
+FLOPs, and sums merging's own FLOPs apart (``merge_gflops``). What it counts, what it leaves out at zero (and
+why that favours merging), and how merging's share is found: docs/experiments.md, "3. Run the ablation", FLOPs.
 
 This module imports torch: the command line's modules import it in the functions that count.
-
-What it counts (its scope): matrix products (``mm``, ``bmm``, ``addmm``, ``baddbmm``, ``addbmm``, ``mv``,
-``addmv``, ``dot``, ``vdot``, ``addr``, ``_int_mm``, ``_scaled_mm``; ``linear``, ``matmul`` and ``einsum``
-through the products they run), convolutions, and attention kernels at their two products, query-key and
-weights-value (``4 B H N_q N_k d``; the fused kernels' softmax is not priced); a multiply-add counts 2, as
-in the papers' FLOP figures. What it leaves out, at zero: every element-wise op (softmax, norms, activations,
-adaLN modulation and gates, residual adds, bias adds, a cached residual's reuse and its Taylor forecast),
-copies and reshapes, and the ops that move or choose tokens: gathers, ``index_select``, scatters,
-``scatter_reduce`` / ``index_add``, sorts, ``argsort``, ``topk``, ``argmax``, cumulative sums. The omission
-**favours merging**: merging adds exactly such ops (sorting and matching tokens by a similarity's argmax,
-gathering them and scattering them back), which cost time but no counted FLOPs beyond the matmuls of its
-planning; caching skips whole blocks and so removes element-wise work too, which the count does not credit.
-A FLOP-ideal speed-up is thus an upper bound that flatters merging more than caching; the measured speed-up
-(``measured/ideal``) is what pays for the rest.
-
-Merging's own FLOPs: of the total, the counter also sums apart what runs inside tomerge's planning, merging and
-unmerging (:meth:`FlopCounter.get_merge_flops`, the ``merge_gflops`` column): an op counts there when a frame of
-the Python stack at that op is one of :func:`merge_code` (a strategy's ``plan`` or ``unmerge``,
-``MergeState.plan_for``, ``MergePlan.merge`` / ``unmerge``, the received-attention probe). The hot code is not
-touched (it runs inside compiled graphs); counting runs eagerly, once, so walking the stack per op costs
-nothing that matters. ``merge_gflops`` is therefore only the matrix-product part of merging: the similarity
-matrices of planning (e.g. ToMe's ``a @ b^T``), soft plans' merge and unmerge matmuls, a hard plan's ``dense``
-backend; the rest of planning (norms of the similarity, argmax, sorts, ``topk``) and a hard plan's gathers and
-scatters (its ``index`` backend) count zero.
 """
 
 from __future__ import annotations

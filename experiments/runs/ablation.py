@@ -5,24 +5,11 @@
     tomerge ablate --config experiments/configs/papers/sdtm_sd3_medium.yaml \\
         --set model.pipeline=/models/sd3-medium --set prompts=/data/coco/captions_val2017.json
 
-The model is the bundled reference DiT (class labels) or any diffusers pipeline folder on local disk
-(prompt sets); see :mod:`tomerge.experiments.sources.models`. Every run generates the same items with the
-same per-item seeds as the baseline (noise of item ``i`` from ``seed + i``), written as PNGs to
-``runs/<name>/images/<run>/`` (resumable, optionally over several processes with Lightning DDP), and
-records: its config; speed of the timing batch's generation call, baseline and merged alternating in
-one process (median and spread of the repeats, wall-clock and denoiser time, per image); FLOPs of
-the denoiser (:mod:`tomerge.experiments.measure.flops` around every denoiser call) and the FLOP-ideal speed-up; peak CUDA
-memory; PSNR/SSIM and EfficientNet-Lite0 feature distance against the baseline image of the same
-item; FD-EffNetLite0 against the baseline set and against real images; CLIP score and FID when
-their local weights are given; versions and the git commit. Results are appended to
-``runs/<name>/results.jsonl`` as each run finishes, so an interrupted grid resumes where it stopped
-(and an interrupted run keeps its finished images); ``results.csv`` and ``table.md`` are rewritten at
-the end, and W&B gets the same (offline by default).
-
-Video pipelines (Wan, HunyuanVideo, LTX-Video) run the same way: each item is a folder of one PNG per
-frame, and the quality metrics are per frame (PSNR/SSIM against the same frame of the baseline video,
-averaged and per frame index; FD-EffNetLite0 over the frames as images); docs/experiments.md, "Video
-pipelines".
+Every run generates the baseline's items with the same seeds, on the bundled reference DiT or a diffusers
+pipeline folder (images or videos), and records speed (baseline and merged alternating), FLOPs, quality against
+the baseline and real images, and versions, one row per run appended to ``runs/<name>/results.jsonl``, so an
+interrupted grid resumes. What each column means and the run folder's files: docs/experiments.md, "3. Run the
+ablation" and "8. Video pipelines".
 """
 
 from __future__ import annotations

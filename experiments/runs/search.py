@@ -1,37 +1,10 @@
 """``tomerge search``: a multi-objective search over strategies, ratios and options (Optuna).
 
-A search config is an ablation config (model, items, metrics, timing; ``grid:`` is not used) with a
-``search:`` section::
-
-    search:
-      trials: 40                      # trials in all (a resumed search runs the missing ones)
-      sampler: nsga2                  # nsga2 (NSGA-II), tpe (multi-objective TPE) or random
-      population: 8                   # nsga2 only; default nsga2_population(trials), see below
-      seed: 0
-      objectives: [flops, fd_effnetlite0]   # result-row columns; each is minimised or maximised as
-                                            # records.BETTER says (psnr: maximised)
-      space:                          # one entry per strategy or schedule
-        - strategy: tomesd
-          ratio: {low: 0.1, high: 0.75}          # a range (step 0.01 unless `step:` is given)
-          options: {use_rand: false}             # a fixed value
-        - strategy: sdtm_release
-          ratio: {low: 0.0, high: 0.6}
-          options: {protect_every: [2, 3, 4]}    # a list: one of these values
-      held_out: {seed: 1000, classes: [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]}   # item keys of the held-out set
-
-Every trial is a normal run of the run folder ``OUT_DIR/NAME`` (images, result row, W&B; the same run id
-as in ``tomerge ablate``), so an interrupted search keeps every finished trial: the Optuna study is a
-journal file in ``NAME/search/``, and a trial that was running when the process stopped is run again with
-the same values (its finished images are reused). After the trials: the Pareto front of the objectives
-as a table (``search/front.md``, with the held-out columns when they are run), a figure (``search/front.png`` and ``.pdf``), a config that reruns the
-front (``search/front.yaml``, ``tomerge ablate --config``), and the front re-scored on the held-out items
-(``search/held_out.yaml``, run as the folder ``NAME_held_out``; its table is printed beside the search's).
-Every trial is listed in ``search/trials.md`` (:mod:`~tomerge.experiments.runs.search_output`).
-
-The sampler evolves: NSGA-II's population is :func:`nsga2_population` of the budget, so it runs about five
-generations; under NSGA-II every trial draws every entry's parameters (NSGA-II breeds only those every trial
-has); a budget under two generations is warned about (:attr:`SearchSpace.warning`); the outputs name the
-sampler, its population and the generations run (docs/experiments.md, "Search").
+A search config is an ablation config without ``grid:``, plus a ``search:`` section (trials, sampler,
+objectives, the space of strategies, ratios and options, held-out items). Every trial is a normal, resumable
+run of the run folder; the Pareto front is written as a table, a figure and a config that reruns it, and is
+re-scored on held-out items. The section's keys, the sampler's population and the outputs: docs/experiments.md,
+"3b. Search".
 
 Example:
     tomerge search --config experiments/configs/search.yaml --set search.trials=10

@@ -1,34 +1,10 @@
-"""Model sources: what an experiment generates with.
+"""Model sources: the ``model:`` entry every subcommand takes, as data (:class:`ModelSpec`), and :class:`Item`.
 
-Every subcommand that runs a model takes the same ``model:`` entry:
-
-* ``model: reference`` (the default): the bundled class-conditional reference DiT, or a native DiT
-  checkpoint (``{reference: PATH, call: {num_steps, cfg_scale, shift}}``; ``reference: bundled`` is
-  the bundled one), sampled with tomerge's Euler sampler; items carry class labels.
-* ``model: {pipeline: PATH, dtype: bf16|fp16|fp32, device: cpu|cuda, offload: model|sequential, call: {...}}``:
-  any diffusers pipeline folder on local disk, loaded with ``DiffusionPipeline.from_pretrained(PATH,
-  local_files_only=True)`` (never a download; diffusers loads through ``accelerate``, which keeps the modules a
-  model class lists in ``_keep_in_fp32_modules`` in fp32); items carry prompts, and for editing pipelines an
-  input image each (``prompts: {image_field: KEY}``, passed as ``image=``). ``call`` holds pipeline-call
-  arguments (``num_inference_steps``, ``guidance_scale``, ``height``, ``width``,
-  ``max_sequence_length``, ...) on top of the family's defaults (:data:`CALL_DEFAULTS`). ``offload``
-  keeps the models of a pipeline larger than GPU memory in CPU memory (:func:`place_pipeline`).
-
-Both produce images ``[B, C, H, W]`` in ``[-1, 1]`` (float32, CPU) for a batch of items, the initial
-noise of item ``i`` drawn from ``torch.Generator("cpu").manual_seed(seed_i)`` so an image depends
-only on its seed and settings (also across devices and batch compositions up to kernel rounding).
-Video pipelines (a ``__call__`` taking a video length, :data:`VIDEO_CALL_ARGS`: ``num_frames`` for Wan,
-HunyuanVideo, LTX-Video, ..., ``video_length`` for Latte) produce videos ``[B, T, C, H, W]`` the same way
-(:attr:`ModelSpec.is_video`; docs/experiments.md, "Video pipelines").
-
-This module holds the ``model:`` entry as data (:class:`ModelSpec`: parsing, checks, ``load()``) and
-:class:`Item`. The rest of the model-source API is owned by these modules, and this module answers each of
-their public names too:
-
-* :mod:`~tomerge.experiments.sources.reference_model`: the bundled reference DiTs, ``ReferenceSource``;
-* :mod:`~tomerge.experiments.sources.pipelines`: ``PipelineSource`` (diffusers pipeline folders);
-* :mod:`~tomerge.experiments.sources.call_arguments`: ``CALL_DEFAULTS`` and the checks of ``model.call``;
-* :mod:`~tomerge.experiments.sources.devices`: dtypes, offload modes, ``place_pipeline``, the noise generator.
+``model: reference`` is the bundled reference DiT (or a native DiT checkpoint), ``model: {pipeline: PATH, ...}``
+a diffusers pipeline folder on local disk; both generate images ``[B, C, H, W]`` (videos ``[B, T, C, H, W]``) in
+``[-1, 1]``, item ``i``'s noise from its own seed. This module also answers the public names of
+``reference_model``, ``pipelines``, ``call_arguments`` and ``devices``, so the model-source API is one import.
+The forms, defaults and rules: docs/experiments.md, "1. The model" and "8. Video pipelines".
 
 Example:
     >>> spec = ModelSpec.from_config({"pipeline": "/models/sd3-medium", "dtype": "fp16", "device": "cuda",
