@@ -1,4 +1,4 @@
-"""Speed benchmarks: end-to-end model forwards (``--e2e``) and merge kernels (``--kernels``).
+"""Speed benchmarks: model forwards (``--e2e``), merge kernels (``--kernels``), a config's call (``--config``).
 
     tomerge bench --e2e --widths sd3 pixart flux unet --tokens 1024 4096 --ratios 0.5 --depth 2 --batch 2
     tomerge bench --e2e --quick                   # tiny models in seconds (smoke test)
@@ -6,22 +6,9 @@
     tomerge bench --config my_sd3.yaml --set model.pipeline=/models/sd3 --set repeats=5   # a real pipeline
     python -m tomerge.experiments.commands.bench --kernels --tokens 1024 --ratios 0.5 --out runs/kernels.csv
 
-End-to-end mode (:mod:`tomerge.experiments.bench.e2e`): random-weight diffusers models at SD3-Medium,
-PixArt/DiT-XL and Flux widths with reduced depth, baseline and every strategy/schedule alternating in
-one process; measured speed-up, FLOP-ideal speed-up (:mod:`tomerge.experiments.measure.flops`) and their ratio,
-merging's own GFLOPs per image, peak memory on CUDA; on a UNet, the ``tomesd`` package's own patch against
-tomerge's ``tomesd`` at the same ratio. A method may carry options: ``--strategies fora:merge=tomesd``.
-
-Config mode (``--config``): the generation call of a config's model (the bundled reference DiT or a
-diffusers pipeline folder, see docs/experiments.md) on its timing batch, for every run of its grid,
-timed as ``tomerge ablate`` times it (alternating, median and spread, denoiser time and FLOPs).
-
-Kernel mode: plan + merge + unmerge of every strategy against the ``tomesd`` package's own functions,
-on bare tensors. Each strategy's hard plans run with both backends (``index`` gather/scatter,
-``dense`` batched matmul); soft plans (facility location) are dense by construction. Times are medians
-of ``torch.utils.benchmark`` blocked runs, with as many threads as torch uses here.
-
-On CUDA every timing synchronises (``torch.utils.benchmark`` does); ``--dtype bf16`` runs in bfloat16.
+Each mode times the baseline and every strategy or schedule alternating in one process and reports measured and
+FLOP-ideal speed-ups; a method may carry options (``--strategies fora:merge=tomesd``). What each mode measures
+and how: docs/benchmarks.md, "What is measured".
 """
 
 from __future__ import annotations

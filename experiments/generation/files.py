@@ -1,26 +1,10 @@
 """The files of run folders and generation folders, and the faults they meet: a process killed mid-write,
 a full disk, a second process on the same folder, a file damaged by a broken copy.
 
-* Writes are atomic (:func:`atomic_path`, :func:`write_text_atomic`): a file is written under a
-  temporary name (``.NAME.tmpPID``) next to its place and renamed into it once complete, so a file that
-  exists is whole; a write that fails removes its temporary file. Rows are appended whole
-  (:func:`append_line`: a failed append is cut back off the file).
-* A full disk (``ENOSPC``, or ``EDQUOT`` for a quota) is a :class:`DiskFullError`, a user error naming
-  the file: ``tomerge CMD: error: no space left on device writing PATH; ...``.
-* One writer per folder (:func:`lock_folder`): ``tomerge ablate`` locks its run folder and ``tomerge
-  generate`` its output folder with ``fcntl.flock`` on ``tomerge.lock``, which holds the pid, host and
-  command of the holder for the message a second process gets (:class:`FolderInUseError`). The OS
-  releases the lock when its process ends, however it ends, so a lock file left by a killed process is
-  simply taken over. The holder then removes what killed writers left (:func:`remove_temp_files`) and
-  cuts an unfinished last line off the logs it appends to (:func:`repair_jsonl_tail`).
-* Reading: :func:`read_jsonl` drops an unfinished last row with a warning (a kill mid-append) and stops
-  at a broken row elsewhere with a :class:`DamagedFileError` naming the line; :func:`output_complete`
-  tells a whole PNG (or video frame folder) from a truncated one by its ``IEND`` trailer, without
-  decoding it.
-* Images and videos as tensors: :func:`load_image_files` (PNG/JPEG -> ``[n, C, H, W]`` in ``[-1, 1]``),
-  :func:`load_video` (a folder of ``frame_000.png``, ... -> ``[T, C, H, W]``), :func:`image_files` (the
-  images of a folder), :func:`frame_files` (the frames of a video folder) and :func:`expand_videos` (a set
-  of images or of video folders as one list of image files).
+Writes are atomic (:func:`atomic_path`, :func:`append_line`), a full disk is a :class:`DiskFullError`, one
+process writes a folder at a time (:func:`lock_folder`), reads drop an unfinished last row and name a broken one
+(:func:`read_jsonl`), and images and videos load as tensors (:func:`load_image_files`, :func:`load_video`). The
+rules: docs/experiments.md, "3. Run the ablation", "Kills, full disks, broken files", and "8. Video pipelines".
 """
 
 from __future__ import annotations
