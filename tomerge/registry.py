@@ -1,22 +1,10 @@
 """Registries of strategies (and schedules) and backbone adapters.
 
 Built-ins register through the entry-point groups ``tomerge.strategies`` and ``tomerge.backbones``
-declared in ``setup.cfg``, exactly as a third-party package would; entry points are loaded lazily,
-on first use. Classes defined in a script or notebook register with the decorators.
-
-A name belongs to one class. Registering under a taken name raises ``ValueError`` naming both
-classes (a built-in entry point counts: a plugin cannot take ``"tomesd"``), except for the same
-registration arriving twice, which is harmless:
-
-* the same class object again (a no-op);
-* a class with the same qualified name from the same module, or from the same source file under
-  another module name: the module was executed again (``importlib.reload``, a notebook cell re-run,
-  a plugin file imported once by path and once by module name). The newer class replaces the older.
-* a decorated class that is also the target of its name's entry point. The decorator then runs while
-  that module is being imported, so the registry compares ``module:qualname`` with the entry point
-  instead of loading it (loading it again is the circular ``partially initialized module`` error);
-  when the entry point names another module that is still mid-import (an alias such as
-  ``my_pkg:Mine`` re-exporting ``my_pkg.strat.Mine``), the check waits for the first lookup.
+declared in ``setup.cfg``, exactly as a third-party package would (loaded lazily, on first use); classes
+defined in a script or notebook register with the decorators. A name belongs to one class; the same
+registration arriving twice is harmless. The rules: docs/writing-a-strategy.md, "Use it in experiments without
+packaging".
 """
 
 from __future__ import annotations
