@@ -1,6 +1,6 @@
 """The compile-count table of docs/compile.md: compiled frames after the first and the last step of a 12-step
 loop, whole model and regional (every block compiled on its own), and dynamo's graph-break counter, for every
-built-in strategy and schedule on the tiny native DiT of tests/test_compile.py (4 blocks, ``aot_eager``).
+built-in strategy and schedule on the tiny native DiT of tests/helpers/compiled.py (4 blocks, ``aot_eager``).
 
     python scripts/compile_counts.py
 """
@@ -15,7 +15,7 @@ import torch._dynamo.testing
 import torch._dynamo.utils
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
-import test_compile as tc  # noqa: E402
+from helpers import compiled as tc  # noqa: E402  (tests/helpers/compiled.py)
 
 print("| strategy / schedule | whole model, step 1 | whole model, step 12 | regional, step 1 | regional, step 12 "
       "| graph breaks | tokens removed |")

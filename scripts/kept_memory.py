@@ -1,6 +1,6 @@
 """The bytes tomerge keeps across model calls, at real sizes, after a 50-step trajectory: a markdown table.
 
-Every method of the fake-CUDA suite (tests/fake_cuda/harness.py, the one owner of the models, inputs and runner)
+Every method of the fake-CUDA suite (tests/helpers/fake_cuda.py, the one owner of the models, inputs and runner)
 on SD3-Medium, FLUX.1-dev and SDXL at 1024^2 (batch 2: classifier-free guidance batched) and Wan 2.1 14B at 480p x
 81 frames (guidance as two calls of batch 1), the full models, bf16 on fake ``cuda`` tensors: nothing is allocated,
 so it runs on a CPU. A cell is ``MergeState.kept_bytes()`` after the last step divided by the rows of one step's
@@ -23,9 +23,9 @@ import time
 from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "tests", "fake_cuda"))
+sys.path.insert(0, os.path.join(ROOT, "tests"))
 
-import harness  # noqa: E402  (tests/fake_cuda/harness.py)
+from helpers import fake_cuda as harness  # noqa: E402  (tests/helpers/fake_cuda.py)
 
 
 _BUILT: dict[str, Any] = {}

@@ -17,7 +17,7 @@ PY=${PYTHON:-python3}
 export OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 WANDB_MODE=offline
 
 # The inputs both sides read, at the same paths (a run folder's config.yaml names them).
-[ -d "$OUT/sd3" ] || (cd "$ROOT/tests" && "$PY" -c "import local_pipelines as p; p.save_tiny_pipeline('sd3', '$OUT/sd3')")
+[ -d "$OUT/sd3" ] || (cd "$ROOT/tests" && "$PY" -c "from helpers import local_pipelines as p; p.save_tiny_pipeline('sd3', '$OUT/sd3')")
 printf 'a red bicycle leaning on a wall\na bowl of green apples\na lighthouse at dusk\n' >"$OUT/prompts.txt"
 cat >"$OUT/tiny_sd3.yaml" <<YAML
 name: tiny_sd3

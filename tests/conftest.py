@@ -3,9 +3,16 @@ import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
-sys.path.insert(0, os.path.dirname(__file__))  # tests/models.py, tests/ties.py
+sys.path.insert(0, os.path.dirname(__file__))  # the helpers package: tests/helpers
 
+import pytest  # noqa: E402
 import torch  # noqa: E402
+
+import helpers.models  # noqa: E402
+
+# tests/test_attach.py imports ``models``, the name of tests/helpers/models.py before the helpers package: an alias
+# until it imports helpers.models.
+sys.modules.setdefault("models", helpers.models)
 
 # Tests check behaviour, not speed: one thread avoids oversubscribing small CPU machines
 # (a tiny UNet forward takes ~15x longer with 2 threads when other processes compete).
@@ -27,3 +34,12 @@ def pytest_configure(config) -> None:
         "fake_cuda: runs real-size models on fake CUDA tensors (FakeTensorMode) as the GPU's stand-in: device, "
         "dtype and shape errors, host reads, the bytes tomerge keeps (tests/fake_cuda)",
     )
+
+
+@pytest.fixture(scope="module")
+def models():
+    """The declared families' models by row name (``helpers.families.FAMILIES``), each built on first use in the
+    module (a module may define its own ``models``)."""
+    from helpers.families import Models
+
+    return Models()

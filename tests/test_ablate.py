@@ -10,7 +10,7 @@ import torch
 from tomerge.experiments.runs.ablation import run_ablation
 from tomerge.experiments.config.load import load_config
 from tomerge.experiments.errors import UsageError
-from tiny_reference import write_test_set, write_tiny_dit
+from helpers.tiny_reference import write_test_set, write_tiny_dit
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ from tomerge.backbones.timm_dit import load_dit
 from tomerge.experiments.runs.ablation import run_ablation
 from tomerge.experiments.config.load import load_config
 from tomerge.experiments.measure.flops import FlopCounter
-from tiny_reference import write_test_set, write_tiny_dit
+from helpers.tiny_reference import write_test_set, write_tiny_dit
 
 STEPS = 4
 GRID = ("grid=[{strategy: fora, ratios: [0]}, {strategy: taylorseer, ratios: [0]},"

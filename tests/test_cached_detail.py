@@ -20,7 +20,7 @@ from tomerge.experiments.measure.flops import count_denoiser_flops
 from tomerge.plan import MergePlan
 from tomerge.schedule import Where
 from tomerge.strategies.cached_detail import CachedDetail
-from test_compile import build, call, compiled_against_eager, inputs, times
+from helpers.compiled import build, call, compiled_against_eager, inputs, times
 
 OPTIONS = dict(merge="tomesd", merge_options={"use_rand": False, "merge_mlp": True})
 

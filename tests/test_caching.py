@@ -26,7 +26,12 @@ from tomerge.experiments.measure.flops import FlopCounter, count_denoiser_flops
 from tomerge.block_cache import BlockCaching
 from tomerge.schedule import Decision, Where
 from tomerge.strategies.caching import FORA, BlockCache, FirstBlockCache, TaylorSeer
-from test_compile import FailOnHostRead, build, call, inputs, times
+from tomerge.experiments.sources.coverage import caches_blocks
+from helpers import no_hooks_left
+from helpers.cases import CASES, run, trajectory
+from helpers.compiled import FailOnHostRead, build, call, inputs, times
+from helpers.families import FAMILIES
+from helpers.video_families import build_wan_vace
 
 STEPS = 7
 
@@ -431,11 +436,9 @@ def family(name: str):
     """``(model, inputs, names of the tensors each block returns)``; the blocks' inputs of those names are the
     streams the cache adds residuals to."""
     if name == "dit":
-        from test_backbones_diffusers import make_inputs, tiny_dit
+        from helpers.models import make_inputs, tiny_dit
         return tiny_dit(), make_inputs("dit"), ("hidden_states",), "transformer_blocks"
-    from test_backbones_current import FAMILIES as CURRENT
-    from test_backbones_video import FAMILIES as VIDEO
-    f = {**CURRENT, **VIDEO}[name]
+    f = FAMILIES[name]
     model = f.build()
     outputs = {"qwenimage": ("encoder_hidden_states", "hidden_states")}.get(name, ("hidden_states",))
     return model, f.inputs(model), outputs, f.containers[0]
@@ -491,7 +494,7 @@ def test_diffusers_families_reuse_every_stream_exactly_at_no_flop(name):
 
 def test_a_block_whose_tuple_output_is_undeclared_is_refused_by_name(monkeypatch):
     from tomerge.backbones.sd3 import SD3Adapter
-    from test_backbones_diffusers import make_inputs, tiny_sd3
+    from helpers.models import make_inputs, tiny_sd3
 
     model, kwargs = tiny_sd3(), make_inputs("sd3")
     with torch.no_grad():
@@ -507,7 +510,7 @@ def test_a_block_whose_tuple_output_is_undeclared_is_refused_by_name(monkeypatch
 
 # ====================================================================== blocks that return a tuple
 #: Families whose joint blocks return ``(text, image)`` or ``(image, text)`` (``Kind.outputs``); the video and audio
-#: families are in ``test_backbones_video_wan_like.py``.
+#: families are below (test_video_and_audio_families_run_every_caching_schedule).
 TUPLE_FAMILIES = ["auraflow", "bria", "bria_fibo", "chroma", "cogvideox", "cogview3plus", "cogview4", "consisid",
                   "easyanimate", "flux3", "glm_image", "hidream", "longcat_image", "mochi", "ovis_image"]
 
@@ -517,8 +520,6 @@ def test_blocks_that_return_a_tuple_reuse_each_declared_stream_exactly(name):
     """Interval 1 is the model bit for bit; with interval 2 the reused step's blocks return, for each element of
     their tuple, the input it replaces plus its residual of the last full step, and the full steps are the model's;
     fora, taylorseer and first_block_cache run with finite outputs and a first step that is the model's."""
-    from test_every_strategy import CASES, run, trajectory
-
     case = CASES[name]
     model = case.build()
     calls = trajectory(case, model)  # 3 steps
@@ -564,8 +565,6 @@ def test_blocks_that_return_a_tuple_reuse_each_declared_stream_exactly(name):
 def test_step_level_caching_is_refused_at_apply_where_blocks_cannot_be_skipped():
     """Wan VACE's control blocks return a new hint, no residual: the schedules that skip whole blocks are refused by
     apply with the reason `tomerge backbones` lists; toca, which skips no whole block, attaches."""
-    from test_backbones_video_wan_like import build_wan_vace
-
     model = build_wan_vace()
     for schedule in ("block_cache", "fora", "taylorseer", "first_block_cache"):
         with pytest.raises(NotImplementedError, match=rf"^schedule '{schedule}' skips whole block calls \(block cache\): "
@@ -574,3 +573,29 @@ def test_step_level_caching_is_refused_at_apply_where_blocks_cannot_be_skipped()
             tomerge.apply(model, schedule, num_steps=4)
         assert "_tomerge_handle" not in model.__dict__ and all("forward" not in b.__dict__ for b in model.vace_blocks)
     tomerge.apply(model, "toca", num_steps=4).remove()
+
+
+# ====================================================================== blocks that return (video, audio)
+@pytest.mark.parametrize("name", ["kandinsky6", "ltx2"])
+@pytest.mark.parametrize("schedule", [name for name in tomerge.registry.list_strategies() if caches_blocks(name)])
+def test_video_and_audio_families_run_every_caching_schedule(models, name, schedule):
+    """Six steps of each caching schedule on the families whose blocks return ``(video, audio)`` (toca merges the
+    video stream and reuses its attention on partial steps): finite video and audio outputs of the plain shapes, the
+    first step the plain model's, ``remove()`` restores it."""
+    model = models[name]
+    calls = [FAMILIES[name].inputs(model, batch=1, t=500.0 * (1 - 0.1 * step)) for step in range(6)]
+    with torch.no_grad():
+        before = model(**calls[0])
+    handle = tomerge.apply(model, schedule, num_steps=6)
+    try:
+        with torch.no_grad():
+            outs = [model(**call) for call in calls]
+    finally:
+        handle.remove()
+    assert torch.equal(outs[0].sample, before.sample) and torch.equal(outs[0].audio_sample, before.audio_sample)
+    for out in outs:
+        assert out.sample.shape == before.sample.shape and torch.isfinite(out.sample).all()
+        assert out.audio_sample.shape == before.audio_sample.shape and torch.isfinite(out.audio_sample).all()
+    with torch.no_grad():
+        assert torch.equal(model(**calls[0]).sample, before.sample)
+    assert no_hooks_left(model)

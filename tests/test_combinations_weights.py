@@ -30,7 +30,7 @@ import numpy as np
 import pytest
 import torch
 
-import local_pipelines
+from helpers import local_pipelines
 import tomerge
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::DeprecationWarning",

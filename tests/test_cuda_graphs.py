@@ -17,8 +17,8 @@ from torch import Tensor
 
 import tomerge
 import tomerge.state
-from cuda_graphs import ReplayOverwrite
-from test_compile import build, call, inputs
+from helpers.cuda_graphs import ReplayOverwrite
+from helpers.compiled import build, call, inputs
 
 STEPS = 8
 #: Every registered method and a composition of merging inside step caching, with options that make each one

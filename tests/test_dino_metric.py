@@ -131,7 +131,7 @@ def test_video_frames_are_paired_with_the_same_frame_of_the_baseline(tmp_path, d
 
 
 def test_ablate_records_the_dino_distance(tmp_path, dino_folder):
-    from tiny_reference import write_tiny_dit
+    from helpers.tiny_reference import write_tiny_dit
     from tomerge.experiments.figures.canvas import METRICS
     from tomerge.experiments.figures.run_data import load_run
     from tomerge.experiments.figures.tables import ablation_table

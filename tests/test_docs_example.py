@@ -8,7 +8,7 @@ import torch
 
 import tomerge
 from tomerge.contract import check_strategy
-from models import tiny_unet, unet_inputs
+from helpers.models import tiny_unet, unet_inputs
 
 EXAMPLE = Path(__file__).parents[1] / "docs" / "examples" / "strided_matching.py"
 
@@ -40,7 +40,7 @@ def test_documented_strategy_passes_the_contract_and_runs_on_a_unet():
 def test_documented_strategy_compiles_without_a_graph_break():
     """What docs/writing-a-strategy.md promises a strategy written like the example: a compiled trajectory
     with no graph break and nothing compiled after the first step."""
-    from test_compile import compiled_against_eager
+    from helpers.compiled import compiled_against_eager
 
     load_example()
     frames = compiled_against_eager("native_dit", "strided_matching")

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-import local_pipelines
-from pipeline_ablation import ablation_overrides, block_records, item_index, result_rows, write_edits
-from pipeline_ablation import offline  # noqa: F401 (a fixture)
+from helpers import local_pipelines
+from helpers.pipeline_ablation import ablation_overrides, block_records, item_index, result_rows, write_edits
+from helpers.pipeline_ablation import offline  # noqa: F401 (a fixture)
 from tomerge.experiments.runs.ablation import run_ablation
 from tomerge.experiments.config.load import load_config
 from tomerge.experiments.config.schema import ConfigError

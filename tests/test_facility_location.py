@@ -10,7 +10,7 @@ import torch
 import tomerge
 from tomerge import MergeContext
 from tomerge.strategies.facility_location import FacilityLocation
-from ties import MARGIN, assert_clear, greedy_facility_location
+from helpers.ties import MARGIN, assert_clear, greedy_facility_location
 
 
 def _gen(seed: int = 0) -> torch.Generator:

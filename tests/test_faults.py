@@ -43,7 +43,7 @@ TEMP = re.compile(r"^\..+\.tmp\d+$")
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> Path:
     """A tiny DiT checkpoint and Fashion-MNIST stand-in files (tests/tiny_reference.py)."""
-    from tiny_reference import write_test_set, write_tiny_dit
+    from helpers.tiny_reference import write_test_set, write_tiny_dit
 
     root = tmp_path_factory.mktemp("faults")
     write_tiny_dit(root / "tiny.safetensors")
@@ -148,7 +148,7 @@ def test_a_grid_killed_at_random_moments_resumes_to_the_same_images_and_numbers(
 @pytest.fixture
 def synthetic(tmp_path) -> Path:
     pytest.importorskip("matplotlib")
-    from test_figures import make_run_folder
+    from helpers.run_folders import make_run_folder
 
     return make_run_folder(tmp_path)
 

@@ -17,7 +17,7 @@ import torch
 import tomerge
 from tomerge import MergeContext
 from tomerge.strategies.sdtm import SDTM
-from test_backbones_diffusers import make_inputs, tiny_sd3
+from helpers.models import make_inputs, tiny_sd3
 
 W = 0.25
 

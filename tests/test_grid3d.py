@@ -15,7 +15,7 @@ from tomerge.strategies.sdtm import SDTM
 from tomerge.strategies.ssm import SSM, window_tokens
 from tomerge.strategies.toma import ToMA
 from tomerge.strategies.tomesd import ToMeSD
-from ties import assert_clear, kth_gap
+from helpers.ties import assert_clear, kth_gap
 
 E = torch.eye(16, dtype=torch.float64)  # orthogonal directions: similarities far from any tie
 

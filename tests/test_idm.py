@@ -11,7 +11,7 @@ import tomerge
 from tomerge import MergeContext, MergePlan
 from tomerge.strategies.idm import IDM
 from tomerge.strategies.ssm import EPS
-from ties import assert_clear, kth_gap
+from helpers.ties import assert_clear, kth_gap
 
 # 4x4 grid, 2x2 windows: w0 = {0,1,4,5}, w1 = {2,3,6,7}, w2 = {8,9,12,13}, w3 = {10,11,14,15}.
 WINDOWS_4x4 = [{0, 1, 4, 5}, {2, 3, 6, 7}, {8, 9, 12, 13}, {10, 11, 14, 15}]

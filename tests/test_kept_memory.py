@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import tomerge
-from test_compile import build, call, inputs
+from helpers.compiled import build, call, inputs
 from tomerge.strategies.facility_location import FacilityLocation
 
 STEPS = 32

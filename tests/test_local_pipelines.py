@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-import local_pipelines
+from helpers import local_pipelines
 import tomerge
 
 # DPMSolver/Euler schedulers build numpy arrays the way numpy 2 deprecates; not ours.

@@ -225,7 +225,7 @@ def test_compute_quality_opt_in_metrics_need_their_inputs(tmp_path):
 def test_clip_score_is_100_times_the_clamped_cosine_of_the_projected_embeddings():
     """Known answer from the CLIP towers themselves: pooled outputs, projections, unit vectors,
     ``max(100 cos, 0)`` per image, mean over images (Hessel et al. 2021)."""
-    import local_pipelines
+    from helpers import local_pipelines
     from transformers import CLIPModel, CLIPProcessor
 
     folder = local_pipelines.clip_folder()

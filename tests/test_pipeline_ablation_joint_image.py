@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-import local_pipelines
-from pipeline_ablation import (SSM, TOCA, TOMESD, block_records, check_rows, item_index, run_family, write_edits,
+from helpers import local_pipelines
+from helpers.pipeline_ablation import (SSM, TOCA, TOMESD, block_records, check_rows, item_index, run_family, write_edits,
                                write_prompts)
-from pipeline_ablation import offline  # noqa: F401 (a fixture)
+from helpers.pipeline_ablation import offline  # noqa: F401 (a fixture)
 
 pytest.importorskip("transformers", reason="the text pipelines of diffusers import transformers")
 

@@ -16,11 +16,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-import local_pipelines
+from helpers import local_pipelines
 import tomerge
 from tomerge.probe import ReceivedAttention
-from pipeline_ablation import SSM, TOCA, TOMESD, block_records, check_rows, run_family
-from pipeline_ablation import offline, root  # noqa: F401 (fixtures)
+from helpers.pipeline_ablation import SSM, TOCA, TOMESD, block_records, check_rows, run_family
+from helpers.pipeline_ablation import offline, root  # noqa: F401 (fixtures)
 
 pytest.importorskip("transformers", reason="the text pipelines of diffusers import transformers")
 
@@ -97,7 +97,7 @@ def test_ltx2_pipeline_ablation_merges_the_video_stream_and_caches_across_guidan
 def test_received_attention_is_kept_per_call_size():
     """A model called with a guidance pair, then with one sample, at every timestep (as LTX-2's guidance does): each
     call size reads the attention its own size recorded, so each size's outputs are those of its calls alone."""
-    from test_compile import build, call, inputs, times
+    from helpers.compiled import build, call, inputs, times
 
     model = build("native_dit", depth=2)
     pairs = [inputs("native_dit", t) for t in times(4)]  # toca's fresh steps: 0 and 3

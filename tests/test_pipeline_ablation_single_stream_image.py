@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-import local_pipelines
-from pipeline_ablation import PROMPTS, SSM, TOCA, TOMESD, block_records, check_rows, item_index, run_family
-from pipeline_ablation import offline, root  # noqa: F401 (fixtures)
+from helpers import local_pipelines
+from helpers.pipeline_ablation import PROMPTS, SSM, TOCA, TOMESD, block_records, check_rows, item_index, run_family
+from helpers.pipeline_ablation import offline, root  # noqa: F401 (fixtures)
 
 pytest.importorskip("transformers", reason="the text pipelines of diffusers import transformers")
 

@@ -12,9 +12,9 @@ import json
 import pytest
 from PIL import Image
 
-import local_pipelines
-from pipeline_ablation import PROMPTS, SSM, TOCA, TOMESD, block_records, check_rows, run_family
-from pipeline_ablation import offline, root  # noqa: F401 (fixtures)
+from helpers import local_pipelines
+from helpers.pipeline_ablation import PROMPTS, SSM, TOCA, TOMESD, block_records, check_rows, run_family
+from helpers.pipeline_ablation import offline, root  # noqa: F401 (fixtures)
 
 pytest.importorskip("transformers", reason="the text pipelines of diffusers import transformers")
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import local_pipelines
+from helpers import local_pipelines
 import tomerge
 from tomerge.experiments.sources.devices import place_pipeline
 from tomerge.experiments.sources.items import Item

@@ -70,7 +70,7 @@ def substitute(source: str) -> tuple[str, str | None]:
     match = FOLDER_LINE.search(source)
     if match is None:
         return source, None
-    import local_pipelines
+    from helpers import local_pipelines
 
     family = family_of(match["path"])
     folder = local_pipelines.pipeline_folder(family)

@@ -17,7 +17,7 @@ from tomerge.strategies.sdtm import SDTM
 from tomerge.strategies.ssm import SSM
 from tomerge.strategies.toma import ToMA
 from tomerge.streaks import StreakState
-from models import tiny_unet, unet_inputs
+from helpers.models import tiny_unet, unet_inputs
 
 STEPS, LAYERS = 50, 8
 # Protected and skipped steps merge nothing on purpose: that must not warn.

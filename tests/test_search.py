@@ -15,7 +15,7 @@ from tomerge.experiments.runs.ablation import run_ablation  # noqa: E402
 from tomerge.experiments.config.load import load_config  # noqa: E402
 from tomerge.experiments.config.schema import ConfigError  # noqa: E402
 from tomerge.experiments.runs.search import load_search, run_search  # noqa: E402
-from tiny_reference import write_test_set, write_tiny_dit  # noqa: E402
+from helpers.tiny_reference import write_test_set, write_tiny_dit  # noqa: E402
 
 SPACE = {
     "trials": 5, "sampler": "random", "seed": 3, "objectives": ["flops", "psnr"],

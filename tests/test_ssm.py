@@ -10,7 +10,7 @@ import torch
 import tomerge
 from tomerge import MergeContext, MergePlan
 from tomerge.strategies.ssm import SSM, window_tokens
-from ties import assert_clear, kth_gap
+from helpers.ties import assert_clear, kth_gap
 
 
 def groups(plan: MergePlan, b: int = 0) -> set[frozenset[int]]:

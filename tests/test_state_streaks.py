@@ -23,7 +23,7 @@ from tomerge.streaks import StreakState
 from tomerge.strategies.idm import IDM
 from tomerge.strategies.sdtm import SDTM
 from tomerge.strategies.ssm import SSM
-from ties import assert_clear, kth_gap
+from helpers.ties import assert_clear, kth_gap
 
 GRID, N = (4, 4), 16
 # 4x4 grid, 2x2 windows: w0 = {0,1,4,5}, w1 = {2,3,6,7}, w2 = {8,9,12,13}, w3 = {10,11,14,15}.

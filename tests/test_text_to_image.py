@@ -18,7 +18,7 @@ import pytest
 import torch
 import yaml
 
-import local_pipelines
+from helpers import local_pipelines
 from tomerge.experiments.generation import generate as gen
 from tomerge.experiments.runs.ablation import run_ablation
 from tomerge.experiments.cli import main as cli

@@ -23,7 +23,8 @@ from tomerge.experiments.measure.flops import count_denoiser_flops
 from tomerge.schedule import Where
 from tomerge.strategies.toca import FreshTokens, ToCa, window_best
 from tomerge.streaks import StreakState
-from test_compile import build, call, inputs, times
+from helpers.compiled import build, call, inputs, times
+from helpers.families import FAMILIES
 
 
 def where(step: int, layer: int = 0, num_steps: int = 20, num_layers: int = 6) -> Where:
@@ -267,7 +268,7 @@ def test_the_flop_counter_sees_the_reused_attention_and_the_fresh_tokens(dit):
 def test_diffusers_families_run_it_and_remove_leaves_no_trace(name):
     """DiT, PixArt and SD3, whose joint attention returns the text tokens too (a tuple): a cached step reuses
     the attention's whole output, text included."""
-    from test_backbones_diffusers import make_inputs, tiny_dit, tiny_pixart, tiny_sd3
+    from helpers.models import make_inputs, tiny_dit, tiny_pixart, tiny_sd3
 
     model = {"dit": tiny_dit, "pixart": tiny_pixart, "sd3": tiny_sd3}[name]()
     kwargs = make_inputs(name)
@@ -286,20 +287,11 @@ def test_diffusers_families_run_it_and_remove_leaves_no_trace(name):
     assert not any("forward" in m.__dict__ for m in model.modules())
 
 
-def declared_family(name: str):
-    from test_backbones_current import FAMILIES as CURRENT
-    from test_backbones_image_flux_like import FAMILIES as FLUX_LIKE
-    from test_backbones_image_other import FAMILIES as OTHER
-    from test_backbones_video import FAMILIES as VIDEO
-
-    return {**CURRENT, **FLUX_LIKE, **OTHER, **VIDEO}[name]
-
-
 @pytest.mark.parametrize("name", ["lumina2", "chroma", "flux2", "qwenimage", "cogview4", "wan", "hunyuan_video"])
 def test_declared_families_run_it_joint_and_single_stream_alike(name):
     """Declared families (joint text-image attention, double and single streams, video grids): the fresh steps are
     the unmerged model, the cached step differs and is finite, ``remove()`` leaves no trace."""
-    family = declared_family(name)
+    family = FAMILIES[name]
     model = family.build()
     kwargs = family.inputs(model)
     t = kwargs["timestep"]

@@ -15,7 +15,7 @@ import torch
 import tomesd
 
 import tomerge
-from models import tiny_unet, unet_inputs
+from helpers.models import tiny_unet, unet_inputs
 
 pytestmark = pytest.mark.tie_sensitive
 

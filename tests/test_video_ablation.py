@@ -12,10 +12,10 @@ import shutil
 import pytest
 import torch
 
-import local_pipelines
-from pipeline_ablation import (SSM, TOCA, TOMESD, ablation_overrides, check_rows, grid, item_index, result_rows,
+from helpers import local_pipelines
+from helpers.pipeline_ablation import (SSM, TOCA, TOMESD, ablation_overrides, check_rows, grid, item_index, result_rows,
                                run_family)
-from pipeline_ablation import offline, root  # noqa: F401 (fixtures)
+from helpers.pipeline_ablation import offline, root  # noqa: F401 (fixtures)
 from tomerge.experiments.runs.ablation import run_ablation
 from tomerge.experiments.config.load import load_config
 

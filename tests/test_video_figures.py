@@ -16,7 +16,7 @@ import pytest
 import yaml
 from PIL import Image
 
-import local_pipelines
+from helpers import local_pipelines
 from tomerge.experiments.runs.ablation import run_ablation
 from tomerge.experiments.config.load import load_config
 from tomerge.experiments.figures.make import make_figures

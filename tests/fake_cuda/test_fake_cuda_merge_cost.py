@@ -11,7 +11,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import harness
+from helpers import fake_cuda as harness
 import tomerge
 from tomerge.experiments.measure.flops import count_flops
 from tomerge.strategies.toca import FreshTokens

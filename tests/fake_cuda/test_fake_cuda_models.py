@@ -1,5 +1,5 @@
 """Every strategy and schedule on SD3-Medium, FLUX.1-dev, SDXL and Wan 2.1 14B at their real sizes, bf16 on fake
-``cuda`` tensors (the GPU's stand-in, :mod:`harness`): no device, dtype or shape error; host reads only where
+``cuda`` tensors (the GPU's stand-in, :mod:`helpers.fake_cuda`): no device, dtype or shape error; host reads only where
 docs/compile.md says, at most one per model call from each place, none inside a block call; merging and reuse
 happen; and the bytes tomerge keeps stay under a stated bound and stop growing once the caches are full.
 
@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 import torch
 
-import harness
-from harness import METHODS, MODELS, BlockGeometry, ModelSpec, Read, Trajectory
+from helpers import fake_cuda as harness
+from helpers.fake_cuda import METHODS, MODELS, BlockGeometry, ModelSpec, Read, Trajectory
 
 pytestmark = pytest.mark.fake_cuda
 

@@ -11,9 +11,9 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-import harness
+from helpers import fake_cuda as harness
 import tomerge
-from harness import MODELS, HostReadError, HostReadOracle
+from helpers.fake_cuda import MODELS, HostReadError, HostReadOracle
 from tomerge.backbones._host import HostFacts
 
 pytestmark = pytest.mark.fake_cuda
