@@ -1,6 +1,6 @@
 """The experiment layer: what `tomerge` runs, measures and draws. One stage per folder; a module imports only
 from its own stage and the stages before it, and no module is longer than 450 lines, which
-``tests/test_experiments_layout.py`` checks (docs/experiments.md, "Layout: which module owns what"):
+``tests/experiments/test_experiments_layout.py`` checks (docs/experiments.md, "Layout: which module owns what"):
 
 =============== ==========================================================================================
 ``errors``      every user-facing error class and how the command line reports them

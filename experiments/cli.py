@@ -55,7 +55,7 @@ SUBCOMMANDS = {
                   "example: tomerge backbones --json"),
 }
 
-# The `experiments` extra of setup.cfg: distribution -> the module it installs (tests/test_install.py checks the
+# The `experiments` extra of setup.cfg: distribution -> the module it installs (tests/core/test_install.py checks the
 # keys against setup.cfg).
 EXPERIMENTS_EXTRA = {
     "pytorch-lightning": "pytorch_lightning", "wandb": "wandb", "optuna": "optuna", "matplotlib": "matplotlib",

@@ -10,7 +10,7 @@ import torch  # noqa: E402
 
 import helpers.models  # noqa: E402
 
-# tests/test_attach.py imports ``models``, the name of tests/helpers/models.py before the helpers package: an alias
+# tests/core/test_attach.py imports ``models``, the name of tests/helpers/models.py before the helpers package: an alias
 # until it imports helpers.models.
 sys.modules.setdefault("models", helpers.models)
 

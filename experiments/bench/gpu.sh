@@ -35,7 +35,7 @@
 # --cpu-smoke: every section at tiny widths (32-64 channels, 64-96 tokens, depth 1, 1 round), fp32 on the CPU,
 #   SDPA's default kernel (no flash); the compiled section uses torch.compile's `eager` backend (dynamo traces,
 #   guards and graph breaks as on the GPU; no inductor code generation and no CUDA graphs, which a CPU cannot
-#   check in a minute). tests/test_bench.py runs it.
+#   check in a minute). tests/experiments/test_bench.py runs it.
 #
 # Missing Python packages are installed only from local wheel files (no index, no network): WHEELS (default:
 # ./wheels, then /opt/wheels) must hold them and their dependencies, e.g. made on a machine with network access

@@ -13,7 +13,7 @@ baseline's images) or a star (metrics against real images). Bars are the 95% int
 runs with noisy timing are hollow.
 The title names the model (:attr:`~tomerge.experiments.sources.models.ModelSpec.display_name` of each folder's
 ``config.yaml``), the metric and the number of images. No text is drawn inside the axes, and no two texts of
-the figure overlap (tests/test_figures.py checks the extent of every text).
+the figure overlap (tests/experiments/test_figures.py checks the extent of every text).
 """
 
 from __future__ import annotations

@@ -246,7 +246,7 @@ class ResampledFrechet:
     centring matrix, ``tr S_x = tr(C G_xx C) / (k - 1)``; paired, the non-zero ``sqrt eig(S_x S_y)`` are the
     singular values of ``C K_xy C / (k - 1)`` (``K_xy = X Y^T``); against a fixed set, those of ``C F / sqrt(k - 1)``
     where ``F F^T = X M X^T`` (``F``: ``n x n``, from one SVD) and ``M`` is the reference's scatter over ``m - 1``.
-    ``distance(np.arange(n))`` equals ``frechet_distance(x, y)`` up to rounding (tests/test_intervals.py).
+    ``distance(np.arange(n))`` equals ``frechet_distance(x, y)`` up to rounding (tests/experiments/test_intervals.py).
 
     Example:
         >>> import numpy as np

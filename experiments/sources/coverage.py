@@ -179,14 +179,15 @@ CACHING_NOTE = ("Caching schedules ({names}; docs/schedules.md) and their compos
                 "stops the first call with a TypeError naming it. Step-level caching is tested for `native_dit`, "
                 "`dit`, `sana`, `wan`, `qwenimage` and the families whose blocks return two streams, `auraflow`, "
                 "`bria`, `bria_fibo`, `chroma`, `cogvideox`, `cogview3plus`, `cogview4`, `consisid`, `easyanimate`, "
-                "`flux3`, `glm_image`, `hidream`, `longcat_image`, `mochi`, `ovis_image` (`tests/test_caching.py`), "
-                "and for the video and audio streams of `kandinsky6` and `ltx2` "
-                "(`tests/test_backbones_video_wan_like.py`); "
-                "`toca` (a joint attention's whole output is reused, text included) for `native_dit`, `dit`, "
-                "`pixart`, `sd3`, `lumina2`, `chroma`, `flux2`, `qwenimage`, `cogview4`, `wan`, `hunyuan_video` "
-                "(`tests/test_toca.py`), `ltx` and `cogvideox` (`tests/test_video_ablation.py`), `skyreels_v2` and "
-                "`ltx2` (`tests/test_pipeline_ablation_more_kinds.py`), `kandinsky6` and `ltx2` "
-                "(`tests/test_backbones_video_wan_like.py`).")
+                "`flux3`, `glm_image`, `hidream`, `longcat_image`, `mochi`, `ovis_image` "
+                "(`tests/strategies/test_caching.py`), and for the video and audio streams of `kandinsky6` and `ltx2` "
+                "(`tests/strategies/test_caching.py`, `tests/backbones/test_kandinsky6.py`, "
+                "`tests/backbones/test_ltx2.py`); `toca` (a joint attention's whole output is reused, text included) "
+                "for `native_dit`, `dit`, `pixart`, `sd3`, `lumina2`, `chroma`, `flux2`, `qwenimage`, `cogview4`, "
+                "`wan`, `hunyuan_video` (`tests/strategies/test_toca.py`), `ltx` and `cogvideox` "
+                "(`tests/experiments/test_ablate_video_pipelines.py`), `skyreels_v2` and `ltx2` "
+                "(`tests/experiments/test_ablate_skips_forcing_and_audio.py`), `kandinsky6` and `ltx2` "
+                "(`tests/strategies/test_caching.py`).")
 
 
 def runnable_strategies(adapter: type, strategies: Sequence[str]) -> tuple[str, ...]:
@@ -361,9 +362,9 @@ def markdown(table: Coverage) -> str:
         "```",
         "",
         "(`tomerge backbones --json` prints the same per class as JSON; `experiments/sources/coverage.py` says how each "
-        "column is read from the registered adapters). `tests/test_coverage.py` fails when the page is not what "
-        "the command prints for the installed diffusers, or when a class merged here is no longer merged with "
-        "these strategies.",
+        "column is read from the registered adapters). `tests/experiments/test_coverage.py` fails when the page is "
+        "not what the command prints for the installed diffusers, or when a class merged here is no longer merged "
+        "with these strategies.",
         "",
         f"{len(table.merged)} of {len(table.rows)} classes are merged. Strategies and schedules: "
         f"{', '.join(f'`{s}`' for s in table.strategies)}.",

@@ -1,10 +1,10 @@
 """The family pages of docs/backbones agree with the adapters they describe.
 
-Which classes are merged is said in one place: the generated docs/backbones/coverage.md (``tests/test_coverage.py``)
-and, for the classes no adapter merges yet, the table "Families not covered" of adding-a-family.md, checked here; a
-family page never says it. A family page's adapters, model classes, block classes and merge-point tables
-(``| sublayer | module | ... |``) are those of the registered adapters it names (their declarations, for the
-declared ones).
+Which classes are merged is said in one place: the generated docs/backbones/coverage.md
+(``tests/experiments/test_coverage.py``) and, for the classes no adapter merges yet, the table "Families not covered" of
+adding-a-family.md, checked here; a family page never says it. A family page's adapters, model classes, block classes
+and merge-point tables (``| sublayer | module | ... |``) are those of the registered adapters it names (their
+declarations, for the declared ones).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""The `flux` adapter (backbones/flux.py, hand-written) on a tiny random-weight FluxTransformer2DModel (double and single
-blocks: ``helpers.models.tiny_flux``)."""
+"""The `flux` adapter (backbones/flux.py, hand-written) on a tiny random-weight FluxTransformer2DModel (double and
+single blocks: ``helpers.models.tiny_flux``)."""
 
 from __future__ import annotations
 

@@ -47,7 +47,7 @@ def test_lumina2_timestep_counts_steps_from_the_noise():
     assert seen == [1.0, 0.75, 0.5]
 
 
-# (the joint families' probes against their own SDPA calls: JOINT in test_probes.py)
+# (the joint families' probes against their own SDPA calls: the rows' ``joint`` in test_probes.py)
 def test_lumina2_probe_equals_the_models_attention(models):
     """float64, from each block's own SDPA call (grouped-query keys repeated as SDPA's ``enable_gqa`` does): the
     refiner's record is the mean over heads and its 64 image queries of their softmax over the image keys; a joint

@@ -1,7 +1,7 @@
 """The bundled timm-style DiT of the `native_dit` adapter (tomerge.backbones.timm_dit, backbones/native_dit.py): shapes,
 the original DiT's positional embedding and state-dict layout, safetensors round trips, and the sampler
 (tomerge.experiments.sources.sampling) on it. The reference model's data and training:
-tests/test_reference_training.py."""
+tests/experiments/test_reference_training.py."""
 
 from __future__ import annotations
 

@@ -289,7 +289,7 @@ def test_generation_merges_records_the_steps_and_ratio_zero_and_remove_are_bit_i
 def test_a_batch_of_two_equals_the_samples_generated_alone(backbone, strategy):
     """float64, so that the only difference between batch sizes, kernel rounding, stays far below the
     tolerance (in float32 facility location's greedy pick flips between near-tied candidates of these
-    tiny models when a batch-size change perturbs the last bit, see test_backbones_diffusers.py)."""
+    tiny models when a batch-size change perturbs the last bit, see test_sd3_pixart_dit.py)."""
     pipe = pipeline(backbone, torch.float64)
     options = INDEPENDENT.get(strategy, {})
     if strategy not in ("sdtm", "toma"):
@@ -367,7 +367,7 @@ def test_batched_guidance_equals_split_guidance(backbone, strategy):
 @pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("backbone", BACKBONES)
 def test_fp16_generation_runs(backbone, strategy):
-    """CPU runs every op of these pipelines in fp16 with torch 2.14 (bf16: test_backbones_diffusers.py)."""
+    """CPU runs every op of these pipelines in fp16 with torch 2.14 (bf16: test_sd3_pixart_dit.py)."""
     pipe = pipeline(backbone, torch.float16)
     handle = attach(backbone, pipe, strategy, RATIO.get(strategy, 0.5), OPTIONS.get(strategy, {}))
     seen: list[torch.dtype] = []

@@ -1,13 +1,13 @@
 """Received-attention probes of joint text-image attention against the model's own attention.
 
-The reference is independent of the probe (``helpers.probes``): it intercepts the ``scaled_dot_product_attention``
-call inside the attention module (the q, k, mask and scale the model attends with, after its norms and rotary
-rotation) and computes, in float64, the probe's documented rule: the text queries' softmax over all keys, averaged over heads
-and the text queries that the mask keeps, restricted to the image keys and renormalised per sample
-(``backbones._diffusers.probe_joint_attention``). The probes that read the image queries where no text query sees
-the image (``probe_queries="image"``: OmniGen, Qwen-Image 2.1, Z-Image's noise refiner) read that SDPA call
-themselves, so their reference forms the attention by hand from the attention's projections, RoPE and mask, and
-checks it against the attention's output.
+The reference is independent of the probe (``helpers.probes``): it intercepts the ``scaled_dot_product_attention`` call
+inside the attention module (the q, k, mask and scale the model attends with, after its norms and rotary rotation) and
+computes, in float64, the probe's documented rule: the text queries' softmax over all keys, averaged over heads and the
+text queries that the mask keeps, restricted to the image keys and renormalised per sample
+(``backbones._diffusers.probe_joint_attention``). The probes that read the image queries where no text query sees the
+image (``probe_queries="image"``: OmniGen, Qwen-Image 2.1, Z-Image's noise refiner) read that SDPA call themselves, so
+their reference forms the attention by hand from the attention's projections, RoPE and mask, and checks it against the
+attention's output.
 """
 
 from __future__ import annotations
@@ -298,7 +298,7 @@ def test_sana_probe_equals_the_normalised_linear_attention_weights():
 @pytest.mark.parametrize("name", ["wan", "ltx", "hunyuan_video", "hunyuan_video15"])
 def test_idm_and_sdtm_record_received_attention(models, name):
     """Every video family declares a probe (Wan and LTX-Video on their image self-attention, HunyuanVideo on
-    its joint attention: tests/test_probes.py): idm (the attention variant) gets the received attention of the
+    its joint attention): idm (the attention variant) gets the received attention of the
     same block call and merges, and so does sdtm's detail phase."""
     family, model = FAMILIES[name], models[name]
     inputs = family.inputs(model)

@@ -481,7 +481,7 @@ def test_feed_forward_chunking_is_restored_when_the_block_raises():
 
 
 def test_feed_forward_chunking_under_torch_compile():
-    """dynamo + AOTAutograd (as tests/test_compile.py): the suspension runs eagerly, the merged, chunked
+    """dynamo + AOTAutograd (as tests/core/test_compile.py): the suspension runs eagerly, the merged, chunked
     feed-forward is traced, and the result is the eager one."""
     model, inputs = tiny_dit().double(), to_dtype(make_inputs("dit"), torch.float64)
     set_chunking(model, (1, 1))

@@ -1,6 +1,7 @@
 """Prompt reweighting (the text-key bias, :mod:`tomerge.text_bias`) on the declared joint text-image families
 (``Site(text_keys=True)``: FLUX.2 double and single blocks, Qwen-Image, HunyuanVideo, HunyuanVideo 1.5, AuraFlow,
-CogView4, GLM-Image, CogView3-Plus, HiDream, ERNIE-Image; SD3 and FLUX.1 are in ``test_prompts.py``).
+CogView4, GLM-Image, CogView3-Plus, HiDream, ERNIE-Image; SD3 and FLUX.1 are in
+tests/strategies/test_prompt_reweighting.py).
 
 A zero bias (``a_p = 1``, or no token of the phase's category) is bit-identical to no bias; a positive one
 changes the output, and every attention call's result (float64 model, the bias in fp32) equals the model's own

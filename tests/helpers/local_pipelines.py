@@ -459,7 +459,7 @@ _BUILDERS.update({"flux_kontext": _build_flux_kontext})
 
 
 # ---------------------------------------------------------------------- video pipelines
-# Video families of tests/test_pipeline_ablation_video_families.py (call defaults in CURRENT_CALL_DEFAULTS).
+# Video families of tests/experiments/test_ablate_video_pipelines.py (call defaults in CURRENT_CALL_DEFAULTS).
 #
 # | family | loads as | output | latent | merged token grid |
 # |---|---|---|---|---|
@@ -683,7 +683,7 @@ _BUILDERS.update({"hunyuan_video": _build_hunyuan_video, "mochi": _build_mochi, 
 # 128 x 128; ``system_prompt=""`` keeps the prompt inside 32 tokens (the default system prompt alone is longer).
 # HiDreamImagePipeline rescales every call to the area ``(default_sample_size * vae_scale_factor) ** 2`` with
 # ``default_sample_size = 128`` set in its ``__init__`` (256 x 256 with this VAE): callers that want 32 x 32 set
-# ``default_sample_size = 16`` on the loaded pipeline (tests/test_pipeline_ablation_single_stream_image.py).
+# ``default_sample_size = 16`` on the loaded pipeline (tests/experiments/test_ablate_single_stream_images.py).
 CURRENT_CALL_DEFAULTS.update({
     "lumina2": {"height": 128, "width": 128, "num_inference_steps": 2, "guidance_scale": 4.0, "system_prompt": "",
                 "max_sequence_length": 32},
@@ -806,7 +806,7 @@ _BUILDERS.update({"lumina2": _build_lumina2, "z_image": _build_z_image, "cogview
 # ``text_encoder_out_layers`` (3 layers of width 32: ``joint_attention_dim`` 96).
 # QwenImageEditPipeline scales the input image to a fixed ~1024^2 area (``calculate_dimensions(1024 * 1024,
 # ratio)`` in ``__call__``) before encoding it; callers patch ``calculate_dimensions`` of
-# ``diffusers.pipelines.qwenimage.pipeline_qwenimage_edit`` (tests/test_pipeline_ablation_joint_image.py), and
+# ``diffusers.pipelines.qwenimage.pipeline_qwenimage_edit`` (tests/experiments/test_ablate_joint_attention_images.py), and
 # call it with ``true_cfg_scale: 1`` (a string ``negative_prompt`` with a batch > 1 fails inside diffusers).
 CURRENT_CALL_DEFAULTS.update({
     "qwenimage": {**_SIZE, "true_cfg_scale": 4.0, "negative_prompt": " ", "max_sequence_length": 16},
@@ -1135,7 +1135,7 @@ _BUILDERS.update({"wan22": _build_wan22})
 
 
 # ---------------------------------------------------------------------- ControlNet pipelines and LoRA files
-# tests/test_combinations_weights.py: the sd3 and flux pipelines above with a tiny ControlNet (one block of the
+# tests/core/test_combinations_weights.py: the sd3 and flux pipelines above with a tiny ControlNet (one block of the
 # transformer's width; its zero-initialised output projections re-drawn, so that the residuals it adds between
 # the transformer's blocks change the image), and LoRA files written with the pipeline's ``save_lora_weights``.
 #

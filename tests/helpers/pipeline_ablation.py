@@ -6,7 +6,7 @@ call defaults (``local_pipelines.CURRENT_CALL_DEFAULTS``, or ``EDIT_CALL_DEFAULT
 ``model.call`` of the run. Every run generates the 2 ``PROMPTS`` in one batch of 2, times one call of 1, and leaves
 wandb off.
 
-The test modules import the ``offline`` and ``root`` fixtures from here (tests/conftest.py puts tests/ on sys.path).
+The test modules (tests/experiments/test_ablate_*.py) import the ``offline`` and ``root`` fixtures from here.
 """
 
 from __future__ import annotations

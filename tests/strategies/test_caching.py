@@ -1,7 +1,7 @@
 """The caching schedules (``strategies/caching.py``, docs/schedules.md "Caching") through the real hooks.
 
 The step rules, written out by hand from the authors' code: FORA's full steps at 20 and 50 steps (counted down),
-TeaCache's last step run in full. On the tiny native DiT of ``test_compile`` (float64, 2 blocks, a guidance pair per
+TeaCache's last step run in full. On the tiny native DiT of ``helpers.compiled`` (float64, 2 blocks, a guidance pair per
 call) and on diffusers families: interval 1 and threshold 0 are the unpatched model bit for bit and ``remove()``
 restores it; a reused block returns its input plus the residual its block returned at the last full step, exactly,
 for every token stream; the forecast is TaylorSeer's formula, rebuilt here from the captured residuals; the adaptive

@@ -1,7 +1,7 @@
-"""`tomerge ablate` runs every caching schedule as a grid entry on the tiny reference DiT (tests/tiny_reference.py):
-caching only at ratio 0, and composed with a merging strategy at a ratio. A reused step costs the model's FLOPs
-less its blocks', so the FLOP-ideal speed-up of ``fora`` is known from one call's FLOPs; the others only have
-to be faster than the baseline and produce their images and metrics."""
+"""`tomerge ablate` runs every caching schedule as a grid entry on the tiny reference DiT
+(tests/helpers/tiny_reference.py): caching only at ratio 0, and composed with a merging strategy at a ratio. A reused
+step costs the model's FLOPs less its blocks', so the FLOP-ideal speed-up of ``fora`` is known from one call's FLOPs;
+the others only have to be faster than the baseline and produce their images and metrics."""
 
 import json
 

@@ -1,4 +1,5 @@
-"""Section 7 invariants over every registered strategy (a new registration is tested automatically)."""
+"""The invariants of ``tomerge.contract.check_strategy`` (docs/writing-a-strategy.md, "Rules the contract enforces")
+over every registered strategy (a new registration is tested automatically)."""
 
 import dataclasses
 

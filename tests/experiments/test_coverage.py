@@ -15,7 +15,6 @@ import inspect
 import json
 import re
 from importlib.metadata import entry_points
-from pathlib import Path
 
 import pytest
 import torch
@@ -25,8 +24,8 @@ from tomerge.experiments import cli
 from tomerge.registry import backbone_class
 from tomerge.experiments.sources.coverage import (NOT_DECLARED, NOT_MERGED, PAGE, REGENERATE, composition, coverage,
                                                  default_ratio, markdown, model_classes, refused_groups)
+from helpers import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def builtin(group: str) -> list[str]:

@@ -1,7 +1,7 @@
 """Merging and caching combined with the weights researchers load (issue #42, the weights side of the matrix).
 
 Each cell runs tiny random-weight pipelines saved to disk and loaded with ``from_pretrained(...,
-local_files_only=True)`` (tests/local_pipelines.py): LoRA files loaded with ``pipe.load_lora_weights`` (peft),
+local_files_only=True)`` (tests/helpers/local_pipelines.py): LoRA files loaded with ``pipe.load_lora_weights`` (peft),
 unfused, fused, switched with ``set_adapters`` between calls, and loaded or unloaded after ``apply``; the SD3 and
 FLUX.1 ControlNet pipelines (ControlNet residuals added between the transformer's blocks); transformers quantized
 by torchao on the CPU (int8 weight-only, int8 dynamic, float8 weight-only); accelerate's offload hooks beside

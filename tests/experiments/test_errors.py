@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import ast
 import importlib
-from pathlib import Path
 
 import pytest
 
 from tomerge.experiments import errors
+from helpers import ROOT
 
-EXPERIMENTS = Path(__file__).resolve().parents[1] / "experiments"
+EXPERIMENTS = ROOT / "experiments"
 
 # module -> the names of errors.py it also holds (its own spellings of them)
 OTHER_SPELLINGS = {

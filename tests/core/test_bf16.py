@@ -148,7 +148,7 @@ def test_taylor_terms_of_bf16_residuals_are_float32(monkeypatch):
     assert float((rounded.double() - exact).abs().max() / exact.abs().max()) > 1e-3
 
 
-if __name__ == "__main__":  # the table of docs/compile.md, "bf16": python3 tests/test_bf16.py
+if __name__ == "__main__":  # the table of docs/compile.md, "bf16": python3 tests/core/test_bf16.py
     models32, models16 = (load_dit(REFERENCE_CHECKPOINT).eval().to(d) for d in (torch.float32, torch.bfloat16))
     unmerged = rmse(draw(models32, None)[0], draw(models16, None)[0])
     print("| method | RMSE, same plans | over the unmerged model's | RMSE, own plans |\n|---|---:|---:|---:|")

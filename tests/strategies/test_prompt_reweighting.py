@@ -1,4 +1,5 @@
-"""Prompt token reweighting (strategies.md section 6): categorizers, the exact text-key bias, SD3 and Flux.
+"""Prompt token reweighting (docs/schedules.md, "Prompt token reweighting"): categorizers, the exact text-key bias,
+SD3 and Flux.
 
 The bias must equal an explicit additive mask (``+log(a_p)`` on the chosen text keys' logits, image
 queries only) while the SDPA call itself gets no mask; on tiny random-weight SD3/Flux models ``a_p = 1``

@@ -1,5 +1,5 @@
-"""The layout contract of architecture.md: the core imports no plugin or model library; plugins
-resolve from the top-level folders through the package_dir mapping and register by entry points."""
+"""The package layout (README.md, "Layout"; docs/index.md, "Architecture"): the core imports no plugin or model library;
+plugins resolve from the top-level folders through the package_dir mapping and register by entry points."""
 
 import subprocess
 import sys
@@ -7,8 +7,8 @@ from importlib.metadata import entry_points
 from pathlib import Path
 
 import tomerge
+from helpers import ROOT
 
-ROOT = Path(__file__).parents[1]
 
 
 def test_importing_the_core_loads_no_strategy_backbone_diffusers_or_timm():

@@ -7,7 +7,7 @@ a line of the form
     folder = "/models/stable-diffusion-3-medium-diffusers"   # your local copy
 
 (the name ``folder``, a string, the comment ``# your local copy``) gets instead the path of the tiny
-random-weight pipeline folder of ``tests/local_pipelines.py`` of the family the original path names (see
+random-weight pipeline folder of ``tests/helpers/local_pipelines.py`` of the family the original path names (see
 ``FAMILY_BY_PATH``: "flux" -> flux, "pixart" -> pixart, "xl" -> sdxl, "stable-diffusion-3" or "sd3" -> sd3,
 other "stable-diffusion" -> sd). In a block with such a line, every keyword ``name=<literal>`` whose name is a
 key of ``local_pipelines.CALL_DEFAULTS[family]`` (``num_inference_steps``, ``height``, ``width``,
@@ -23,14 +23,14 @@ under a string literal name ending in ``.png``).
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
 import torch
 
 from tomerge.attach import _HANDLE_ATTR
+from helpers import ROOT
 
-README = Path(__file__).parents[1] / "README.md"
+README = ROOT / "README.md"
 
 FOLDER_LINE = re.compile(  # folder = "<path>"   # your local copy
     r'^(?P<head>\s*folder\s*=\s*)(?P<q>["\'])(?P<path>[^"\']*)(?P=q)(?P<tail>\s*#\s*your local copy.*)$', re.MULTILINE)
@@ -62,7 +62,7 @@ def family_of(path: str) -> str:
     for key, family in FAMILY_BY_PATH:
         if key in name:
             return family
-    raise AssertionError(f"README pipeline path {path!r} names no family of tests/local_pipelines.py")
+    raise AssertionError(f"README pipeline path {path!r} names no family of tests/helpers/local_pipelines.py")
 
 
 def substitute(source: str) -> tuple[str, str | None]:

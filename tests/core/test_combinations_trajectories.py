@@ -2,11 +2,11 @@
 experts, batches and guidance, diffusers' own caches, ``compile_repeated_blocks``.
 
 Every pipeline is a tiny random-weight one saved to a folder and loaded with ``from_pretrained(...,
-local_files_only=True)`` as a user's weights are (tests/local_pipelines.py). Each cell runs ``tomesd``, ``toma``,
-``sdtm_release``, ``fora``, ``first_block_cache`` and ``fora`` around ``tomesd``: at their neutral setting (ratio 0;
-``interval=1``, ``threshold=0``) the images equal the unaccelerated run bit for bit; engaged, they are finite,
-differ, and ``handle.stats`` counts merged or reused calls; ``handle.remove()`` leaves the pipeline bit-exact. The
-step lists are written by hand from each schedule's rule (docs/schedules.md, "The step clock").
+local_files_only=True)`` as a user's weights are (tests/helpers/local_pipelines.py). Each cell runs ``tomesd``,
+``toma``, ``sdtm_release``, ``fora``, ``first_block_cache`` and ``fora`` around ``tomesd``: at their neutral setting
+(ratio 0; ``interval=1``, ``threshold=0``) the images equal the unaccelerated run bit for bit; engaged, they are finite,
+differ, and ``handle.stats`` counts merged or reused calls; ``handle.remove()`` leaves the pipeline bit-exact. The step
+lists are written by hand from each schedule's rule (docs/schedules.md, "The step clock").
 """
 
 from __future__ import annotations

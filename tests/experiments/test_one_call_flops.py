@@ -5,11 +5,12 @@ from __future__ import annotations
 import re
 import runpy
 import sys
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).parents[1] / "scripts" / "one_call_flops.py"
+from helpers import ROOT
+
+SCRIPT = ROOT / "scripts" / "one_call_flops.py"
 
 
 def flop_ideal(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, *args: str) -> tuple[float, float]:

@@ -10,6 +10,7 @@ import torch
 from tomerge.experiments.runs.ablation import run_ablation
 from tomerge.experiments.config.load import load_config
 from tomerge.experiments.errors import UsageError
+from helpers import ROOT
 from helpers.tiny_reference import write_test_set, write_tiny_dit
 
 
@@ -331,7 +332,7 @@ def test_a_run_folders_config_yaml_loads_back_as_the_config_that_made_it(setup):
     assert (folder / "results.jsonl").read_text() == before
 
 
-@pytest.mark.parametrize("saved", sorted(Path(__file__).parents[1].glob("docs/runs/*/config.yaml")),
+@pytest.mark.parametrize("saved", sorted(ROOT.glob("docs/runs/*/config.yaml")),
                          ids=lambda p: p.parent.name)
 def test_the_committed_run_folders_configs_load(saved):
     import yaml

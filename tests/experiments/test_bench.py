@@ -13,6 +13,7 @@ import tomerge
 from tomerge.experiments.bench.e2e import TOMESD_PACKAGE
 from tomerge.experiments.bench.models import build
 from tomerge.experiments.commands import bench
+from helpers import ROOT
 
 
 def _rows(path) -> list[dict[str, str]]:
@@ -328,7 +329,7 @@ def test_a_plugin_strategy_with_needs_runs_end_to_end(tmp_path):
 
 
 # ---------------------------------------------------------------------- experiments/bench/gpu.sh
-GPU_SCRIPT = __import__("pathlib").Path(__file__).resolve().parents[1] / "experiments" / "bench" / "gpu.sh"
+GPU_SCRIPT = ROOT / "experiments" / "bench" / "gpu.sh"
 HEADLINE = ["tomesd", "ssm", "toma", "toma_release", "sdtm_release", "fora", "taylorseer", "first_block_cache",
             "fora:merge=tomesd"]
 

@@ -19,13 +19,12 @@ import json
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 from packaging.requirements import Requirement
 
 from tomerge.experiments import cli
+from helpers import ROOT
 
-ROOT = Path(__file__).parents[1]
 
 #: What the library proper (tomerge/, strategies/, backbones/) imports: torch; timm for the native DiT;
 #: safetensors for its weights; diffusers for the rotary embeddings of some adapters.

@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "same_run_folders.py"
+from helpers import ROOT
+
+SCRIPT = ROOT / "scripts" / "same_run_folders.py"
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 """`tomerge ablate` and `tomerge generate` on text-to-image pipeline folders, end to end and offline.
 
 The folders are tiny random-weight pipelines of each family with their text encoders and locally built
-tokenizers (tests/local_pipelines.py), loaded with ``from_pretrained(..., local_files_only=True)`` as a
+tokenizers (tests/helpers/local_pipelines.py), loaded with ``from_pretrained(..., local_files_only=True)`` as a
 researcher's weights are. Checked: a 2-strategy x 2-prompt x 2-step ablation on every family (rows,
 PNGs, prompt index, table), resume after an interruption without losing finished images, 2 gloo ranks
 producing every prompt once and the same pixels as one process, CLIP score from a local CLIP folder,

@@ -2,7 +2,7 @@
 feature cache of the last full step.
 
 The slot-offset rule ``y = unmerge(u) + c - unmerge(merge(c))`` is checked in float64 against the slot algebra it
-stands for; through the real hooks on the tiny native DiT of ``test_compile``: ``refresh_every=1``, ratio 0 and
+stands for; through the real hooks on the tiny native DiT of ``helpers.compiled``: ``refresh_every=1``, ratio 0 and
 ``remove()`` are the unpatched model bit for bit; a step whose inputs are the full step's, merged only in
 affine MLPs, returns the full step's output (where plain merging does not); the full steps are the unmerged
 model's; a batch equals its samples; a compiled trajectory compiles no graph after its first steps; the

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from helpers import local_pipelines
-from helpers.pipeline_ablation import (SSM, TOCA, TOMESD, block_records, check_rows, item_index, run_family, write_edits,
-                               write_prompts)
+from helpers.pipeline_ablation import (SSM, TOCA, TOMESD, block_records, check_rows, item_index, run_family,
+                                       write_edits, write_prompts)
 from helpers.pipeline_ablation import offline  # noqa: F401 (a fixture)
 
 pytest.importorskip("transformers", reason="the text pipelines of diffusers import transformers")

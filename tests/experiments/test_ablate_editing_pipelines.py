@@ -2,7 +2,7 @@
 (``prompts: {file: edits.jsonl, image_field: image}``), loaded from its folder as a researcher's weights are.
 
 The generated image's 8 x 8 tokens are merged; the input image's tokens (another size) are context, so every
-recorded block call counts the 64 target tokens only (``tests/test_reference_images.py`` checks the layout on
+recorded block call counts the 64 target tokens only (``tests/backbones/test_reference_images.py`` checks the layout on
 the transformer itself).
 """
 

@@ -3,7 +3,7 @@
 The schedule's fresh steps and fresh fractions follow ToCa's DDIM-50 recipe (``force_scheduler`` and ``ToCa-ddim50``,
 written out here by hand at 20 and 50 steps, the step counted from the last one down); a cached step with no fresh
 token runs no sublayer and ages every token; the score ranks tokens by L2-normalised received attention, staleness and
-the best-of-cell bonus (float64, gaps asserted); through the hooks on the tiny native DiT of ``test_compile``:
+the best-of-cell bonus (float64, gaps asserted); through the hooks on the tiny native DiT of ``helpers.compiled``:
 ``interval=1`` and ``remove()`` give the unpatched model bit for bit, a cached step of a timestep-blind model on the
 fresh step's input returns the fresh step's output, a cached step reuses the attention (it never runs) and runs the
 feed-forward on the fresh tokens only, a batch equals its samples, a compiled trajectory compiles nothing after its

@@ -2,15 +2,15 @@
 
 import importlib.util
 import sys
-from pathlib import Path
 
 import torch
 
 import tomerge
 from tomerge.contract import check_strategy
+from helpers import ROOT
 from helpers.models import tiny_unet, unet_inputs
 
-EXAMPLE = Path(__file__).parents[1] / "docs" / "examples" / "strided_matching.py"
+EXAMPLE = ROOT / "docs" / "examples" / "strided_matching.py"
 
 
 def load_example():

@@ -42,7 +42,7 @@ TEMP = re.compile(r"^\..+\.tmp\d+$")
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> Path:
-    """A tiny DiT checkpoint and Fashion-MNIST stand-in files (tests/tiny_reference.py)."""
+    """A tiny DiT checkpoint and Fashion-MNIST stand-in files (tests/helpers/tiny_reference.py)."""
     from helpers.tiny_reference import write_test_set, write_tiny_dit
 
     root = tmp_path_factory.mktemp("faults")
