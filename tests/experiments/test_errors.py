@@ -17,11 +17,9 @@ EXPERIMENTS = ROOT / "experiments"
 OTHER_SPELLINGS = {
     "cli": ["UserError", "UsageError", "user_input", "did_you_mean", "is_user_error", "report_errors",
             "module_main", "INTERRUPTED"],
-    "config": ["ConfigError", "UsageError", "did_you_mean"],
-    "plugins": ["PluginError", "UserError"],
-    "measure.metrics": ["MissingWeightsError", "UserError"],
-    "generation.files": ["DiskFullError", "DamagedFileError", "FolderInUseError", "NO_SPACE", "is_disk_full",
-                         "UserError"],
+    "plugins": ["PluginError"],
+    "measure.metrics": ["MissingWeightsError"],
+    "generation.files": ["DiskFullError", "DamagedFileError", "FolderInUseError", "is_disk_full"],
     "generation.generate": ["UsageError"],
     "commands.generate": ["RankFailedError", "UsageError", "user_input"],
     "runs.records": ["UsageError"],
@@ -29,8 +27,6 @@ OTHER_SPELLINGS = {
     "runs.search": ["UsageError", "did_you_mean"],
     "commands.search": ["user_input"],
     "commands.bench": ["UsageError", "user_input"],
-    "sources": ["UsageError", "did_you_mean"],
-    "figures": ["UsageError"],
     "commands.train_reference": ["user_input"],
 }
 

@@ -229,8 +229,8 @@ PAPERS = {"sdtm_sd3_medium": "sd3", "toma_flux_dev": "flux", "toma_sdxl": "sdxl"
 def test_paper_configs_load_and_every_run_attaches_to_its_family(tmp_path, paper):
     """The paper protocols are ready to run: with a local folder of the right family and a prompt file of
     the configured format, the config validates and every grid cell attaches (options exist)."""
-    import tomerge
     from tomerge.experiments.config.schema import CONFIG_DIR
+    from tomerge.experiments.generation.generate import merging
 
     family = PAPERS[paper]
     coco = tmp_path / "captions.json"
@@ -249,7 +249,7 @@ def test_paper_configs_load_and_every_run_attaches_to_its_family(tmp_path, paper
     source = config.model.load()
     assert config.runs()
     for run in config.runs():
-        with tomerge.merging(source.target, run.strategy, ratio=run.ratio, **run.options) as handle:
+        with merging(source, run) as handle:  # the run's flat options sorted into apply's keyword groups
             assert handle.adapter.name == ("unet" if family in ("sd", "sdxl") else family)
 
 
