@@ -8,12 +8,6 @@ sys.path.insert(0, os.path.dirname(__file__))  # the helpers package: tests/help
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-import helpers.models  # noqa: E402
-
-# tests/core/test_attach.py imports ``models``, the name of tests/helpers/models.py before the helpers package: an alias
-# until it imports helpers.models.
-sys.modules.setdefault("models", helpers.models)
-
 # Tests check behaviour, not speed: one thread avoids oversubscribing small CPU machines
 # (a tiny UNet forward takes ~15x longer with 2 threads when other processes compete).
 # TOMERGE_TEST_THREADS and TOMERGE_TEST_MKLDNN=0 change how float32 kernels round, as another machine

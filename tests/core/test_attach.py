@@ -10,7 +10,7 @@ from torch import nn
 
 import tomerge
 from tomerge.state import TrajectoryClock
-from models import tiny_unet, unet_inputs
+from helpers.models import tiny_unet, unet_inputs
 
 STRATEGIES = ["tomesd", "ssm", "idm", "facility_location"]
 
@@ -266,14 +266,14 @@ NATIVE_STEPS = 5
 
 @pytest.fixture(scope="module")
 def dit():
-    from test_compile import build
+    from helpers.compiled import build
 
     return build("native_dit")
 
 
 def sample(model, steps: int = NATIVE_STEPS, batch_of_step=lambda step: 2, same_t: bool = False) -> None:
     """One trajectory of ``steps`` model calls (the times of test_compile), each step's batch ``batch_of_step``."""
-    from test_compile import call, inputs, times
+    from helpers.compiled import call, inputs, times
 
     for step, t in enumerate(times(steps)):
         kwargs = inputs("native_dit", times(steps)[0] if same_t else t)
@@ -368,7 +368,7 @@ def test_a_handle_that_merged_or_reused_nothing_warns_once_with_the_reason(dit, 
 
 
 def test_a_pipeline_that_bypasses_the_hooked_module_is_named(dit):
-    from test_compile import inputs
+    from helpers.compiled import inputs
 
     kwargs = inputs("native_dit", 0.5)
     with tomerge.merging(dit, "fora", num_steps=5) as handle:  # the blocks run, the model's hooks do not
