@@ -620,9 +620,7 @@ def check_options(strategy: str, *, ratio: float | None = None, backbones: Seque
         TypeError: unknown option(s) ['use_rnd'] for strategy 'tomesd'; valid options: [...]
     """
     names = list(backbones) if backbones is not None else list_backbones()
-    adapter_fields: set[str] = set()
-    for name in names:
-        adapter_fields |= {f.name for f in dataclasses.fields(backbone_class(name).Options)}
+    adapter_fields = _adapter_fields(names)
     if len(names) == 1:  # one family: its option values are checked too
         cls = backbone_class(names[0])
         build(cls.Options, {k: v for k, v in options.items() if k in adapter_fields}, what=f"backbone {cls.name!r}")
@@ -634,8 +632,7 @@ def apply_arguments(options: Mapping[str, Any], backbones: Sequence[str] | None 
     """The keyword arguments of :func:`apply` for a config's flat ``options`` (a grid entry's, which
     :func:`check_options` validates): the adapter options of ``backbones`` (default: every registered one) go
     into ``adapter=``, the state options stay keywords, the rest are the strategy's or schedule's."""
-    names = list(backbones) if backbones is not None else list_backbones()
-    adapter_fields = {f.name for name in names for f in dataclasses.fields(backbone_class(name).Options)}
+    adapter_fields = _adapter_fields(backbones)
     adapter = {k: v for k, v in options.items() if k in adapter_fields}
     rest = {k: v for k, v in options.items() if k not in adapter_fields}
     return {**rest, "adapter": adapter} if adapter else rest
@@ -650,15 +647,18 @@ def option_names(strategy: str, backbones: Sequence[str] | None = None) -> list[
         >>> "use_rand" in tomerge.attach.option_names("tomesd")      # doctest: +SKIP
         True
     """
-    names = list(backbones) if backbones is not None else list_backbones()
-    valid = set(_STATE_OPTIONS)
-    for name in names:
-        valid |= {f.name for f in dataclasses.fields(backbone_class(name).Options)}
+    valid = {*_STATE_OPTIONS, *_adapter_fields(backbones)}
     cls = strategy_class(strategy)
     valid |= {f.name for f in dataclasses.fields(cls) if f.init}
     if not issubclass(cls, Schedule):
         valid |= set(_CONSTANT_OPTIONS)
     return sorted(valid)
+
+
+def _adapter_fields(backbones: Sequence[str] | None) -> set[str]:
+    """The option names of the adapters ``backbones`` (default: every registered one), together."""
+    names = list(backbones) if backbones is not None else list_backbones()
+    return {f.name for name in names for f in dataclasses.fields(backbone_class(name).Options)}
 
 
 def remove(target: Any) -> None:
