@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import tomerge
-from helpers.family import run
+from helpers.family import run, to_float64
 from helpers.video_families import mochi_inputs
 
 
@@ -54,8 +54,7 @@ def test_mochi_joint_probe_equals_the_models_attention(models):
     from helpers.probes import record_sdpa, reference_received_attention
 
     model = copy.deepcopy(models["mochi"]).double()
-    inputs = {k: v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v
-              for k, v in mochi_inputs(model).items()}
+    inputs = to_float64(mochi_inputs(model))
     seen, hooks = record_sdpa(_attn1(model))
     try:
         with tomerge.merging(model, "idm", ratio=0.5) as handle, torch.no_grad():
