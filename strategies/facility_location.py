@@ -1,53 +1,11 @@
-"""`facility_location`: ToMA's submodular destination selection with dense merge matrices.
+"""`facility_location`: ToMA's submodular destination selection with dense merge matrices (Lu et al., "ToMA: Token
+Merge with Attention for Diffusion Models", ICML 2025).
 
-Reference: W. Lu et al., "ToMA: Token Merge with Attention for Diffusion Models", ICML 2025.
-
-Algorithm (all tiles and batch elements at once; the only Python loop runs over the ``d`` picks):
-
-1. Features: the tokens entering the sublayer, L2-normalised in fp32 (with an epsilon, so an all-zero
-   token is a zero vector, never NaN). Only their similarities inside each tile are needed, so the raw
-   rows are gathered into tiles once and their Gram matrix is divided by the norms on its diagonal.
-2. Locality: the ``N = H*W`` tokens are split into ``T`` groups of ``s`` slots (:meth:`tile_layout`).
-   ``"tiles"``: ``t x t`` square blocks of the raster grid. The side is ``tile_size`` if given, else
-   ``t = max(1, round(sqrt(N / num_tiles)))`` (so about ``num_tiles`` tiles cover the grid; 64x64 tokens
-   with 256 tiles gives the authors' 4x4 tiles). Grids not divisible by ``t`` are padded to whole tiles.
-   ``"stripes"``: contiguous runs of the raster sequence of length ``s = ceil(N / num_tiles)``, i.e.
-   ``ceil(N / s)`` stripes (the last one padded). Padding slots hold position ``N`` in the layout, have
-   zero features, are never selected and get zero merge weight.
-   Video grids ``(T, H, W)`` (docs/strategies.md, "3-D (video) token grids"): the frames are cut into
-   groups of ``tile_frames`` consecutive frames (default 1: every frame alone, so no tile crosses frames),
-   and every group is laid out as a 2-D grid is, with its tiles extended through the group's frames:
-   ``tile_frames x t x t`` boxes (``t`` from one frame, ``t = max(1, round(sqrt(H*W / num_tiles)))``), or
-   stripes of ``s = ceil(tile_frames*H*W / num_tiles)`` consecutive tokens of the group. So ``num_tiles``
-   is the target tile count per group of frames (per frame by default), and a 2-D grid is one frame.
-   Frames left over when ``T`` is not divisible by ``tile_frames`` form a shorter last group, padded like
-   a grid not divisible by ``t``.
-3. Destinations: ``d = (N - r) // T`` per tile with ``r = ctx.tokens_to_remove(N)`` (at least 1), so
-   ``M = T*d`` slots and ``num_removed = N - M >= r`` (fewer, with a warning, only when ``d`` had to be
-   raised to 1). Greedy facility location per tile on ``S = X X^T [B, T, s, s]``: the first pick
-   maximises the row sum, each later pick the coverage gain ``sum_i relu(S[v, i] - m_i)`` with
-   ``m_i = max_{j in D} S[j, i]``, computed as ``sum_i max(S[v, i], m_i)`` (the two differ by
-   ``sum_i m_i``, the same for every candidate: the same choice in one pass over ``S`` fewer).
-4. Merge matrix: ``L = X_dst X_tile^T [B, T, d, s]`` (the picks' rows of ``S``, collected by the greedy
-   loop), ``A = softmax(L / tau)`` over the destinations
-   (each token distributes itself over its tile's destinations), ``W = A / A.sum(-1)`` (rows sum to 1),
-   unmerge ``U = A^T`` (raw; for a hard assignment it equals ``pinv(W)``), or ``pinv(W)`` per tile.
-
-Where we deviate from the authors' code (both behaviours are options):
-    * ``mask_selected=True``: chosen candidates are masked; the authors' code does not, which picks
-      duplicates on flat regions (all gains 0). ``False`` reproduces it.
-    * ``shared_destinations=False``: destinations are chosen per batch element; the authors select on
-      batch element 0 and share them (``True``). Merge matrices always use each element's features.
-    * An edge tile of a padded grid may hold fewer real tokens than ``d``; once its real tokens are all
-      chosen, later picks repeat one of them. Duplicate slots split the token's weight equally, so
-      merge and unmerge stay exact; they only waste a slot.
-
-Example:
-    >>> import torch
-    >>> from tomerge import MergeContext
-    >>> plan = FacilityLocation(num_tiles=4).plan(torch.randn(2, 64, 16), MergeContext(grid=(8, 8), ratio=0.5))
-    >>> plan.num_removed, tuple(plan.merge(torch.randn(2, 64, 16)).shape)
-    (32, (2, 32, 16))
+The tokens are cut into local tiles (squares or raster stripes; on video grids per group of frames); in each
+tile a greedy facility location picks the destinations that best cover the tile by cosine similarity, and every
+token is spread over its tile's destinations by a softmax of its similarities. Merging and unmerging are
+tile-local batched matmuls, never a global ``N x M`` matrix. The algorithm, its options and where it deviates
+from the authors' code (both behaviours are options): docs/strategies.md, "facility_location".
 """
 
 from __future__ import annotations
@@ -72,7 +30,7 @@ _EPS = 1e-6
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class FacilityLocation(MergeStrategy):
-    """ToMA facility-location merging (see the module docstring for the algorithm).
+    """ToMA facility-location merging (the algorithm: docs/strategies.md, "facility_location").
 
     Args:
         locality: ``"tiles"`` (square ``t x t`` blocks of the grid) or ``"stripes"`` (raster runs).

@@ -1,26 +1,10 @@
-"""`tomesd`: ToMeSD bipartite soft matching (Bolya & Hoffman, "Token Merging for Fast Stable
-Diffusion", CVPRW 2023), with output parity to the ``tomesd`` 0.1.3 package.
+"""`tomesd`: ToMeSD bipartite soft matching (Bolya & Hoffman, "Token Merging for Fast Stable Diffusion", CVPRW
+2023), with output parity to the ``tomesd`` 0.1.3 package.
 
-Algorithm, on the block's input hidden states ``x [B, N, C]`` on an ``H x W`` grid:
-
-1. Split the grid into ``sy x sx`` cells; one position per full cell is a destination: drawn
-   uniformly (one draw shared by the batch) or, with ``use_rand=False`` (or an odd batch, as in
-   tomesd), the top-left one. Leftover rows/columns are sources.
-   On a ``(T, H, W)`` video grid (docs/strategies.md, "3-D (video) token grids") the cells are
-   ``st x sy x sx`` boxes: with ``st=1`` (default) every frame has the cells of a 2-D grid and the
-   same destinations (one draw for the clip, as for the batch: frame ``t``'s are frame 0's plus
-   ``t * H * W``); with ``st > 1`` one destination per box of ``st`` frames, drawn among its
-   ``st * sy * sx`` positions. Leftover frames are sources, like leftover rows. Matching (step 3)
-   stays global over the clip: a source may merge into a destination of another frame.
-2. ``r = int(N * ratio)``, capped at the number of sources (with a warning).
-3. Every source finds its most cosine-similar destination; the ``r`` sources with the highest
-   similarity merge into it, the rest keep their own slot.
-4. A destination slot holds the plain mean of itself and its merged sources; unmerging copies it back.
-
-Differences from the package that do not change outputs: slots are ordered
-``[destinations, unmerged sources]`` instead of ``[unmerged, destinations]`` (attention and MLP are
-permutation-equivariant without in-block positions), ties in similarity are broken by a stable sort in
-raster order, and normalisation has an epsilon so all-zero tokens give no NaN.
+One destination per ``sy x sx`` cell of the grid (drawn at random or the top-left one); the ``r`` sources most
+cosine-similar to a destination merge into it as a plain mean, and unmerging copies the mean back. The algorithm,
+its cells on video grids and how it differs from the package without changing outputs: docs/strategies.md,
+"tomesd".
 """
 
 from __future__ import annotations
@@ -41,7 +25,7 @@ RNGS = ("fork_global", "per_step_layer")
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ToMeSD(MergeStrategy):
-    """ToMeSD bipartite soft matching (see the module docstring).
+    """ToMeSD bipartite soft matching (the algorithm: docs/strategies.md, "tomesd").
 
     Args:
         sx, sy: destination stride in x and y (one destination per ``sy x sx`` cell).

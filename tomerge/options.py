@@ -1,17 +1,9 @@
-"""Option checks shared by strategies and schedules: one helper per kind of option.
+"""Option checks shared by strategies and schedules: one helper per kind of option, so every option error reads
+the same way and names its owner. The helpers and their shared rules: docs/writing-a-strategy.md, "Checking
+options".
 
-Every option error reads the same way and names its owner (``ssm: window must be an int >= 2, got 1``). The
-helpers and their shared rules: docs/writing-a-strategy.md, "Checking options".
-
-Example:
     >>> check_int(3, "window", "ssm", low=2)
     3
-    >>> check_number(0, "alpha_s", "ssm", low=0)
-    0.0
-    >>> check_choice("pinv", "unmerge_matrix", "facility_location", ("transpose", "pinv"))
-    'pinv'
-    >>> check_sublayers(["mlp", "attn", "mlp"], "sublayers", "toma")
-    ('attn', 'mlp')
     >>> check_int(0, "window", "ssm", low=2)
     Traceback (most recent call last):
         ...

@@ -1,20 +1,14 @@
 """`MergePlan`: the one object every strategy returns.
 
 A plan maps the ``N`` image tokens of a block onto ``M <= N`` slots and runs the merge (``[B, N, C] -> [B, M, C]``)
-and the unmerge (``[B, M, C'] -> [B, N, C']``), in one of three forms: **hard** (each token's slot, a slot is the
-mean of its tokens), **selection** (kept tokens, the others dropped) or **soft** (merge and unmerge matrices,
-optionally tiled). ``dst [B, M]`` is the token each slot takes its position from. The constructors:
+and the unmerge (``[B, M, C'] -> [B, N, C']``), in one of three forms: hard, selection or soft (optionally tiled).
+``dst [B, M]`` is the token each slot takes its position from. The forms and their constructors:
 docs/writing-a-strategy.md, "Building the plan"; the backends and why a plan memoises nothing: docs/index.md.
 
-Example:
     >>> import torch
-    >>> assign = torch.tensor([[0, 0, 1, 2]])          # tokens 0 and 1 share slot 0
-    >>> plan = MergePlan.hard(assign, dst=torch.tensor([[0, 2, 3]]))
-    >>> x = torch.arange(8.0).view(1, 4, 2)
-    >>> plan.merge(x).tolist()
+    >>> plan = MergePlan.hard(torch.tensor([[0, 0, 1, 2]]), dst=torch.tensor([[0, 2, 3]]))  # tokens 0, 1: slot 0
+    >>> plan.merge(torch.arange(8.0).view(1, 4, 2)).tolist()
     [[[1.0, 2.0], [4.0, 5.0], [6.0, 7.0]]]
-    >>> plan.unmerge(plan.merge(x)).shape
-    torch.Size([1, 4, 2])
 """
 
 from __future__ import annotations

@@ -1,28 +1,10 @@
 """`MergeStrategy`: the interface a merging algorithm implements.
 
-A strategy is a frozen dataclass whose fields are its options. It answers two questions for a block's
-tokens ``x [B, N, C]``: which tokens stay as destinations (:meth:`select_destinations`) and how every
-token maps onto the slots (:meth:`merge_matrix`, returning a :class:`~tomerge.MergePlan`). Merging,
-unmerging, size tracking and the contract tests come from the plan.
-
-Example (a complete strategy: merge each token of an odd column into its left neighbour):
-
-    >>> import torch, dataclasses
-    >>> from tomerge import MergeStrategy, MergePlan, MergeContext
-    >>> @dataclasses.dataclass(frozen=True)
-    ... class Columns(MergeStrategy):
-    ...     name = "columns"
-    ...     def select_destinations(self, x, ctx):
-    ...         H, W = ctx.grid
-    ...         pos = torch.arange(H * W).view(H, W)[:, 0::2].flatten()   # [M]
-    ...         return pos.expand(x.shape[0], -1)                          # [B, M]
-    ...     def merge_matrix(self, x, dst, ctx):
-    ...         H, W = ctx.grid
-    ...         slot = (torch.arange(W) // 2).repeat(H) + torch.arange(H).repeat_interleave(W) * ((W + 1) // 2)
-    ...         return MergePlan.hard(slot.expand(x.shape[0], -1), dst)
-    >>> plan = Columns().plan(torch.randn(2, 16, 8), MergeContext(grid=(4, 4), ratio=0.5))
-    >>> plan.num_removed
-    8
+A strategy is a frozen dataclass whose fields are its options. It answers two questions for a block's tokens
+``x [B, N, C]``: which tokens stay as destinations (:meth:`select_destinations`) and how every token maps onto the
+slots (:meth:`merge_matrix`, returning a :class:`~tomerge.MergePlan`). Merging, unmerging, size tracking and the
+contract tests come from the plan, so a new algorithm is these two methods. A complete strategy, and what the
+core calls: docs/writing-a-strategy.md.
 """
 
 from __future__ import annotations
