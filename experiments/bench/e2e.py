@@ -1,23 +1,12 @@
-"""End-to-end speed benchmark: random-weight diffusers models at the widths that matter, baseline vs
-every strategy/schedule (and the ``tomesd`` package on a UNet), measured and FLOP-ideal speed-ups.
+"""End-to-end speed benchmark (``tomerge bench --e2e``): random-weight diffusers models at the widths that matter,
+the unmerged baseline against every registered strategy and schedule (and the ``tomesd`` package on a UNet),
+timed alternating in one process, with measured and FLOP-ideal speed-ups.
 
-    tomerge bench --e2e --widths sd3 pixart flux --tokens 1024 4096 --ratios 0.5 --depth 2 --batch 2
     tomerge bench --e2e --quick                                  # tiny models, seconds (what the tests run)
-    tomerge bench --e2e --compile --widths sd3 pixart dit --tokens 1024 4096 --steps 4 --strategies sdtm toma
+    tomerge bench --e2e --widths sd3 pixart flux --tokens 1024 4096 --ratios 0.5 --depth 2 --batch 2
 
-Per (model, token count, ratio): one transformer forward (``--steps K``: also a ``K``-step Euler
-sampling loop) is timed with ``torch.utils.benchmark`` for the baseline and for every method,
-alternating in one process (round after round: baseline, method 1, method 2, ...), median over
-``--repeats`` rounds after ``--warmup`` untimed ones. FLOPs come from :mod:`tomerge.experiments.measure.flops`
-(every attention kernel priced; plan computation, e.g. similarity matmuls, is counted in the merged FLOPs). Reported: ``speedup = t_base / t_merged``, ``ideal = flops_base / flops_merged``
-and ``efficiency = speedup / ideal`` (the share of the FLOP saving that survives the merge overhead); merging's
-own FLOPs per image (planning, merging, unmerging: ``merge_gflops``, a part of the merged FLOPs); on CUDA the
-peak memory of each method's timed calls (``torch.cuda.max_memory_allocated``).
-
-A method is a registered strategy or schedule, optionally with options (:func:`method_spec`):
-``fora:merge=tomesd`` is FORA's step-level caching with ``tomesd`` merging the blocks that run, at the ratio.
-
-The models, their widths and inputs: :mod:`tomerge.experiments.bench.models`.
+What is timed and counted, and the columns: docs/benchmarks.md, "What is measured"; the models, their widths and
+inputs: :mod:`tomerge.experiments.bench.models`.
 """
 
 from __future__ import annotations

@@ -1,19 +1,10 @@
-"""The speed-vs-quality figure of ``tomerge figures`` (``OUT/pareto_<metric>.png`` and ``.pdf``), drawn for a paper.
+"""The speed-vs-quality figure of ``tomerge figures`` (``OUT/pareto_<metric>.png`` and ``.pdf``), drawn to go into
+a paper as it is.
 
-One line per method through its runs in the order of their ratios. A method is a strategy with the values of the
-options that tell its runs apart (:func:`varying_options`), in one run folder. The legend names each method once
-with its ratios as a note, ``tomesd (r 0.2-0.65)``, and FLOP-matched runs (``tomerge ablate``'s
-``flop_speedups``, rows with a ``flop_target``) by their targets, ``sdtm (FLOP-matched 1.3x, 1.5x)``. Colour is
-the strategy; the marker is the run folder when several are drawn (one folder: the option values of the
-strategy, so that methods of one run each stay apart); the line style tells apart the option values of one
-strategy. The Pareto front of all merged runs is a thick translucent line
-under its points, which are outlined. The baseline is a dotted line at speed-up 1 (metrics against the
-baseline's images) or a star (metrics against real images). Bars are the 95% intervals of the rows
-(``measure.intervals.row_interval``: the metric's over the images, the measured speed-up's over the timing rounds) and
-runs with noisy timing are hollow.
-The title names the model (:attr:`~tomerge.experiments.sources.models.ModelSpec.display_name` of each folder's
-``config.yaml``), the metric and the number of images. No text is drawn inside the axes, and no two texts of
-the figure overlap (tests/experiments/test_figures.py checks the extent of every text).
+One line per method (a strategy with the values of the options that tell its runs apart, :func:`varying_options`)
+through its runs in the order of their ratios, the Pareto front of all merged runs highlighted, the baseline as a
+reference and each run's 95% intervals as bars. What each colour, marker, line and label means, and that no two
+texts overlap (tests/experiments/test_figures.py checks it): docs/experiments.md, "Make the figures".
 """
 
 from __future__ import annotations
@@ -176,8 +167,8 @@ def _indented(text: str, width: int) -> str:
 
 
 def pareto_plot(runs: Sequence[RunData], metric: str, x_key: str = "speedup") -> tuple[Any, list[str]]:
-    """The speed-vs-quality figure of every merged run (a matplotlib ``Figure``; the module docstring says what
-    it shows) and the ``folder/run`` ids on the Pareto front.
+    """The speed-vs-quality figure of every merged run (a matplotlib ``Figure``; what it shows:
+    docs/experiments.md, "Make the figures") and the ``folder/run`` ids on the Pareto front.
 
     Each method's line has the gid ``folder/method name``, each run's point ``folder/run``, the front's band
     ``pareto-front`` and its rings ``pareto-front-points``. A run's bars (gid ``folder/run``) are its 95% intervals

