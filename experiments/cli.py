@@ -1,23 +1,12 @@
 """The `tomerge` command line. Each subcommand is a file of :mod:`tomerge.experiments.commands` with
 `add_arguments(parser)` and `run(args) -> exit code`; this file only wires them together.
 
-Start-up: only the module of the subcommand being run is imported (``tomerge --help`` imports none),
-and the subcommand modules import torch, diffusers, Lightning and the like in the functions that
-use them, so ``--help`` answers without loading them.
-
-`--plugin MODULE_OR_FILE` (repeatable, before or after the subcommand) imports a module or a `.py`
-file first (see `tomerge.experiments.plugins`), before the parser is built, so the strategies it
-registers are valid `--strategy` choices. Subcommands find the list, in command-line order, in
-`args.plugins` (to load the same plugins in worker processes). Spell the option in full: an
-abbreviated `--plug` is accepted by argparse but loaded only after the parser is built.
-
-Errors: a user's mistake prints ``tomerge COMMAND: error: MESSAGE`` (exit code 2), a bug its traceback (exit
-code 1); which errors are the user's and how each is reported is :mod:`tomerge.experiments.errors`.
-``--debug`` (before or after the subcommand) lets every exception through with its full traceback.
-
-The command line needs the ``experiments`` extra (``pip install 'tomerge[experiments]'``; ``pip install tomerge``
-is the library alone): without it, every call, ``--help`` included, says so in one line (exit code 2), found
-without importing any of it.
+Only the module of the subcommand being run is imported, and those modules import torch, diffusers and Lightning
+in the functions that use them, so ``--help`` answers without loading them. ``--plugin`` modules are imported
+before the parser is built, so the strategies they register are valid choices (docs/writing-a-strategy.md, "Use
+it in experiments without packaging"). Errors are reported as :mod:`tomerge.experiments.errors` says
+(docs/experiments.md, "Errors"); without the ``experiments`` extra every call, ``--help`` included, says so in one
+line (exit code 2), found without importing any of it.
 """
 
 from __future__ import annotations

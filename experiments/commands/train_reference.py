@@ -1,20 +1,13 @@
 """`tomerge train-reference`: its arguments and its flow (load Fashion-MNIST, train or export). The training
-itself is :func:`tomerge.experiments.sources.training.train`.
-
-Checkpoints (``last.ckpt`` + the newest periodic one, Lightning format, with optimizer and EMA state)
-go to ``--out-dir`` every ``--ckpt-minutes`` minutes (or every ``--ckpt-every-steps`` steps); a
-stopped run continues with ``--resume``. Every ``--export-every`` steps the EMA weights are also
-written to ``OUT_DIR/dit_reference_ema.safetensors`` (+ ``.json``) while training runs.
+itself is :func:`tomerge.experiments.sources.training.train`; checkpoints, exports and resuming:
+docs/reference-model.md, "Retrain or continue".
 
 Examples:
     # train (continues from OUT_DIR/last.ckpt when it exists and --resume is given)
     python -m tomerge.experiments.commands.train_reference --out-dir checkpoints/reference --max-steps 100000 --resume
     # export the EMA weights of the newest checkpoint (no training)
     python -m tomerge.experiments.commands.train_reference --out-dir checkpoints/reference \\
-        --export checkpoints/reference/dit_reference.safetensors   # then copy it to experiments/reference/ to ship it
-    # smoke test on a handful of images
-    python -m tomerge.experiments.commands.train_reference --out-dir /tmp/ref --limit-images 64 --max-steps 5 \\
-        --wandb disabled
+        --export checkpoints/reference/dit_reference.safetensors
 """
 
 from __future__ import annotations
@@ -123,7 +116,7 @@ def _wandb_logger(args: argparse.Namespace, out_dir: Path, config: DiTConfig):
 
 
 def run(args: argparse.Namespace) -> int:
-    """Train (or, with ``--export``, export) as described in the module docstring. Returns 0."""
+    """Train (or, with ``--export``, export) as docs/reference-model.md, "Retrain or continue", says. Returns 0."""
     import torch
 
     torch.set_num_threads(max(1, args.threads))

@@ -1,21 +1,11 @@
 """Images and videos for a list of items, in one process (:func:`generate_local`), and the output folder they
 are written to; :mod:`~tomerge.experiments.generation.distributed` runs the same batches over several processes.
 
-What changes the pixels besides an item's index, seed and condition is a :class:`GenerateSpec` (the model, the
-strategy with its ratio and options, the batch size). Item ``i``'s initial noise comes from
-``torch.Generator("cpu").manual_seed(seed)``, and it is written to ``OUT/{i:05d}_class{c}_seed{seed}.png``
-(classes) or ``OUT/{i:05d}_seed{seed}.png`` (prompts), listed with its prompt in ``OUT/prompts.jsonl``
-(:data:`INDEX_FILE`). Each image written is also logged in ``OUT/generated.jsonl`` with the rank that wrote it.
-
-Video pipelines (``GenerateSpec.model.is_video``) write each item as a folder ``OUT/{i:05d}_seed{seed}/`` of one
-PNG per frame (``frame_000.png``, ``frame_001.png``, ...), made whole under a temporary name and renamed into
-place, so a folder that exists is complete.
-
-Resume: the list is cut into fixed batches of ``batch_size`` consecutive items (:func:`make_batches`); a batch
-whose files all exist is skipped, and a partly finished one is recomputed whole but only its missing files are
-written. Batches never change composition, and random merge choices are seeded per batch, so an image depends
-only on its index, seed, the batch size and the settings (recorded in ``OUT/generate.json``; a rerun with other
-settings into the same folder is refused), never on the number of processes or on what was generated before.
+The list is cut into fixed batches of ``batch_size`` consecutive items (:func:`make_batches`), item ``i``'s noise
+comes from its own seed and random merge choices are seeded per batch, so an image depends only on its index, seed,
+the batch size and the settings (a :class:`GenerateSpec`, recorded in ``OUT/generate.json``), never on the number
+of processes or on what was generated before; a rerun skips the batches whose files all exist. The file names and
+the resume rules: docs/experiments.md, "Images at scale" and "Video pipelines".
 """
 
 from __future__ import annotations

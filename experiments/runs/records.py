@@ -1,20 +1,11 @@
 """Run folders and W&B logging: where ablation results live.
 
-A run folder ``runs/<name>/`` holds ``config.yaml``, ``results.jsonl`` (one JSON row per finished run,
-appended as they finish: the resume point), ``results.csv`` and ``table.md`` (rewritten at the end),
-``images/<run>/`` (one PNG per item, with ``prompts.jsonl``; video pipelines: one folder of
-``frame_000.png``, ... per item), ``images/<run>.png`` (a grid of the first images; videos: one row of
-frames per video), ``features.safetensors`` (EfficientNet-Lite0 features of the baseline and reference images),
-``maps/<run>.safetensors`` (slot of every token of the first timed image at the kept steps/layers; its
-metadata ``grids`` holds each map's token grid, ``(H, W)`` or ``(T, H, W)``) and
-``maps/<run>.json`` (every block call's decision in the timed batch). Figures are built from these
-files alone.
-
-One process writes to a run folder at a time: :meth:`RunFolder.open` locks it (``tomerge.lock``, see
-:func:`~tomerge.experiments.generation.files.lock_folder`) until :meth:`RunFolder.close`. Every file is written
-whole (a temporary file renamed into place) and rows are appended whole, so a process killed at any
-moment leaves finished files and rows intact; the next :meth:`RunFolder.open` removes the temporary
-files it left and drops an unfinished last row (with a warning).
+A run folder ``runs/<name>/`` holds the frozen config, one result row per finished run (``results.jsonl``, appended
+as runs finish: the resume point), the tables, the images, merge maps and features; figures are built from these
+files alone. One process writes to a folder at a time (:meth:`RunFolder.open` locks it until
+:meth:`RunFolder.close`), and every file and row is written whole, so a process killed at any moment leaves
+finished files and rows intact. The files and the recovery rules: docs/experiments.md, "Run the ablation" (the run
+folder; kills, full disks, broken files).
 """
 
 from __future__ import annotations

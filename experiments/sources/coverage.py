@@ -5,26 +5,9 @@ registered backbone adapters (no model is built, nothing is downloaded).
     tomerge backbones --json                              # one JSON object per class
     tomerge backbones --markdown > docs/backbones/coverage.md
 
-The classes are every ``ModelMixin`` subclass that ``diffusers.models.transformers`` exports, and
-``UNet2DConditionModel``. A class is merged when a registered adapter names it as its ``model_class``
-(:func:`tomerge.apply` picks the first registered adapter that recognises a model, in name order; so does
-the table). What the table says about it comes from the adapter's class:
-
-* the token grid: ``grid_dims`` (2-D ``(H, W)`` or 3-D ``(T, H, W)``);
-* per block kind (``kind_summaries()``): the sublayers of its merge points, the rotary layout gathered for
-  merged tokens, how the text (or other context) tokens meet the image tokens;
-* the strategies, the caching schedules (those that reuse whole block calls or sublayer outputs:
-  :func:`caches_blocks`) and the compositions (a caching schedule that takes ``merge=`` with each merging strategy
-  and schedule): each registered name, at its default options (a strategy at ratio 0.5, a schedule at its own
-  defaults), runs or is refused by :func:`tomerge.attach.refusal`, the rule :func:`tomerge.apply` refuses by (its
-  ``needs`` recorded where every block kind has a probe, :func:`tomerge.attach.recorded_needs`; whole blocks skipped
-  only where the adapter's blocks can be, :func:`tomerge.attach.block_cache_refusal`); a refused cell keeps the
-  reason.
-
-A class no adapter names gets its one-line reason from :data:`NOT_MERGED` (the one table of reasons, by class
-name), else :data:`NOT_DECLARED`. Adapters of models that are no class of this diffusers (``native_dit``,
-tomerge's reference DiT; a plugin's adapter for a class of another diffusers version) are listed after the
-classes. ``--plugin`` adapters and strategies count like the built-in ones.
+Every cell comes from the adapters' declarations and from the rule :func:`tomerge.apply` refuses by
+(:func:`tomerge.attach.refusal`), so the table cannot drift from what ``apply`` does. How each column is read:
+docs/backbones/adding-a-family.md, "What `tomerge backbones` lists".
 """
 
 from __future__ import annotations
@@ -361,10 +344,10 @@ def markdown(table: Coverage) -> str:
         REGENERATE,
         "```",
         "",
-        "(`tomerge backbones --json` prints the same per class as JSON; `experiments/sources/coverage.py` says how each "
-        "column is read from the registered adapters). `tests/experiments/test_coverage.py` fails when the page is "
-        "not what the command prints for the installed diffusers, or when a class merged here is no longer merged "
-        "with these strategies.",
+        "(`tomerge backbones --json` prints the same per class as JSON; "
+        "[adding-a-family.md](adding-a-family.md#what-tomerge-backbones-lists) says how each column is read from the "
+        "registered adapters). `tests/experiments/test_coverage.py` fails when the page is not what the command "
+        "prints for the installed diffusers, or when a class merged here is no longer merged with these strategies.",
         "",
         f"{len(table.merged)} of {len(table.rows)} classes are merged. Strategies and schedules: "
         f"{', '.join(f'`{s}`' for s in table.strategies)}.",

@@ -1,16 +1,8 @@
 """Prompt sets for text-to-image experiments: which file, which format, which prompts are used.
 
-Everything is read offline from a local file. Formats (``format:``; ``auto`` picks one by extension):
-
-- ``txt``: one prompt per line; blank lines skipped; leading/trailing whitespace stripped. There is
-  no comment syntax (prompts may contain ``#``).
-- ``jsonl``: one JSON object per line, the prompt in ``field`` (default: ``"prompt"``, else
-  ``"caption"``); blank lines skipped. With ``image_field``, each line also names the input image of its
-  prompt (editing pipelines such as FLUX.1 Kontext): a path, relative to the file's folder or absolute.
-- ``coco``: a COCO captions JSON, one caption per image (see :func:`read_prompts` for the rule).
-- ``parti``: PartiPrompts' TSV (``PartiPrompts.tsv``, 1,632 prompts): tab-separated with a header
-  row, the prompt in the ``Prompt`` column, the other columns ignored.
-- ``classes``: class names turned into prompts with ``template`` (ImageNet-style class prompts).
+Everything is read offline from a local file, in one of the formats ``txt``, ``jsonl``, ``coco``, ``parti``
+(PartiPrompts' TSV) or ``classes`` (class names turned into prompts by a template); ``auto`` picks one by the
+file's extension. The formats and their rules: docs/experiments.md, "The prompts".
 
 >>> import pathlib, tempfile
 >>> path = pathlib.Path(tempfile.mkdtemp(), "prompts.txt")

