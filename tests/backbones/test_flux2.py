@@ -11,7 +11,7 @@ import torch
 
 import tomerge
 from tomerge.backbones._declared import DeclaredPoint
-from helpers.family import ALL_SUBLAYERS, run
+from helpers.family import ALL_SUBLAYERS, run, run_hooked
 from helpers.image_families import flux2_inputs
 
 
@@ -26,11 +26,7 @@ def test_flux2_single_block_runs_its_parallel_attention_and_mlp_merged(models):
         block = model.single_transformer_blocks[0]
         hooks = [block.attn.to_out.register_forward_pre_hook(lambda m, args: seen.append(args[0].shape[1])),
                  block.register_forward_hook(lambda m, args, kwargs, out: seen.append(out.shape[1]), with_kwargs=True)]
-        try:
-            out = run(model, inputs)
-        finally:
-            for h in hooks:
-                h.remove()
+        out = run_hooked(model, inputs, hooks)
     assert torch.isfinite(out).all()
     assert seen == [8 + 32, 8 + 64]  # to_out on text + merged image tokens; the block returns the full sequence
 
@@ -45,11 +41,7 @@ def test_flux2_mlp_only_merges_to_out_and_leaves_the_attention_at_full_length(mo
             for m in (model.single_transformer_blocks[0].attn, model.transformer_blocks[0].ff)]
         hooks.append(model.single_transformer_blocks[0].attn.to_out.register_forward_pre_hook(
             lambda m, args: seen.append(args[0].shape[1])))
-        try:
-            out = run(model, inputs)
-        finally:
-            for h in hooks:
-                h.remove()
+        out = run_hooked(model, inputs, hooks)
     assert torch.isfinite(out).all()
     assert seen == [32, 8 + 64, 8 + 32]  # double ff merged; single attn full length; to_out merged
 

@@ -13,7 +13,7 @@ from torch import Tensor
 
 import tomerge
 from helpers.family import ALL_SUBLAYERS, run, to_float64
-from helpers.probes import record_sdpa
+from helpers.probes import idm_records, record_sdpa
 from helpers.video_families import framepack_history_tokens, framepack_inputs
 
 
@@ -56,13 +56,7 @@ def test_framepack_received_attention_is_the_target_keys_share_of_the_text_queri
     attentions = {0: model.transformer_blocks[0].attn, 1: model.single_transformer_blocks[0].attn}
     P, N, T = framepack_history_tokens((2, 4, 4)), 32, 4 + 8
     seen, hooks = record_sdpa(attentions)
-    try:
-        with tomerge.merging(model, "idm", ratio=0.5) as handle, torch.no_grad():
-            model(**inputs)
-            recorded = dict(handle.state.attention)
-    finally:
-        for hook in hooks:
-            hook.remove()
+    recorded = idm_records(model, inputs, hooks)
     assert sorted(recorded) == [0, 1]
     for layer, [call] in seen.items():
         q, k, mask, scale = (call[name] for name in ("query", "key", "attn_mask", "scale"))

@@ -51,18 +51,12 @@ def test_mochi_joint_probe_equals_the_models_attention(models):
     no mask: the padding is cut out) with its pairwise RoPE on the video q/k; the recorded received attention
     equals the probe's rule computed from those calls (the second prompt is 3 tokens shorter, so its padded
     text tokens are neither queries nor keys)."""
-    from helpers.probes import record_sdpa, reference_received_attention
+    from helpers.probes import idm_records, record_sdpa, reference_received_attention
 
     model = copy.deepcopy(models["mochi"]).double()
     inputs = to_float64(mochi_inputs(model))
     seen, hooks = record_sdpa(_attn1(model))
-    try:
-        with tomerge.merging(model, "idm", ratio=0.5) as handle, torch.no_grad():
-            model(**inputs)
-            recorded = dict(handle.state.attention)
-    finally:
-        for hook in hooks:
-            hook.remove()
+    recorded = idm_records(model, inputs, hooks)
     assert sorted(recorded) == [0, 1]
     for layer, calls in seen.items():
         assert [call["query"].shape[2] for call in calls] == [32 + 8, 32 + 5]  # per sample: video + valid text

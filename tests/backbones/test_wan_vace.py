@@ -9,7 +9,7 @@ import torch
 from torch import Tensor, nn
 
 import tomerge
-from helpers.family import ALL_SUBLAYERS, run
+from helpers.family import ALL_SUBLAYERS, run_hooked
 from helpers.video_families import wan_vace_inputs
 
 
@@ -30,10 +30,6 @@ def test_wan_vace_hints_leave_their_blocks_at_full_length(models):
         for block in model.vace_blocks:  # registered after tomerge's hooks: they see what the model sees
             hooks.append(block.attn1.register_forward_pre_hook(lambda m, a: seen["attn1"].append(tuple(a[0].shape))))
             hooks.append(block.register_forward_hook(outputs))
-        try:
-            out = run(model, inputs)
-        finally:
-            for h in hooks:
-                h.remove()
+        out = run_hooked(model, inputs, hooks)
     assert torch.isfinite(out).all()
     assert seen == {"attn1": [(2, N // 2, C)] * 2, "hint": [(2, N, C)] * 2, "control": [(2, N, C)] * 2}

@@ -60,6 +60,17 @@ def _even_columns_plan(x: torch.Tensor, ctx: MergeContext) -> MergePlan:
     return MergePlan.hard(slot.expand(x.shape[0], -1), dst)
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Columns(MergeStrategy):
+    """A strategy whose stages give :func:`_even_columns_plan`."""
+
+    def select_destinations(self, x, ctx):
+        return _even_columns_plan(x, ctx).dst
+
+    def merge_matrix(self, x, dst, ctx):
+        return _even_columns_plan(x, ctx)
+
+
 # ---------------------------------------------------------------------------------------- frozen context
 def test_assigning_a_field_raises():
     ctx = MergeContext(grid=(4, 4), ratio=0.5)
@@ -85,17 +96,9 @@ def test_replace_compiles_without_a_graph_break_or_a_recompile():
     is not validated inside the graph, so the graph does not guard on the per-step ``progress``: one graph for
     every step."""
 
-    @dataclasses.dataclass(frozen=True, kw_only=True)
-    class Columns(MergeStrategy):
-        def select_destinations(self, x, ctx):
-            return _even_columns_plan(x, ctx).dst
-
-        def merge_matrix(self, x, dst, ctx):
-            return _even_columns_plan(x, ctx)
-
     def merged(x: torch.Tensor, ctx: MergeContext, attention: torch.Tensor) -> torch.Tensor:
         derived = dataclasses.replace(ctx, received_attention=attention)
-        return Columns().plan(x, derived).merge(x) * derived.received_attention.sum()
+        return _Columns().plan(x, derived).merge(x) * derived.received_attention.sum()
 
     x, attention = _tokens(), torch.rand(2, 16, dtype=torch.float64)
     counter = torch._dynamo.testing.CompileCounter()
@@ -136,21 +139,13 @@ def test_stages_without_shared_plan_as_their_stages_called_by_hand(tmp_path: Pat
 
 def test_identity_plan_validates_and_is_the_plan_of_a_context_that_removes_nothing():
     """What a strategy that overrides ``plan`` (to share work between its stages) validates with."""
-    @dataclasses.dataclass(frozen=True, kw_only=True)
-    class Columns(MergeStrategy):
-        def select_destinations(self, x, ctx):
-            return _even_columns_plan(x, ctx).dst
-
-        def merge_matrix(self, x, dst, ctx):
-            return _even_columns_plan(x, ctx)
-
     x = _tokens(2)
-    identity = Columns().identity_plan(x, MergeContext(grid=(4, 4), ratio=0.0))
+    identity = _Columns().identity_plan(x, MergeContext(grid=(4, 4), ratio=0.0))
     assert identity is not None and identity.is_identity and identity.num_tokens == 16
-    assert Columns().identity_plan(x, MergeContext(grid=(4, 4), ratio=0.5)) is None
+    assert _Columns().identity_plan(x, MergeContext(grid=(4, 4), ratio=0.5)) is None
     with pytest.raises(ValueError):
-        Columns().identity_plan(x, MergeContext(grid=(4, 5), ratio=0.5))  # 16 tokens on a 20-token grid
+        _Columns().identity_plan(x, MergeContext(grid=(4, 5), ratio=0.5))  # 16 tokens on a 20-token grid
     with pytest.raises(TypeError, match="identity_plan"):
         @dataclasses.dataclass(frozen=True, kw_only=True)
-        class Hiding(Columns):
+        class Hiding(_Columns):
             identity_plan: bool = True

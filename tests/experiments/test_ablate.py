@@ -1,7 +1,6 @@
 """`tomerge ablate` end to end on a tiny DiT: rows, files, resume, and the W&B offline log."""
 
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -12,6 +11,7 @@ from tomerge.experiments.config.load import load_config
 from tomerge.experiments.errors import UsageError
 from helpers import ROOT
 from helpers.tiny_reference import write_test_set, write_tiny_dit
+from helpers.wandb_offline import offline_records
 
 
 @pytest.fixture(scope="module")
@@ -83,13 +83,7 @@ def test_ablation_writes_every_run_resumes_and_logs_to_wandb_offline(setup):
     assert again[:3] == written[:3]
 
     # W&B offline: the run's config and metrics are in the local transaction log.
-    run_dirs = sorted((folder / "wandb").glob("offline-run-*"))
-    assert run_dirs
-    records = []
-    for run_dir in run_dirs:
-        out = subprocess.run(["wandb", "leet", "inspect", "--json", str(run_dir)], capture_output=True, text=True,
-                             timeout=120)
-        records += [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    _, records = offline_records(folder)
     config = next(r["run"]["config"]["update"] for r in records if r.get("type") == "run")
     assert config["model"]["call"]["num_steps"] == 2 and config["name"] == "tiny"
     logged = {k for r in records if r.get("type") == "history" for k in _history_keys(r)}

@@ -8,7 +8,6 @@ under test.
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +16,7 @@ import yaml
 from PIL import Image
 
 from helpers import local_pipelines
+from helpers.wandb_offline import offline_records
 from tomerge.experiments.runs.ablation import run_ablation
 from tomerge.experiments.config.load import load_config
 from tomerge.experiments.figures.make import make_figures
@@ -92,13 +92,7 @@ def test_video_figures_draw_frame_strips_maps_per_frame_and_quality_per_frame(fo
 
 
 def test_wandb_offline_run_holds_the_videos(folder):
-    run_dirs = sorted((folder / "wandb").glob("offline-run-*"))
-    assert run_dirs
-    records = []
-    for run_dir in run_dirs:
-        out = subprocess.run(["wandb", "leet", "inspect", "--json", str(run_dir)], capture_output=True, text=True,
-                             timeout=120)
-        records += [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    run_dirs, records = offline_records(folder)
     logged = {}
     for r in records:
         if r.get("type") == "history":

@@ -17,7 +17,8 @@ test file: what two of them use lives here.
   tests/fake_cuda and ``scripts/kept_memory.py``);
 * ``ties``: inputs without near ties for tests that compare discrete choices;
 * ``local_pipelines``, ``pipeline_ablation``, ``tiny_reference``, ``run_folders``: tiny saved pipelines, the
-  ``tomerge ablate`` runs on them, the tiny reference DiT and data set, synthetic run folders.
+  ``tomerge ablate`` runs on them, the tiny reference DiT and data set, synthetic run folders;
+* ``wandb_offline``: the W&B offline log of an ablation run folder, read back with ``wandb leet inspect``.
 """
 
 from __future__ import annotations

@@ -141,6 +141,15 @@ def run(model: nn.Module, inputs: dict) -> Tensor:
     return torch.stack(out) if isinstance(out, list) else out
 
 
+def run_hooked(model: nn.Module, inputs: dict, hooks: list) -> Tensor:
+    """:func:`run`, then removes ``hooks`` (the test's recorders), whether the call raises or not."""
+    try:
+        return run(model, inputs)
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
 def flop_counts(model: nn.Module, inputs: dict, containers: tuple[str, ...],
                 parts: tuple[str, ...] = ()) -> tuple[int, int, int]:
     """``(whole model, blocks, the blocks' submodules parts)`` FLOPs of one call."""
