@@ -93,14 +93,14 @@ class CachedDetail(Schedule):
         inner = self._inner.decide(where)
         if self.is_full(where.step):
             return Decision(strategy=None, label=FULL,
-                            feature_cache=FeatureCaching(store=inner.sublayers) if inner.merges else None)
+                            techniques=(FeatureCaching(store=inner.sublayers),) if inner.merges else ())
         if not inner.merges:
             return inner
         if self.detail == "slot_offset":
-            return dataclasses.replace(inner, feature_cache=_restoring(inner, "slot_offset"))
+            return inner.using(_restoring(inner, "slot_offset"))
         last_full = where.step - (where.step - (self.warmup - 1)) % self.refresh_every
         # one plan per layer from the first merged step to the next full step: the reference stays comparable
-        return dataclasses.replace(inner, feature_cache=_restoring(inner, "merged_change"),
+        return dataclasses.replace(inner.using(_restoring(inner, "merged_change")),
                                    cache_key=((self.name, where.layer), last_full))
 
     def strategies(self) -> tuple[MergeStrategy, ...]:
@@ -123,4 +123,4 @@ class CachedDetail(Schedule):
 
 def _restoring(inner: Decision, detail: str) -> FeatureCaching:
     """The inner decision's feature cache restoring the detail by ``detail`` (its blending off)."""
-    return dataclasses.replace(inner.feature_cache or FeatureCaching(), weight=None, detail=detail)
+    return dataclasses.replace(inner.technique(FeatureCaching) or FeatureCaching(), weight=None, detail=detail)

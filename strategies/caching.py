@@ -9,7 +9,8 @@ deviations: docs/schedules.md, "Caching".
 Example:
     >>> from tomerge.schedule import Where
     >>> s = BlockCache(interval=3)
-    >>> [s.decide(Where(step=t, num_steps=8, progress=t / 7, layer=0, num_layers=2)).block_cache.mode for t in range(5)]
+    >>> [s.decide(Where(step=t, num_steps=8, progress=t / 7, layer=0, num_layers=2)).technique(BlockCaching).mode
+    ...  for t in range(5)]
     ['store', 'reuse', 'reuse', 'store', 'reuse']
 """
 
@@ -76,12 +77,12 @@ class CachingSchedule(Schedule):
         """The decision of a block call that runs: the inner schedule's (unmerged without one), keeping the
         block's residual."""
         decision = self._inner.decide(where) if self._inner is not None else Decision(strategy=None, label=COMPUTE)
-        return dataclasses.replace(decision, block_cache=BlockCaching("store", self.forecast_order))
+        return decision.using(BlockCaching("store", self.forecast_order))
 
     def reused(self) -> Decision:
         """The decision of a skipped block call: its input plus the kept (or forecast) residual."""
         return Decision(strategy=None, label=FORECAST if self.forecast_order else REUSE,
-                        block_cache=BlockCaching("reuse", self.forecast_order))
+                        techniques=(BlockCaching("reuse", self.forecast_order),))
 
     def strategies(self) -> tuple[MergeStrategy, ...]:
         return self._inner.strategies() if self._inner is not None else ()
@@ -229,8 +230,7 @@ class FirstBlockCache(CachingSchedule):
         the last step with ``accumulate`` (TeaCache computes it)."""
         if where.layer == 0:
             measure = "accumulated" if self.accumulate else "since_full"
-            return dataclasses.replace(self.computed(where),
-                                       block_cache=BlockCaching("store", self.forecast_order, measure))
+            return self.computed(where).using(BlockCaching("store", self.forecast_order, measure))
         if where.step < self.warmup or where.change is None or not where.change < self.threshold:
             return self.computed(where)
         if self.accumulate:

@@ -101,7 +101,7 @@ class SDTM(Schedule):
     _structure: frozenset[str] = dataclasses.field(init=False, repr=False, compare=False)
     _detail: frozenset[str] = dataclasses.field(init=False, repr=False, compare=False)
     _cached: frozenset[str] = dataclasses.field(init=False, repr=False, compare=False)
-    _blend: FeatureCaching | None = dataclasses.field(init=False, repr=False, compare=False)
+    _blend: tuple[FeatureCaching, ...] = dataclasses.field(init=False, repr=False, compare=False)  # () or one
 
     def __post_init__(self) -> None:
         what = "sdtm"
@@ -137,7 +137,7 @@ class SDTM(Schedule):
         set_(self, "_structure", frozenset(self.structure_sublayers))
         set_(self, "_detail", frozenset(self.detail_sublayers))
         set_(self, "_cached", self._structure | self._detail if self.cache_weight is not None else frozenset())
-        set_(self, "_blend", FeatureCaching(weight=self.cache_weight) if self.cache_weight is not None else None)
+        set_(self, "_blend", (FeatureCaching(weight=self.cache_weight),) if self.cache_weight is not None else ())
         set_(self, "_ssm", SSM(window=self.window, temporal_window=self.temporal_window, alpha_s=self.alpha_s,
                                round_windows=self.round_windows, include_self=self.include_self))
         set_(self, "_idm", IDM(window=self.window, temporal_window=self.temporal_window, alpha_d=self.alpha_d,
@@ -221,12 +221,13 @@ class SDTM(Schedule):
             # Protected steps fill the feature cache (when on); protected layers do not, as in the authors' code.
             step_protected = self.protect_every is not None and where.step % self.protect_every == 0
             stores = step_protected and self._cached
-            return Decision(strategy=None, label=PROTECTED, streaks=None if step_protected else Streaks(reset=True),
-                            feature_cache=FeatureCaching(store=self._cached) if stores else None)
+            techniques = (() if step_protected else (Streaks(reset=True),)) \
+                + ((FeatureCaching(store=self._cached),) if stores else ())
+            return Decision(strategy=None, label=PROTECTED, techniques=techniques)
         ratio = self.ratio_at(where.progress)
         if self.in_structure_phase(where):
-            return Decision(self._ssm, ratio, self._structure, label=STRUCTURE, feature_cache=self._blend)
-        return Decision(self._idm, ratio, self._detail, label=DETAIL, feature_cache=self._blend)
+            return Decision(self._ssm, ratio, self._structure, label=STRUCTURE, techniques=self._blend)
+        return Decision(self._idm, ratio, self._detail, label=DETAIL, techniques=self._blend)
 
     # ------------------------------------------------------------------ prompt reweighting (the core's text-key bias)
     def prepare_text_labels(self, labels: Any) -> PromptCategories:

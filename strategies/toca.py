@@ -214,17 +214,16 @@ class ToCa(Schedule):
         if self.is_fresh(where.step, where.num_steps):
             # strategy at ratio 0: the block runs unmerged and its received attention is recorded
             return Decision(self._select, 0.0, frozenset({"mlp"}), label=FRESH,
-                            feature_cache=FeatureCaching(store=frozenset({"attn", "mlp"})),
-                            streaks=Streaks(key, reset=True))
+                            techniques=(FeatureCaching(store=frozenset({"attn", "mlp"})), Streaks(key, reset=True)))
         fraction = self.fresh_fraction(where)
         if fraction == 0.0:
             # No token is fresh: the feed-forward's cache is its output at the last fresh step (the fraction only
             # grows along the trajectory, so no cached step since then changed it).
-            return Decision(None, label=REUSED, feature_cache=FeatureCaching(reuse=frozenset({"attn", "mlp"})),
-                            streaks=Streaks(key))
+            return Decision(None, label=REUSED,
+                            techniques=(FeatureCaching(reuse=frozenset({"attn", "mlp"})), Streaks(key)))
         return Decision(self._select, 1.0 - fraction, frozenset({"mlp"}), label=CACHED,
-                        feature_cache=FeatureCaching(store=frozenset({"mlp"}), weight=0.0, reuse=frozenset({"attn"})),
-                        streaks=Streaks(key))
+                        techniques=(FeatureCaching(store=frozenset({"mlp"}), weight=0.0, reuse=frozenset({"attn"})),
+                                    Streaks(key)))
 
     def strategies(self) -> tuple[MergeStrategy, ...]:
         return (self._select,)

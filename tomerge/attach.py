@@ -23,9 +23,9 @@ from .context import check_ratio
 from .follow import FollowedHooks
 from .registry import backbone_class, build, list_backbones, strategy_class
 from .schedule import Constant, Schedule
-from .feature_cache import module_key
 from .state import MergeState, TrajectoryClock
 from .strategy import RECORDED_NEEDS, MergeStrategy
+from .technique import TECHNIQUES, TechniqueState
 from .text_bias import TextLabels, bias_text_keys
 
 _HANDLE_ATTR = "_tomerge_handle"
@@ -260,6 +260,7 @@ class MergeHandle:
                     f"schedule {self.schedule.name!r} skips whole block calls (block cache): {reason}; use a merging "
                     "strategy, or a caching schedule that skips no whole block (toca)")
         add = self._hooks.append
+        self._block_wrappers = [technique for technique in TECHNIQUES if technique.wraps_blocks(self.schedule)]
         self._follower = FollowedHooks(self.model)
         add(self._follower)
         add(self.model.register_forward_pre_hook(torch.compiler.disable(self._model_pre), with_kwargs=True))
@@ -268,14 +269,15 @@ class MergeHandle:
         for block in blocks:
             kind_index = kind_counts.get(block.kind, 0)
             kind_counts[block.kind] = kind_index + 1
-            if self.schedule.caches_blocks:
-                add(_ForwardPatch(block.module, self._cached_forward(block, block.module.forward)))
+            for technique in self._block_wrappers:
+                add(_ForwardPatch(block.module, self._wrapped_block(technique, block, block.module.forward)))
             add(block.module.register_forward_pre_hook(self._block_pre(block, kind_index), with_kwargs=True))
             add(block.module.register_forward_hook(self._block_post(block), always_call=True))
             for index, point in enumerate(block.points):
-                patched = point.sublayer in self.schedule.reused_sublayers
-                if patched:
-                    add(_ForwardPatch(point.module, self._reused_forward(point, index, point.module.forward)))
+                wrappers = [t for t in TECHNIQUES if point.sublayer in t.wrapped_sublayers(self.schedule)]
+                for technique in wrappers:
+                    add(_ForwardPatch(point.module, self._wrapped_point(technique, point, index, point.module.forward)))
+                patched = bool(wrappers)
                 # a merge point replaced after apply (peft's LoRA layers) takes its hooks along (tomerge/follow.py)
                 self._follower.add(point.module, self._point_pre(point, index), self._point_post(point, index),
                                    fixed=patched)
@@ -349,7 +351,7 @@ class MergeHandle:
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
             x = block.block_input(args, kwargs)
             grid = self.adapter.grid(block, x.shape[1])
-            caching = self.schedule.caches_blocks
+            caching = bool(self._block_wrappers)
             call = self.state.begin_block(block.layer, block.kind, grid, x, kind_index=kind_index,
                                           streams=block.streams(args, kwargs) if caching else None,
                                           image_stream=block.image_stream if caching else 0)
@@ -369,41 +371,25 @@ class MergeHandle:
                 self.state.end_block()
         return hook
 
-    def _cached_forward(self, block: BlockSpec, forward: Any):
-        """The block's ``forward`` for the block cache (``Decision.block_cache``): a reusing call returns its input
-        plus the residual its block call was handed, without running the block (no sublayer runs, no FLOP is
-        spent); a storing call runs the block and hands its output back for the residual. Runs inside compiled
-        graphs: it reads only the block call and tensors, and the decision's kind (compute, store, reuse)."""
+    def _wrapped_block(self, technique: type[TechniqueState], block: BlockSpec, forward: Any):
+        """The block's ``forward`` run through ``technique.block_forward`` (inside compiled graphs)."""
         @functools.wraps(forward)
-        def cached_forward(*args: Any, **kwargs: Any) -> Any:
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
             call = self.state.call
-            if call is None or call.decision.block_cache is None:
+            if call is None:
                 return forward(*args, **kwargs)
-            if call.reused is not None:  # a float32 forecast is added in float32, then rounded once
-                return block.output_of(tuple(None if r is None else (x + r).to(x.dtype)
-                                             for x, r in zip(call.streams, call.reused)))
-            output = forward(*args, **kwargs)
-            call.store_residual(block.output_streams(output))
-            return output
-        return cached_forward
+            return technique.block_forward(call, block, forward, args, kwargs)
+        return wrapped
 
-    def _reused_forward(self, point: MergePoint, index: int, forward: Any):
-        """The merge point's ``forward`` for reused sublayers (``FeatureCaching.reuse``, token-wise caching): a
-        reusing call returns the whole output this point's module returned when it last stored one (a joint
-        attention's text tokens and tuple outputs included) without running the sublayer (no FLOP is spent); other
-        calls, and a reuse without a stored output for an input of this shape, run it. Runs inside compiled graphs:
-        it reads only the block call and tensors."""
+    def _wrapped_point(self, technique: type[TechniqueState], point: MergePoint, index: int, forward: Any):
+        """The merge point's ``forward`` run through ``technique.point_forward`` (inside compiled graphs)."""
         @functools.wraps(forward)
-        def reused_forward(*args: Any, **kwargs: Any) -> Any:
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
             call = self.state.call
-            cache = call.decision.feature_cache if call is not None else None
-            if cache is None or point.sublayer not in cache.reuse or index in call.skipped:
+            if call is None:
                 return forward(*args, **kwargs)
-            stored = call.cached_outputs.get(module_key(index))
-            if stored is None or stored[0] != point.get_input(args, kwargs).shape:
-                return forward(*args, **kwargs)
-            return stored[1]  # what the module returned in the call that stored it
-        return reused_forward
+            return technique.point_forward(call, point, index, forward, args, kwargs)
+        return wrapped
 
     def _point_pre(self, point: MergePoint, index: int):
         def hook(module: nn.Module, args: tuple, kwargs: dict):
@@ -413,9 +399,8 @@ class MergeHandle:
             if not point.reads_tokens(args, kwargs):  # a shared submodule's call on other tokens: runs as it is
                 call.skipped.add(index)
                 return None
-            cache = call.decision.feature_cache
-            if cache is not None and point.sublayer in cache.store and point.sublayer in self.schedule.reused_sublayers:
-                call.input_shapes[index] = point.get_input(args, kwargs).shape  # what a reuse must match
+            for technique in call.scratch:
+                technique.point_input(call, point, index, args, kwargs)
             if point.sublayer not in call.decision.sublayers or call.decision.strategy is None:
                 return None
             x = point.get_input(args, kwargs)
@@ -436,20 +421,16 @@ class MergeHandle:
                 call.skipped.discard(index)
                 return None
             decision = call.decision
-            stores = decision.feature_cache is not None and point.sublayer in decision.feature_cache.store
             plan = call.active.pop(index, None)
             if plan is None:  # ran at full length
-                if stores:
-                    call.store_output(index, point.get_output(output))
-                    if point.sublayer in self.schedule.reused_sublayers:
-                        call.store_module_output(index, output)
+                for technique in call.scratch:
+                    technique.point_ran(call, point, index, output)
                 return None
             if point.keeps_merged(decision.sublayers):
                 return None  # a later point of the block consumes the merged output and unmerges
             y = decision.strategy.unmerge(point.get_output(output), plan)  # [B, M, C'] -> [B, N, C']
-            y = call.blend_cached(index, y, plan)
-            if stores:
-                call.store_output(index, y)
+            for technique in call.scratch:
+                y = technique.point_unmerged(call, point, index, y, plan)
             return point.set_output(output, y)
         return hook
 

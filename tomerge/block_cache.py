@@ -1,10 +1,10 @@
 """The block cache: a skipped block call returns its input plus the residual its block kept at an earlier step.
 
-A schedule asks for it with :class:`BlockCaching` in ``Decision.block_cache`` (docs/schedules.md, "Caching"): a
+A schedule asks for it with :class:`BlockCaching` in a decision (docs/schedules.md, "Caching"): a
 storing call runs the block and keeps its residual (block output minus block input, per token stream), with the
 Taylor terms of TaylorSeer's forecast and, for adaptive caching, the change the residual measured
-(:class:`ChangeSignal`: ``Where.change``); a reusing call is skipped (``BlockCall.reused``: the wrapped block
-``forward`` of :mod:`tomerge.attach` returns its input plus it). :class:`BlockCacheState` keeps them.
+(:class:`ChangeSignal`: ``Where.change``); a reusing call is skipped (``BlockCall.reused``: the block ``forward``
+wrapped by :meth:`BlockCacheState.block_forward` returns its input plus it). :class:`BlockCacheState` keeps them.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -21,6 +21,8 @@ from . import plan as _plan
 from .technique import Streams, TechniqueOptions, TechniqueState
 
 if TYPE_CHECKING:
+    from .adapter import BlockSpec
+    from .schedule import Decision, Schedule
     from .state import BlockCall, MergeState
 
 MODES = ("store", "reuse")  # BlockCaching.mode
@@ -146,7 +148,7 @@ def broadcasts_to(shape: torch.Size, target: torch.Size) -> bool:
 
 
 def check_outputs(call: BlockCall, outputs: Streams) -> None:
-    """Raises when the block's ``outputs`` have no residual over its input streams (``BlockCall.store_residual``).
+    """Raises when the block's ``outputs`` have no residual over its input streams.
 
     Raises:
         RuntimeError: an output stream of a shape its input does not broadcast to, or a tensor returned for a stream
@@ -199,10 +201,29 @@ class BlockCacheState(TechniqueState):
         grows = f"the block cache grows to {max(orders) + 1} Taylor terms" if orders and max(orders) > 0 else ""
         return sum(r.capacity() for r in self.residuals.values()), grows
 
+    @classmethod
+    def wraps_blocks(cls, schedule: Schedule) -> bool:
+        return schedule.caches_blocks
+
+    @classmethod
+    def block_forward(cls, call: BlockCall, block: BlockSpec, forward: Any, args: tuple, kwargs: dict) -> Any:
+        """A reusing call returns its input plus the residual it was handed, without running the block (no sublayer
+        runs, no FLOP is spent); a storing call runs the block and hands its output to :meth:`end_block`."""
+        if call.decision.technique(BlockCaching) is None:
+            return forward(*args, **kwargs)
+        if call.reused is not None:  # a float32 forecast is added in float32, then rounded once
+            return block.output_of(tuple(None if r is None else (x + r).to(x.dtype)
+                                         for x, r in zip(call.streams, call.reused)))
+        output = forward(*args, **kwargs)
+        outputs = block.output_streams(output)
+        check_outputs(call, outputs)
+        call.scratch[BlockCacheState] = tuple(outputs)
+        return output
+
     def begin_block(self, call: BlockCall, state: MergeState) -> None:
         """A reuse gets the residual it adds (forecast here, eagerly, so that the step never enters a compiled
         graph); a reuse without a kept residual that fits the input runs the block and stores one."""
-        options = call.decision.block_cache
+        options = call.decision.technique(BlockCaching)
         if options is None:
             return
         if call.streams is None:
@@ -212,13 +233,13 @@ class BlockCacheState(TechniqueState):
             kept = self.residuals.get((state.call_index, call.where.layer))
             if kept is None or not kept.fits(call.streams):  # nothing to reuse: run the block and keep its residual
                 stored = dataclasses.replace(options, mode="store")
-                call.decision = dataclasses.replace(call.decision, block_cache=stored, label=REUSE_MISSED)
+                call.decision = dataclasses.replace(call.decision.using(stored), label=REUSE_MISSED)
             else:
                 call.reused = kept.forecast(call.where.step)
 
     def end_block(self, call: BlockCall, state: MergeState) -> None:
         """Keeps a storing call's residual (with its Taylor terms), measures its change when asked, and counts."""
-        options = call.decision.block_cache
+        options = call.decision.technique(BlockCaching)
         if options is None:
             return
         counts, missed = state.counts, call.decision.label == REUSE_MISSED
@@ -228,7 +249,7 @@ class BlockCacheState(TechniqueState):
             counts.forecast_calls += options.forecast_order > 0
             if state.call_index in self.signals:
                 self.signals[state.call_index].last_full = False
-        outputs = call.scratch.get(BlockCacheState)  # BlockCall.store_residual
+        outputs = call.scratch.get(BlockCacheState)  # block_forward's
         if outputs is None:
             return
         key, step, order = (state.call_index, call.where.layer), call.where.step, options.forecast_order
@@ -251,7 +272,7 @@ class BlockCacheState(TechniqueState):
 
 @dataclasses.dataclass(frozen=True)
 class BlockCaching(TechniqueOptions):
-    """A decision's use of the block cache (``Decision.block_cache``; docs/schedules.md, "Caching"). Only schedules
+    """A decision's use of the block cache (docs/schedules.md, "Caching"). Only schedules
     whose :attr:`~tomerge.Schedule.caches_blocks` is true may use it.
 
     Args:
@@ -277,11 +298,20 @@ class BlockCaching(TechniqueOptions):
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
-            raise ValueError(f"a Decision's block_cache must be one of {MODES} (BlockCaching.mode), got {self.mode!r}")
+            raise ValueError(f"BlockCaching.mode must be one of {MODES}, got {self.mode!r}")
         if isinstance(self.forecast_order, bool) or not isinstance(self.forecast_order, int) or self.forecast_order < 0:
             raise ValueError(f"BlockCaching.forecast_order must be an int >= 0, got {self.forecast_order!r}")
         if self.measure_change not in MEASURES:
             raise ValueError(f"BlockCaching.measure_change must be one of {MEASURES}, got {self.measure_change!r}")
         if self.measure_change is not None and self.mode != "store":
             raise ValueError("a Decision measures the change of the residual it stores: measure_change needs "
-                             "block_cache='store'")
+                             "BlockCaching('store')")
+
+    @property
+    def skips(self) -> frozenset[str]:
+        return frozenset({"attn", "crossattn", "mlp"}) if self.mode == "reuse" else frozenset()
+
+    def check(self, decision: Decision) -> None:
+        if self.mode == "reuse" and (decision.strategy is not None or len(decision.techniques) > 1):
+            raise ValueError("a Decision that reuses the block's residual runs no sublayer: its strategy must be None "
+                             "and it takes no other technique")

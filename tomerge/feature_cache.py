@@ -1,10 +1,10 @@
 """The feature cache: merge points' full-length outputs kept from one block call for later calls of the block.
 
-A schedule asks for it with :class:`FeatureCaching` in ``Decision.feature_cache``: a call stores the outputs of
+A schedule asks for it with :class:`FeatureCaching` in a decision: a call stores the outputs of
 some sublayers (SDTM's protected steps, ToCa's fresh tokens, cached_detail's full steps); a later merged call
 blends its unmerged outputs with them (SDTM's ``mcw``, ToCa), restores their detail (cached_detail), or does not
 run a sublayer and returns the whole output its module returned when it stored (ToCa's attention). The merge
-points' hooks (:mod:`tomerge.attach`) read and write the call's :class:`FeatureCacheCall`;
+points' hooks (:class:`FeatureCacheState`'s hook points) read and write the call's :class:`FeatureCacheCall`;
 :class:`FeatureCacheState` keeps the outputs across calls.
 """
 
@@ -20,7 +20,9 @@ from torch import Tensor
 from .technique import TechniqueOptions, TechniqueState
 
 if TYPE_CHECKING:
+    from .adapter import MergePoint
     from .plan import MergePlan
+    from .schedule import Schedule
     from .state import BlockCall, MergeState
 
 DETAIL = (None, "slot_offset", "merged_change")  # FeatureCaching.detail
@@ -46,6 +48,7 @@ class FeatureCacheCall:
     cached: dict[Hashable, Any] = dataclasses.field(default_factory=dict)
     new: dict[Hashable, Any] = dataclasses.field(default_factory=dict)
     input_shapes: dict[int, torch.Size] = dataclasses.field(default_factory=dict)
+    wrapped: frozenset[str] = frozenset()  # the sublayers a reuse can skip (Schedule.reused_sublayers)
 
     def store_output(self, point: int, output: Tensor) -> None:
         """Keeps ``output [B, N, C']`` as the cached output of the block's merge point number ``point``."""
@@ -73,7 +76,7 @@ class FeatureCacheCall:
 
         Unchanged without either, without a cached output of this point, or when the cached one has another
         shape (it is then dropped: it came from a call of another size)."""
-        options = call.decision.feature_cache
+        options = call.decision.technique(FeatureCaching)
         cached = self.cached.get(point)
         if cached is None or (options.weight is None and options.detail is None):
             return output
@@ -117,13 +120,53 @@ class FeatureCacheState(TechniqueState):
             for output in stored.values():
                 yield from ((self.kind, t) for t in _leaves(output))
 
+    @classmethod
+    def wrapped_sublayers(cls, schedule: Schedule) -> frozenset[str]:
+        return schedule.reused_sublayers
+
+    @classmethod
+    def point_forward(cls, call: BlockCall, point: MergePoint, index: int, forward: Any, args: tuple,
+                      kwargs: dict) -> Any:
+        """A reusing call returns the whole output this point's module returned when it last stored one (a joint
+        attention's text tokens and tuple outputs included) without running the sublayer (no FLOP is spent); other
+        calls, and a reuse without a stored output for an input of this shape, run it."""
+        options = call.decision.technique(FeatureCaching)
+        if options is None or point.sublayer not in options.reuse or index in call.skipped:
+            return forward(*args, **kwargs)
+        stored = call.scratch[FeatureCacheState].cached.get(module_key(index))
+        if stored is None or stored[0] != point.get_input(args, kwargs).shape:
+            return forward(*args, **kwargs)
+        return stored[1]  # what the module returned in the call that stored it
+
+    @classmethod
+    def point_input(cls, call: BlockCall, point: MergePoint, index: int, args: tuple, kwargs: dict) -> None:
+        options, scratch = call.decision.technique(FeatureCaching), call.scratch[FeatureCacheState]
+        if point.sublayer in options.store and point.sublayer in scratch.wrapped:
+            scratch.input_shapes[index] = point.get_input(args, kwargs).shape  # what a reuse must match
+
+    @classmethod
+    def point_ran(cls, call: BlockCall, point: MergePoint, index: int, output: Any) -> None:
+        scratch = call.scratch[FeatureCacheState]
+        if point.sublayer in call.decision.technique(FeatureCaching).store:
+            scratch.store_output(index, point.get_output(output))
+            if point.sublayer in scratch.wrapped:
+                scratch.store_module_output(index, output)
+
+    @classmethod
+    def point_unmerged(cls, call: BlockCall, point: MergePoint, index: int, output: Tensor, plan: MergePlan) -> Tensor:
+        scratch = call.scratch[FeatureCacheState]
+        output = scratch.blend(call, index, output, plan)
+        if point.sublayer in call.decision.technique(FeatureCaching).store:
+            scratch.store_output(index, output)
+        return output
+
     def begin_block(self, call: BlockCall, state: MergeState) -> None:
         """Hands the call what its merge points read (the outputs its points stored last, when it blends, restores
         or reuses) and where they store."""
-        options = call.decision.feature_cache
+        options = call.decision.technique(FeatureCaching)
         if options is None:
             return
-        scratch = call.scratch[FeatureCacheState] = FeatureCacheCall()
+        scratch = call.scratch[FeatureCacheState] = FeatureCacheCall(wrapped=state.schedule.reused_sublayers)
         call.wants_merged |= options.weight is not None
         if call.reused is not None or call.block_input is None or not options.reads:
             return
@@ -131,7 +174,7 @@ class FeatureCacheState(TechniqueState):
 
     def end_block(self, call: BlockCall, state: MergeState) -> None:
         """Keeps copies of what the call stored, drops what it dropped, and counts its reuses."""
-        options = call.decision.feature_cache
+        options = call.decision.technique(FeatureCaching)
         if options is None:
             return
         scratch = call.scratch[FeatureCacheState]
@@ -148,7 +191,7 @@ class FeatureCacheState(TechniqueState):
 
 @dataclasses.dataclass(frozen=True)
 class FeatureCaching(TechniqueOptions):
-    """A decision's use of the feature cache (``Decision.feature_cache``).
+    """A decision's use of the feature cache.
 
     Args:
         store: the sublayers (e.g. ``{"attn", "mlp"}``) whose full-length outputs this block call stores (one entry
@@ -184,6 +227,10 @@ class FeatureCaching(TechniqueOptions):
         if self.detail is not None and self.weight is not None:
             raise ValueError("a Decision either blends merged outputs with the feature cache (weight) or "
                              "restores their detail from it (detail), not both")
+
+    @property
+    def skips(self) -> frozenset[str]:
+        return self.reuse
 
     @property
     def reads(self) -> bool:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 from collections.abc import Hashable
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 from torch import Tensor
@@ -20,10 +20,7 @@ from .options import check_number
 from .strategy import SUBLAYERS, MergeStrategy
 from .technique import TechniqueOptions
 
-if TYPE_CHECKING:
-    from .block_cache import BlockCaching
-    from .feature_cache import FeatureCaching
-    from .streaks import Streaks
+O = TypeVar("O", bound=TechniqueOptions)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,15 +61,10 @@ class Decision:
             ctx, destinations=...)``; ToMA's separate refresh intervals); one per scope, as ``cache_key``.
             ``None``: destinations are not kept.
         label: a short name for records and figures (e.g. the phase).
-        block_cache: the block cache (:class:`~tomerge.block_cache.BlockCaching`: store the block's residual, or
-            skip the block and reuse it); ``None``: the block runs and nothing is kept.
-        feature_cache: the feature cache (:class:`~tomerge.feature_cache.FeatureCaching`: store sublayer outputs,
-            blend with them, restore detail from them, or reuse them); ``None``: off.
-        streaks: the merge streaks' key and reset (:class:`~tomerge.streaks.Streaks`); ``None``: the shared
-            streaks, not reset.
-
-    A technique's options name the state it keeps (:class:`~tomerge.technique.TechniqueOptions`): the core creates
-    it for the first decision that carries them and runs its hooks around every later block call.
+        techniques: the options of the techniques the call uses, at most one per class
+            (:class:`~tomerge.technique.TechniqueOptions`; e.g. :class:`~tomerge.block_cache.BlockCaching`,
+            :class:`~tomerge.feature_cache.FeatureCaching`, :class:`~tomerge.streaks.Streaks`): the core creates
+            each one's state for the first decision carrying it and runs its hooks around every later block call.
     """
 
     strategy: MergeStrategy | None
@@ -81,35 +73,43 @@ class Decision:
     cache_key: Hashable | None = None
     destinations_key: Hashable | None = None
     label: str = ""
-    block_cache: BlockCaching | None = None
-    feature_cache: FeatureCaching | None = None
-    streaks: Streaks | None = None
+    techniques: tuple[TechniqueOptions, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("cache_key", "destinations_key"):
             key = getattr(self, name)
             if key is not None and not (isinstance(key, tuple) and len(key) == 2):
                 raise ValueError(f"Decision.{name} must be a (scope, window) pair or None, got {key!r}")
-        reused = self.feature_cache.reuse if self.feature_cache is not None else frozenset()
-        if reused & self.sublayers:
-            raise ValueError(f"FeatureCaching.reuse {sorted(reused)} and sublayers {sorted(self.sublayers)} "
-                             "overlap: a reused sublayer does not run, so it merges nothing")
-        if self.block_cache is not None and self.block_cache.mode == "reuse":
-            if self.strategy is not None:
-                raise ValueError("a Decision that reuses the block's residual runs no sublayer: its strategy must "
-                                 "be None")
-            if self.feature_cache is not None or self.streaks is not None:
-                raise ValueError("a Decision that reuses the block's residual runs no sublayer: it takes no "
-                                 "feature_cache or streaks")
+        classes = [type(options) for options in self.techniques]
+        if not all(isinstance(options, TechniqueOptions) for options in self.techniques) \
+                or len(set(classes)) != len(classes):
+            raise ValueError(f"Decision.techniques takes at most one TechniqueOptions per class, got {self.techniques!r}")
+        if self.skipped & self.sublayers:
+            raise ValueError(f"the sublayers {sorted(self.skipped & self.sublayers)} do not run in this call "
+                             f"({', '.join(type(o).__name__ for o in self.techniques if o.skips)}): they merge nothing")
+        for options in self.techniques:
+            options.check(self)
 
     @property
     def merges(self) -> bool:
         return self.strategy is not None and bool(self.sublayers)
 
-    def techniques(self) -> tuple[TechniqueOptions, ...]:
-        """The options of every technique this call uses (its fields that are :class:`TechniqueOptions`)."""
-        return tuple(value for value in (getattr(self, f.name) for f in dataclasses.fields(self))
-                     if isinstance(value, TechniqueOptions))
+    @property
+    def skipped(self) -> frozenset[str]:
+        """The sublayers that do not run in this call (a technique returns their output)."""
+        return frozenset().union(*(options.skips for options in self.techniques))
+
+    def technique(self, cls: type[O]) -> O | None:
+        """This call's options of technique ``cls``, or ``None`` when it does not use it."""
+        for options in self.techniques:
+            if type(options) is cls:
+                return options
+        return None
+
+    def using(self, *options: TechniqueOptions) -> Decision:
+        """This decision with ``options`` replacing those of the same classes."""
+        replaced = {type(o) for o in options}
+        return dataclasses.replace(self, techniques=tuple(o for o in self.techniques if type(o) not in replaced) + options)
 
 
 SKIP = Decision(strategy=None, label="skip")
@@ -126,8 +126,8 @@ class Schedule(abc.ABC):
 
     @property
     def caches_blocks(self) -> bool:
-        """Whether its decisions use the block cache (``Decision.block_cache``): the hooks then wrap every block's
-        ``forward`` so that a reusing call can skip the block (default: no)."""
+        """Whether its decisions use the block cache (:class:`~tomerge.block_cache.BlockCaching`): the hooks then wrap
+        every block's ``forward`` so that a reusing call can skip the block (default: no)."""
         return False
 
     @property

@@ -23,9 +23,7 @@ import torch
 from torch import Tensor
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from .block_cache import BlockCacheState, check_outputs
 from .context import Grid, MergeContext
-from .feature_cache import FeatureCacheState
 from .plan import MergePlan
 from .probe import ReceivedAttention
 from .schedule import SKIP, Decision, Schedule, Where, check_attention_runs_before_its_merge
@@ -129,7 +127,7 @@ class BlockCall:
     decision: Decision
     grid: Grid | None
     block_input: Tensor | None
-    streams: Streams | None = None  # the block's input streams, when the hooks wrap the block (Schedule.caches_blocks)
+    streams: Streams | None = None  # the block's input streams, when a technique wraps the block (wraps_blocks)
     image_stream: int = 0  # the index of the image tokens in streams
     ctx: MergeContext | None = None  # the strategy's context, when the decision merges
     plan: MergePlan | None = None  # the cached plan (reused), or the one this call computed
@@ -146,44 +144,8 @@ class BlockCall:
     @property
     def records_attention(self) -> bool:
         """Whether the received-attention probes record in this call: its decision merges and its attention runs
-        (not reused from the feature cache, ``FeatureCaching.reuse``)."""
-        cache = self.decision.feature_cache
-        return self.decision.merges and (cache is None or "attn" not in cache.reuse)
-
-    # ------------------------------------------------------------------ the techniques' calls (tomerge.attach)
-    def store_residual(self, outputs: Streams) -> None:
-        """Hands the block's ``outputs`` to the block cache, which keeps ``outputs - streams`` (per stream; ``None``
-        where the block returned no tensor) as the residual of this layer and call index when the call ends
-        (:func:`~tomerge.block_cache.check_outputs` raises for outputs without one)."""
-        check_outputs(self, outputs)
-        self.scratch[BlockCacheState] = tuple(outputs)
-
-    @property
-    def cached_outputs(self) -> dict[Hashable, Any]:
-        """The feature cache this call reads (:class:`~tomerge.feature_cache.FeatureCacheCall`; empty without one)."""
-        cache = self.scratch.get(FeatureCacheState)
-        return cache.cached if cache is not None else {}
-
-    @property
-    def input_shapes(self) -> dict[int, torch.Size]:
-        """point -> the image input of a module output the feature cache stores (empty without one)."""
-        cache = self.scratch.get(FeatureCacheState)
-        return cache.input_shapes if cache is not None else {}
-
-    def store_output(self, point: int, output: Tensor) -> None:
-        """Stores ``output [B, N, C']`` as merge point ``point``'s output in the feature cache (when the call ends)."""
-        self.scratch[FeatureCacheState].store_output(point, output)
-
-    def store_module_output(self, point: int, output: Any) -> None:
-        """Stores the whole output of merge point ``point``'s module in the feature cache, for the calls that reuse
-        it (``FeatureCaching.reuse``)."""
-        self.scratch[FeatureCacheState].store_module_output(point, output)
-
-    def blend_cached(self, point: int, output: Tensor, plan: MergePlan) -> Tensor:
-        """``output [B, N, C']`` combined with the feature cache as the decision says
-        (:meth:`~tomerge.feature_cache.FeatureCacheCall.blend`); unchanged without a feature cache."""
-        cache = self.scratch.get(FeatureCacheState)
-        return output if cache is None else cache.blend(self, point, output, plan)
+        (no technique returns its output: ``Decision.skipped``)."""
+        return self.decision.merges and "attn" not in self.decision.skipped
 
 
 @dataclasses.dataclass(frozen=True)
@@ -347,7 +309,7 @@ class MergeState:
                 decision.strategy, decision.sublayers, SCHEDULE_MERGES_AFTER_THE_ATTENTION,
                 where=f" (chosen by schedule {self.schedule.name!r} at step {where.step}, layer {layer})")
         call = BlockCall(where, decision, grid, block_input, streams=streams, image_stream=image_stream)
-        for options in decision.techniques():
+        for options in decision.techniques:
             self.technique(options.State)
         for technique in list(self.techniques.values()):
             technique.begin_block(call, self)

@@ -3,7 +3,7 @@
 SDTM's IDM ranks tokens by them (the authors' ``last_independent``), ToCa by how long a token was not recomputed.
 A merge decision that removes tokens extends the streak of every token its plan counts as merged by 1 and zeros
 the others (:func:`next_streak`, in ``MergeState.plan_for``); a schedule resets them or keeps them under its own
-key with :class:`Streaks` in ``Decision.streaks``. :class:`StreakState` keeps them.
+key with :class:`Streaks` in a decision. :class:`StreakState` keeps them.
 """
 
 from __future__ import annotations
@@ -63,15 +63,14 @@ class StreakState(TechniqueState):
     def current(self, call: BlockCall, state: MergeState) -> Tensor:
         """``[B, N]`` the streaks of a merging call before its merge decision (zeros at first), handed to its plan
         (``call.scratch[StreakState]``)."""
-        key = call.decision.streaks.key if call.decision.streaks is not None else None
-        streak = self._get(state.call_index, key, call.block_input)
+        streak = self._get(state.call_index, _key(call), call.block_input)
         call.scratch[StreakState] = StreakCall(streak)
         return streak
 
     def begin_block(self, call: BlockCall, state: MergeState) -> None:
         """Resets the call index's streaks when the decision says so; a call that selects no token grows every
         streak of its key by 1 (ToCa's counter)."""
-        options = call.decision.streaks
+        options = call.decision.technique(Streaks)
         if options is not None and options.reset:
             for key in [k for k in self.streaks if k[0] == state.call_index]:
                 del self.streaks[key]
@@ -86,8 +85,7 @@ class StreakState(TechniqueState):
     def end_block(self, call: BlockCall, state: MergeState) -> None:
         counted = call.scratch.get(StreakState)
         if call.computed and counted is not None and counted.after is not None:
-            key = call.decision.streaks.key if call.decision.streaks is not None else None
-            self.streaks[(state.call_index, key, call.plan.num_tokens)] = state.keep(counted.after)
+            self.streaks[(state.call_index, _key(call), call.plan.num_tokens)] = state.keep(counted.after)
 
     def _get(self, call_index: int, key: Hashable | None, tokens: Tensor) -> Tensor:
         B, N = tokens.shape[:2]
@@ -100,7 +98,7 @@ class StreakState(TechniqueState):
 
 @dataclasses.dataclass(frozen=True)
 class Streaks(TechniqueOptions):
-    """A decision's use of the merge streaks (``Decision.streaks``).
+    """A decision's use of the merge streaks.
 
     Args:
         key: the streaks of this call are kept under this key (``None``: one streak per token count, shared by every
@@ -116,3 +114,9 @@ class Streaks(TechniqueOptions):
 
     key: Hashable | None = None
     reset: bool = False
+
+
+def _key(call: BlockCall) -> Hashable | None:
+    """The key of the call's streaks (:attr:`Streaks.key`; ``None`` without :class:`Streaks`)."""
+    options = call.decision.technique(Streaks)
+    return options.key if options is not None else None

@@ -10,13 +10,20 @@ tomerge, so the techniques and the core can both import it.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, ClassVar
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from torch import Tensor
 
 if TYPE_CHECKING:
+    from .adapter import BlockSpec, MergePoint
+    from .plan import MergePlan
+    from .schedule import Decision, Schedule
     from .state import BlockCall, MergeState
+
+TECHNIQUES: list[type[TechniqueState]] = []
+"""Every technique state class, in definition order: the hooks of :mod:`tomerge.attach` ask each whether a schedule
+needs it to wrap forwards (:meth:`TechniqueState.wraps_blocks`, :meth:`TechniqueState.wrapped_sublayers`)."""
 
 Streams = tuple[Tensor | None, ...]
 """The token streams of one block call in the order of the block's output (``BlockSpec.streams``): the image
@@ -36,6 +43,10 @@ class TechniqueState:
     """
 
     kind: ClassVar[str] = ""  #: what keeps its tensors, in :meth:`MergeState.kept_bytes` (the growing kind)
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        TECHNIQUES.append(cls)
 
     @classmethod
     def create(cls, state: MergeState) -> TechniqueState:
@@ -60,9 +71,57 @@ class TechniqueState:
     def end_block(self, call: BlockCall, state: MergeState) -> None:
         """Commits what the block call produced (copied with ``state.keep``)."""
 
+    # The hook points in the model's forwards (tomerge.attach). They run inside compiled graphs, so they read only
+    # the block call and tensors. The point hooks run for the techniques with per-call data (``call.scratch``).
+    @classmethod
+    def wraps_blocks(cls, schedule: Schedule) -> bool:
+        """Whether the hooks wrap every block's ``forward`` with :meth:`block_forward` for ``schedule`` (a
+        technique that skips whole block calls)."""
+        return False
+
+    @classmethod
+    def block_forward(cls, call: BlockCall, block: BlockSpec, forward: Callable[..., Any], args: tuple,
+                      kwargs: dict) -> Any:
+        """Runs the block call (``forward(*args, **kwargs)``) or returns what replaces it."""
+        return forward(*args, **kwargs)
+
+    @classmethod
+    def wrapped_sublayers(cls, schedule: Schedule) -> frozenset[str]:
+        """The sublayers whose merge points' ``forward`` the hooks wrap with :meth:`point_forward` for ``schedule``
+        (a technique that skips sublayers)."""
+        return frozenset()
+
+    @classmethod
+    def point_forward(cls, call: BlockCall, point: MergePoint, index: int, forward: Callable[..., Any],
+                      args: tuple, kwargs: dict) -> Any:
+        """Runs merge point ``index``'s module or returns what replaces its output."""
+        return forward(*args, **kwargs)
+
+    @classmethod
+    def point_input(cls, call: BlockCall, point: MergePoint, index: int, args: tuple, kwargs: dict) -> None:
+        """Sees merge point ``index``'s input before it is merged."""
+
+    @classmethod
+    def point_ran(cls, call: BlockCall, point: MergePoint, index: int, output: Any) -> None:
+        """Sees the module output of a merge point that ran at full length."""
+
+    @classmethod
+    def point_unmerged(cls, call: BlockCall, point: MergePoint, index: int, output: Tensor, plan: MergePlan) -> Tensor:
+        """The unmerged output ``[B, N, C']`` of a merging point, changed as the technique says (default: as is)."""
+        return output
+
 
 class TechniqueOptions:
-    """A technique's part of a :class:`~tomerge.schedule.Decision` (a frozen dataclass in the technique's module);
-    ``State`` is the state it needs, which the core creates for the first decision carrying it."""
+    """A technique's part of a :class:`~tomerge.schedule.Decision` (a frozen dataclass in the technique's module,
+    one per class in ``Decision.techniques``); ``State`` is the state it needs, which the core creates for the first
+    decision carrying it."""
 
     State: ClassVar[type[TechniqueState]]
+
+    @property
+    def skips(self) -> frozenset[str]:
+        """The sublayers that do not run in a call with these options (their output comes from the technique)."""
+        return frozenset()
+
+    def check(self, decision: Decision) -> None:
+        """Raises ``ValueError`` when ``decision`` cannot carry these options."""

@@ -19,7 +19,7 @@ import torch
 from tomerge import MergeContext
 from tomerge.schedule import Decision, Schedule, Where
 from tomerge.state import MergeState, TrajectoryClock
-from tomerge.streaks import StreakState
+from tomerge.streaks import Streaks, StreakState
 from tomerge.strategies.idm import IDM
 from tomerge.strategies.sdtm import SDTM
 from tomerge.strategies.ssm import SSM
@@ -171,7 +171,7 @@ def test_sdtm_resets_at_protected_layers_and_keeps_the_counter_on_protected_step
 
 def test_sdtm_decisions_flag_the_reset_only_for_protected_layers() -> None:
     s = SDTM(protect_every=3, protect_layers=(1,), protect_layers_every=4)
-    flags = {(step, layer): (d := s.decide(Where(step, 10, step / 9, layer, 6))).streaks is not None and d.streaks.reset
-             for step in range(4) for layer in range(6)}
+    flags = {(step, layer): (o := s.decide(Where(step, 10, step / 9, layer, 6)).technique(Streaks)) is not None
+             and o.reset for step in range(4) for layer in range(6)}
     # protected layers: 1 (listed), 0 and 4 (layer % 4 == 0), 5 (the last); protected steps 0 and 3.
     assert {k for k, v in flags.items() if v} == {(step, layer) for step in (1, 2) for layer in (0, 1, 4, 5)}

@@ -17,6 +17,7 @@ from torch import nn
 
 import tomerge
 from tomerge.experiments.measure.flops import count_denoiser_flops
+from tomerge.feature_cache import FeatureCaching
 from tomerge.plan import MergePlan
 from tomerge.schedule import Where
 from tomerge.strategies.cached_detail import CachedDetail
@@ -34,14 +35,14 @@ def test_full_steps_store_what_the_merged_steps_restore():
     labels = [s.decide(where(t)).label for t in range(8)]
     assert labels == ["full", "full", "tomesd", "tomesd", "full", "tomesd", "tomesd", "full"]
     full, merged = s.decide(where(1)), s.decide(where(2))
-    assert full.strategy is None and full.feature_cache.store == frozenset({"attn", "mlp"})
-    assert merged.feature_cache.detail == "merged_change" and merged.feature_cache.weight is None
+    assert full.strategy is None and full.technique(FeatureCaching).store == frozenset({"attn", "mlp"})
+    assert merged.technique(FeatureCaching).detail == "merged_change" and merged.technique(FeatureCaching).weight is None
     assert merged.sublayers == frozenset({"attn", "mlp"})
     # one plan per layer and cycle: steps 2 and 3 share the key of full step 1, steps 5 and 6 that of step 4
     keys = [s.decide(where(t)).cache_key for t in (2, 3, 5, 6)]
     assert keys[0] == keys[1] != keys[2] == keys[3]
     offset = CachedDetail(**OPTIONS, ratio=0.5, refresh_every=3, detail="slot_offset").decide(where(1))
-    assert offset.feature_cache.detail == "slot_offset" and offset.cache_key is None
+    assert offset.technique(FeatureCaching).detail == "slot_offset" and offset.cache_key is None
 
 
 @pytest.mark.parametrize("bad, message", [

@@ -24,6 +24,7 @@ from torch import Tensor, nn
 import tomerge
 from tomerge.experiments.measure.flops import FlopCounter, count_denoiser_flops
 from tomerge.block_cache import BlockCaching
+from tomerge.feature_cache import FeatureCaching
 from tomerge.schedule import Decision, Where
 from tomerge.strategies.caching import FORA, BlockCache, FirstBlockCache, TaylorSeer
 from tomerge.experiments.sources.coverage import caches_blocks
@@ -53,9 +54,9 @@ def test_block_cache_runs_every_block_on_the_warmup_steps_then_every_interval_st
     assert down == [0, 1, 3, 8, 13]  # the warm-up steps, then 13 - t = 10, 5, 0
     s = BlockCache(interval=3, forecast_order=2)
     stored, reused = s.decide(where(3)), s.decide(where(4))
-    assert (stored.block_cache.mode, stored.strategy, stored.block_cache.forecast_order, stored.label) == (
+    assert (stored.technique(BlockCaching).mode, stored.strategy, stored.technique(BlockCaching).forecast_order, stored.label) == (
         "store", None, 2, "compute")
-    assert (reused.block_cache.mode, reused.strategy, reused.block_cache.forecast_order, reused.label) == (
+    assert (reused.technique(BlockCaching).mode, reused.strategy, reused.technique(BlockCaching).forecast_order, reused.label) == (
         "reuse", None, 2, "forecast")
     assert BlockCache(interval=3).decide(where(4)).label == "reuse"
 
@@ -73,7 +74,7 @@ def test_fora_computes_the_steps_fora_computes_at_20_and_50_steps():
     assert [t for t in range(20) if FORA(interval=4).is_full(t, 20)] == [0, 3, 7, 11, 15, 19]
     # 50 steps, N = 4: step = 49 (t=0), then step = 48, 44, ..., 4, 0 -> t = 1, 5, ..., 49
     assert [t for t in range(50) if FORA(interval=4).is_full(t, 50)] == [0] + list(range(1, 50, 4))
-    decisions = [FORA().decide(where(t)).block_cache.mode for t in range(20)]
+    decisions = [FORA().decide(where(t)).technique(BlockCaching).mode for t in range(20)]
     assert decisions[-1] == "store" and decisions.count("store") == 8
     assert FORA().is_full(0, None)  # the first step needs no step count; a later one does
     with pytest.raises(ValueError, match="count='down'.*needs the step count"):
@@ -93,12 +94,12 @@ def test_presets_hold_the_authors_settings():
 def test_first_block_cache_measures_in_the_first_block_and_reuses_below_the_threshold():
     s = FirstBlockCache(threshold=0.1, warmup=2)
     first = s.decide(where(5, layer=0))
-    assert (first.block_cache.mode, first.block_cache.measure_change) == ("store", "since_full")
-    assert FirstBlockCache(accumulate=True).decide(where(5, layer=0)).block_cache.measure_change == "accumulated"
-    assert s.decide(where(5, change=0.0999)).block_cache.mode == "reuse"
+    assert (first.technique(BlockCaching).mode, first.technique(BlockCaching).measure_change) == ("store", "since_full")
+    assert FirstBlockCache(accumulate=True).decide(where(5, layer=0)).technique(BlockCaching).measure_change == "accumulated"
+    assert s.decide(where(5, change=0.0999)).technique(BlockCaching).mode == "reuse"
     for w in (where(5, change=0.1), where(5, change=math.inf), where(5, change=None), where(1, change=0.0)):
-        assert s.decide(w).block_cache.mode == "store", w  # at the threshold, unmeasured, in the warm-up: it runs
-    assert FirstBlockCache(threshold=0.0).decide(where(5, change=0.0)).block_cache.mode == "store"
+        assert s.decide(w).technique(BlockCaching).mode == "store", w  # at the threshold, unmeasured, in the warm-up: it runs
+    assert FirstBlockCache(threshold=0.0).decide(where(5, change=0.0)).technique(BlockCaching).mode == "store"
 
 
 def test_teacache_mode_computes_the_last_step_whatever_the_change():
@@ -107,9 +108,9 @@ def test_teacache_mode_computes_the_last_step_whatever_the_change():
     # lines 270-286) forces no step: its last step reuses when the change is small.
     tea, para = FirstBlockCache(threshold=0.1, accumulate=True), FirstBlockCache(threshold=0.1)
     for n in (20, 50):
-        assert tea.decide(where(n - 1, change=0.0, num_steps=n)).block_cache.mode == "store"  # step 19 of 20, 49 of 50
-        assert tea.decide(where(n - 2, change=0.0, num_steps=n)).block_cache.mode == "reuse"
-        assert para.decide(where(n - 1, change=0.0, num_steps=n)).block_cache.mode == "reuse"
+        assert tea.decide(where(n - 1, change=0.0, num_steps=n)).technique(BlockCaching).mode == "store"  # step 19 of 20, 49 of 50
+        assert tea.decide(where(n - 2, change=0.0, num_steps=n)).technique(BlockCaching).mode == "reuse"
+        assert para.decide(where(n - 1, change=0.0, num_steps=n)).technique(BlockCaching).mode == "reuse"
     with pytest.raises(ValueError, match="accumulate=True runs the last step in full.*needs the step count"):
         tea.decide(Where(step=3, num_steps=None, progress=0.5, layer=1, num_layers=4, change=0.0))
 
@@ -125,9 +126,9 @@ def test_the_block_calls_that_run_take_the_inner_schedules_decisions():
     s = FORA(merge="toma", ratio=0.4, merge_options={"num_tiles": 4, "skip_first": 1})
     # 20 steps: step 4 is full (19 - 4 = 15 = 5 * 3), step 5 is not
     merged, skipped, reused = s.decide(where(4, layer=2)), s.decide(where(4, layer=0)), s.decide(where(5, layer=2))
-    assert (merged.label, merged.ratio, merged.block_cache.mode, merged.cache_key) == ("merge", 0.4, "store",
+    assert (merged.label, merged.ratio, merged.technique(BlockCaching).mode, merged.cache_key) == ("merge", 0.4, "store",
                                                                                        (("toma", "block", 0), 4))
-    assert (skipped.label, skipped.strategy, skipped.block_cache.mode) == ("skip_block", None, "store")
+    assert (skipped.label, skipped.strategy, skipped.technique(BlockCaching).mode) == ("skip_block", None, "store")
     assert (reused.label, reused.strategy) == ("reuse", None)
     assert s.strategies() == s.inner.strategies() and FORA().strategies() == ()
     constant = FORA(merge="tomesd", ratio=0.5, merge_options={"use_rand": False, "merge_mlp": True})
@@ -154,11 +155,22 @@ def test_invalid_options_are_refused_before_any_model(schedule, options, match):
 
 def test_decisions_refuse_a_reuse_that_merges_and_a_measure_without_a_store():
     with pytest.raises(ValueError, match="strategy must be None"):
-        Decision(strategy=tomerge.get_strategy("tomesd"), ratio=0.5, block_cache=BlockCaching("reuse"))
-    with pytest.raises(ValueError, match="measure_change needs block_cache='store'"):
-        Decision(strategy=None, block_cache=BlockCaching("reuse", measure_change="since_full"))
-    with pytest.raises(ValueError, match="block_cache must be one of"):
-        Decision(strategy=None, block_cache=BlockCaching("skip"))
+        Decision(strategy=tomerge.get_strategy("tomesd"), ratio=0.5, techniques=(BlockCaching("reuse"),))
+    with pytest.raises(ValueError, match="takes no other technique"):
+        Decision(strategy=None, techniques=(BlockCaching("reuse"), FeatureCaching(store=frozenset({"mlp"}))))
+    with pytest.raises(ValueError, match=r"measure_change needs BlockCaching\('store'\)"):
+        Decision(strategy=None, techniques=(BlockCaching("reuse", measure_change="since_full"),))
+    with pytest.raises(ValueError, match="BlockCaching.mode must be one of"):
+        Decision(strategy=None, techniques=(BlockCaching("skip"),))
+    with pytest.raises(ValueError, match="at most one TechniqueOptions per class"):
+        Decision(strategy=None, techniques=(BlockCaching("store"), BlockCaching("store", 1)))
+    with pytest.raises(ValueError, match=r"sublayers \['attn'\] do not run"):
+        Decision(strategy=tomerge.get_strategy("tomesd"), ratio=0.5, sublayers=frozenset({"attn", "mlp"}),
+                 techniques=(FeatureCaching(reuse=frozenset({"attn"})),))
+    stored = Decision(strategy=None, techniques=(FeatureCaching(store=frozenset({"mlp"})), BlockCaching("store")))
+    replaced = stored.using(BlockCaching("store", 2))
+    assert replaced.technique(BlockCaching).forecast_order == 2 and len(replaced.techniques) == 2
+    assert replaced.technique(FeatureCaching) is stored.technique(FeatureCaching)
 
 
 # ====================================================================== the native DiT through the hooks

@@ -20,9 +20,10 @@ from torch import nn
 import tomerge
 from tomerge.context import MergeContext
 from tomerge.experiments.measure.flops import count_denoiser_flops
+from tomerge.feature_cache import FeatureCaching
 from tomerge.schedule import Where
 from tomerge.strategies.toca import FreshTokens, ToCa, window_best
-from tomerge.streaks import StreakState
+from tomerge.streaks import Streaks, StreakState
 from helpers.compiled import build, call, inputs, times
 from helpers.families import FAMILIES
 
@@ -67,16 +68,16 @@ def test_the_fresh_fraction_is_tocas_ddim50_layer_step_and_module_factors(num_st
     w = where(step, layer, num_steps=num_steps)
     assert s.fresh_fraction(w) == pytest.approx(expected, rel=1e-12, abs=1e-15)
     decision = s.decide(w)
-    assert decision.streaks.key == ("toca", layer) and decision.label == ("toca" if expected > 0 else "toca_reuse")
+    assert decision.technique(Streaks).key == ("toca", layer) and decision.label == ("toca" if expected > 0 else "toca_reuse")
     if expected > 0:
         assert decision.ratio == pytest.approx(1 - expected, rel=1e-12)
-        assert decision.sublayers == frozenset({"mlp"}) and decision.feature_cache.reuse == frozenset({"attn"})
-        assert decision.feature_cache.weight == 0.0 and decision.feature_cache.store == frozenset({"mlp"})
+        assert decision.sublayers == frozenset({"mlp"}) and decision.technique(FeatureCaching).reuse == frozenset({"attn"})
+        assert decision.technique(FeatureCaching).weight == 0.0 and decision.technique(FeatureCaching).store == frozenset({"mlp"})
     else:  # no fresh token: both sublayers return their cache
-        assert decision.strategy is None and decision.feature_cache.reuse == frozenset({"attn", "mlp"})
+        assert decision.strategy is None and decision.technique(FeatureCaching).reuse == frozenset({"attn", "mlp"})
     fresh = s.decide(where(4, layer, num_steps=20))
-    assert fresh.ratio == 0.0 and fresh.streaks.reset and fresh.feature_cache.store == frozenset({"attn", "mlp"})
-    assert not fresh.feature_cache.reuse
+    assert fresh.ratio == 0.0 and fresh.technique(Streaks).reset and fresh.technique(FeatureCaching).store == frozenset({"attn", "mlp"})
+    assert not fresh.technique(FeatureCaching).reuse
 
 
 def test_the_first_quarter_of_cached_steps_recomputes_no_token_at_20_and_50_steps():
