@@ -102,20 +102,64 @@ PAIRS: dict[str, list[tuple[str, ...]]] = {
 }
 
 
+# The 1,024-token runs that differ from the 256-token ones: the order ablation at 1.25x (IDM alone reaches at most
+# 1.26x there) and no global tile (docs/claims.md, "The same claims at 1,024 tokens").
+PAIRS_1024 = {
+    **PAIRS,
+    "claims_sdtm_order": [
+        ("SDTM's order against the reversed order at 1.25x", SDTM.format(b="1.25x"), REVERSED.format(b="1.25x")),
+        ("SDTM against SSM alone at 1.25x", SDTM.format(b="1.25x"), SSM_ALONE.format(b="1.25x")),
+        ("SDTM against IDM alone at 1.25x", SDTM.format(b="1.25x"), IDM_ALONE.format(b="1.25x")),
+    ],
+    "claims_toma_locality": [pair for pair in PAIRS["claims_toma_locality"] if "global" not in pair[0]],
+    "claims_mlp_noise": [(what.replace("(1.27x / 1.25x)", "(1.72x / 1.20x)"), *rest)
+                         for what, *rest in PAIRS["claims_mlp_noise"]],
+    "claims_sdtm_curve": [
+        ("cosine 0.2 (1.36x) against linear 0.4 (1.38x)", CURVE.format(c="cosine-deviation=0.2"),
+         CURVE.format(c="linear-deviation=0.4")),
+        ("linear 0.3 (1.34x) against the constant ratio (1.24x)", CURVE.format(c="linear-deviation=0.3"),
+         CURVE.format(c="constant")),
+        ("cosine 0.2 (1.36x) against the constant ratio (1.24x)", CURVE.format(c="cosine-deviation=0.2"),
+         CURVE.format(c="constant")),
+    ],
+    # the same ratios save other FLOPs at 1,024 tokens: the pairs nearest in FLOP-ideal speed-up there
+    "claims_headline_presets": [
+        ("sdtm_release (1.44x) against tomesd (1.41x)", "sdtm_release-r0.65-switch_step=8",
+         "tomesd-r0.35-use_rand=False", "claims_headline"),
+        ("sdtm_release (1.25x) against tomesd (1.19x)", "sdtm_release-r0.35-switch_step=8",
+         "tomesd-r0.2-use_rand=False", "claims_headline"),
+        ("sdtm_paper (1.44x) against tomesd (1.41x)", "sdtm_paper-r0.35", "tomesd-r0.35-use_rand=False",
+         "claims_headline"),
+        ("toma_release (1.27x) against tomesd (1.19x)", "toma_release-r0.65-num_tiles=16-skip_first=1",
+         "tomesd-r0.2-use_rand=False", "claims_headline"),
+        ("toma_release (1.21x) against sdtm_release (1.25x)", "toma_release-r0.5-num_tiles=16-skip_first=1",
+         "sdtm_release-r0.35-switch_step=8"),
+    ],
+    "claims_headline": [
+        ("ssm (1.35x) against tomesd (1.41x)", "ssm-r0.2", "tomesd-r0.35-use_rand=False"),
+        ("sdtm (1.46x) against tomesd (1.41x)", "sdtm-r0.5", "tomesd-r0.35-use_rand=False"),
+        ("toma (2.41x) against facility_location (2.34x)", "toma-r0.5-num_tiles=16",
+         "facility_location-r0.5-num_tiles=16"),
+        ("ssm (1.76x) against facility_location (1.71x)", "ssm-r0.35", "facility_location-r0.35-num_tiles=16"),
+    ],
+}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("runs", type=Path, help="the folder holding the claims run folders (runs/)")
     parser.add_argument("--suffix", default="", help="the run folders' name suffix (_1024 for the 1,024-token runs)")
     parser.add_argument("--out", type=Path, default=Path("docs/runs"), help="where verdicts.md files go")
     args = parser.parse_args()
-    for name, pairs in PAIRS.items():
+    for name, pairs in (PAIRS_1024 if args.suffix == "_1024" else PAIRS).items():
         folder = args.runs / f"{name}{args.suffix}"
         if not (folder / "results.jsonl").exists():
             print(f"{folder}: no results.jsonl, skipped")
             continue
         lines = [f"# Paired comparisons of {folder.name}", "",
                  f"`python3 scripts/claims_verdicts.py {args.runs} --suffix '{args.suffix}'` (`tomerge compare` on each "
-                 "pair): each metric's difference over the same images and seeds, with its 95% interval (bootstrap; FD: jackknife).", ""]
+                 "pair): each metric's difference over the same images and seeds, with its 95% interval (bootstrap; FD: jackknife).",
+""]
         for what, a, b, *other in pairs:
             folder_b = args.runs / f"{other[0]}{args.suffix}" if other else None
             try:
