@@ -25,23 +25,26 @@ _EXPORTS = {
     "MergeContext": "context", "MergePlan": "plan", "MergeStrategy": "strategy",
     "Schedule": "schedule", "Constant": "schedule", "Decision": "schedule", "Where": "schedule",
     "get_strategy": "registry", "list_strategies": "registry", "register_strategy": "registry",
-    "list_backbones": "registry", "register_backbone": "registry",
+    "list_backbones": "registry", "register_backbone": "registry", "Recipe": "recipe",
+    "tune": "experiments.commands.tune",
 }
-_SUBMODULES = ("adapter", "attach", "block_cache", "context", "contract", "feature_cache", "plan", "probe", "registry",
-               "schedule", "state", "strategy", "streaks", "technique", "text_bias", "strategies", "backbones",
-               "experiments")
+_SUBMODULES = ("adapter", "attach", "block_cache", "context", "contract", "feature_cache", "plan", "probe", "recipe",
+               "registry", "schedule", "state", "strategy", "streaks", "technique", "text_bias", "strategies",
+               "backbones", "experiments")
 
 __all__ = [
     "apply", "remove", "merging", "MergeHandle",
     "MergeContext", "MergePlan", "MergeStrategy", "Schedule", "Constant", "Decision", "Where",
-    "get_strategy", "list_strategies", "register_strategy", "list_backbones", "register_backbone",
+    "get_strategy", "list_strategies", "register_strategy", "list_backbones", "register_backbone", "Recipe", "tune",
 ]
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
     from .attach import MergeHandle, apply, merging, remove
     from .context import MergeContext
+    from .experiments.commands.tune import tune
     from .plan import MergePlan
+    from .recipe import Recipe
     from .registry import get_strategy, list_backbones, list_strategies, register_backbone, register_strategy
     from .schedule import Constant, Decision, Schedule, Where
     from .strategy import MergeStrategy

@@ -21,6 +21,7 @@ from torch import nn
 from .adapter import BackboneAdapter, BlockSpec, MergePoint
 from .context import check_ratio
 from .follow import FollowedHooks
+from .recipe import Recipe
 from .registry import backbone_class, build, list_backbones, strategy_class
 from .schedule import Constant, Schedule
 from .state import MergeState, TrajectoryClock
@@ -436,7 +437,7 @@ class MergeHandle:
 
 
 # ---------------------------------------------------------------------- public functions
-def apply(target: Any, strategy: str | MergeStrategy | Schedule = "tomesd", *, ratio: float | None = None,
+def apply(target: Any, strategy: str | MergeStrategy | Schedule | Recipe = "tomesd", *, ratio: float | None = None,
           backbone: str | None = None, adapter: Mapping[str, Any] | None = None, seed: int = 0,
           num_steps: int | None = None, text_labels: Any = None, memory_budget: float | None = None,
           **options: Any) -> MergeHandle:
@@ -445,7 +446,8 @@ def apply(target: Any, strategy: str | MergeStrategy | Schedule = "tomesd", *, r
     Args:
         target: the pipeline or model.
         strategy: what to run: a :class:`MergeStrategy` or a :class:`Schedule` (e.g.
-            ``FORA(merge=ToMeSD(ratio=0.5))``), or a registered name as a shorthand.
+            ``FORA(merge=ToMeSD(ratio=0.5))``), a registered name as a shorthand, or a
+            :class:`~tomerge.recipe.Recipe` (``tomerge tune``'s, with its ratio and options).
         ratio: fraction of tokens removed (for a strategy: required unless the instance has one).
         backbone: adapter name; found from the model's classes when ``None``.
         adapter: the adapter's options (e.g. ``{"max_downsample": 2}`` for the ``unet`` adapter).
@@ -472,6 +474,12 @@ def apply(target: Any, strategy: str | MergeStrategy | Schedule = "tomesd", *, r
         >>> image = pipe("a photo of a cat").images[0]            # doctest: +SKIP
         >>> tomerge.remove(pipe)                                   # doctest: +SKIP
     """
+    if isinstance(strategy, Recipe):
+        if ratio is not None or options or adapter is not None:
+            raise TypeError("a Recipe carries its ratio and options: pass it without ratio=, adapter= or options")
+        state = {"seed": seed, "num_steps": num_steps, "text_labels": text_labels, "memory_budget": memory_budget}
+        return apply(target, strategy.strategy, ratio=strategy.ratio, backbone=backbone,
+                     **{**state, **apply_arguments(strategy.options)})  # the recipe's own state options win
     adapter_cls, model = _find_backbone(target, backbone)
     misplaced = sorted(options.keys() & {f.name for f in dataclasses.fields(adapter_cls.Options)})
     if misplaced:

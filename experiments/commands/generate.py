@@ -51,9 +51,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     what.add_argument("--seed", type=int, default=None, help="item i uses seed SEED + i (default: 0)")
     what.add_argument("--out", type=Path, required=True, help="output folder (created; reruns resume)")
     merge = parser.add_argument_group("merging")
-    merge.add_argument("--strategy", default="none", choices=["none", *tomerge.list_strategies()],
-                       help="strategy or schedule (default: none, the unmerged model)")
-    merge.add_argument("--ratio", type=float, default=0.5, help="merge ratio (default: %(default)s)")
+    merge.add_argument("--strategy", default=None, choices=["none", *tomerge.list_strategies()],
+                       help="strategy or schedule (default: the run of a --config whose grid is one run, such as "
+                            "tomerge tune's recipe.yaml; else none, the unmerged model)")
+    merge.add_argument("--ratio", type=float, default=None,
+                       help="merge ratio (default: the one-run grid's, else 0.5)")
     merge.add_argument("--set", dest="options", action="append", default=[], metavar="OPTION=VALUE",
                        help="strategy/adapter option, YAML value, e.g. --set use_rand=false (repeatable); "
                             "with --config, dotted config keys too (--set model.pipeline=DIR)")
@@ -168,7 +170,12 @@ def run(args: argparse.Namespace) -> int:
         options = dict(parse_override(text) for text in args.options if "." not in text.split("=", 1)[0])
         batch_size = args.batch_size or (config.batch_size if config is not None else 16)
         plugins = tuple(config.plugins) if config is not None else tuple(getattr(args, "plugins", None) or ())
-        spec = GenerateSpec(model=model, strategy=args.strategy, ratio=args.ratio, options=options,
+        strategy, ratio = args.strategy or "none", args.ratio if args.ratio is not None else 0.5
+        runs = config.runs() if config is not None and args.strategy is None else []
+        if len(runs) == 1 and runs[0].ratio is not None:  # a recipe: its run, with --set options over its own
+            strategy, options = runs[0].strategy, {**runs[0].options, **options}
+            ratio = args.ratio if args.ratio is not None else runs[0].ratio
+        spec = GenerateSpec(model=model, strategy=strategy, ratio=ratio, options=options,
                             batch_size=batch_size, plugins=plugins)
         if spec.strategy != "none":
             from tomerge.attach import check_options

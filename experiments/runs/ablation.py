@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
 # run_ablation is the grid; measure_run, speed_row and match_flop_speedups measure one run of it, and
 # `tomerge bench --config` times a grid with them (without images or quality metrics).
-__all__ = ["run_ablation", "measure_run", "speed_row", "match_flop_speedups"]
+__all__ = ["run_ablation", "measure_run", "speed_row", "match_flop_speedups", "FlopSpeedups"]
 
 
 
@@ -130,44 +130,54 @@ def measure_run(source: Any, config: AblationConfig, timing_items: Sequence[Item
             "merge_gflops": merge_flops / n / 1e9, "maps": maps, "grids": grids, "records": records}
 
 
+class FlopSpeedups:
+    """The FLOP-ideal speed-up of a run at any ratio on ``items``: counted (:func:`measure_run`) at each ratio asked,
+    against the unmerged FLOPs counted once."""
+
+    def __init__(self, source: Any, config: AblationConfig, items: Sequence[Item], base: float | None = None) -> None:
+        self.source, self.config, self.items = source, config, items
+        self.base = measure_run(source, config, items, None, map_steps=False)["flops"] if base is None else base
+
+    def __call__(self, run: RunSpec, ratio: float) -> float:
+        with warnings.catch_warnings():  # e.g. "capping at N windows" at ratios the search only tries
+            warnings.simplefilter("ignore")
+            at_ratio = dataclasses.replace(run, ratio=ratio, flop_target=None)
+            return self.base / measure_run(self.source, self.config, self.items, at_ratio, map_steps=False)["flops"]
+
+    def bisect(self, run: RunSpec, target: float, lo: float, hi: float, at_lo: float, at_hi: float,
+               steps: int = 10) -> float:
+        """The ratio in ``[lo, hi]`` whose speed-up is closest to ``target`` (``at_lo <= target <= at_hi``, the
+        speed-ups at the ends). It is a step function of the ratio (token counts are integers) and rises with it,
+        so after ``steps`` halvings the closer of the two bracketing ratios is kept."""
+        for _ in range(steps):
+            mid = (lo + hi) / 2
+            at_mid = self(run, mid)
+            if at_mid < target:
+                lo, at_lo = mid, at_mid
+            else:
+                hi, at_hi = mid, at_mid
+        return round(lo if target - at_lo < at_hi - target else hi, 6)
+
+
 def match_flop_speedups(source: Any, config: AblationConfig, runs: Sequence[RunSpec], items: Sequence[Item],
                         steps: int = 10) -> list[RunSpec]:
     """``runs`` with every FLOP-matched one (``flop_target`` set) at the ratio whose FLOP-ideal speed-up on
-    ``items`` is closest to its target; the others as they are.
-
-    The speed-up is counted (:func:`measure_run`; the unmerged FLOPs once) at each ratio a bisection tries, within
-    the ratios the strategy accepts with the run's options (:func:`~tomerge.experiments.config.grid.valid_ratios`).
-    It is a step function of the ratio (token counts are integers) and rises with it, so after ``steps``
-    halvings the closer of the two bracketing ratios is kept. Raises
+    ``items`` is closest to its target (:meth:`FlopSpeedups.bisect` within the ratios the strategy accepts with the
+    run's options, :func:`~tomerge.experiments.config.grid.valid_ratios`); the others as they are. Raises
     :class:`~tomerge.experiments.errors.ConfigError` (a usage error: one message, exit code 2) when a target
     lies outside the speed-ups of the smallest and the largest accepted ratio.
     """
     if all(run.flop_target is None for run in runs):
         return list(runs)
-    base = measure_run(source, config, items, None, map_steps=False)["flops"]
+    speedup = FlopSpeedups(source, config, items)
 
     def matched(run: RunSpec) -> RunSpec:
-        def speedup(ratio: float) -> float:
-            with warnings.catch_warnings():  # e.g. "capping at N windows" at ratios the search only tries
-                warnings.simplefilter("ignore")
-                at_ratio = dataclasses.replace(run, ratio=ratio)
-                flops = measure_run(source, config, items, at_ratio, map_steps=False)["flops"]
-            return base / flops
-
         lo, hi = valid_ratios(run.strategy, run.options)
-        at_lo, at_hi = speedup(lo), speedup(hi)  # ratio 0 may merge (sdtm's curve around centre 0)
+        at_lo, at_hi = speedup(run, lo), speedup(run, hi)  # ratio 0 may merge (sdtm's curve around centre 0)
         if not at_lo <= run.flop_target <= at_hi:
             raise ConfigError([f"{run.run_id}: FLOP-ideal speed-up {run.flop_target:g}x is out of reach; the ratios "
                                f"{run.strategy} accepts ({lo:g} to {hi:g}) give {at_lo:.3f}x to {at_hi:.3f}x"])
-        for _ in range(steps):
-            mid = (lo + hi) / 2
-            at_mid = speedup(mid)
-            if at_mid < run.flop_target:
-                lo, at_lo = mid, at_mid
-            else:
-                hi, at_hi = mid, at_mid
-        ratio = lo if run.flop_target - at_lo < at_hi - run.flop_target else hi
-        return dataclasses.replace(run, ratio=round(ratio, 6))
+        return dataclasses.replace(run, ratio=speedup.bisect(run, run.flop_target, lo, hi, at_lo, at_hi, steps))
 
     return [run if run.flop_target is None else matched(run) for run in runs]
 

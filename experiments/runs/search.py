@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,7 @@ from .search_output import (SAMPLER_NAMES, front_table, generations_text, grid_o
 
 # optuna, torch and the model are imported where they are used: `--help` needs none.
 
-__all__ = ["SearchSpace", "SpaceEntry", "Dimension", "run_search", "load_search"]
+__all__ = ["SearchSpace", "SpaceEntry", "Dimension", "run_search", "load_search", "run_trial", "objective_values"]
 
 SAMPLERS = ("nsga2", "tpe", "random")
 SEARCH_KEYS = ("trials", "sampler", "population", "seed", "objectives", "space", "held_out")
@@ -325,7 +326,7 @@ def _sampler(space: SearchSpace):
     return optuna.samplers.RandomSampler(seed=space.seed)
 
 
-def _run_trial(config: AblationConfig, run: RunSpec) -> dict[str, Any]:
+def run_trial(config: AblationConfig, run: RunSpec) -> dict[str, Any]:
     """The result row of ``run`` in the run folder: run as a one-run grid unless the folder has it."""
     from .ablation import run_ablation
 
@@ -333,7 +334,7 @@ def _run_trial(config: AblationConfig, run: RunSpec) -> dict[str, Any]:
     return folder.last_row(run.run_id)
 
 
-def _values(row: dict[str, Any], space: SearchSpace) -> list[float]:
+def objective_values(row: dict[str, Any], space: SearchSpace) -> list[float]:
     values = []
     for column in space.objectives:
         value = row.get(column)
@@ -349,10 +350,15 @@ def _run_spec(trial: Any) -> RunSpec:
     return RunSpec(attrs["strategy"], attrs["ratio"], attrs["options"])
 
 
-def run_search(config: AblationConfig, space: SearchSpace, progress: bool = True,
-               held_out: bool = True) -> SearchResult:
+def run_search(config: AblationConfig, space: SearchSpace, progress: bool = True, held_out: bool = True,
+               evaluate: Callable[[Any, RunSpec], list[float] | None] | None = None,
+               deadline: float | None = None) -> SearchResult:
     """Runs (or resumes) the search; writes the front's table, figure and configs; re-scores the front on
-    the held-out items when ``space.held_out`` is set and ``held_out``."""
+    the held-out items when ``space.held_out`` is set and ``held_out``.
+
+    ``evaluate(trial, run)`` (default: run the trial's run and read its objectives) returns the objective values,
+    or ``None`` for a run outside the search's constraint (the trial is pruned: no value, not on the front; it
+    counts towards ``space.trials``). No trial starts after ``deadline`` (``time.monotonic()``)."""
     import optuna
     from optuna.storages import JournalStorage
     from optuna.storages.journal import JournalFileBackend
@@ -380,22 +386,28 @@ def run_search(config: AblationConfig, space: SearchSpace, progress: bool = True
         for stopped in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
             study.tell(stopped.number, state=TrialState.FAIL)  # stopped with its process: the same values again
             study.enqueue_trial(stopped.params, skip_if_exists=False)
-        done = len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
+        done = len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED)))
         for _ in tqdm(range(max(0, space.trials - done)), desc=f"search {config.name}", disable=not progress,
                       initial=min(done, space.trials), total=space.trials):
+            if deadline is not None and time.monotonic() > deadline:
+                break
             trial = study.ask()
             run = space.suggest(trial)
             for key, value in (("run", run.run_id), ("strategy", run.strategy), ("ratio", run.ratio),
                                ("options", run.options)):
                 trial.set_user_attr(key, value)
             try:
-                values = _values(_run_trial(config, run), space)
+                values = (evaluate(trial, run) if evaluate is not None
+                          else objective_values(run_trial(config, run), space))
             except KeyboardInterrupt:
                 raise  # left running: the next search runs it again
             except Exception:
                 study.tell(trial, state=TrialState.FAIL)
                 raise
-            study.tell(trial, values)
+            if values is None:
+                study.tell(trial, state=TrialState.PRUNED)
+            else:
+                study.tell(trial, values)
         completed = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
         trials = [(_run_spec(t), tuple(t.values)) for t in completed]
         front = list({(r := _run_spec(t)).run_id: r for t in study.best_trials}.values())

@@ -22,11 +22,14 @@ __all__ = ["SAMPLER_NAMES", "sampler_summary", "trials_table", "front_table", "w
 
 
 def grid_of(runs: Sequence[RunSpec]) -> tuple[dict[str, Any], ...]:
-    """Grid entries that rerun ``runs`` (one entry per run: options differ from run to run)."""
-    return tuple({"strategy": r.strategy, "ratios": [r.ratio], "options": dict(r.options)} for r in runs)
+    """Grid entries that rerun ``runs`` (one entry per run: options differ from run to run; a FLOP-matched run
+    keeps its target)."""
+    return tuple({"strategy": r.strategy, **({"ratios": [r.ratio]} if r.flop_target is None
+                                             else {"flop_speedups": [r.flop_target]}), "options": dict(r.options)}
+                 for r in runs)
 
 
-SAMPLER_NAMES = {"nsga2": "NSGA-II (nsga2)", "tpe": "multi-objective TPE (tpe)", "random": "random sampling (random)"}
+SAMPLER_NAMES = {"nsga2": "NSGA-II (nsga2)", "tpe": "TPE (tpe)", "random": "random sampling (random)"}
 
 
 def generations_text(trials: int, population: int) -> str:

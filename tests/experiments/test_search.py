@@ -91,7 +91,7 @@ def test_an_interrupted_search_keeps_its_trials_and_reruns_the_stopped_one(setup
     root, path = setup
     config, space = load_search(path, ["name=interrupted", "search.trials=3"])
     calls = []
-    real = search_module._run_trial
+    real = search_module.run_trial
 
     def stop_on_the_second(config_, run):
         calls.append(run.run_id)
@@ -99,10 +99,10 @@ def test_an_interrupted_search_keeps_its_trials_and_reruns_the_stopped_one(setup
             raise KeyboardInterrupt
         return real(config_, run)
 
-    monkeypatch.setattr(search_module, "_run_trial", stop_on_the_second)
+    monkeypatch.setattr(search_module, "run_trial", stop_on_the_second)
     with pytest.raises(KeyboardInterrupt):
         run_search(config, space, progress=False, held_out=False)
-    monkeypatch.setattr(search_module, "_run_trial", lambda c, r: (calls.append(r.run_id), real(c, r))[1])
+    monkeypatch.setattr(search_module, "run_trial", lambda c, r: (calls.append(r.run_id), real(c, r))[1])
     result = run_search(config, space, progress=False, held_out=False)
     assert len(result.trials) == 3
     assert calls[2] == calls[1]  # the stopped trial runs again with its values first

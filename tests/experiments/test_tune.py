@@ -1,0 +1,149 @@
+"""`tomerge tune` on a tiny DiT: every run it keeps reaches the target (counted FLOPs), a run that cannot is pruned
+without images, the recipe is the best of the runs that reached it and round-trips (its YAML through `tomerge
+generate` and `tomerge.apply` gives the search's images), a rerun measures nothing again, and bad targets fail
+before any image."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+pytest.importorskip("optuna")
+
+import tomerge  # noqa: E402
+from tomerge.experiments.config.schema import ConfigError  # noqa: E402
+from tomerge.experiments.errors import UsageError  # noqa: E402
+from tomerge.experiments.runs import tune as tune_module  # noqa: E402
+from tomerge.experiments.runs.tune import TuneSpec, load_tune, run_tune  # noqa: E402
+from helpers.tiny_reference import write_test_set, write_tiny_dit  # noqa: E402
+
+TARGET = 1.5
+SPACE = {
+    "trials": 6, "sampler": "random", "seed": 1,
+    "space": [{"strategy": "tomesd", "ratio": {"low": 0.0, "high": 0.9}, "options": {"use_rand": False,
+                                                                                     "merge_mlp": True}},
+              {"strategy": "block_cache", "ratio": 0.0, "options": {"interval": [2, 4]}},
+              # never reuses: 1.0x, so it is pruned before any image
+              {"strategy": "first_block_cache", "ratio": 0.0, "options": {"threshold": 1e-9}}],
+    "held_out": {"seed": 500},
+}
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tune")
+    write_tiny_dit(root / "tiny.safetensors")
+    data = write_test_set(root / "data")
+    config = {"name": "tiny_tune", "model": {"reference": str(root / "tiny.safetensors"), "call": {"num_steps": 4}},
+              "data_root": str(data), "out_dir": str(root / "runs"), "classes": [0, 1], "per_class": 2,
+              "batch_size": 4, "timing_batch": 2, "warmup": 0, "repeats": 1, "fd_reference_images": 0,
+              "wandb": "disabled", "tune": {"target": TARGET, "by": "flops", "objective": "psnr"}, "search": SPACE}
+    path = root / "tune.yaml"
+    path.write_text(yaml.safe_dump(config))
+    config_, space, spec = load_tune(path, [])
+    return root, path, run_tune(config_, space, spec, progress=False)
+
+
+def rows(folder: Path) -> list[dict]:
+    return [json.loads(line) for line in (folder / "results.jsonl").read_text().splitlines()]
+
+
+def test_every_kept_run_reaches_the_target_and_the_recipe_is_the_best_of_them(setup):
+    root, _, result = setup
+    written = rows(root / "runs" / "tiny_tune")
+    runs = {r["run"] for r in written} - {"baseline"}
+    assert runs and not any(r.startswith("first_block_cache") for r in runs)  # pruned unrun
+    reached = [r for r in written if r["run"] != "baseline"]
+    assert all(r["flop_speedup"] >= TARGET * tune_module.REACHED for r in reached)
+    merged = [r for r in reached if r["strategy"] == "tomesd"]
+    # a merging run is at the ratio its FLOP-ideal speed-up meets the target at (token steps: within 10%)
+    assert all(r["flop_speedup"] < TARGET * 1.1 for r in merged)
+    best = max(r["psnr"] for r in reached)
+    assert result.row["psnr"] == best and result.recipe.strategy == result.row["strategy"]
+    others = [r for r in reached if r["run"] != result.row["run"]]
+    assert others and all(result.row["psnr"] - r["psnr"] > 0.1 for r in others)  # a choice without ties
+    assert result.held_out_row is not None and "psnr_lo" in result.held_out_row
+    assert result.held_out_row["run"] == result.row["run"]
+    report = (result.folder / "tune" / "front.md").read_text()
+    assert f"target {TARGET:g}x by flops" in report and result.row["run"] in report
+
+
+def test_a_rerun_through_tomerge_tune_measures_nothing_again_and_draws_the_front(setup):
+    root, path, result = setup
+    before = [(root / "runs" / name / "results.jsonl").read_text() for name in ("tiny_tune", "tiny_tune_held_out")]
+    again = tomerge.tune(path, progress=False)
+    assert [(root / "runs" / name / "results.jsonl").read_text()
+            for name in ("tiny_tune", "tiny_tune_held_out")] == before
+    assert again.recipe == result.recipe and again.held_out_row == result.held_out_row
+    assert (result.folder / "tune" / "front.png").stat().st_size > 0
+
+
+def test_the_recipe_round_trips_through_generate_and_apply(setup, tmp_path):
+    root, _, result = setup
+    recipe_file = result.folder / "tune" / "recipe.yaml"
+    recipe = tomerge.Recipe.load(recipe_file)
+    assert recipe == result.recipe
+    from tomerge.experiments.commands import generate
+
+    assert generate.main(["--config", str(recipe_file), "--out", str(tmp_path / "gen")]) == 0
+    searched = sorted((result.folder / "images" / result.row["run"]).glob("*.png"))
+    made = sorted((tmp_path / "gen").glob("*.png"))
+    assert searched and [p.name for p in made] == [p.name for p in searched]
+    assert all(a.read_bytes() == b.read_bytes() for a, b in zip(made, searched))
+
+    from tomerge.experiments.config.load import load_config
+    from tomerge.experiments.sources.items import class_items
+
+    config = load_config(recipe_file, [])
+    source = config.model.load()
+    items = class_items(list(config.classes), config.per_class, config.seed)[: config.batch_size]
+    reference = source.generate(items)
+    with tomerge.merging(source.target, recipe, num_steps=config.model.call["num_steps"]):
+        merged = source.generate(items)
+    from tomerge.experiments.generation.generate import merging
+    from tomerge.experiments.config.schema import RunSpec
+
+    with merging(source, RunSpec(recipe.strategy, recipe.ratio, dict(recipe.options))):
+        expected = source.generate(items)
+    assert torch.equal(merged, expected) and not torch.equal(merged, reference)
+
+
+def test_bad_targets_fail_before_any_image_and_an_unreachable_one_names_the_fastest(setup, tmp_path):
+    root, path, _ = setup
+    with pytest.raises(ConfigError) as err:
+        load_tune(path, ["tune.target=1", "tune.by=fast", "tune.objective=flops", "search.objectives=[psnr]"])
+    text = str(err.value)
+    for expected in ("tune.target is a speed-up > 1", "tune.by must be one of", "tune.objective must be a quality",
+                     "search: has no objectives"):
+        assert expected in text
+    assert not (root / "runs" / "unreached").exists()
+    config, space, spec = load_tune(path, ["name=unreached", "tune.target=50", "search.trials=3"])
+    with pytest.raises(UsageError, match=r"no recipe of the space reached 50x .* the fastest found: \S+ at \d"):
+        run_tune(config, space, spec, progress=False)
+    assert not (root / "runs" / "unreached" / "images").exists() or not any(
+        p.name != "baseline" for p in (root / "runs" / "unreached" / "images").iterdir())
+
+
+def test_auto_measures_time_with_cuda_and_flops_without():
+    assert TuneSpec.parse({"target": 2}, cuda=True).by == "time"
+    cpu = TuneSpec.parse({"target": 2}, cuda=False)
+    assert cpu.by == "flops" and "no CUDA device" in cpu.why and cpu.speedup_column == "flop_speedup"
+    assert TuneSpec.parse({"target": 2, "by": "time"}, cuda=False).by == "time"
+
+
+def test_apply_refuses_a_recipe_with_more_options():
+    recipe = tomerge.Recipe("tomesd", 0.5, {"use_rand": False})
+    with pytest.raises(TypeError, match="a Recipe carries its ratio"):
+        tomerge.apply(torch.nn.Linear(2, 2), recipe, ratio=0.3)
+
+
+def test_the_shipped_tune_config_validates():
+    from tomerge.experiments.config.schema import CONFIG_DIR
+
+    config, space, spec = load_tune(CONFIG_DIR / "tune.yaml", [], cuda=False)
+    assert (spec.target, spec.by, spec.objective) == (2.0, "flops", "fd_effnetlite0")
+    assert space.objectives == ("fd_effnetlite0",) and space.sampler == "tpe" and space.held_out
+    names = {e.strategy for e in space.entries}
+    assert {"tomesd", "cached_detail", "block_cache", "first_block_cache", "toca", "fora"} <= names
