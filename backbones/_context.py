@@ -1,19 +1,11 @@
-"""Context tokens in the image stream: reference-image tokens that ride along with the generated image.
+"""Context tokens in the image stream: tokens that ride along with the generated image (the *target*), unmerged.
 
-Editing and reference-image calls put the latent tokens of their input images into the transformer's image
-stream next to the tokens of the image being generated (the *target*): FLUX.1 Kontext and FLUX.2 append them
-(``[target, reference]``, with their own ``img_ids``), FLUX.2 klein's KV-cache "extract" call prepends them,
-Qwen-Image-Edit appends one entry of ``img_shapes`` per reference image. Only the target is merged; the
-reference tokens are context, like the text of a joint attention: the grid and the plan are the target's, the
-reference tokens pass through every merged sublayer unchanged (attention sees them as queries, keys and
-values at full length) and keep their rotary rows.
-
-:class:`ContextTokens` describes one model call's image stream ``[before, target, after]`` and does the
-three things every merge point needs: take the target out of a stream (:meth:`~ContextTokens.target`), put a
-merged or unmerged target back (:meth:`~ContextTokens.with_target`), and extend the plan's representatives to
-the whole stream (:meth:`~ContextTokens.stream_positions`), so that rotary tables and key masks over the
-stream are gathered by the existing gathers with the context rows kept. A stream without context tokens
-(``ContextTokens()``, falsy) leaves every tensor as it is.
+Reference images of editing calls and FramePack's and Helios's history latents sit in the image stream before or
+after the target. Only the target is merged; the context tokens pass every merged sublayer at full length and keep
+their rotary rows. :class:`ContextTokens` describes one call's stream ``[before, target, after]``: it takes the
+target out, puts a merged or unmerged target back, and extends the plan's representatives to the whole stream, so
+that rotary tables and key masks are gathered with the context rows kept. Which families put them where:
+docs/backbones/adding-a-family.md ("Context tokens") and the family pages.
 """
 
 from __future__ import annotations

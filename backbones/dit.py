@@ -1,22 +1,9 @@
 """`dit`: class-conditional DiT (diffusers `DiTTransformer2DModel`, adaLN-Zero `BasicTransformerBlock`).
 
-Every `BasicTransformerBlock` (``norm_type="ada_norm_zero"``) is one block, in ``transformer_blocks``
-order. Merge points: ``attn1`` (self-attention, ``"attn"``: its first positional argument is the
-modulated, normalised image tokens) and ``ff`` (``"mlp"``); both outputs are unmerged before the
-gated residual. Positions are absolute sin-cos embeddings added at the patch embedding, so merging
-needs no positional work. The token grid is ``(H0 // p, W0 // p)`` for a latent ``H0 x W0`` (recorded
-by a pre-hook on the model) and patch size ``p``.
-
-Received attention for ``idm``: a strided set of at most 64 image queries against all keys of
-``attn1``, from the q/k that its projections computed (:func:`probe_self_attention`).
-
-Feed-forward chunking (``block.set_chunk_feed_forward``) works with merging: in calls that merge the
-MLP, :class:`~tomerge.backbones._diffusers.FeedForwardPoint` hands ``ff`` the whole merged sequence and
-runs it in the block's chunks (docs/backbones/dit.md).
-
-Note (diffusers 0.42 itself, not tomerge): ``DiTTransformer2DModel.forward`` unpatchifies with
-``height = width = sqrt(N)``, so the model only produces meaningful output for square latents.
-The adapter's grid is the true ``(H, W)`` in any case.
+Merges the modulated input of every block's self-attention ``attn1`` and feed-forward ``ff``; positions are
+absolute sin-cos, so no positional work, and feed-forward chunking keeps working
+(:class:`~tomerge.backbones._diffusers.FeedForwardPoint`). The merge points, received attention and diffusers' own
+square-latent limit: docs/backbones/dit.md.
 """
 
 from __future__ import annotations

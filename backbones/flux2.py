@@ -1,28 +1,9 @@
 """`flux2`: FLUX.2 (diffusers `Flux2Transformer2DModel`): double-stream and parallel single-stream blocks.
 
-Facts from the installed diffusers (0.42.1, ``models/transformers/transformer_flux2.py``):
-
-* ``Flux2TransformerBlock`` (kind ``"double"``, in ``transformer_blocks``) runs ``attn(hidden_states=norm1(x),
-  encoder_hidden_states=norm1_context(c), image_rotary_emb=...)``: a joint attention whose processor puts
-  text first and returns ``(image, text)``; then ``ff`` (``Flux2FeedForward``, SwiGLU) on the image stream.
-  Merge points: ``attn`` (``"attn"``; the image rows of the ``[T + N, d]`` RoPE table gathered per slot) and
-  ``ff`` (``"mlp"``); ``ff_context`` (text) is left alone.
-* ``Flux2SingleTransformerBlock`` (kind ``"single"``, in ``single_transformer_blocks``) gets the joint
-  ``[text, image]`` sequence from the model (``encoder_hidden_states=None``), so the text length ``T`` comes
-  from the model call's ``encoder_hidden_states``. Its ``attn`` (``Flux2ParallelSelfAttention``) is the whole
-  parallel block: one fused ``to_qkv_mlp_proj``, the attention, the SwiGLU and one fused ``to_out``. Merge
-  points: ``attn`` (``"attn"``: the image part of the normalised joint sequence, RoPE rows gathered; attention
-  and MLP both run merged) and ``attn.to_out`` (``"mlp"``: the image part of ``cat([attn, mlp])``). With both
-  on, ``attn`` keeps its output merged and ``to_out`` unmerges once; ``"mlp"`` alone merges only ``to_out``.
-* Grid: ``img_ids [B, N, 4]`` hold ``(t, h, w, l)``; the grid ``(H, W)`` is read from the ``h, w`` columns
-  (raster order) on the host, once per ``img_ids`` tensor (:class:`~tomerge.backbones._host.HostFacts`). The
-  pipeline calls the model with ``timestep / 1000`` (``t_max = 1``).
-* Reference images (``Flux2Pipeline(image=...)``, klein): their latent tokens follow the generated image's in
-  the image stream, with ids of other ``t`` (10, 20, ...); klein's KV-cache "extract" call puts them first.
-  The target is the run of tokens with the smallest ``t`` (:func:`~tomerge.backbones._grid.split_ids`), the
-  others are context tokens (:mod:`tomerge.backbones._context`): merged sites merge the target, the reference
-  tokens pass through at full length with their RoPE rows (the processor's ``num_ref_tokens`` split of the
-  extract call stays right: the tokens ahead of the target are not merged).
+Merges the image stream of the double blocks' joint attention and feed-forward, and the image part of the single
+blocks' parallel attention-and-MLP (``Flux2ParallelSelfAttention``, one module: with both sublayers on, ``attn``
+stays merged and its fused ``to_out`` unmerges once). Reference-image tokens (editing, klein) are context at full
+length. The merge points, RoPE, grid from ``img_ids`` and limits: docs/backbones/flux2.md.
 """
 
 from __future__ import annotations

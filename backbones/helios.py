@@ -1,26 +1,11 @@
 """`helios`: Helios, long video generation in chunks conditioned on multi-term history (diffusers
 `HeliosTransformer3DModel`).
 
-Facts from the installed diffusers (0.42.1, ``models/transformers/transformer_helios.py``):
-
-* Wan-style blocks (``HeliosTransformerBlock``, kind ``"helios"``, in ``blocks``) over the image stream
-  ``[history, target]``: the model puts the patch embeddings of the history latents (long: 16 frames at patch
-  ``(4, 8, 8)``, mid: 2 at ``(2, 4, 4)``, short: the first frame and the last one at ``(1, 2, 2)``) in front of the
-  ``N`` target tokens of the chunk (the latent ``hidden_states``), with their rotary rows, and keeps the last ``N``
-  tokens. So the adapter's :meth:`~HeliosAdapter.block_context` makes every token beyond the grid, first, context:
-  the target tokens (the grid) are merged, the history tokens are context.
-* ``attn1(norm1(x), None, None, rotary_emb, original_context_length)``: self-attention over the stream with the RoPE
-  table ``[B or 1, P + N, 2d]`` (cos and sin concatenated; ``"batched"`` layout); ``original_context_length`` is the
-  target count (the history keys are amplified before it when ``is_amplify_history``): merged calls get the slot
-  count (:class:`HistoryAttention`). Received-attention probe: the target queries' attention, the history keys
-  attended to, the target keys' share recorded (from q and k before the RoPE rotation and the history
-  amplification).
-* With ``guidance_cross_attn`` (every released configuration) the block splits the history off before ``attn2``:
-  ``attn2`` gets the target tokens alone (:class:`TargetCrossAttention`). ``ffn`` reads the whole stream.
-  Modulation is per token (``temb [B, P + N, 6, C]``, the history at timestep 0), applied before the merge points
-  and gated after.
-* Grid: the target latent ``[B, C, F, H, W]`` divided by ``patch_size = (1, 2, 2)``; the pipelines pass the
-  scheduler's timestep (``t_max = 1000``).
+Wan-style blocks over the image stream ``[history, target]``: the model puts the history latents' tokens in front
+of the chunk's target tokens. The target (the grid) is merged and the history is context (``block_context``); the
+self-attention gets the slot count as ``original_context_length`` (:class:`HistoryAttention`) and the
+cross-attention the target alone (:class:`TargetCrossAttention`). The history layout, RoPE and modulation:
+docs/backbones/wan.md ("Helios").
 """
 
 from __future__ import annotations

@@ -1,18 +1,9 @@
 """`hunyuan_image`: HunyuanImage 2.1 (diffusers `HunyuanImageTransformer2DModel`), HunyuanVideo's block layout on
 image latents.
 
-Facts from the installed diffusers (0.42.1, ``models/transformers/transformer_hunyuanimage.py``):
-
-* ``HunyuanImageTransformerBlock`` (kind ``"double"``) and ``HunyuanImageSingleTransformerBlock`` (kind
-  ``"single"``) are HunyuanVideo's blocks (``backbones/hunyuan_video.py``): a joint attention over ``[image,
-  text]`` (text LAST) with RoPE ``(cos, sin)`` on the ``[N, d]`` image rows only and a key mask ``[B, 1, 1,
-  N + T]`` (the model pads the text mask with the image's ``True`` columns), then ``ff``; the single blocks
-  concatenate ``[image, text]`` before their norm, ``proj_mlp`` and ``attn`` read it in parallel, ``proj_out``
-  reads ``cat([attn, mlp], -1)``. The same merge points, declared by :class:`HunyuanVideoAdapter`.
-* Grid: the latent ``[B, C, H, W]`` (or ``[B, C, F, H, W]`` of the refiner) divided by ``patch_size``, a tuple
-  of 2 (or 3) sizes. The pipelines pass the scheduler's timestep (``t_max = 1000``). The distilled model's
-  ``timestep_r`` (MeanFlow) and the ByT5 glyph text (``encoder_hidden_states_2``, joined to the text stream
-  before the blocks) change nothing here.
+Its double- and single-stream blocks are HunyuanVideo's, with the merge points of :class:`HunyuanVideoAdapter`; the
+grid is 2-D (3-D for the refiner). The mask, grid and what the distilled model and the glyph text change:
+docs/backbones/hunyuan_video.md ("HunyuanImage 2.1").
 """
 
 from __future__ import annotations

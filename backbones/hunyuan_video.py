@@ -1,26 +1,10 @@
 """`hunyuan_video` and `hunyuan_video15`: HunyuanVideo and HunyuanVideo 1.5 (diffusers
 `HunyuanVideoTransformer3DModel`, `HunyuanVideo15Transformer3DModel`).
 
-Facts from the installed diffusers (0.42.1, ``transformer_hunyuan_video.py``, ``transformer_hunyuan_video15.py``):
-
-* Double-stream blocks (kind ``"double"``, ``transformer_blocks``: ``HunyuanVideoTransformerBlock``, the
-  token-replace variant of image-to-video, and ``HunyuanVideo15TransformerBlock``) run ``attn(hidden_states=
-  norm1(x), encoder_hidden_states=norm1_context(c), attention_mask=..., image_rotary_emb=freqs)``: a joint
-  attention over ``[image, text]`` (text LAST) with RoPE on the image rows only, returning ``(image, text)``;
-  then ``ff`` on the image stream. Merge points: ``attn`` (``"attn"``; the ``[N, d]`` RoPE table gathered per
-  slot) and ``ff`` (``"mlp"``).
-* HunyuanVideo's attention mask is a key mask ``[B, 1, 1, N + T]`` over ``[image, text]``: its image columns
-  are gathered per slot. HunyuanVideo 1.5 passes a text-only mask ``[B, T]`` that the processor pads to the
-  (merged) joint length itself: passed through.
-* HunyuanVideo's single-stream blocks (kind ``"single"``, ``single_transformer_blocks``) concatenate
-  ``[image, text]`` before their norm; ``proj_mlp`` reads the normalised joint sequence, ``attn`` its image
-  part (and its text part as ``encoder_hidden_states``), and ``proj_out`` reads ``cat([attn, mlp], -1)`` of
-  the joint sequence. As in FLUX.1's single blocks: ``proj_mlp`` and ``attn`` are ``"attn"`` (the parallel
-  branch that reads the normalised tokens; merged once, shared), ``proj_out`` is ``"mlp"``; with both on the
-  block runs merged from its norm to ``proj_out`` and only ``proj_out``'s output is unmerged. HunyuanVideo 1.5
-  has no single-stream blocks.
-* Grid: the latent ``[B, C, F, H, W]`` divided by ``(patch_size_t, patch_size, patch_size)``: ``(T, H, W)``
-  frames x height x width. Both pipelines pass the scheduler's timestep (``t_max = 1000``).
+Merges the video stream of the double-stream blocks' joint ``[image, text]`` attention (text last) and
+feed-forward, and in HunyuanVideo's single-stream blocks the image part of the parallel branch, as in FLUX.1's. The
+blocks, RoPE, masks and grid: docs/backbones/hunyuan_video.md, which also holds FramePack and HunyuanImage 2.1,
+built on these blocks.
 """
 
 from __future__ import annotations

@@ -1,22 +1,8 @@
 """`ltx`: LTX-Video (diffusers `LTXVideoTransformer3DModel`, LTX-Video 0.9.x).
 
-Facts from the installed diffusers (0.42.1, ``models/transformers/transformer_ltx.py``):
-
-* Every ``LTXVideoTransformerBlock`` (kind ``"ltx"``, in ``transformer_blocks``) runs ``attn1(hidden_states=
-  norm1(x) * (1 + scale) + shift, image_rotary_emb=...)`` (self-attention with 3-D RoPE), ``attn2(x,
-  encoder_hidden_states=text, attention_mask=encoder_attention_mask)`` (cross-attention to T5, no norm before
-  it) and ``ff`` on ``norm2(x) * (1 + scale) + shift``.
-* Merge points: ``attn1`` (``"attn"``; the RoPE ``(cos, sin)``, each ``[B, N, C]`` over the whole width,
-  gathered per slot), ``attn2`` (``"crossattn"``: image queries; the text mask is a bias over the keys and
-  broadcasts; off unless ``merge_crossattn=True``), ``ff`` (``"mlp"``).
-* Per-token modulation (image-to-video's conditioning frame has its own timestep: ``temb [B, N, 6C]``) is
-  applied before the merge points and its gates after the unmerge: nothing to adjust; the per-token timestep
-  ``[B, N]`` gives the step by its largest value.
-* Grid: the model gets a packed latent ``[B, N, C]`` and ``num_frames``, ``height``, ``width`` of the latent
-  (LTX-Video's patch size is 1, so they are the token grid, frames x height x width in raster order). A call
-  with ``video_coords`` instead (LTX condition pipelines with extra conditioning tokens) is merged only when
-  ``num_frames * height * width`` is its token count. The pipelines pass the scheduler's timestep
-  (``t_max = 1000``).
+Merges the video tokens of every block's self-attention (its RoPE, over the whole width, gathered per sample and
+slot), cross-attention queries and feed-forward. The model gets a packed latent with its frame, height and width
+counts, which give the grid. The merge points, grid, timesteps and limits: docs/backbones/ltx.md.
 """
 
 from __future__ import annotations

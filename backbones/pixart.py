@@ -1,24 +1,9 @@
 """`pixart`: PixArt-alpha / PixArt-Sigma (diffusers `PixArtTransformer2DModel`).
 
-Blocks: every `BasicTransformerBlock` (``norm_type="ada_norm_single"``) in ``transformer_blocks``.
-Each block runs ``attn1`` on ``norm1(x) * (1 + scale) + shift``, then the cross-attention ``attn2``
-on the raw hidden states (PixArt applies no norm before it; queries = image tokens, keys/values =
-text), then ``ff`` on ``norm2(x) * (1 + scale) + shift``. Merge points:
-
-* ``attn1`` input -> sublayer ``"attn"``;
-* ``attn2`` queries -> sublayer ``"crossattn"``: no strategy merges it by default; enable it with
-  ``tomerge.apply(..., merge_crossattn=True)``. Its text mask (``encoder_attention_mask``, a bias over
-  the keys) broadcasts over any number of queries, so merged queries need nothing else;
-* ``ff`` input -> sublayer ``"mlp"``.
-
-Outputs are unmerged before the gated residual. Positions are absolute (sin-cos at the patch
-embedding, interpolated for other sizes): no positional work. Grid: ``(H0 // p, W0 // p)``.
-
-Feed-forward chunking works with merging (:class:`~tomerge.backbones._diffusers.FeedForwardPoint`). Not
-supported (the call raises with what to do): the rarely used self-attention ``attention_mask`` over image
-tokens (the pipelines never pass it; its keys would have to be merged too).
-
-Received attention for ``idm``: strided image queries of ``attn1`` (:func:`probe_self_attention`).
+Merges the self-attention input, the cross-attention queries (off by default) and the feed-forward input of every
+``ada_norm_single`` `BasicTransformerBlock`; positions are absolute, so no positional work, and feed-forward
+chunking keeps working (:class:`~tomerge.backbones._diffusers.FeedForwardPoint`). The merge points, received
+attention, chunking and limits: docs/backbones/pixart.md.
 """
 
 from __future__ import annotations

@@ -1,24 +1,9 @@
 """`qwenimage`: Qwen-Image (diffusers `QwenImageTransformer2DModel`), MMDiT double-stream blocks.
 
-Facts from the installed diffusers (0.42.1, ``models/transformers/transformer_qwenimage.py``):
-
-* Every ``QwenImageTransformerBlock`` (kind ``"joint"``, in ``transformer_blocks``) runs ``attn(hidden_states=
-  img_modulated, encoder_hidden_states=txt_modulated, encoder_hidden_states_mask=..., image_rotary_emb=
-  (img_freqs, txt_freqs))``; the processor projects image and text separately, applies RoPE to each with its
-  own complex table, attends over ``[text, image]`` and returns ``(image, text)``; then ``img_mlp`` on the
-  image stream (``txt_mlp`` on the text). Merge points: ``attn`` (``"attn"``; the image table ``[N, d/2]``
-  gathered per slot, the text table kept) and ``img_mlp`` (``"mlp"``).
-* The text mask ``encoder_hidden_states_mask`` is joined inside the processor with an all-true image mask of
-  the (merged) image length: nothing to adjust. An ``attention_mask`` is refused by the processor itself.
-* Grid: ``img_shapes`` (per sample a list of ``(frames, h, w)``, the same for every sample); its first entry is
-  the generated image, merged when it is one frame of ``h * w`` tokens. The pipeline calls the model with
-  ``timestep / 1000`` (``t_max = 1``).
-* Reference images (``QwenImageEditPipeline``, ``QwenImageEditPlusPipeline``): every further entry of
-  ``img_shapes`` is an input image whose tokens follow the generated image's in the image stream (and whose
-  rows follow its rows in the image RoPE table). They are context tokens (:mod:`tomerge.backbones._context`):
-  merged sites merge the target, the reference tokens pass through at full length with their RoPE rows. The
-  per-token modulation of ``zero_cond_t`` models (``modulate_index``) is applied by the block before the merge
-  points and its gates after the unmerge.
+Merges the image stream of every block's joint ``[text, image]`` attention (its complex image RoPE table gathered,
+the text table kept) and the image feed-forward ``img_mlp``. The editing pipelines' reference images (further
+``img_shapes`` entries) are context tokens at full length. The merge points, grid and limits:
+docs/backbones/qwenimage.md.
 """
 
 from __future__ import annotations

@@ -1,32 +1,9 @@
 """`qwenimage21`: Qwen-Image 2.1 (diffusers `QwenImage21Transformer2DModel`), single-stream block-causal blocks.
 
-Facts from the installed diffusers (0.42.1, ``models/transformers/transformer_qwenimage21.py``):
-
-* The model builds one joint sequence ``[prompt (with condition-image tokens in it), target image]``: the
-  vision-language encoder's text with each image slot expanded to its ``2 x 2`` latent tokens, the target
-  image's ``N`` tokens LAST (``img_mask`` ends with the target's slots). Every ``QwenImage21TransformerBlock``
-  (kind ``"joint"``) runs ``attn(hidden_states=norm(x) * scale, rotary_emb=..., attention_mask=...,
-  key_valid=..., segments=..., layer_cache=...)`` and ``img_mlp(norm(x) * scale)`` on the whole sequence.
-* Attention is block-causal: the prefix never attends to the target, and the target's queries attend to every
-  key. So the prefix does not depend on the target, and merging the target (the last ``N`` tokens of the
-  block input, the rest kept: ``joint_context = "rest"``) changes only the target's keys and queries. Merge
-  points: ``attn`` (``"attn"``: the complex RoPE table ``[P + N, d/2]`` over the joint sequence has its image rows
-  gathered per slot; the key masks ``key_valid [B, P + N]`` (prefill, :class:`KeyValidAttention`) and
-  ``attention_mask [B, 1, 1, P + N]`` (cached steps) have their image columns gathered) and ``img_mlp`` (``"mlp"``).
-  The prefix ``segments`` and the prefix KV cache (``kv_cache_mode="extract"`` stores the prefix keys of the first
-  step) are untouched; on cached steps (``kv_cache_mode="cached"``) the blocks get the target alone, with the cached
-  prefix keys.
-* ``QwenImage21FlexAttnProcessor`` passes a flex ``BlockMask`` built for the unmerged sequence: a merged call
-  raises (use the default ``QwenImage21AttnProcessor``).
-* Grid: ``img_shapes[0][-1] = (1, h, w)``, the target (samples share one layout; ``img_mask`` must end with its
-  slots, read on the host once per mask tensor); condition images are part of the prefix and are not merged. The
-  pipeline calls the model with ``timestep / 1000`` (``t_max = 1``).
-* Received attention (``idm``, the ``sdtm`` schedules): the prompt's queries never see the target, so the probe
-  reads the target's queries (``Site(probe="sdpa", probe_queries="image")``): at most 64 strided target queries'
-  softmax over every key (prefix and target, with ``key_valid``), from the processor's SDPA call of the target
-  (its call over the most keys: the prefill attends segment by segment; cached steps attend to the cached
-  prefix keys), averaged over heads and queries, restricted to the target's keys and renormalised per sample.
-  ``QwenImage21FlexAttnProcessor``'s prefill calls flex attention, not SDPA: the probe raises there.
+The model attends over one joint sequence ``[prompt (condition images in it), target image]`` block-causally: the
+prompt never sees the target. So only the target, the last ``N`` tokens of every block input, is merged (the rest
+kept), which changes only the target's keys and queries; the prompt's KV cache is untouched. The layout, masks,
+cached steps and received attention: docs/backbones/qwenimage.md ("Qwen-Image 2.1").
 """
 
 from __future__ import annotations

@@ -1,28 +1,10 @@
 """`sana`: SANA (diffusers `SanaTransformer2DModel`): linear-attention DiT with a convolutional MLP.
 
-Facts from the installed diffusers (0.42.1, ``models/transformers/sana_transformer.py``):
-
-* Every ``SanaTransformerBlock`` (kind ``"sana"``, in ``transformer_blocks``) runs ``attn1(norm1(x) * (1 +
-  scale) + shift)`` (ReLU linear attention, ``SanaLinearAttnProcessor2_0``), ``attn2(x, encoder_hidden_states,
-  attention_mask=encoder_attention_mask)`` (softmax cross-attention to the Gemma text, no norm before it), and
-  ``ff``, a ``GLUMBConv``: the modulated tokens reshaped to ``[B, C, H, W]``, a 1x1 ``conv_inverted`` (to 2 x
-  2.5 C channels), SiLU, a 3x3 depthwise ``conv_depth``, the gate, and a 1x1 ``conv_point``.
-* Merge points: ``attn1`` (``"attn"``), ``attn2`` (``"crossattn"``, image queries; off unless
-  ``merge_crossattn=True``; the text mask is a bias over the keys and broadcasts), and in the MLP the two 1x1
-  convolutions ``ff.conv_inverted`` and ``ff.conv_point`` (``"mlp"``): their ``[B, C, H, W]`` input is read as
-  ``H * W`` tokens, merged and passed as ``[B, C, M, 1]`` (a 1x1 convolution is a per-token linear map), and
-  the output is unmerged back to ``[B, C', H, W]``. The 3x3 depthwise convolution between them mixes
-  neighbours, so it runs on the full grid (a small share of the MLP: ``9 * 5C`` multiply-adds per token
-  against ``7.5 C^2``).
-* Received attention (``idm``, ``sdtm``'s detail phase) on ``attn1``: SANA's attention is linear, ``out_i =
-  sum_j (phi(q_i) . phi(k_j)) v_j / (sum_j phi(q_i) . phi(k_j))`` with ``phi = ReLU``, no softmax. tomerge defines
-  the attention key ``j`` receives as its normalised weight ``phi(q_i) . phi(k_j) / sum_j' phi(q_i) . phi(k_j')``
-  averaged over every query and head (:func:`~tomerge.probe.received_linear_attention`, ``O(N d)``: the ``N x N``
-  weights are never formed), from the q/k the processor computes (hooks on ``to_q``/``to_k`` and the q/k norms).
-  This is tomerge's definition: the SDTM paper defines received attention for softmax attention only.
-* No positional embedding in the blocks (SANA uses none, or an absolute one at the patch embedding): no
-  positional work. Grid: the latent ``(H0 // p, W0 // p)``. The pipeline calls the model with the scheduler's
-  timestep times ``config.timestep_scale`` (``t_max = 1000 * timestep_scale``).
+Merges the ReLU linear self-attention's input, the cross-attention's queries and the two 1x1 convolutions of the
+``GLUMBConv`` MLP (a 1x1 convolution is a per-token linear map; the 3x3 depthwise one between them runs on the full
+grid). The attention received, for ``idm``, is tomerge's definition for linear attention
+(:func:`~tomerge.probe.received_linear_attention`). The merge points, that definition, the measurement and the
+limits: docs/backbones/sana.md.
 """
 
 from __future__ import annotations
@@ -68,8 +50,8 @@ class SanaAdapter(DeclaredAdapter):
 
 def probe_linear_attention(attn: nn.Module, state: MergeState) -> list[Any]:
     """Records the attention each image token receives in a SANA linear attention (``SanaLinearAttnProcessor2_0``:
-    ReLU features of ``to_q``/``to_k``, after ``norm_q``/``norm_k`` when the model has them; see the module
-    docstring). Calls whose attention ran on merged slots are not recorded."""
+    ReLU features of ``to_q``/``to_k``, after ``norm_q``/``norm_k`` when the model has them; defined in
+    docs/backbones/sana.md). Calls whose attention ran on merged slots are not recorded."""
     sources = [("q", attn.to_q, None), ("k", attn.to_k, None),
                ("q", getattr(attn, "norm_q", None), None), ("k", getattr(attn, "norm_k", None), None)]  # [B, N, H*d]
 

@@ -1,17 +1,6 @@
-"""The native timm-based class-conditional DiT (architecture of the original DiT code, Peebles & Xie).
+"""The native timm-based class-conditional DiT (Peebles & Xie), the bundled reference model's architecture: the original
+DiT code's layout and parameter names, and the flow time ``t`` in ``[0, 1]``; both: docs/backbones/dit.md.
 
-The module layout and parameter names follow the original ``models.py`` of facebookresearch/DiT, so
-an original DiT state dict (``x_embedder.proj.*``, ``t_embedder.mlp.0/2.*``,
-``y_embedder.embedding_table.weight``, ``blocks.{i}.attn.qkv/proj.*``, ``blocks.{i}.mlp.fc1/fc2.*``,
-``blocks.{i}.adaLN_modulation.1.*``, ``final_layer.*``, ``pos_embed``) loads with ``load_state_dict``.
-This is also the architecture of the bundled reference model (rectified flow on Fashion-MNIST).
-
-Timestep convention: ``forward`` takes ``t`` as a float in ``[0, 1]`` (flow time; 1 = pure noise for
-the rectified-flow reference model) and multiplies it by ``DiTConfig.timestep_scale`` (1000) before
-the sinusoidal embedding, which is the scale the original DiT was trained with. To drive an original
-(DDPM) DiT checkpoint, pass its integer timestep divided by 1000.
-
-Example:
     >>> import torch
     >>> from tomerge.backbones.timm_dit import DiT, DiTConfig
     >>> model = DiT(DiTConfig.preset("reference"))
