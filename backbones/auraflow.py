@@ -1,24 +1,9 @@
 """`auraflow`: AuraFlow (diffusers `AuraFlowTransformer2DModel`): MMDiT joint blocks, then single-stream blocks.
 
-Facts from the installed diffusers (0.42.1, ``models/transformers/auraflow_transformer_2d.py``):
-
-* The model prepends 8 learned register tokens to the projected text: the text stream is ``[registers, text]``
-  (``T`` = 8 + the prompt's tokens).
-* ``AuraFlowJointTransformerBlock`` (kind ``"joint"``, in ``joint_transformer_blocks``) runs ``attn(hidden_states=
-  norm_image, encoder_hidden_states=norm_text)``: the processor projects image and text separately (added
-  projections for the text), attends over ``[text, image]`` and returns ``(image, text)``; then ``ff`` on the
-  image stream (``ff_context`` on the text). Merge points: ``attn`` (``"attn"``) and ``ff`` (``"mlp"``).
-* ``AuraFlowSingleTransformerBlock`` (kind ``"single"``, in ``single_transformer_blocks``) gets the joint
-  ``[text, image]`` sequence and runs ``attn`` and ``ff`` on all of it. Merge points, on its image part: ``attn``
-  (``"attn"``) and ``ff`` (``"mlp"``).
-* No RoPE, no attention mask: positions are a learned table added at the patch embedding (the centre crop of
-  a 32 x 32 grid for the released model). Grid: the latent ``(H0 // p, W0 // p)``. Timesteps: the pipeline
-  passes ``t / 1000`` (``t_max = 1``).
-
-Received attention (``idm``, the ``sdtm`` schedules): the joint attention ``attn`` of every block
-(:func:`~tomerge.backbones._diffusers.probe_joint_attention`: separate text projections in the joint blocks, one
-projection of ``[text, image]`` in the single blocks), text queries against all keys, the image keys' share.
-Prompt reweighting (``Site(text_keys=True)``): the text keys of ``attn``, registers and prompt first.
+Merges the image stream of the joint blocks' attention and feed-forward and the image part of the single blocks'
+joint ``[text, image]`` sequence. The text stream starts with 8 learned register tokens, counted in the text
+length. No RoPE and no mask: positions are learned and added at the patch embedding. Details:
+docs/backbones/auraflow.md.
 """
 
 from __future__ import annotations

@@ -1,33 +1,10 @@
 """`cogview4`, `cogview3plus`, `glm_image`: the CogView family of ZhipuAI (diffusers `CogView4Transformer2DModel`,
 `CogView3PlusTransformer2DModel`, `GlmImageTransformer2DModel`): one stack of joint text-image blocks each.
 
-Facts from the installed diffusers (0.42.1, ``models/transformers/transformer_cogview4.py``,
-``transformer_cogview3plus.py``, ``transformer_glm_image.py``):
-
-* ``CogView4TransformerBlock`` (kind ``"cogview4"``, in ``transformer_blocks``) runs ``attn1(hidden_states=
-  norm_image, encoder_hidden_states=norm_text, image_rotary_emb=..., attention_mask=...)``: the processor joins
-  ``[text, image]``, applies RoPE to the image part of q/k with ``(cos, sin)`` tables ``[N, d]`` (image rows
-  only) and returns ``(image, text)``; then one feed-forward ``ff`` twice, first on the image stream, then on the
-  text stream. Merge points: ``attn1`` (``"attn"``; the rotary rows gathered per slot; the text mask ``[B, T]``
-  is joined inside the processor with an all-ones image part of the call's own length: passed through) and the
-  first ``ff`` call of every block call (``"mlp"``; its second call, on the text, runs untouched).
-* ``GlmImageTransformerBlock`` (kind ``"glm_image"``) is the same block with a key/value cache for condition
-  images; the RoPE tables are applied on ``[B, S, heads, d]`` (``sequence_dim=1``). GLM-Image's image-to-image
-  calls first run the model on each condition image with the cache in ``"write"`` mode (timestep 0): those
-  calls are reference tokens and are not merged, and their timestep is not a sampling step. Denoising calls
-  read the cached reference keys/values, prepended to the (merged) image keys.
-* ``CogView3PlusTransformerBlock`` (kind ``"cogview3plus"``) runs ``attn1`` with CogVideoX's joint processor
-  (``[text, image]``, no RoPE: positions are absolute, added at the patch embedding) and one ``ff`` on the joint
-  ``[text, image]`` sequence. Merge points: ``attn1`` (``"attn"``) and the image part of ``ff``'s input
-  (``"mlp"``).
-* Grid: the latent ``(H0 // p, W0 // p)``. Timesteps: the scheduler's, ``[0, 1000]`` (GLM-Image passes
-  ``t - 1``).
-
-Received attention (``idm``, the ``sdtm`` schedules): the joint attention ``attn1`` of every block, from its
-SDPA call (:func:`~tomerge.backbones._diffusers.probe_sdpa_attention`: CogView4 normalises q/k over ``[B,
-heads, L, d]``), text queries against all keys, the image keys' share. GLM-Image's image-to-image denoising
-calls attend to the condition images' cached keys as well: the probe records nothing there and ``idm``
-raises. Prompt reweighting (``Site(text_keys=True)``): the text keys of ``attn1``, the block call's ``T`` first.
+Merges the image part of every block's joint attention and feed-forward. CogView4 and GLM-Image call one ``ff`` on
+the image, then on the text: only the first call is merged (``SharedPoint``). GLM-Image's condition-image passes,
+which write its reference key/value cache, are neither merged nor a sampling step. The blocks, RoPE, masks and
+received attention: docs/backbones/cogview.md.
 """
 
 from __future__ import annotations

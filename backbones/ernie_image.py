@@ -1,23 +1,10 @@
 """`ernie_image`: ERNIE-Image (diffusers `ErnieImageTransformer2DModel`): single-stream blocks over a
 sequence-first ``[image, text]`` sequence.
 
-Facts from the installed diffusers (0.42.1, ``models/transformers/transformer_ernie_image.py``):
-
-* The model joins ``[image, text]`` sequence-first: ``x [N + T, B, C]`` (``T`` the padded text length, the
-  padding masked as keys). Every ``ErnieImageSharedAdaLNBlock`` (kind ``"ernie_image"``, in ``layers``) runs
-  ``self_attention(x.permute(1, 0, 2), attention_mask=..., image_rotary_emb=...)`` on the batch-first view and
-  ``mlp`` on the sequence-first tensor (:class:`SequenceFirstBlock`, :class:`SequenceFirstPoint`).
-* Merge points, on the image part (the first ``N`` tokens): ``self_attention`` (``"attn"``; the rotary table
-  ``[B, N + T, 1, d]`` has its image rows first: gathered per slot, the text rows kept; the key mask ``[B, 1, 1,
-  N + T]`` gets its image columns gathered) and ``mlp`` (``"mlp"``; its ``[N + T, B, C]`` input and output are
-  read sequence-first).
-* Grid: the latent ``(H0 // p, W0 // p)`` (patch 1 on the 128-channel latent). Timesteps: the scheduler's,
-  ``[0, 1000]``.
-
-Received attention (``idm``, the ``sdtm`` schedules): ``self_attention`` of every block, from its SDPA call
-(:func:`~tomerge.backbones._diffusers.probe_sdpa_attention`: ERNIE-Image rotates q/k with its own function), text
-queries against all keys with the padding mask, the image keys' share. Prompt reweighting
-(``Site(text_keys=True)``): the text keys of ``self_attention``, the padded text last.
+Merges the image part (the first ``N`` tokens) of every block's self-attention and MLP. The model keeps its joint
+sequence sequence-first, ``[N + T, B, C]``, and transposes it only for the attention, so the block and its MLP point
+read that layout (:class:`SequenceFirstBlock`, :class:`SequenceFirstPoint`). The layout, RoPE, mask and received
+attention: docs/backbones/ernie_image.md.
 """
 
 from __future__ import annotations

@@ -1,23 +1,9 @@
 """`flux3`: FLUX.3 (diffusers `Flux3Transformer2DModel`): per-mode blocks, then joint single blocks.
 
-Facts from the installed diffusers (0.42.1, ``models/transformers/transformer_flux3.py``):
-
-* Each token mode first runs its own ``Flux3ModeTransformerBlock`` s: the image tokens in
-  ``mode_blocks["image"]`` (kind ``"mode"``), the text in ``txt_mode_blocks`` and reference-image tokens in
-  ``mode_blocks["image_cond"]`` (neither is merged). A mode block is a parallel block: ``attn(hidden_states=
-  norm, image_rotary_emb=image_rows)`` (a softmax self-attention over the image tokens alone, RoPE ``(cos,
-  sin)`` of ``[N, d]``) and ``ff(norm)`` read the same normalised tokens and their outputs are summed before
-  the gated residual. Merge points: ``attn`` (``"attn"``; its RoPE rows gathered per slot; the received-
-  attention probe of ``idm``) and ``ff`` (``"mlp"``), both merging the same tensor once.
-* ``Flux3SingleTransformerBlock`` (kind ``"single"``, ``single_transformer_blocks``) gets the image and the
-  text streams separately, normalises and concatenates them to ``[text, image]`` and runs ``attn`` and ``ff``
-  on that joint sequence in parallel (RoPE rows ``[T + N, d]``, text first). Merge points: ``attn``
-  (``"attn"``) and ``ff`` (``"mlp"``), both on the image part of the joint sequence; ``T`` is the block's
-  ``encoder_hidden_states`` length; the received-attention probe is the joint one (text queries).
-* Grid: ``img_ids [N, 4]`` hold ``(t, h, w, l)`` of the image tokens, shared by the batch; the grid ``(H, W)``
-  is read from them on every call. A call with reference images (``image_cond_hidden_states``: their tokens
-  follow the image tokens in the single blocks) is not merged, with a warning. The pipeline passes the flow
-  timestep in ``[0, 1]`` (``t_max = 1``).
+Merges the image mode blocks' parallel self-attention and feed-forward (one merge of the normalised image tokens)
+and the image part of the single blocks' joint ``[text, image]`` sequence. The text and reference-image mode blocks
+are not merged, and a call with reference images runs unmerged. The blocks, RoPE and grid:
+docs/backbones/flux3.md.
 """
 
 from __future__ import annotations

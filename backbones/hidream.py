@@ -1,29 +1,9 @@
 """`hidream`: HiDream-I1 (diffusers `HiDreamImageTransformer2DModel`): double-stream, then single-stream blocks,
 with mixture-of-experts feed-forwards.
 
-Facts from the installed diffusers (0.42.1, ``models/transformers/transformer_hidream_image.py``):
-
-* Every block is a ``HiDreamBlock`` wrapper whose ``block`` is the real one. ``HiDreamImageTransformerBlock``
-  (kind ``"double"``, in ``double_stream_blocks``) runs ``attn1(norm_image, hidden_states_masks, norm_text,
-  image_rotary_emb=...)``: the processor projects image and text separately, joins ``[image, text]``, applies
-  RoPE to the joint q/k with one table ``[B, N + T, 1, d/2, 2, 2]`` (image rows first) and returns ``(image,
-  text)``; then ``ff_i`` on the image stream (``ff_t`` on the text). The text ``T`` of a double block is the
-  T5 tokens, the last Llama layer's and this block's Llama layer's.
-* ``HiDreamImageSingleTransformerBlock`` (kind ``"single"``, in ``single_stream_blocks``) gets the joint
-  ``[image, text]`` sequence (``T`` as in the double blocks) and runs ``attn1`` (single-stream: one projection)
-  and ``ff_i`` on all of it.
-* Merge points: ``block.attn1`` (``"attn"``; the image rows of the rotary table gathered per slot, the text rows
-  kept) and ``block.ff_i`` (``"mlp"``), on the image part of the joint sequences. ``ff_i`` is a mixture of
-  experts (``MOEFeedForwardSwiGLU``: a softmax router picks 2 of 4 experts per token, plus a shared expert):
-  merging before it routes the merged slots, one routing per slot; each slot still costs 2 experts.
-* Grid: the latent ``(H0 // p, W0 // p)`` of a square latent. A non-square latent is padded to
-  ``max_resolution``'s token count with a key mask (``hidden_states_masks``): such calls are not merged (a
-  warning). Timesteps: the scheduler's, ``[0, 1000]``.
-
-Received attention (``idm``, the ``sdtm`` schedules): ``block.attn1`` of every block, from its SDPA call
-(:func:`~tomerge.backbones._diffusers.probe_sdpa_attention`: HiDream's attention has its own projections and
-rotary function), text queries against all keys, the image keys' share. Prompt reweighting
-(``Site(text_keys=True)``): the text keys of ``block.attn1``, the block call's ``T`` last.
+Merges the image part of every block's joint ``[image, text]`` attention and of its image feed-forward (the real
+block sits in a ``HiDreamBlock`` wrapper: ``block.attn1``, ``block.ff_i``); the mixture of experts then routes the
+merged slots. The text length joins T5 and Llama tokens. The blocks, RoPE and limits: docs/backbones/hidream.md.
 """
 
 from __future__ import annotations

@@ -1,22 +1,9 @@
 """`hunyuan_dit`: Hunyuan-DiT (diffusers `HunyuanDiT2DModel`): a DiT with cross-attention to CLIP and T5 text and
 long skip connections (U-ViT style).
 
-Facts from the installed diffusers (0.42.1, ``models/transformers/hunyuan_transformer_2d.py``):
-
-* Every ``HunyuanDiTBlock`` (kind ``"hunyuan_dit"``, in ``blocks``) runs ``attn1(norm1(x), image_rotary_emb=...)``
-  (self-attention over the image tokens), ``attn2(norm2(x), encoder_hidden_states=text, image_rotary_emb=...)``
-  (cross-attention to the joined CLIP + T5 text; RoPE rotates its image queries only) and ``ff(norm3(x))``. The
-  blocks of the second half first fuse a long skip connection (``skip_linear(cat([x, skip]))``, the output of a
-  first-half block) into their input; merging happens after it, inside the block, and every block's output is
-  full length, so the skips are untouched.
-* Merge points: ``attn1`` (``"attn"``), ``attn2`` (``"crossattn"``, image queries; off unless
-  ``merge_crossattn=True``) and ``ff`` (``"mlp"``). Both attentions take the same ``(cos, sin)`` tables ``[N, d]``
-  (image rows only, from the pipeline): gathered per slot. No attention mask (padded text is replaced by a
-  learned padding embedding before the blocks).
-* Grid: the latent ``(H0 // p, W0 // p)``. Timesteps: the scheduler's, ``[0, 1000]``.
-
-Received attention (``idm``, the ``sdtm`` schedules): ``attn1`` is a softmax self-attention over the image tokens
-with ``to_q``/``to_k`` and q/k norms: a declared probe (from q and k before the rotary rotation).
+Merges every block's self-attention, cross-attention queries and feed-forward, both attentions' RoPE rows gathered.
+The second half's blocks fuse a long skip into their input before any merge point, and every block's output is full
+length, so the skips are untouched. Details: docs/backbones/hunyuan_dit.md.
 """
 
 from __future__ import annotations

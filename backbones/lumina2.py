@@ -1,28 +1,10 @@
 """`lumina2`: Lumina-Image 2.0 (diffusers `Lumina2Transformer2DModel`): image and caption refiners, then
 single-stream blocks over the joint caption-image sequence.
 
-Facts from the installed diffusers (0.42.1, ``models/transformers/transformer_lumina2.py``):
-
-* Every block is a ``Lumina2TransformerBlock``: ``attn(hidden_states=x, encoder_hidden_states=x, attention_mask,
-  image_rotary_emb)`` (a self-attention called as ``attn(x, x)``, grouped-query heads, RoPE applied to q and k
-  with a complex table ``[B, L, d/2]``, the key mask ``[B, L]`` broadcast over the queries), then
-  ``feed_forward``. The model runs ``context_refiner`` on the caption alone (not merged), ``noise_refiner`` on
-  the image tokens alone (kind ``"refiner"``), then ``layers`` (kind ``"joint"``) on the joint sequence.
-* The joint sequence of sample ``b`` is ``[caption_b, image, padding]``: only the caption's real tokens
-  (``encoder_attention_mask.sum()``, read on the host once per mask tensor, before the first block) precede the
-  image, and shorter samples are padded at the end to the longest;
-  the key mask is passed only when the lengths differ. Merge points, on the image part: ``attn`` (``"attn"``;
-  the image rows of the rotary table gathered per slot, the caption and padding rows kept, the key mask
-  likewise) and ``feed_forward`` (``"mlp"``). With per-sample caption lengths the image part starts at another
-  row in every sample (a ragged joint sequence, :func:`~tomerge.backbones._gather.ragged_index`).
-* Grid: the latent ``(H0 // p, W0 // p)``. Timesteps: the pipeline passes ``1 - t / 1000`` (0 is noise, 1 the
-  image); the adapter reads ``1 - timestep`` (``t_max = 1``), so steps count from the noisiest as elsewhere.
-
-Received attention (``idm``, the ``sdtm`` schedules): ``attn`` of every merged block, from its SDPA call
-(:func:`~tomerge.backbones._diffusers.probe_sdpa_attention`: grouped-query heads, complex rotary tables, per-sample
-caption offsets): strided image queries in the refiner, the caption queries against all keys in the joint
-layers (the image keys' share, at each sample's offset). No text keys for prompt reweighting are declared (the
-text-key bias takes one text length for the batch; Lumina 2's captions start the image at per-sample rows).
+Merges the image tokens of the noise refiner and the image part of the joint layers (attention, called as
+``attn(x, x)``, and feed-forward). Each sample's joint sequence is ``[caption_b, image, padding]`` with only the
+caption's real tokens, so the image starts at a per-sample row (a ragged sequence). The layout, masks, timestep
+and received attention: docs/backbones/lumina2.md.
 """
 
 from __future__ import annotations

@@ -1,30 +1,9 @@
 """`z_image`: Z-Image (diffusers `ZImageTransformer2DModel`), single-stream blocks over ``[image, caption]``.
 
-Facts from the installed diffusers (0.42.1, ``models/transformers/transformer_z_image.py``):
-
-* The model is called with lists: ``x`` one latent ``[C, F, H, W]`` per sample, ``cap_feats`` one caption
-  ``[T_i, C]`` per sample. Each sample's image tokens (``F/pF x H/p x W/p`` patches in raster order) are padded
-  to a multiple of 32 with a pad token, so is its caption, and the samples are padded to one length; padded
-  batches get a key mask ``attn_mask [B, L]``.
-* Every ``ZImageTransformerBlock`` runs ``attention(attention_norm1(x) * scale, attention_mask=attn_mask,
-  freqs_cis=freqs)`` (a softmax self-attention over its whole input; complex RoPE ``[B, L, d/2]``, one row
-  per token) and ``feed_forward(ffn_norm1(x) * scale)``, each followed by a per-token RMS norm and a gate.
-  Two block lists see the image tokens: ``noise_refiner`` (kind ``"refiner"``: the padded image tokens alone)
-  and ``layers`` (kind ``"joint"``: ``[image, image padding, caption, caption padding]``, image FIRST);
-  ``context_refiner`` sees the caption alone and is not merged. Merge points (the image part of the block
-  input, its first ``N`` tokens; the rest is kept, ``joint_context = "rest"``): ``attention`` (``"attn"``; its
-  RoPE rows and key-mask columns gathered per slot) and ``feed_forward`` (``"mlp"``).
-* Grid: ``(H / p, W / p)`` (``(F / pF, H / p, W / p)`` for ``F / pF > 1``) of the call's ``patch_size`` and
-  ``f_patch_size``, when every sample has the same latent size; Z-Image Omni's nested lists (condition images
-  and SigLIP tokens before and after the target) are not merged, with a warning.
-* Timestep: the pipeline calls the model with ``t = (1000 - timestep) / 1000``, 1 at the clean image; the
-  adapter reports ``1 - t`` (``t_max = 1``), the scheduler's timestep over 1000.
-* Received attention (``idm``, the ``sdtm`` schedules), from the attention's SDPA call (``probe="sdpa"``: the
-  processor rotates q/k with the complex table itself): in ``layers`` the text-query rule of joint attentions,
-  the queries of every token after the image (its padding, the caption and the caption's padding; the batch's
-  padding is masked); the noise refiner has no text query, so there at most 64 strided image queries
-  (``probe_queries="image"``). Both: the softmax over every key with the key mask, averaged over heads and
-  queries, restricted to the image keys and renormalised per sample.
+The model takes per-sample lists and pads image and caption tokens to multiples of 32; the noise refiner sees the
+image alone, the main ``layers`` the joint sequence, image first. Both merge the image part (the first ``N``
+tokens, the rest kept) of their attention and feed-forward, with its RoPE rows and key-mask columns. The call
+layout, timestep and received attention: docs/backbones/z_image.md.
 """
 
 from __future__ import annotations
