@@ -1,20 +1,8 @@
 """`allegro`: Allegro text-to-video (diffusers `AllegroTransformer3DModel`, rhymes-ai/Allegro).
 
-Facts from the installed diffusers (0.42.1, ``models/transformers/transformer_allegro.py``):
-
-* Every ``AllegroTransformerBlock`` (kind ``"allegro"``, in ``transformer_blocks``) runs ``attn1(norm1(x) *
-  (1 + scale) + shift, attention_mask=None, image_rotary_emb=...)`` (self-attention over the video tokens with
-  3-D RoPE), ``attn2(x, encoder_hidden_states=text, attention_mask=text_bias)`` (cross-attention to T5, no norm
-  before it) and ``ff`` on ``norm2(x) * (1 + scale) + shift``.
-* Merge points: ``attn1`` (``"attn"``; RoPE: ``apply_rotary_emb_allegro`` looks up per-axis ``(cos, sin)``
-  tables with the ``(t, h, w)`` position ids ``[1, N]`` of every token, so the ids are gathered per slot:
-  layout ``"allegro"``), ``attn2`` (``"crossattn"``: video queries; the text bias ``[B, 1, T]`` is over the keys
-  and broadcasts; off unless ``merge_crossattn=True``), ``ff`` (``"mlp"``). ``attn1`` is a plain softmax
-  self-attention: ``idm`` records the attention received there (``probe=True``).
-* The self-attention ``attention_mask`` over video tokens (the pipeline never passes one) would have to follow
-  the merge: a merged call with one raises.
-* Grid: the latent ``[B, C, F, H, W]``: ``(F / p_t, H / p, W / p)`` (the release: ``p_t = 1``, ``p = 2``),
-  frames x height x width in raster order. The pipeline passes the scheduler's timestep (``t_max = 1000``).
+Merges the video tokens of every block's self-attention, cross-attention queries and feed-forward. Allegro's RoPE
+looks per-axis tables up with every token's ``(t, h, w)`` position ids, so the ids are gathered per slot (layout
+``"allegro"``). The blocks, grid and limits: docs/backbones/allegro.md.
 """
 
 from __future__ import annotations

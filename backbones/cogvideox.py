@@ -1,23 +1,9 @@
 """`cogvideox` and `consisid`: CogVideoX 1.0 / 1.5 and ConsisID (diffusers `CogVideoXTransformer3DModel`,
 `ConsisIDTransformer3DModel`).
 
-Facts from the installed diffusers (0.42.1, ``cogvideox_transformer_3d.py``, ``consisid_transformer_3d.py``):
-
-* Every ``CogVideoXBlock`` / ``ConsisIDBlock`` (kind ``"cogvideox"``, in ``transformer_blocks``) runs
-  ``attn1(hidden_states=norm1(x), encoder_hidden_states=norm1(c), image_rotary_emb=freqs)``: the processor
-  (``CogVideoXAttnProcessor2_0``) attends over the joint ``[text, video]`` sequence (text FIRST), rotates the
-  video rows only with the ``(cos, sin)`` tables ``[N, d]`` and returns ``(video, text)``. Then ``ff`` reads
-  the joint sequence ``cat([norm2(c), norm2(x)])`` and the block splits its output at the text length.
-* Merge points: ``attn1`` (``"attn"``; the RoPE rows gathered per slot, 5B and 1.5; CogVideoX-2B has no RoPE:
-  sin-cos positions are added at the patch embedding) and ``ff`` (``"mlp"``, ``tokens="joint"``: the video
-  part of the joint sequence is merged, the text part kept). No attention mask.
-* Grid: the latent is FRAMES FIRST, ``[B, F, C, H, W]``; CogVideoX 1.0 patches each frame ``p x p``
-  (``patch_size_t = None``), 1.5 patches ``p_t x p x p`` (``patch_size_t = 2``): ``(F / p_t, H / p, W / p)``,
-  frames x height x width in raster order. Image-to-video (CogVideoX-5b-I2V, 1.5-I2V, ConsisID) concatenates
-  the image latent along channels: the same grid. The pipelines pass the scheduler's timestep
-  (``t_max = 1000``).
-* ConsisID adds, between blocks (outside them), a perceiver cross-attention from the video tokens to the face
-  embedding; it runs at full length.
+Merges the video part of every block's joint ``[text, video]`` attention (RoPE rows gathered, where there is RoPE)
+and of the feed-forward, which reads the joint sequence. The latent is frames first, ``[B, F, C, H, W]``. ConsisID's
+face cross-attention runs between the blocks, at full length. The blocks and grid: docs/backbones/cogvideox.md.
 """
 
 from __future__ import annotations

@@ -1,21 +1,9 @@
 """`easyanimate`: EasyAnimate V5 / V5.1 (diffusers `EasyAnimateTransformer3DModel`), text-to-video and the
 inpainting (image-to-video) and control variants.
 
-Facts from the installed diffusers (0.42.1, ``models/transformers/transformer_easyanimate.py``):
-
-* Every ``EasyAnimateTransformerBlock`` (kind ``"easyanimate"``, in ``transformer_blocks``) runs
-  ``attn1(hidden_states=norm1(x), encoder_hidden_states=norm1(c), image_rotary_emb=freqs)``: a joint
-  attention over ``[text, video]`` (text FIRST, ``EasyAnimateAttnProcessor2_0``; the first ``mmdit_layers``
-  blocks project the text with their own ``add_q/k/v_proj``, the others concatenate before the shared
-  projections), RoPE ``(cos, sin)`` ``[N, d]`` on the video rows only, returning ``(video, text)``; then ``ff``
-  on the modulated video stream (``txt_ff``, or ``ff`` again in the blocks without text projections, on the
-  text stream).
-* Merge points: ``attn1`` (``"attn"``; the RoPE rows gathered per slot) and ``ff`` (``"mlp"``: its first call,
-  on the video stream; the second call of the shared ``ff``, on the text stream, runs as it is: ``SharedPoint``).
-  No attention mask.
-* Grid: the latent ``[B, C, F, H, W]``, each frame patched ``p x p``: ``(F, H / p, W / p)``. The inpainting and
-  control variants concatenate their latents along channels: the same grid. The pipelines pass the
-  scheduler's timestep (``t_max = 1000``).
+Merges the video stream of every block's joint ``[text, video]`` attention (RoPE rows gathered) and the first call
+of its feed-forward: blocks without text projections call the same ``ff`` again on the text, which runs as it is
+(``SharedPoint``). The blocks and grid: docs/backbones/easyanimate.md.
 """
 
 from __future__ import annotations

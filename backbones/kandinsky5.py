@@ -1,23 +1,9 @@
 """`kandinsky5`: Kandinsky 5.0 video (text- and image-to-video; diffusers `Kandinsky5Transformer3DModel`).
 
-Facts from the installed diffusers (0.42.1, ``models/transformers/transformer_kandinsky.py``):
-
-* Text blocks (``text_transformer_blocks``) refine the Qwen2.5-VL prompt alone, before the video blocks: they
-  have no video tokens and are not merged. The video blocks (``Kandinsky5TransformerDecoderBlock``, kind
-  ``"kandinsky5"``, in ``visual_transformer_blocks``) run ``self_attention(norm(x), rotary_emb=rope,
-  sparse_params=...)`` (self-attention over the video tokens with the 3-D RoPE, ``[B, N, 1, d/2, 2, 2]``
-  rotation matrices: tokens on axis 1 as in the ``"wan"`` layout), ``cross_attention(norm(x),
-  encoder_hidden_states=text)`` and ``feed_forward(norm(x))``, each modulated before and gated after.
-* Merge points: ``self_attention`` (``"attn"``), ``cross_attention`` (``"crossattn"``), ``feed_forward``
-  (``"mlp"``). The attention's projections are ``to_query``/``to_key`` with per-head ``query_norm``/``key_norm``
-  (applied to ``[B, N, heads, d]``), so the received-attention probe of ``self_attention`` is this adapter's
-  :meth:`~Kandinsky5Adapter.probe`, on those norms' outputs (q and k before the rotation, scale ``d ** -0.5``).
-* The processor rounds the rotated q and k to bfloat16 (``apply_rotary``) in every precision.
-* Grid: the latent is channels-last, ``[B, F, H, W, C]`` (noise, condition and mask channels for
-  ``visual_cond``), patchified by ``patch_size = (1, 2, 2)`` and flattened frame by frame: ``(F, H / 2, W / 2)``.
-  With sparse attention (``sparse_params``, the "nabla" attention of the 10 s models) the tokens are put in a
-  fractal order of 8 x 8 blocks and attend through a block mask computed from the full sequence: such calls are
-  not merged. The pipelines pass the scheduler's timestep (``t_max = 1000``).
+Merges the video tokens of every visual block's self-attention (3-D RoPE rotation matrices gathered),
+cross-attention queries and feed-forward; the text blocks, which refine the prompt alone, are not merged. The
+received-attention probe reads the per-head q/k norms (:meth:`Kandinsky5Adapter.probe`); calls with sparse "nabla"
+attention are not merged. The blocks, RoPE, grid and limits: docs/backbones/kandinsky5.md.
 """
 
 from __future__ import annotations

@@ -1,23 +1,10 @@
 """`latte`: Latte text-to-video (diffusers `LatteTransformer3DModel`, maxin-cn/Latte-1): spatial and temporal
 blocks alternate; the spatial blocks are merged, frame by frame.
 
-Facts from the installed diffusers (0.42.1, ``models/transformers/latte_transformer_3d.py``):
-
-* The model folds the frames into the batch and alternates ``transformer_blocks[i]`` (spatial, kind
-  ``"spatial"``: a PixArt-style ``BasicTransformerBlock`` with ``norm_type="ada_norm_single"`` on
-  ``[B * F, H * W, C]``, each frame's tokens alone, with cross-attention to the T5 text) and
-  ``temporal_transformer_blocks[i]`` (the same block class on ``[B * H * W, F, C]``: each spatial position's
-  frames, no cross-attention).
-* Merging the spatial blocks per frame is the natural fit: in every spatial block call the batch is the
-  ``B * F`` frames and the tokens are one ``H x W`` grid, merged per frame like an image. Merge points:
-  ``attn1`` (``"attn"``), ``attn2`` (``"crossattn"``: queries; off unless ``merge_crossattn=True``; the text mask
-  broadcasts over queries) and ``ff`` (``"mlp"``). ``attn1`` is a softmax self-attention over the frame's tokens:
-  ``idm`` records the attention received there (``probe=True``). Positions are absolute (sin-cos at the patch
-  embedding; a fixed temporal table added before the first temporal block): no positional work.
-* The temporal blocks are not merged: they attend over a spatial position's frames, which a merged frame no
-  longer has as columns; they run at full length between the spatial blocks, which unmerge their outputs.
-* Grid: ``(H / p, W / p)`` of the latent ``[B, C, F, H, W]``. The pipeline passes the scheduler's timestep
-  (``t_max = 1000``).
+The model folds the frames into the batch, so each spatial block call is ``B * F`` images of one ``H x W`` grid,
+merged like PixArt's blocks (self-attention, cross-attention queries, feed-forward). The temporal blocks attend over
+each position's frames, which a merged frame no longer has, and run at full length between the spatial blocks,
+which unmerge. Details: docs/backbones/latte.md.
 """
 
 from __future__ import annotations

@@ -1,20 +1,9 @@
 """`mochi`: Mochi 1 (diffusers `MochiTransformer3DModel`, genmo/mochi-1-preview).
 
-Facts from the installed diffusers (0.42.1, ``models/transformers/transformer_mochi.py``):
-
-* Every ``MochiTransformerBlock`` (kind ``"mochi"``, in ``transformer_blocks``) runs ``attn1(hidden_states=
-  norm1(x), encoder_hidden_states=norm1_context(c), image_rotary_emb=freqs, attention_mask=text_mask)``: a
-  joint attention (``MochiAttnProcessor2_0``) with separate video (``to_q/k/v``) and text (``add_q/k/v_proj``)
-  projections, RoPE on the video queries and keys only, and per sample only the prompt's valid text tokens
-  (the mask ``[B, T]`` selects them, whatever the number of video tokens); it returns ``(video, text)``. Then
-  ``ff`` on the modulated video stream (``ff_context`` on the text stream; the last block has none).
-* Merge points: ``attn1`` (``"attn"``; the RoPE tables ``(cos, sin)``, each ``[N, heads, d/2]`` without a batch
-  axis, gathered per slot: layout ``"broadcast"``; the text mask passes) and ``ff`` (``"mlp"``).
-* Grid: the latent ``[B, C, F, H, W]``, each frame patched ``p x p`` (no temporal patch): ``(F, H / p, W / p)``.
-* Timestep: the pipeline runs the scheduler with inverted sigmas and calls the model with ``t`` RISING from
-  about 0 (noise) to 1000 (data). The adapter reports ``1000 - t`` (what the pipeline itself calls the
-  "non-reversed" timestep), so that steps advance and progress runs from the noisiest call on; the
-  scheduler's timesteps are mapped the same way.
+Merges the video stream of every block's joint attention (its RoPE tables, without a batch axis, gathered per slot;
+the text mask selects valid text tokens and passes) and feed-forward. The pipeline calls the model with ``t`` rising
+from noise to data; the adapter reports ``1000 - t`` so that steps count from the noisiest call. The blocks, RoPE
+and grid: docs/backbones/mochi.md.
 """
 
 from __future__ import annotations
