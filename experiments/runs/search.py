@@ -352,13 +352,14 @@ def _run_spec(trial: Any) -> RunSpec:
 
 def run_search(config: AblationConfig, space: SearchSpace, progress: bool = True, held_out: bool = True,
                evaluate: Callable[[Any, RunSpec], list[float] | None] | None = None,
-               deadline: float | None = None) -> SearchResult:
+               deadline: float | None = None, max_pruned: int = 0) -> SearchResult:
     """Runs (or resumes) the search; writes the front's table, figure and configs; re-scores the front on
     the held-out items when ``space.held_out`` is set and ``held_out``.
 
     ``evaluate(trial, run)`` (default: run the trial's run and read its objectives) returns the objective values,
-    or ``None`` for a run outside the search's constraint (the trial is pruned: no value, not on the front; it
-    counts towards ``space.trials``). No trial starts after ``deadline`` (``time.monotonic()``)."""
+    or ``None`` for a run outside the search's constraint (the trial is pruned: no value, not on the front). A pruned
+    trial counts towards ``space.trials``, unless ``max_pruned`` > 0: then the budget counts completed trials and
+    the search stops after ``max_pruned`` pruned ones. No trial starts after ``deadline`` (``time.monotonic()``)."""
     import optuna
     from optuna.storages import JournalStorage
     from optuna.storages.journal import JournalFileBackend
@@ -386,9 +387,12 @@ def run_search(config: AblationConfig, space: SearchSpace, progress: bool = True
         for stopped in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
             study.tell(stopped.number, state=TrialState.FAIL)  # stopped with its process: the same values again
             study.enqueue_trial(stopped.params, skip_if_exists=False)
-        done = len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED)))
-        for _ in tqdm(range(max(0, space.trials - done)), desc=f"search {config.name}", disable=not progress,
-                      initial=min(done, space.trials), total=space.trials):
+        counted = (TrialState.COMPLETE,) if max_pruned else (TrialState.COMPLETE, TrialState.PRUNED)
+        done = len(study.get_trials(deepcopy=False, states=counted))
+        pruned = len(study.get_trials(deepcopy=False, states=(TrialState.PRUNED,)))
+        bar = tqdm(desc=f"search {config.name}", disable=not progress, initial=min(done, space.trials),
+                   total=space.trials)
+        while done < space.trials and not (max_pruned and pruned >= max_pruned):
             if deadline is not None and time.monotonic() > deadline:
                 break
             trial = study.ask()
@@ -406,8 +410,13 @@ def run_search(config: AblationConfig, space: SearchSpace, progress: bool = True
                 raise
             if values is None:
                 study.tell(trial, state=TrialState.PRUNED)
+                pruned += 1
             else:
                 study.tell(trial, values)
+            if values is not None or not max_pruned:
+                done += 1
+                bar.update()
+        bar.close()
         completed = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
         trials = [(_run_spec(t), tuple(t.values)) for t in completed]
         front = list({(r := _run_spec(t)).run_id: r for t in study.best_trials}.values())

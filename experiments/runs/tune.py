@@ -29,6 +29,7 @@ __all__ = ["TuneSpec", "TuneResult", "load_tune", "run_tune"]
 
 TUNE_KEYS = ("target", "by", "objective", "minutes")
 BY = ("auto", "flops", "time")
+PRUNED_PER_TRIAL = 10  # by FLOPs: the search gives up after this many pruned trials per trial of the budget
 REACHED = 0.995  # a FLOP-ideal speed-up within 0.5% of the target reaches it (the ratio moves in token steps)
 AUTO_FLOPS = ("no CUDA device: timings on a CPU vary by 5-40% between repeats (docs/claims.md), too much to "
               "resolve a target, so the target is the FLOP-ideal speed-up")
@@ -187,7 +188,10 @@ def run_tune(config: AblationConfig, space: SearchSpace, spec: TuneSpec, progres
         return objective_values(row, space)
 
     deadline = None if spec.minutes is None else time.monotonic() + 60 * spec.minutes
-    search = run_search(config, space, progress=progress, held_out=False, evaluate=evaluate, deadline=deadline)
+    # by FLOPs a pruned trial costs counts, not images: the budget counts the trials that reached the target
+    max_pruned = PRUNED_PER_TRIAL * space.trials if reach is not None else 0
+    search = run_search(config, space, progress=progress, held_out=False, evaluate=evaluate, deadline=deadline,
+                        max_pruned=max_pruned)
     folder = search.folder
     reached_runs = list({run.run_id: run for run, _ in search.trials}.values())
     if not reached_runs:

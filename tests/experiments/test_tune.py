@@ -64,6 +64,13 @@ def test_every_kept_run_reaches_the_target_and_the_recipe_is_the_best_of_them(se
     assert result.row["psnr"] == best and result.recipe.strategy == result.row["strategy"]
     others = [r for r in reached if r["run"] != result.row["run"]]
     assert others and all(result.row["psnr"] - r["psnr"] > 0.1 for r in others)  # a choice without ties
+    # the budget counts the trials that reached the target: 6 completed beside the pruned ones
+    import optuna
+
+    study = optuna.load_study(study_name="tiny_tune", storage=optuna.storages.JournalStorage(
+        optuna.storages.journal.JournalFileBackend(str(root / "runs" / "tiny_tune" / "search" / "study.journal"))))
+    states = [t.state.name for t in study.trials]
+    assert states.count("COMPLETE") == SPACE["trials"] and states.count("PRUNED") >= 1
     assert result.held_out_row is not None and "psnr_lo" in result.held_out_row
     assert result.held_out_row["run"] == result.row["run"]
     report = (result.folder / "tune" / "front.md").read_text()
