@@ -12,30 +12,16 @@ from ..config.load import load_config
 from ..errors import module_main, user_input
 from ..runs import ablation
 from ..runs.ablation import run_ablation
+from . import add_folder_arguments, command_overrides
 
-__all__ = ["add_arguments", "command_overrides", "run", "main"]
+__all__ = ["add_arguments", "run", "main"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = config_help()  # shown as written: the subcommand parsers format descriptions raw
     parser.add_argument("--config", type=Path, default=None,
                         help="YAML config (default: experiments/configs/ablate.yaml, the reference-model grid)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a config entry, dotted keys (model.call.height=512), YAML values (repeatable)")
-    parser.add_argument("--wandb", choices=["disabled", "offline", "online"], default=None,
-                        help="W&B mode (default: offline unless an API key is configured)")
-    parser.add_argument("--out-dir", type=Path, default=None, help="parent folder of run folders (default runs/)")
-
-
-def command_overrides(args: argparse.Namespace) -> list[str]:
-    """The ``--set`` overrides of a command line, with ``--wandb`` and ``--out-dir`` as the keys they set
-    (``tomerge ablate`` and ``tomerge search``)."""
-    overrides = list(args.overrides)
-    if args.wandb is not None:
-        overrides.append(f"wandb={args.wandb}")
-    if args.out_dir is not None:
-        overrides.append(f"out_dir={args.out_dir}")
-    return overrides
+    add_folder_arguments(parser, "model.call.height=512")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ..errors import module_main, user_input
+from . import add_folder_arguments, command_overrides
 from ..runs import search
 from ..runs.search import front_table, load_search, run_search
 
@@ -17,19 +18,13 @@ __all__ = ["add_arguments", "run", "main"]
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", type=Path, required=True, help="YAML config with a search: section")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a config entry, dotted keys (search.trials=10), YAML values (repeatable)")
-    parser.add_argument("--wandb", choices=["disabled", "offline", "online"], default=None,
-                        help="W&B mode (default: offline unless an API key is configured)")
-    parser.add_argument("--out-dir", type=Path, default=None, help="parent folder of run folders (default runs/)")
+    add_folder_arguments(parser, "search.trials=10")
     parser.add_argument("--no-held-out", action="store_true", help="do not re-score the front on search.held_out")
     parser.add_argument("--dry-run", action="store_true",
                         help="check the config and the whole space, print the sampler's plan, run nothing")
 
 
 def run(args: argparse.Namespace) -> int:
-    from .ablate import command_overrides  # here: `tomerge search --help` loads no other subcommand
-
     with user_input():
         config, space = load_search(args.config, command_overrides(args),
                                     plugins=list(getattr(args, "plugins", None) or []))

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ..errors import module_main, user_input
+from . import add_folder_arguments, command_overrides
 from ..runs import tune as tune_runs
 from ..runs.tune import BY, TuneResult, TuneSpec, load_tune, run_tune
 
@@ -25,18 +26,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the quality column to optimise (tune.objective; default fd_effnetlite0), e.g. psnr")
     parser.add_argument("--trials", type=int, default=None, help="trial budget (search.trials)")
     parser.add_argument("--minutes", type=float, default=None, help="time budget: no trial starts after it")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a config entry, dotted keys, YAML values (repeatable)")
-    parser.add_argument("--wandb", choices=["disabled", "offline", "online"], default=None,
-                        help="W&B mode (default: offline unless an API key is configured)")
-    parser.add_argument("--out-dir", type=Path, default=None, help="parent folder of run folders (default runs/)")
+    add_folder_arguments(parser, "model.call.num_steps=4")
     parser.add_argument("--no-held-out", action="store_true", help="do not verify the recipe on search.held_out")
     parser.add_argument("--dry-run", action="store_true", help="check the config and the space, run nothing")
 
 
 def run(args: argparse.Namespace) -> int:
-    from .ablate import command_overrides  # here: `tomerge tune --help` loads no other subcommand
-
     sets = key_overrides(args.target, args.by, args.objective, args.minutes, args.trials)
     with user_input():
         config, space, spec = load_tune(args.config, [*command_overrides(args), *sets],
