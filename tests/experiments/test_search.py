@@ -15,7 +15,7 @@ from tomerge.experiments.runs.ablation import run_ablation  # noqa: E402
 from tomerge.experiments.config.load import load_config  # noqa: E402
 from tomerge.experiments.config.schema import ConfigError  # noqa: E402
 from tomerge.experiments.runs.search import load_search, run_search  # noqa: E402
-from helpers.tiny_reference import write_test_set, write_tiny_dit  # noqa: E402
+from helpers.tiny_reference import tiny_config  # noqa: E402
 
 SPACE = {
     "trials": 5, "sampler": "random", "seed": 3, "objectives": ["flops", "psnr"],
@@ -28,12 +28,7 @@ SPACE = {
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("search")
-    write_tiny_dit(root / "tiny.safetensors")
-    data = write_test_set(root / "data")
-    config = {"name": "tiny_search", "model": {"reference": str(root / "tiny.safetensors"), "call": {"num_steps": 2}},
-              "data_root": str(data), "out_dir": str(root / "runs"), "classes": [0, 1], "per_class": 1,
-              "batch_size": 2, "timing_batch": 2, "warmup": 0, "repeats": 1, "fd_reference_images": 0,
-              "wandb": "disabled", "search": SPACE}
+    config = tiny_config(root, "tiny_search", num_steps=2, per_class=1, batch_size=2, search=SPACE)
     path = root / "search.yaml"
     path.write_text(yaml.safe_dump(config))
     return root, path

@@ -17,7 +17,7 @@ from tomerge.experiments.config.schema import ConfigError  # noqa: E402
 from tomerge.experiments.errors import UsageError  # noqa: E402
 from tomerge.experiments.runs import tune as tune_module  # noqa: E402
 from tomerge.experiments.runs.tune import TuneSpec, load_tune, run_tune  # noqa: E402
-from helpers.tiny_reference import write_test_set, write_tiny_dit  # noqa: E402
+from helpers.tiny_reference import tiny_config  # noqa: E402
 
 TARGET = 1.5
 SPACE = {
@@ -34,12 +34,8 @@ SPACE = {
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("tune")
-    write_tiny_dit(root / "tiny.safetensors")
-    data = write_test_set(root / "data")
-    config = {"name": "tiny_tune", "model": {"reference": str(root / "tiny.safetensors"), "call": {"num_steps": 4}},
-              "data_root": str(data), "out_dir": str(root / "runs"), "classes": [0, 1], "per_class": 2,
-              "batch_size": 4, "timing_batch": 2, "warmup": 0, "repeats": 1, "fd_reference_images": 0,
-              "wandb": "disabled", "tune": {"target": TARGET, "by": "flops", "objective": "psnr"}, "search": SPACE}
+    config = tiny_config(root, "tiny_tune", num_steps=4, per_class=2, batch_size=4, search=SPACE,
+                         tune={"target": TARGET, "by": "flops", "objective": "psnr"})
     path = root / "tune.yaml"
     path.write_text(yaml.safe_dump(config))
     config_, space, spec = load_tune(path, [])

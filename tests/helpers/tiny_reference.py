@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -27,3 +28,13 @@ def write_test_set(folder: Path) -> Path:
     write_idx(folder / "t10k-images-idx3-ubyte", torch.randint(0, 256, (6, 12, 12), dtype=torch.uint8))
     write_idx(folder / "t10k-labels-idx1-ubyte", torch.randint(0, 10, (6,), dtype=torch.uint8))
     return folder
+
+
+def tiny_config(root: Path, name: str, num_steps: int, per_class: int, batch_size: int, **sections: Any) -> dict:
+    """A run config on the tiny DiT and test set written under ``root`` (classes 0 and 1, one timing round, no
+    W&B), with ``sections`` (e.g. ``search=...``) added."""
+    write_tiny_dit(root / "tiny.safetensors")
+    return {"name": name, "model": {"reference": str(root / "tiny.safetensors"), "call": {"num_steps": num_steps}},
+            "data_root": str(write_test_set(root / "data")), "out_dir": str(root / "runs"), "classes": [0, 1],
+            "per_class": per_class, "batch_size": batch_size, "timing_batch": 2, "warmup": 0, "repeats": 1,
+            "fd_reference_images": 0, "wandb": "disabled", **sections}
