@@ -262,6 +262,7 @@ class MergeHandle:
                     "strategy, or a caching schedule that skips no whole block (toca)")
         add = self._hooks.append
         self._block_wrappers = [technique for technique in TECHNIQUES if technique.wraps_blocks(self.schedule)]
+        point_wrappers = {technique: technique.wrapped_sublayers(self.schedule) for technique in TECHNIQUES}
         self._follower = FollowedHooks(self.model)
         add(self._follower)
         add(self.model.register_forward_pre_hook(torch.compiler.disable(self._model_pre), with_kwargs=True))
@@ -275,7 +276,7 @@ class MergeHandle:
             add(block.module.register_forward_pre_hook(self._block_pre(block, kind_index), with_kwargs=True))
             add(block.module.register_forward_hook(self._block_post(block), always_call=True))
             for index, point in enumerate(block.points):
-                wrappers = [t for t in TECHNIQUES if point.sublayer in t.wrapped_sublayers(self.schedule)]
+                wrappers = [t for t, sublayers in point_wrappers.items() if point.sublayer in sublayers]
                 for technique in wrappers:
                     add(_ForwardPatch(point.module, self._wrapped_point(technique, point, index, point.module.forward)))
                 patched = bool(wrappers)
@@ -478,8 +479,12 @@ def apply(target: Any, strategy: str | MergeStrategy | Schedule | Recipe = "tome
         if ratio is not None or options or adapter is not None:
             raise TypeError("a Recipe carries its ratio and options: pass it without ratio=, adapter= or options")
         state = {"seed": seed, "num_steps": num_steps, "text_labels": text_labels, "memory_budget": memory_budget}
+        given = {k for k, v in state.items() if (v != 0 if k == "seed" else v is not None)}  # not the defaults
+        twice = sorted(given & strategy.options.keys())
+        if twice:
+            raise TypeError(f"the Recipe sets {twice} among its options: pass them in one place")
         return apply(target, strategy.strategy, ratio=strategy.ratio, backbone=backbone,
-                     **{**state, **apply_arguments(strategy.options)})  # the recipe's own state options win
+                     **{**state, **apply_arguments(strategy.options)})
     adapter_cls, model = _find_backbone(target, backbone)
     misplaced = sorted(options.keys() & {f.name for f in dataclasses.fields(adapter_cls.Options)})
     if misplaced:

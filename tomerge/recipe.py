@@ -36,7 +36,3 @@ class Recipe:
             raise ValueError(f"{path}: a recipe is a config whose grid: is one entry {{strategy, ratios: [one ratio], "
                              f"options}}, got grid: {grid!r}")
         return cls(entry["strategy"], float(ratios[0]), dict(entry.get("options") or {}))
-
-    def to_entry(self) -> dict[str, Any]:
-        """The recipe as a config's grid entry."""
-        return {"strategy": self.strategy, "ratios": [self.ratio], "options": dict(self.options)}

@@ -167,10 +167,10 @@ def run_tune(config: AblationConfig, space: SearchSpace, spec: TuneSpec, progres
     import yaml
 
     from ..generation.files import write_text_atomic
-    from .search_output import rows_of
+    from .search_output import grid_of, rows_of
 
     reach = _Reach(config, space, spec.target) if spec.by == "flops" else None
-    fastest: list[tuple[float, str]] = []
+    measured: list[tuple[float, str]] = []  # by time: each run's speed-up, for the error of an unreached target
 
     def evaluate(trial: Any, run: RunSpec) -> list[float] | None:
         if reach is not None:
@@ -181,10 +181,11 @@ def run_tune(config: AblationConfig, space: SearchSpace, spec: TuneSpec, progres
             trial.set_user_attr("ratio", resolved.ratio)
             run = resolved
         row = run_trial(config, run)
-        speedup = row.get(spec.speedup_column)
-        fastest.append((speedup or 0.0, run.run_id))
-        if reach is None and not (speedup or 0.0) >= spec.target:
-            return None
+        if reach is None:
+            speedup = row.get(spec.speedup_column) or 0.0
+            measured.append((speedup, run.run_id))
+            if not speedup >= spec.target:
+                return None
         return objective_values(row, space)
 
     deadline = None if spec.minutes is None else time.monotonic() + 60 * spec.minutes
@@ -195,7 +196,7 @@ def run_tune(config: AblationConfig, space: SearchSpace, spec: TuneSpec, progres
     folder = search.folder
     reached_runs = list({run.run_id: run for run, _ in search.trials}.values())
     if not reached_runs:
-        best = max([*fastest, *([reach.fastest] if reach is not None else [])], default=(0.0, ""))
+        best = reach.fastest if reach is not None else max(measured, default=(0.0, ""))
         found = f"the fastest found: {best[1]} at {best[0]:.2f}x" if best[1] else "no run was measured"
         raise UsageError(f"no recipe of the space reached {spec.target:g}x ({spec.speedup_column}) in "
                          f"{len(search.trials)} completed trials; {found}. Lower tune.target or widen search.space")
@@ -203,15 +204,16 @@ def run_tune(config: AblationConfig, space: SearchSpace, spec: TuneSpec, progres
     sign = 1 if BETTER[spec.objective] == "lower" else -1
     best_row = min(rows, key=lambda r: sign * r[spec.objective])
     recipe = Recipe(best_row["strategy"], float(best_row["ratio"]), dict(best_row["options"]))
+    best_run = RunSpec(recipe.strategy, recipe.ratio, dict(recipe.options))
     held_out_row = None
     if held_out and space.held_out:
         from .ablation import run_ablation
 
-        verify = dataclasses.replace(space.held_out_config(config, []), grid=(recipe.to_entry(),))
-        held_out_row = run_ablation(verify, progress=progress).last_row(best_row["run"])
+        verify = run_ablation(space.held_out_config(config, [best_run]), progress=progress)
+        held_out_row = verify.last_row(best_run.run_id)
     out = folder / "tune"
     out.mkdir(parents=True, exist_ok=True)
-    recipe_config = dataclasses.replace(config, name=f"{config.name}_recipe", grid=(recipe.to_entry(),))
+    recipe_config = dataclasses.replace(config, name=f"{config.name}_recipe", grid=grid_of([best_run]))
     write_text_atomic(out / "recipe.yaml", yaml.safe_dump(
         {**recipe_config.to_dict(), "model": recipe_config.model.to_config()}, sort_keys=False))
     write_text_atomic(out / "front.md", _report(spec, search.sampler, recipe, best_row, held_out_row, rows))

@@ -136,10 +136,12 @@ def test_auto_measures_time_with_cuda_and_flops_without():
     assert TuneSpec.parse({"target": 2, "by": "time"}, cuda=False).by == "time"
 
 
-def test_apply_refuses_a_recipe_with_more_options():
+def test_apply_refuses_a_recipe_with_more_options_or_a_state_option_given_twice():
     recipe = tomerge.Recipe("tomesd", 0.5, {"use_rand": False})
     with pytest.raises(TypeError, match="a Recipe carries its ratio"):
         tomerge.apply(torch.nn.Linear(2, 2), recipe, ratio=0.3)
+    with pytest.raises(TypeError, match=r"the Recipe sets \['seed'\] among its options"):
+        tomerge.apply(torch.nn.Linear(2, 2), tomerge.Recipe("tomesd", 0.5, {"seed": 3}), seed=5)
 
 
 def test_the_shipped_tune_config_validates():
