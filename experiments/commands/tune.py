@@ -36,8 +36,8 @@ def run(args: argparse.Namespace) -> int:
     with user_input():
         config, space, spec = load_tune(args.config, [*command_overrides(args), *sets],
                                         plugins=list(getattr(args, "plugins", None) or []))
-    budget = f"{space.trials} trials" + (f" or {spec.minutes:g} minutes" if spec.minutes else "")
-    print(f"tune {config.name}: {spec.target:g}x by {spec.by}, objective {spec.objective}; {space.plan()}; {budget}")
+    minutes = f" or {spec.minutes:g} minutes" if spec.minutes else ""
+    print(f"tune {config.name}: {spec.target:g}x by {spec.by}, objective {spec.objective}; {space.plan()}{minutes}")
     if spec.why:
         print(f"tune: {spec.why}", file=sys.stderr)
     if args.dry_run:
