@@ -153,7 +153,7 @@ class _Reach:
             return None
         if at_lo >= self.target:
             return dataclasses.replace(run, ratio=lo)
-        return dataclasses.replace(run, ratio=speedups.bisect(run, self.target, lo, hi, at_lo, at_hi))
+        return dataclasses.replace(run, ratio=speedups.bisect(run, self.target, lo, hi, at_lo, at_hi, reach=True))
 
 
 def run_tune(config: AblationConfig, space: SearchSpace, spec: TuneSpec, progress: bool = True,

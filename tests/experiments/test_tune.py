@@ -73,6 +73,26 @@ def test_every_kept_run_reaches_the_target_and_the_recipe_is_the_best_of_them(se
     assert f"target {TARGET:g}x by flops" in report and result.row["run"] in report
 
 
+def test_a_step_that_jumps_past_the_target_resolves_to_the_ratio_above_it():
+    """The FLOP-ideal speed-up is a step function of the ratio: SSM's 2 x 2 windows jump from 2.5x to 4.6x at
+    0.75. Matching FLOPs keeps the closer side (2.5x, 0.5 from a 3x target); the tuner keeps the side that reaches."""
+    from tomerge.experiments.config.schema import RunSpec
+    from tomerge.experiments.runs.ablation import FlopSpeedups
+
+    class Steps(FlopSpeedups):
+        def __init__(self) -> None:  # no model: the speed-up is the step function
+            pass
+
+        def __call__(self, run, ratio):
+            return 2.5 if ratio < 0.75 else 4.6
+
+    steps, run = Steps(), RunSpec("ssm", 0.5, {})
+    assert steps.bisect(run, 3.0, 0.0, 0.9, 1.0, 4.6) < 0.75  # |3 - 2.5| < |4.6 - 3|
+    reached = steps.bisect(run, 3.0, 0.0, 0.9, 1.0, 4.6, reach=True)
+    assert 0.75 <= reached <= 0.75 + 0.9 / 2**10 and reached == round(reached, 6)
+    assert steps.bisect(run, 3.0, 0.0, 0.75, 1.0, 4.6, reach=True) == 0.75  # never above the range's top
+
+
 def test_a_rerun_through_tomerge_tune_measures_nothing_again_and_draws_the_front(setup):
     root, path, result = setup
     before = [(root / "runs" / name / "results.jsonl").read_text() for name in ("tiny_tune", "tiny_tune_held_out")]
