@@ -43,6 +43,23 @@ def _write_fake_fashion_mnist(root, n: int = 8) -> None:
     write_idx(root / "train-labels-idx1-ubyte.gz", labels)
 
 
+TINY_TRAIN = ["--limit-images", "8", "--batch-size", "4", "--hidden-size", "32", "--depth", "2",
+              "--num-heads", "2", "--threads", "1", "--wandb", "disabled", "--progress-refresh", "0",
+              "--warmup-steps", "1", "--export-every", "0"]
+
+
+@pytest.fixture
+def train(tmp_path):
+    """The `tomerge train-reference` entry point and a folder of 8 fake Fashion-MNIST training images."""
+    pytest.importorskip("pytorch_lightning")
+    from tomerge.experiments.commands.train_reference import main
+
+    data = tmp_path / "data"
+    data.mkdir()
+    _write_fake_fashion_mnist(data)
+    return main, data
+
+
 def test_fashion_mnist_dataset(tmp_path):
     _write_fake_fashion_mnist(tmp_path)
     ds = FashionMNIST(tmp_path, limit=5)
@@ -57,17 +74,10 @@ def test_fashion_mnist_dataset(tmp_path):
         FashionMNIST(tmp_path, split="test", root_hint="pass --data-root DIR")
 
 
-def test_training_smoke_checkpoint_resume_export(tmp_path):
-    pytest.importorskip("pytorch_lightning")
-    from tomerge.experiments.commands.train_reference import main
-
-    data = tmp_path / "data"
-    data.mkdir()
-    _write_fake_fashion_mnist(data)
+def test_training_smoke_checkpoint_resume_export(train, tmp_path):
+    main, data = train
     out = tmp_path / "run"
-    common = ["--data-root", str(data), "--out-dir", str(out), "--limit-images", "8", "--batch-size", "4",
-              "--hidden-size", "32", "--depth", "2", "--num-heads", "2", "--threads", "1", "--wandb", "disabled",
-              "--ckpt-every-steps", "2", "--export-every", "0", "--progress-refresh", "0", "--warmup-steps", "1"]
+    common = ["--data-root", str(data), "--out-dir", str(out), *TINY_TRAIN, "--ckpt-every-steps", "2"]
     assert main(common + ["--max-steps", "2"]) == 0
     assert (out / "last.ckpt").is_file()
     assert torch.load(out / "last.ckpt", map_location="cpu", weights_only=True)["global_step"] == 2
@@ -139,18 +149,8 @@ def test_epoch_permutations_resume_where_the_uninterrupted_order_is():
         assert batches[:9 - step] == uninterrupted[step:]
 
 
-TINY_TRAIN = ["--limit-images", "8", "--batch-size", "4", "--hidden-size", "32", "--depth", "2",
-              "--num-heads", "2", "--threads", "1", "--wandb", "disabled", "--progress-refresh", "0",
-              "--warmup-steps", "1", "--export-every", "0"]
-
-
-def test_an_interrupted_training_run_resumes_bit_identically(tmp_path):
-    pytest.importorskip("pytorch_lightning")
-    from tomerge.experiments.commands.train_reference import main
-
-    data = tmp_path / "data"
-    data.mkdir()
-    _write_fake_fashion_mnist(data)
+def test_an_interrupted_training_run_resumes_bit_identically(train, tmp_path):
+    main, data = train
     common = ["--data-root", str(data), *TINY_TRAIN, "--ckpt-every-steps", "1000"]
     assert main(common + ["--out-dir", str(tmp_path / "a"), "--max-steps", "5"]) == 0
     assert main(common + ["--out-dir", str(tmp_path / "b"), "--max-steps", "3"]) == 0  # stops mid-epoch 1 (2 per epoch)
@@ -165,13 +165,8 @@ def test_an_interrupted_training_run_resumes_bit_identically(tmp_path):
                                                                                  moments[len(moments) // 2:]))
 
 
-def test_the_1024_token_preset_trains_exports_loads_and_samples(tmp_path):
-    pytest.importorskip("pytorch_lightning")
-    from tomerge.experiments.commands.train_reference import main
-
-    data = tmp_path / "data"
-    data.mkdir()
-    _write_fake_fashion_mnist(data)
+def test_the_1024_token_preset_trains_exports_loads_and_samples(train, tmp_path):
+    main, data = train
     out = tmp_path / "run"
     args = ["--data-root", str(data), "--out-dir", str(out), "--preset", "reference-1024", *TINY_TRAIN,
             "--max-steps", "1"]
