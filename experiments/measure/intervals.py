@@ -23,7 +23,8 @@ if TYPE_CHECKING:
     from .features import ResampledFrechet
 
 __all__ = ["CONFIDENCE", "RESAMPLES", "SEED", "PER_IMAGE", "FD_METRICS", "interval_keys", "row_interval", "video_groups",
-           "bootstrap_interval", "jackknife_interval", "mean_interval", "quality_intervals", "speedup_interval",
+           "bootstrap_interval", "jackknife_interval", "fd_resamplable", "mean_interval", "quality_intervals",
+           "speedup_interval",
            "Comparison", "compare"]
 
 CONFIDENCE = 0.95
@@ -134,6 +135,13 @@ def mean_interval(values: Sequence[float] | np.ndarray) -> tuple[float, float]:
     return bootstrap_interval(lambda idx: float(v[idx].mean()), v.size)
 
 
+def fd_resamplable(units: int, groups: Sequence[np.ndarray] | None = None) -> bool:
+    """Whether FD's leave-one-out interval exists: every subset must keep at least 2 feature rows (2 images
+    leave 1, whose covariance is undefined)."""
+    rows = [len(g) for g in groups] if groups is not None else [1] * units
+    return units >= 2 and sum(rows) - max(rows) >= 2
+
+
 def _frames(groups: Sequence[np.ndarray] | None, idx: np.ndarray) -> np.ndarray:
     """The feature rows of the units ``idx``: the units themselves, or every frame of each video."""
     return idx if groups is None else np.concatenate([groups[i] for i in idx])
@@ -145,14 +153,15 @@ def quality_intervals(per_item: Mapping[str, np.ndarray], fd: Mapping[str, Resam
 
     Args:
         per_item: per-item values (videos: each video's mean over its frames) of the :data:`PER_IMAGE` metrics.
-        fd: the run's :class:`~tomerge.experiments.measure.features.ResampledFrechet` per FD metric.
+        fd: the run's :class:`~tomerge.experiments.measure.features.ResampledFrechet` per FD metric (no interval
+            where :func:`fd_resamplable` is false: the value stands alone, as FID's does).
         groups: videos: the feature rows (frames) of each video; ``None``: one row per item.
     """
     out: dict[str, float] = {}
     for key, values in per_item.items():
         out.update(zip(interval_keys(key), mean_interval(values)))
     units = len(groups) if groups is not None else next(iter(per_item.values())).size
-    for key, resampled in fd.items():
+    for key, resampled in fd.items() if fd_resamplable(units, groups) else ():
         out.update(zip(interval_keys(key), jackknife_interval(lambda idx: resampled.distance(_frames(groups, idx)),
                                                               units)))
     return out
@@ -223,6 +232,8 @@ def compare(metric: str, per_item_a: np.ndarray | None = None, per_item_b: np.nd
     if fd_a is None or fd_b is None:
         raise ValueError(f"{metric}: give both runs' per-item values or both runs' FD resamplers")
     units = len(groups) if groups is not None else fd_a.g_xx.shape[0]
+    if not fd_resamplable(units, groups):
+        raise ValueError(f"{metric}: FD's leave-one-out interval needs at least 3 items, got {units}")
     everything = np.arange(units)
     lo, hi = jackknife_interval(lambda idx: fd_a.distance(_frames(groups, idx)) - fd_b.distance(_frames(groups, idx)),
                                 units)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from ..errors import UsageError, did_you_mean
 from ..measure.columns import COLUMNS, format_markdown_table
-from ..measure.intervals import FD_METRICS, PER_IMAGE, Comparison, compare, video_groups
+from ..measure.intervals import FD_METRICS, PER_IMAGE, Comparison, compare, fd_resamplable, video_groups
 from .records import format_value, last_rows, load_tensors, read_rows
 
 __all__ = ["compare_runs", "comparison_table"]
@@ -66,6 +66,9 @@ def compare_runs(folder: Path, run_a: str, run_b: str, metrics: Sequence[str] | 
             if any(f is None for f in (*sets, other)):
                 skipped.append(f"{metric}: features.safetensors lacks a run's or the comparison set's features "
                                "(`tomerge ablate` on the folder adds them while its images are there)")
+                continue
+            if not fd_resamplable(units, groups):
+                skipped.append(f"{metric}: FD's leave-one-out interval needs at least 3 items, the runs have {units}")
                 continue
             paired = metric == "fd_effnetlite0"
             fd_a, fd_b = (ResampledFrechet(f, other, paired=paired) for f in sets)

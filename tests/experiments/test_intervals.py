@@ -101,3 +101,18 @@ def test_video_intervals_resample_whole_videos():
     assert out["fd_effnetlite0_lo"] == pytest.approx(3.0) and out["fd_effnetlite0_hi"] == pytest.approx(3.0)
     with pytest.raises(ValueError, match="at least 2"):
         mean_interval([1.0])
+
+
+def test_two_images_give_no_fd_interval_instead_of_nan():
+    """Leaving one of two images out leaves one feature row, whose covariance is undefined: no FD interval (the
+    value stands alone) and no FD comparison, where the jackknife gave NaN. Two videos of two frames keep one."""
+    x = _features(2, 3, 0)
+    fd = ResampledFrechet(x + 1.0, x, paired=True)
+    out = quality_intervals({"psnr": np.array([30.0, 31.0])}, {"fd_effnetlite0": fd})
+    assert "psnr_lo" in out and "fd_effnetlite0_lo" not in out and "fd_effnetlite0_hi" not in out
+    with pytest.raises(ValueError, match="at least 3 items, got 2"):
+        compare("fd_effnetlite0", fd_a=fd, fd_b=fd)
+    videos = ResampledFrechet(_features(4, 3, 1) + 1.0, _features(4, 3, 1), paired=True)
+    out = quality_intervals({"psnr": np.array([30.0, 31.0])}, {"fd_effnetlite0": videos},
+                            [np.array([0, 1]), np.array([2, 3])])
+    assert out["fd_effnetlite0_lo"] == pytest.approx(3.0) and out["fd_effnetlite0_hi"] == pytest.approx(3.0)
