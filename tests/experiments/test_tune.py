@@ -172,3 +172,36 @@ def test_the_shipped_tune_config_validates():
     assert space.objectives == ("fd_effnetlite0",) and space.sampler == "tpe" and space.held_out
     names = {e.strategy for e in space.entries}
     assert {"tomesd", "cached_detail", "block_cache", "first_block_cache", "toca", "fora"} <= names
+
+
+def test_a_tune_on_a_pipeline_folder_returns_a_recipe_that_applies_to_the_pipeline(tmp_path):
+    """The model of a tune is any model an ablation takes: here a tiny SD3 pipeline saved as a user's folder, with
+    a prompt file. The recipe reaches the target, names the folder, and applies to the loaded pipeline."""
+    from helpers import local_pipelines
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red fox in the snow\na lighthouse at dusk\n")
+    config = {
+        "name": "sd3_tune", "out_dir": str(tmp_path / "runs"), "wandb": "disabled",
+        "model": {"pipeline": str(local_pipelines.pipeline_folder("sd3")), "dtype": "fp32",
+                  "call": {**local_pipelines.CALL_DEFAULTS["sd3"], "num_inference_steps": 4}},
+        "prompts": str(prompts), "seed": 5, "batch_size": 2, "timing_batch": 1, "warmup": 0, "repeats": 1,
+        "search": {"trials": 3, "sampler": "random", "seed": 0, "held_out": {"seed": 50},
+                   "space": [{"strategy": "tomesd", "ratio": {"low": 0.0, "high": 0.9}, "options": {"use_rand": False}},
+                             {"strategy": "block_cache", "ratio": 0.0, "options": {"interval": [2]}}]},
+        "tune": {"target": 1.2, "by": "flops", "objective": "psnr"},
+    }
+    path = tmp_path / "tune.yaml"
+    path.write_text(yaml.safe_dump(config))
+    result = tomerge.tune(path, progress=False)
+    assert result.reached and all(r["flop_speedup"] >= 1.2 * tune_module.REACHED for r in result.reached)
+    assert result.held_out_row is not None and result.held_out_row["n_images"] == 2
+    recipe_file = result.folder / "tune" / "recipe.yaml"
+    saved = yaml.safe_load(recipe_file.read_text())
+    assert saved["model"]["pipeline"] == config["model"]["pipeline"] and saved["prompts"] == config["prompts"]
+    from tomerge.experiments.config.load import load_config
+
+    source = load_config(recipe_file, []).model.load()
+    recipe = tomerge.Recipe.load(recipe_file)
+    with tomerge.merging(source.target, recipe, num_steps=4) as handle:
+        assert handle.state.schedule is not None
