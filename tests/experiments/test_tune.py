@@ -93,6 +93,33 @@ def test_a_step_that_jumps_past_the_target_resolves_to_the_ratio_above_it():
     assert steps.bisect(run, 3.0, 0.0, 0.75, 1.0, 4.6, reach=True) == 0.75  # never above the range's top
 
 
+def test_a_range_whose_lowest_ratio_is_within_half_a_percent_of_the_target_keeps_it(setup, monkeypatch):
+    """A step cache counts 1.9987x at ratio 0 on the reference DiT at 4 steps (its bookkeeping): a ranged entry
+    reaches a 2x target there as a fixed entry does, instead of merging a few tokens for the last 0.13%."""
+    import types
+
+    from tomerge.experiments.config.schema import RunSpec
+    from tomerge.experiments.runs import ablation
+
+    _, path, _ = setup
+    config, space, _ = load_tune(path, [])
+
+    class Counted:
+        def __init__(self, source, config, items, base=None) -> None:
+            self.base = 1.0
+
+        def __call__(self, run, ratio):
+            return 1.9987 if ratio == 0 else 2.01
+
+        def bisect(self, *args, **kwargs):
+            raise AssertionError("the lowest ratio reaches the target: nothing to bisect")
+
+    monkeypatch.setattr(ablation, "FlopSpeedups", Counted)
+    reach = tune_module._Reach(config, space, 2.0)
+    run = RunSpec("tomesd", 0.5, {"use_rand": False, "merge_mlp": True})
+    assert reach(types.SimpleNamespace(params={"entry": "0:tomesd"}), run).ratio == 0.0
+
+
 def test_a_rerun_through_tomerge_tune_measures_nothing_again_and_draws_the_front(setup):
     root, path, result = setup
     before = [(root / "runs" / name / "results.jsonl").read_text() for name in ("tiny_tune", "tiny_tune_held_out")]
