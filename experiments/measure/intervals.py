@@ -24,8 +24,7 @@ if TYPE_CHECKING:
 
 __all__ = ["CONFIDENCE", "RESAMPLES", "SEED", "PER_IMAGE", "FD_METRICS", "interval_keys", "row_interval", "video_groups",
            "bootstrap_interval", "jackknife_interval", "fd_resamplable", "mean_interval", "quality_intervals",
-           "speedup_interval",
-           "Comparison", "compare"]
+           "speedup_interval", "Comparison", "compare"]
 
 CONFIDENCE = 0.95
 RESAMPLES = 2000
