@@ -203,7 +203,7 @@ def test_the_shipped_tune_config_validates():
 
 def test_a_tune_on_a_pipeline_folder_returns_a_recipe_that_applies_to_the_pipeline(tmp_path):
     """The model of a tune is any model an ablation takes: here a tiny SD3 pipeline saved as a user's folder, with
-    a prompt file. The recipe reaches the target, names the folder, and applies to the loaded pipeline."""
+    a prompt file. The recipe reaches the target, names the folder, and regenerates the search's images."""
     from helpers import local_pipelines
 
     prompts = tmp_path / "prompts.txt"
@@ -226,9 +226,13 @@ def test_a_tune_on_a_pipeline_folder_returns_a_recipe_that_applies_to_the_pipeli
     recipe_file = result.folder / "tune" / "recipe.yaml"
     saved = yaml.safe_load(recipe_file.read_text())
     assert saved["model"]["pipeline"] == config["model"]["pipeline"] and saved["prompts"] == config["prompts"]
-    from tomerge.experiments.config.load import load_config
+    assert tomerge.Recipe.load(recipe_file) == result.recipe
+    from tomerge.experiments.commands import generate
 
-    source = load_config(recipe_file, []).model.load()
-    recipe = tomerge.Recipe.load(recipe_file)
-    with tomerge.merging(source.target, recipe, num_steps=4) as handle:
-        assert handle.state.schedule is not None
+    assert generate.main(["--config", str(recipe_file), "--out", str(tmp_path / "gen")]) == 0
+    searched = sorted((result.folder / "images" / result.row["run"]).glob("*.png"))
+    made = sorted((tmp_path / "gen").glob("*.png"))
+    assert len(searched) == 2 and [p.name for p in made] == [p.name for p in searched]
+    assert all(a.read_bytes() == b.read_bytes() for a, b in zip(made, searched))
+    baseline = sorted((result.folder / "images" / "baseline").glob("*.png"))
+    assert [p.read_bytes() for p in baseline] != [p.read_bytes() for p in made]  # the recipe changed the images
