@@ -92,6 +92,17 @@ class Dimension:
         """The values whose validity stands for all: every choice, both ends of a range."""
         return list(self.values)
 
+    def param_of(self, value: Any) -> Any:
+        """The Optuna parameter that suggests ``value`` (a choice's index, a range's value), or
+        ``dataclasses.MISSING`` when the dimension does not hold it."""
+        if self.kind == "choice":  # True is not 1
+            found = [i for i, v in enumerate(self.values) if type(v) is type(value) and v == value]
+            return found[0] if found else dataclasses.MISSING
+        if self.kind in ("int", "float") and not isinstance(value, bool) and isinstance(value, (int, float)) \
+                and self.values[0] <= value <= self.values[1] and (self.kind == "float" or value == int(value)):
+            return value
+        return dataclasses.MISSING
+
     def suggest(self, trial: Any, name: str) -> Any:
         """This dimension's value in an Optuna ``trial`` (parameter ``name``)."""
         if self.kind == "fixed":
@@ -224,6 +235,32 @@ class SearchSpace:
             return runs[labels.index(label)]
         return self.entries[labels.index(label)].suggest(trial, label)
 
+    def default_trials(self) -> list[dict[str, Any]]:
+        """Optuna parameters of the trials that run each entry's strategy at its own defaults (the dataclass
+        defaults: the authors' settings), one per entry whose every searched option holds its default; an entry's
+        fixed values stay, a searched ratio is left to the sampler (a tune by FLOPs resolves it to the target).
+
+        Example:
+            >>> space = SearchSpace(1, "tpe", 0, ("psnr",), (SpaceEntry("fora", Dimension("fixed", (0.0,)),
+            ...     (("interval", Dimension("choice", (2, 3, 4))),)),), {})
+            >>> space.default_trials()
+            [{'entry': '0:fora', '0:fora.interval': 1}]
+        """
+        from tomerge.registry import strategy_class
+
+        trials = []
+        for i, entry in enumerate(self.entries):
+            label = f"{i}:{entry.strategy}"
+            defaults = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
+                        for f in dataclasses.fields(strategy_class(entry.strategy))
+                        if f.init and (f.default is not dataclasses.MISSING
+                                       or f.default_factory is not dataclasses.MISSING)}
+            params = {f"{label}.{name}": dim.param_of(defaults.get(name, dataclasses.MISSING))
+                      for name, dim in entry.options if dim.kind != "fixed"}
+            if dataclasses.MISSING not in params.values():
+                trials.append({"entry": label, **params})
+        return trials
+
     def held_out_config(self, config: AblationConfig, runs: Sequence[RunSpec]) -> AblationConfig:
         return dataclasses.replace(config, name=f"{config.name}_held_out", grid=grid_of(runs), **self.held_out)
 
@@ -352,14 +389,17 @@ def _run_spec(trial: Any) -> RunSpec:
 
 def run_search(config: AblationConfig, space: SearchSpace, progress: bool = True, held_out: bool = True,
                evaluate: Callable[[Any, RunSpec], list[float] | None] | None = None,
-               deadline: float | None = None, max_pruned: int = 0) -> SearchResult:
+               deadline: float | None = None, max_pruned: int = 0,
+               first: Sequence[dict[str, Any]] = ()) -> SearchResult:
     """Runs (or resumes) the search; writes the front's table, figure and configs; re-scores the front on
     the held-out items when ``space.held_out`` is set and ``held_out``.
 
     ``evaluate(trial, run)`` (default: run the trial's run and read its objectives) returns the objective values,
     or ``None`` for a run outside the search's constraint (the trial is pruned: no value, not on the front). A pruned
     trial counts towards ``space.trials``, unless ``max_pruned`` > 0: then the budget counts completed trials and
-    the search stops after ``max_pruned`` pruned ones. No trial starts after ``deadline`` (``time.monotonic()``)."""
+    the search stops after ``max_pruned`` pruned ones. No trial starts after ``deadline`` (``time.monotonic()``).
+    ``first``: Optuna parameters of trials to run before any sampled one (each once per study: a resumed search
+    enqueues only those it has not run)."""
     import optuna
     from optuna.storages import JournalStorage
     from optuna.storages.journal import JournalFileBackend
@@ -389,6 +429,9 @@ def run_search(config: AblationConfig, space: SearchSpace, progress: bool = True
             study.enqueue_trial(stopped.params, skip_if_exists=False)
         counted = (TrialState.COMPLETE,) if max_pruned else (TrialState.COMPLETE, TrialState.PRUNED)
         done = len(study.get_trials(deepcopy=False, states=counted))
+        if done < space.trials:
+            for params in first:
+                study.enqueue_trial(dict(params), skip_if_exists=True)
         pruned = len(study.get_trials(deepcopy=False, states=(TrialState.PRUNED,)))
         bar = tqdm(desc=f"search {config.name}", disable=not progress, initial=min(done, space.trials),
                    total=space.trials)

@@ -3,7 +3,8 @@
 The search underneath is ``tomerge search`` (one objective: the quality loss the user picks), restricted to the
 runs that reach the target: by FLOPs, a merging entry's ratio is the one its FLOP-ideal speed-up reaches the
 target at (counted before any image) and a run that cannot reach it is pruned unrun; by time, a run is measured
-and pruned when its median speed-up stays below. The chosen recipe is written as ``recipe.yaml`` and verified on
+and pruned when its median speed-up stays below. Each entry's strategy at its own defaults (where the space holds
+them) is tried before any sampled run, so a recipe is never behind a published default its space contains. The chosen recipe is written as ``recipe.yaml`` and verified on
 the held-out items with intervals. Keys, outputs and what ``auto`` chooses: docs/experiments.md, "3c. Tune".
 """
 
@@ -192,7 +193,7 @@ def run_tune(config: AblationConfig, space: SearchSpace, spec: TuneSpec, progres
     # by FLOPs a pruned trial costs counts, not images: the budget counts the trials that reached the target
     max_pruned = PRUNED_PER_TRIAL * space.trials if reach is not None else 0
     search = run_search(config, space, progress=progress, held_out=False, evaluate=evaluate, deadline=deadline,
-                        max_pruned=max_pruned)
+                        max_pruned=max_pruned, first=space.default_trials())
     folder = search.folder
     reached_runs = list({run.run_id: run for run, _ in search.trials}.values())
     if not reached_runs:

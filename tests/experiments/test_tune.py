@@ -46,6 +46,13 @@ def rows(folder: Path) -> list[dict]:
     return [json.loads(line) for line in (folder / "results.jsonl").read_text().splitlines()]
 
 
+def journal(folder: Path):
+    import optuna
+
+    return optuna.load_study(study_name=folder.name, storage=optuna.storages.JournalStorage(
+        optuna.storages.journal.JournalFileBackend(str(folder / "search" / "study.journal"))))
+
+
 def test_every_kept_run_reaches_the_target_and_the_recipe_is_the_best_of_them(setup):
     root, _, result = setup
     written = rows(root / "runs" / "tiny_tune")
@@ -61,16 +68,62 @@ def test_every_kept_run_reaches_the_target_and_the_recipe_is_the_best_of_them(se
     others = [r for r in reached if r["run"] != result.row["run"]]
     assert others and all(result.row["psnr"] - r["psnr"] > 0.1 for r in others)  # a choice without ties
     # the budget counts the trials that reached the target: 6 completed beside the pruned ones
-    import optuna
-
-    study = optuna.load_study(study_name="tiny_tune", storage=optuna.storages.JournalStorage(
-        optuna.storages.journal.JournalFileBackend(str(root / "runs" / "tiny_tune" / "search" / "study.journal"))))
-    states = [t.state.name for t in study.trials]
+    states = [t.state.name for t in journal(root / "runs" / "tiny_tune").trials]
     assert states.count("COMPLETE") == SPACE["trials"] and states.count("PRUNED") >= 1
     assert result.held_out_row is not None and "psnr_lo" in result.held_out_row
     assert result.held_out_row["run"] == result.row["run"]
     report = (result.folder / "tune" / "front.md").read_text()
     assert f"target {TARGET:g}x by flops" in report and result.row["run"] in report
+
+
+def test_each_entrys_defaults_run_before_any_sampled_trial_where_the_space_holds_them(setup):
+    """SPACE holds tomesd and the never-reusing first_block_cache as they are (nothing searched), but not
+    block_cache's default interval 3 (it searches 2 and 4): the first two trials are those entries, then sampling."""
+    root, _, _ = setup
+    trials = journal(root / "runs" / "tiny_tune").trials
+    assert [t.params["entry"] for t in trials[:2]] == ["0:tomesd", "2:first_block_cache"]
+    assert [t.state.name for t in trials[:2]] == ["COMPLETE", "PRUNED"]
+    assert [t.system_attrs.get("fixed_params") for t in trials[:2]] == [{"entry": "0:tomesd"},
+                                                                        {"entry": "2:first_block_cache"}]
+    assert not any("fixed_params" in t.system_attrs for t in trials[2:])
+
+
+def test_a_tune_resumed_with_more_trials_does_not_try_a_default_again(setup, tmp_path):
+    import shutil
+
+    root, path, _ = setup
+    shutil.copytree(root / "runs" / "tiny_tune", tmp_path / "tiny_tune")
+    tomerge.tune(path, trials=SPACE["trials"] + 1, overrides=[f"out_dir={tmp_path}"], progress=False)
+    trials = journal(tmp_path / "tiny_tune").trials
+    assert [t.state.name for t in trials].count("COMPLETE") == SPACE["trials"] + 1
+    assert [t.system_attrs.get("fixed_params") for t in trials].count({"entry": "0:tomesd"}) == 1
+
+
+def test_a_default_is_tried_where_every_searched_option_holds_it():
+    """The authors' defaults (docs/schedules.md, "Presets"): FORA's interval 3 (prathebaselva/FORA), TaylorSeer's
+    interval 4 and order 4 (Shenyi-Z/TaylorSeer), first_block_cache's threshold 0.08 without accumulation. A choice
+    gives its index, a range the value; an entry whose range or choices miss a default, or offer 0 for False, or a
+    merge where a cache defaults to none, is not tried."""
+    from tomerge.experiments.runs.search import Dimension, SearchSpace, SpaceEntry
+
+    fixed, choice = Dimension("fixed", (0.0,)), lambda *v: Dimension("choice", v)
+    entries = (
+        SpaceEntry("fora", fixed, (("interval", choice(2, 3, 4, 5)),)),
+        SpaceEntry("fora", fixed, (("interval", Dimension("int", (4, 6))),)),
+        SpaceEntry("first_block_cache", fixed, (("threshold", Dimension("float", (0.02, 0.4))),
+                                                ("accumulate", choice(True, False)))),
+        SpaceEntry("first_block_cache", fixed, (("accumulate", choice(1, 0)),)),
+        SpaceEntry("taylorseer", fixed, (("interval", Dimension("int", (2, 6))), ("forecast_order", choice(1, 2, 4)))),
+        SpaceEntry("block_cache", Dimension("float", (0.0, 0.9)), (("merge", choice("tomesd", "ssm")),)),
+        SpaceEntry("ssm", Dimension("float", (0.0, 0.9)), ()),
+    )
+    space = SearchSpace(10, "tpe", 0, ("psnr",), entries, {})
+    assert space.default_trials() == [
+        {"entry": "0:fora", "0:fora.interval": 1},
+        {"entry": "2:first_block_cache", "2:first_block_cache.threshold": 0.08, "2:first_block_cache.accumulate": 1},
+        {"entry": "4:taylorseer", "4:taylorseer.interval": 4, "4:taylorseer.forecast_order": 2},
+        {"entry": "6:ssm"},
+    ]
 
 
 def test_a_step_that_jumps_past_the_target_resolves_to_the_ratio_above_it():
@@ -123,9 +176,11 @@ def test_a_range_whose_lowest_ratio_is_within_half_a_percent_of_the_target_keeps
 def test_a_rerun_through_tomerge_tune_measures_nothing_again_and_draws_the_front(setup):
     root, path, result = setup
     before = [(root / "runs" / name / "results.jsonl").read_text() for name in ("tiny_tune", "tiny_tune_held_out")]
+    trials = len(journal(root / "runs" / "tiny_tune").trials)
     again = tomerge.tune(path, progress=False)
     assert [(root / "runs" / name / "results.jsonl").read_text()
             for name in ("tiny_tune", "tiny_tune_held_out")] == before
+    assert len(journal(root / "runs" / "tiny_tune").trials) == trials  # no default enqueued again
     assert again.recipe == result.recipe and again.held_out_row == result.held_out_row
     assert (result.folder / "tune" / "front.png").stat().st_size > 0
 
