@@ -439,7 +439,7 @@ class MergeHandle:
 
 # ---------------------------------------------------------------------- public functions
 def apply(target: Any, strategy: str | MergeStrategy | Schedule | Recipe = "tomesd", *, ratio: float | None = None,
-          backbone: str | None = None, adapter: Mapping[str, Any] | None = None, seed: int = 0,
+          backbone: str | None = None, adapter: Mapping[str, Any] | None = None, seed: int | None = None,
           num_steps: int | None = None, text_labels: Any = None, memory_budget: float | None = None,
           **options: Any) -> MergeHandle:
     """Attaches token merging to a diffusers pipeline, a diffusers model or a native DiT.
@@ -452,7 +452,7 @@ def apply(target: Any, strategy: str | MergeStrategy | Schedule | Recipe = "tome
         ratio: fraction of tokens removed (for a strategy: required unless the instance has one).
         backbone: adapter name; found from the model's classes when ``None``.
         adapter: the adapter's options (e.g. ``{"max_downsample": 2}`` for the ``unet`` adapter).
-        seed: the seed of the per-(step, layer) generators.
+        seed: the seed of the per-(step, layer) generators (``None``: 0, or a Recipe's own).
         num_steps: the step count, where the pipeline's scheduler does not tell it.
         text_labels: labels of the text tokens (:meth:`MergeHandle.set_text_labels`).
         memory_budget: GiB the kept caches may reach before a warning
@@ -479,7 +479,7 @@ def apply(target: Any, strategy: str | MergeStrategy | Schedule | Recipe = "tome
         if ratio is not None or options or adapter is not None:
             raise TypeError("a Recipe carries its ratio and options: pass it without ratio=, adapter= or options")
         state = {"seed": seed, "num_steps": num_steps, "text_labels": text_labels, "memory_budget": memory_budget}
-        given = {k for k, v in state.items() if (v != 0 if k == "seed" else v is not None)}  # not the defaults
+        given = {k for k, v in state.items() if v is not None}
         twice = sorted(given & strategy.options.keys())
         if twice:
             raise TypeError(f"the Recipe sets {twice} among its options: pass them in one place")
@@ -490,7 +490,8 @@ def apply(target: Any, strategy: str | MergeStrategy | Schedule | Recipe = "tome
     if misplaced:
         raise TypeError(f"{misplaced} are options of the {adapter_cls.name!r} adapter: pass adapter={{...}}")
     adapter_opts = dict(adapter or {})
-    state_opts = {"seed": seed, "num_steps": num_steps, "text_labels": text_labels, "memory_budget": memory_budget}
+    state_opts = {"seed": 0 if seed is None else seed, "num_steps": num_steps, "text_labels": text_labels,
+                  "memory_budget": memory_budget}
     schedule = make_schedule(strategy, ratio, options)
     scheduler = getattr(target, "scheduler", None) if target is not model else None
     experts = _experts(target, model, adapter_cls, scheduler)

@@ -244,6 +244,8 @@ def test_apply_refuses_a_recipe_with_more_options_or_a_state_option_given_twice(
         tomerge.apply(torch.nn.Linear(2, 2), recipe, ratio=0.3)
     with pytest.raises(TypeError, match=r"the Recipe sets \['seed'\] among its options"):
         tomerge.apply(torch.nn.Linear(2, 2), tomerge.Recipe("tomesd", 0.5, {"seed": 3}), seed=5)
+    with pytest.raises(TypeError, match=r"the Recipe sets \['seed'\] among its options"):  # 0 is given too
+        tomerge.apply(torch.nn.Linear(2, 2), tomerge.Recipe("tomesd", 0.5, {"seed": 3}), seed=0)
 
 
 def test_the_shipped_tune_config_validates():
