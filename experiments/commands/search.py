@@ -11,7 +11,8 @@ from pathlib import Path
 from ..errors import module_main, user_input
 from . import add_folder_arguments, command_overrides
 from ..runs import search
-from ..runs.search import front_table, load_search, run_search
+from ..runs.search import load_search, run_search
+from ..runs.search_output import front_table
 
 __all__ = ["add_arguments", "run", "main"]
 

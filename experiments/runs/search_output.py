@@ -16,7 +16,7 @@ from ..config.schema import AblationConfig, RunSpec
 from .records import BETTER, format_value
 
 if TYPE_CHECKING:
-    from .search import SearchSpace
+    from .search_space import SearchSpace
 
 __all__ = ["SAMPLER_NAMES", "sampler_summary", "trials_table", "front_table", "write_front", "grid_of", "rows_of"]
 

@@ -24,7 +24,8 @@ from ..config.load import load_config_sections
 from ..config.schema import AblationConfig, ConfigError, RunSpec
 from ..errors import UsageError, did_you_mean
 from .records import BETTER
-from .search import SearchSpace, objective_values, run_search, run_trial
+from .search import objective_values, run_search, run_trial
+from .search_space import SearchSpace
 
 __all__ = ["TuneSpec", "TuneResult", "load_tune", "run_tune"]
 

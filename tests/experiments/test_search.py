@@ -11,6 +11,7 @@ import yaml
 pytest.importorskip("optuna")
 
 from tomerge.experiments.runs import search as search_module  # noqa: E402
+from tomerge.experiments.runs import search_space  # noqa: E402
 from tomerge.experiments.runs.ablation import run_ablation  # noqa: E402
 from tomerge.experiments.config.load import load_config  # noqa: E402
 from tomerge.experiments.config.schema import ConfigError  # noqa: E402
@@ -137,7 +138,7 @@ def test_ablate_refuses_a_search_config_naming_the_command(setup):
 
 
 def test_dimensions_a_list_is_a_choice_a_low_high_mapping_a_range_any_other_value_fixed():
-    from tomerge.experiments.runs.search import Dimension
+    from tomerge.experiments.runs.search_space import Dimension
 
     assert Dimension.parse([1, 2], "x")[0] == Dimension("choice", (1, 2))
     assert Dimension.parse({"low": 1, "high": 4}, "x")[0] == Dimension("int", (1, 4))
@@ -172,8 +173,8 @@ def test_the_command_line_is_the_commands_module():
     (1000, 50, "20 generations"),  # the cap, Optuna's default: more generations, not a larger population
 ])
 def test_nsga2_population_is_a_fifth_of_the_budget_within_8_and_50(trials, population, plan):
-    assert search_module.nsga2_population(trials) == population
-    space = search_module.SearchSpace.parse({**SPACE, "sampler": "nsga2", "trials": trials}, load_config(None))
+    assert search_space.nsga2_population(trials) == population
+    space = search_space.SearchSpace.parse({**SPACE, "sampler": "nsga2", "trials": trials}, load_config(None))
     assert space.population == population
     assert f"population {population}, {trials} trials: {plan}" in space.plan()
     assert (space.warning is not None) == (trials < 16)
@@ -181,15 +182,15 @@ def test_nsga2_population_is_a_fifth_of_the_budget_within_8_and_50(trials, popul
 
 def test_population_can_be_given_for_nsga2_only_and_a_short_budget_is_warned():
     config = load_config(None)
-    space = search_module.SearchSpace.parse({**SPACE, "sampler": "nsga2", "trials": 30, "population": 10}, config)
+    space = search_space.SearchSpace.parse({**SPACE, "sampler": "nsga2", "trials": 30, "population": 10}, config)
     assert space.population == 10 and space.warning is None and "3 generations" in space.plan()
-    short = search_module.SearchSpace.parse({**SPACE, "sampler": "nsga2", "trials": 19, "population": 10}, config)
+    short = search_space.SearchSpace.parse({**SPACE, "sampler": "nsga2", "trials": 19, "population": 10}, config)
     assert "runs 1 full generation(s): the front is random draws" in short.warning
-    assert search_module.SearchSpace.parse({**SPACE, "sampler": "tpe"}, config).population is None
+    assert search_space.SearchSpace.parse({**SPACE, "sampler": "tpe"}, config).population is None
     with pytest.raises(ConfigError, match="search.population is NSGA-II's"):
-        search_module.SearchSpace.parse({**SPACE, "sampler": "tpe", "population": 10}, config)
+        search_space.SearchSpace.parse({**SPACE, "sampler": "tpe", "population": 10}, config)
     with pytest.raises(ConfigError, match="search.population must be an integer >= 2"):
-        search_module.SearchSpace.parse({**SPACE, "sampler": "nsga2", "population": 1}, config)
+        search_space.SearchSpace.parse({**SPACE, "sampler": "nsga2", "population": 1}, config)
 
 
 def test_the_shipped_search_space_validates_and_searches_caching_around_attention_only_merging():

@@ -104,7 +104,7 @@ def test_a_default_is_tried_where_every_searched_option_holds_it():
     interval 4 and order 4 (Shenyi-Z/TaylorSeer), first_block_cache's threshold 0.08 without accumulation. A choice
     gives its index, a range the value; an entry whose range or choices miss a default, or offer 0 for False, or a
     merge where a cache defaults to none, is not tried."""
-    from tomerge.experiments.runs.search import Dimension, SearchSpace, SpaceEntry
+    from tomerge.experiments.runs.search_space import Dimension, SearchSpace, SpaceEntry
 
     fixed, choice = Dimension("fixed", (0.0,)), lambda *v: Dimension("choice", v)
     entries = (
