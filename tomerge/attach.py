@@ -475,10 +475,10 @@ def apply(target: Any, strategy: str | MergeStrategy | Schedule | Recipe = "tome
         >>> image = pipe("a photo of a cat").images[0]            # doctest: +SKIP
         >>> tomerge.remove(pipe)                                   # doctest: +SKIP
     """
+    state = {"seed": seed, "num_steps": num_steps, "text_labels": text_labels, "memory_budget": memory_budget}
     if isinstance(strategy, Recipe):
         if ratio is not None or options or adapter is not None:
             raise TypeError("a Recipe carries its ratio and options: pass it without ratio=, adapter= or options")
-        state = {"seed": seed, "num_steps": num_steps, "text_labels": text_labels, "memory_budget": memory_budget}
         given = {k for k, v in state.items() if v is not None}
         twice = sorted(given & strategy.options.keys())
         if twice:
@@ -490,8 +490,7 @@ def apply(target: Any, strategy: str | MergeStrategy | Schedule | Recipe = "tome
     if misplaced:
         raise TypeError(f"{misplaced} are options of the {adapter_cls.name!r} adapter: pass adapter={{...}}")
     adapter_opts = dict(adapter or {})
-    state_opts = {"seed": 0 if seed is None else seed, "num_steps": num_steps, "text_labels": text_labels,
-                  "memory_budget": memory_budget}
+    state_opts = {**state, "seed": 0 if seed is None else seed}
     schedule = make_schedule(strategy, ratio, options)
     scheduler = getattr(target, "scheduler", None) if target is not model else None
     experts = _experts(target, model, adapter_cls, scheduler)

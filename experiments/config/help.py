@@ -15,7 +15,7 @@ import yaml
 from ..sources.models import ModelSpec
 from .schema import DEFAULT_CONFIG, AblationConfig, MetricsConfig
 
-__all__ = ["docstring_args", "config_keys", "config_help", "yaml_value", "as_written"]
+__all__ = ["docstring_args", "config_keys", "config_help", "yaml_value", "as_written", "dataclass_defaults"]
 
 
 def docstring_args(cls: type) -> list[tuple[list[str], str]]:
@@ -55,7 +55,8 @@ def yaml_value(value: Any, limit: int = 60) -> str:
     return text
 
 
-def _defaults(cls: type) -> dict[str, Any]:
+def dataclass_defaults(cls: type) -> dict[str, Any]:
+    """Each field of the dataclass ``cls`` that has a default, with that default (a factory's value)."""
     return {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
             for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING
             or f.default_factory is not dataclasses.MISSING}
@@ -74,16 +75,18 @@ def config_keys() -> list[tuple[list[str], dict[str, Any], str]]:
              "tomerge's Euler sampler; items are class labels."),
             (["pipeline"], {}, "instead of reference: a local diffusers pipeline folder (never downloaded); "
              "items are prompts."),
-            *[(names, {n: ModelSpec.REFERENCE_CALL if n == "call" else _defaults(ModelSpec)[n] for n in names}, text)
+            *[(names, {n: ModelSpec.REFERENCE_CALL if n == "call" else dataclass_defaults(ModelSpec)[n]
+                       for n in names}, text)
               for names, text in docstring_args(ModelSpec) if names[0] in ("dtype", "device", "offload", "call")],
         ],
-        "prompts": [(names, {n: _defaults(PromptSet)[n] for n in names if n in _defaults(PromptSet)}, text)
+        "prompts": [(names, {n: dataclass_defaults(PromptSet)[n] for n in names
+                             if n in dataclass_defaults(PromptSet)}, text)
                     for names, text in docstring_args(PromptSet)
                     if names[0] in ("file", "format", "field", "template", "coco_caption", "image_field")],
-        "metrics": [(names, {n: _defaults(MetricsConfig)[n] for n in names}, text)
+        "metrics": [(names, {n: dataclass_defaults(MetricsConfig)[n] for n in names}, text)
                     for names, text in docstring_args(MetricsConfig)],
     }
-    defaults = _defaults(AblationConfig)
+    defaults = dataclass_defaults(AblationConfig)
     out = []
     for names, text in docstring_args(AblationConfig):
         out.append((names, {n: defaults[n] for n in names}, text))

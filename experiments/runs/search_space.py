@@ -10,6 +10,7 @@ from typing import Any
 
 from ..errors import did_you_mean
 from ..config.grid import entry_problems
+from ..config.help import dataclass_defaults
 from ..config.schema import AblationConfig, ConfigError, RunSpec
 from .records import BETTER
 from .search_output import SAMPLER_NAMES, generations_text, grid_of
@@ -236,10 +237,7 @@ class SearchSpace:
         trials = []
         for i, entry in enumerate(self.entries):
             label = f"{i}:{entry.strategy}"
-            defaults = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
-                        for f in dataclasses.fields(strategy_class(entry.strategy))
-                        if f.init and (f.default is not dataclasses.MISSING
-                                       or f.default_factory is not dataclasses.MISSING)}
+            defaults = dataclass_defaults(strategy_class(entry.strategy))
             params = {f"{label}.{name}": dim.param_of(defaults.get(name, dataclasses.MISSING))
                       for name, dim in entry.options if dim.kind != "fixed"}
             if dataclasses.MISSING not in params.values():

@@ -4,8 +4,9 @@ The search underneath is ``tomerge search`` (one objective: the quality loss the
 runs that reach the target: by FLOPs, a merging entry's ratio is the one its FLOP-ideal speed-up reaches the
 target at (counted before any image) and a run that cannot reach it is pruned unrun; by time, a run is measured
 and pruned when its median speed-up stays below. Each entry's strategy at its own defaults (where the space holds
-them) is tried before any sampled run, so a recipe is never behind a published default its space contains. The chosen recipe is written as ``recipe.yaml`` and verified on
-the held-out items with intervals. Keys, outputs and what ``auto`` chooses: docs/experiments.md, "3c. Tune".
+them) is tried before any sampled run, so on the objective a recipe is never behind a published default its space
+contains. The chosen recipe is written as ``recipe.yaml`` and verified on the held-out items with intervals.
+Keys, outputs and what ``auto`` chooses: docs/experiments.md, "3c. Tune".
 """
 
 from __future__ import annotations
